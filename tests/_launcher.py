@@ -1,0 +1,166 @@
+"""One persistent pool of gloo worker processes per world size, shared by every multi-process test.
+
+Spawning and importing torch + Lightning costs seconds per process on a 2-core machine, so workers start once
+per world size and stay alive. Each worker looks like a process launched by ``torchrun`` (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``), so ``Trainer(devices=N, strategy=...)`` inside a task
+sees an externally created world; the default gloo process group is initialised once per worker.
+
+A task is a module-level function, called as ``fn(*args)`` on every rank; its return values come back as a
+list indexed by rank. An exception on any rank fails the test with that rank's traceback; a rank that does not
+answer within the timeout (a hang in a collective) kills the pool, which is rebuilt for the next test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+        LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+        OMP_NUM_THREADS="1", FLAGSCALE_TEST_WORKER="1",
+    )  # fmt: skip
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    import datetime
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        module, name, args, kwargs = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything back to the test
+            conn.send(("error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerPool:
+    """``world_size`` live worker processes sharing one gloo world."""
+
+    def __init__(self, world_size: int, pg_timeout_s: float = 180.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        port = _free_port()
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout_s), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._gather(timeout=300.0)
+
+    def _gather(self, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = dict(enumerate(self.conns))
+        import time
+
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait(list(pending.values()), timeout=max(left, 0))
+            if not ready:
+                if errors:
+                    break
+                dead = [r for r in pending if not self.procs[r].is_alive()]
+                raise TimeoutError(f"ranks {sorted(pending)} did not answer within {timeout:.0f}s (dead: {dead})")
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        status, value = conn.recv()
+                    except EOFError as err:
+                        raise RuntimeError(f"rank {rank} died (exit code {self.procs[rank].exitcode})") from err
+                    del pending[rank]
+                    if status == "error":
+                        errors[rank] = value
+                    else:
+                        results[rank] = value
+            if errors and pending:
+                # Other ranks may be stuck in a collective the failed rank never joined: give them a short grace.
+                deadline = min(deadline, time.monotonic() + 20.0)
+        if errors:
+            rank = min(errors)
+            raise WorkerError(f"rank {rank} failed:\n{errors[rank]}", broken=bool(pending))
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        for conn in self.conns:
+            conn.send((fn.__module__, fn.__qualname__, args, kwargs))
+        return self._gather(timeout)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, message: str, broken: bool) -> None:
+        super().__init__(message)
+        self.broken = broken
+
+
+class Launcher:
+    """Callable fixture: ``launcher(world_size, fn, *args)`` runs ``fn`` on every rank and returns the results."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kw: Any):
+        # Idle pools only wait on a pipe: keeping one per world size costs memory, not CPU.
+        if world_size not in self.pools:
+            self.pools[world_size] = WorkerPool(world_size)
+        pool = self.pools[world_size]
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kw)
+        except WorkerError as err:
+            if err.broken:
+                self.pools.pop(world_size).close()
+            raise
+        except (TimeoutError, RuntimeError):
+            self.pools.pop(world_size).close()
+            raise
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
