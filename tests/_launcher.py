@@ -17,9 +17,10 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -58,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout_
         try:
             fn = getattr(importlib.import_module(module), name)
             conn.send(("ok", fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - report everything back to the test
+        except BaseException:
             conn.send(("error", traceback.format_exc()))
     try:
         dist.destroy_process_group()
