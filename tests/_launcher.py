@@ -12,6 +12,7 @@ answer within the timeout (a hang in a collective) kills the pool, which is rebu
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -61,10 +62,8 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout_
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
-    try:
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 class WorkerPool:
@@ -125,10 +124,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
