@@ -1,0 +1,230 @@
+"""The reference decoder-only LM (Llama / Qwen2 / Qwen3 / MoE families) with HF-compatible module names.
+
+Module names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn.q_proj``, ``mlp.gate_proj``,
+``norm``, ``lm_head``) so HF conversion is a near-identity rename. The model is parallel-aware only through
+data it exposes (``tp_plan``, ``pipeline_units``) and through what ``parallel.tensor.apply_tp`` records on it
+(``tp_mesh``, ``vocab_start``) for the vocab-parallel loss; it imports nothing from ``parallel/`` at module level.
+
+Pipeline stages are built by deep-copying the model and setting ``embed_tokens`` / ``norm`` / ``lm_head`` to
+``None`` and deleting entries of ``layers``; ``forward`` runs whatever parts are present.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.models.attention import Attention
+from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
+
+__all__ = ["CausalLM", "DecoderBlock"]
+
+# Prefixes that activation checkpointing / torch.compile / FSDP1 insert into FQNs: stripped so that the init seed of
+# a parameter does not depend on which wrappers were applied.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: TransformerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_moe:
+            from lightning_flagscale.moe import build_moe  # lazy: dense models never need the MoE package
+
+            self.mlp = build_moe(config, layer_idx)
+        else:
+            self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        # Positional arguments on purpose: TP's PrepareModuleInput matches inputs by position.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only causal LM; see the module docstring and the shared model contract.
+
+    ``vocab_multiple`` pads the embedding / LM head rows to a multiple (the TP size) so the vocab splits evenly;
+    padded rows are zero-initialised, masked out of the loss and dropped by ``logits()``, so padding never changes
+    results.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_multiple: int = 1) -> None:
+        super().__init__()
+        if vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1, got {vocab_multiple}.")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.padded_vocab_size = config.padded_vocab_size(vocab_multiple)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(self.padded_vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i) for i in range(config.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.padded_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Set by parallel.tensor.apply_tp: the TP mesh and the first vocab row this rank's LM-head shard holds.
+        self.tp_mesh = None
+        self.vocab_start = 0
+        self.tie_weights()
+
+    # ---- structure ---------------------------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very Parameter of ``embed_tokens`` (when tied and both parts are present)."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _apply(self, fn: Callable, recurse: bool = True):
+        # ``to_empty``/``to`` may replace each module's Parameter objects independently, which would silently untie
+        # the shared embedding; re-tie after every such conversion.
+        result = super()._apply(fn, recurse)
+        self.tie_weights()
+        return result
+
+    def pipeline_units(self) -> list[str]:
+        """Module names in execution order, the granularity at which pipeline parallelism cuts stages."""
+        return ["embed_tokens", *(f"layers.{i}" for i in self.layers), "norm", "lm_head"]
+
+    def tp_plan(self, sequence_parallel: bool) -> dict:
+        """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``parallel.tensor``)."""
+        from lightning_flagscale.parallel.tensor import decoder_tp_plan
+
+        return decoder_tp_plan(self, sequence_parallel)
+
+    # ---- compute ------------------------------------------------------------------------------------------------
+    def forward(self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
+        """Token ids [B, S] (or hidden states [B, S, H] without ``embed_tokens``) -> hidden states or head output.
+
+        ``position_ids`` are global positions for RoPE (default ``arange(S)``); ``segment_ids`` restrict attention
+        to tokens of the same packed document.
+        """
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(x)
+            batch, seq = x.shape[:2]
+        else:
+            h = x
+            batch, seq = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, seq)
+        if len(self.layers):
+            # Under sequence parallelism the embedding output is the local sequence shard; the rotary tables cover
+            # the full sequence because attention sees the all-gathered sequence.
+            cos, sin = self.rotary_emb(position_ids, self._compute_dtype(h))
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, segment_ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    @staticmethod
+    def _compute_dtype(h: Tensor) -> torch.dtype:
+        return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+
+    def loss_fn(self, head_output: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy over tokens with ``labels != -100``; padded vocab columns never count.
+
+        Under TP ``head_output`` is this rank's vocab shard and the reduction is vocab-parallel (Megatron-style).
+        """
+        if self.tp_mesh is not None:
+            from lightning_flagscale.parallel.tensor import vocab_parallel_cross_entropy
+
+            losses = vocab_parallel_cross_entropy(
+                head_output, labels, self.tp_mesh.get_group(), self.vocab_start, self.vocab_size
+            )
+        else:
+            logits = head_output[..., : self.vocab_size].float()
+            losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
+        count = (labels != -100).sum().clamp(min=1)
+        return losses.sum() / count
+
+    def logits(self, head_output: Tensor) -> Tensor:
+        """Full logits over the real vocabulary [B, S, vocab_size] (gathered over TP)."""
+        if self.tp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            head_output = DTensor.from_local(head_output, self.tp_mesh, [Shard(head_output.dim() - 1)]).full_tensor()
+        return head_output[..., : self.vocab_size]
+
+    def aux_loss(self) -> Tensor | None:
+        """Sum of the auxiliary losses (already coefficient-weighted) the MoE blocks stored in their last forward.
+
+        An MoE block exposes it as a tensor attribute ``aux_loss`` (``None`` when it has none).
+        """
+        total = None
+        for layer in self.layers.values():
+            value = getattr(layer.mlp, "aux_loss", None)
+            if isinstance(value, Tensor):
+                total = value if total is None else total + value
+        return total
+
+    # ---- initialisation -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init that does not depend on the parallel layout, the vocab padding or the device.
+
+        Each parameter draws from its own generator seeded by ``seed`` and its FQN; the full (unsharded, unpadded)
+        tensor is generated and this rank's DTensor shard copied out of it. Norm weights are ones, biases zeros,
+        other weights ``N(0, initializer_range)``; padded vocab rows zero. Buffers are zeroed, then submodules with
+        a ``reset_buffers()`` method (e.g. MoE router state) re-initialise theirs.
+        """
+        std = self.config.initializer_range
+        owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
+        for fqn, param in self.named_parameters():
+            name = _canonical_fqn(fqn)
+            full_shape = tuple(param.shape)  # global shape for DTensors
+            if isinstance(owners[id(param)], RMSNorm):
+                full = torch.ones(full_shape)
+            elif name.endswith("bias"):
+                full = torch.zeros(full_shape)
+            else:
+                gen = torch.Generator().manual_seed(_seed_for(seed, name))
+                real_shape = (min(full_shape[0], self.vocab_size), *full_shape[1:]) if _is_vocab(name) else full_shape
+                full = torch.zeros(full_shape)
+                full[: real_shape[0]] = torch.randn(real_shape, generator=gen) * std
+            _copy_into(param, full)
+        for module in self.modules():
+            for buf in module.buffers(recurse=False):
+                buf.zero_()
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
+
+def _canonical_fqn(fqn: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def _is_vocab(name: str) -> bool:
+    return name.startswith(("embed_tokens.", "lm_head."))
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _copy_into(param: Tensor, full: Tensor) -> None:
+    """Copy the part of ``full`` (global values) that ``param`` holds: all of it, or its DTensor shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        # Slice locally instead of distribute_tensor: no communication, and every rank computes the same full
+        # tensor from the same seed anyway.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        param.to_local().copy_(full[index])
+    else:
+        param.copy_(full)

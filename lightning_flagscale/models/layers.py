@@ -1,0 +1,115 @@
+"""Building blocks of the reference decoder: RMSNorm, rotary embeddings (default and Llama-3 scaling), SwiGLU MLP.
+
+Numerics follow Hugging Face ``transformers`` exactly (fp32 norm statistics, ``rotate_half`` RoPE layout, cos/sin
+computed in fp32 from the position ids) so that HF Llama/Qwen checkpoints load by name with no weight permutation
+and give the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_flagscale.config import TransformerConfig
+
+__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "rotate_half"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; statistics in fp32, result cast back to the input dtype (as HF ``LlamaRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None, device: torch.device | None = None
+) -> Tensor:
+    """Inverse frequencies [head_dim // 2] of RoPE, optionally with Llama-3.1 frequency-dependent scaling.
+
+    Same formula and op order as ``transformers.modeling_rope_utils._compute_llama3_parameters`` so that the
+    values are bitwise identical: long wavelengths are divided by ``factor``, short ones kept, the band in between
+    interpolated smoothly (https://github.com/meta-llama/llama-models, ``apply_scaling``).
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None or scaling.get("rope_type", "llama3") == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [B, S, head_dim] for given (global) position ids.
+
+    The inverse frequencies are recomputed on every call instead of being stored in a buffer: they are
+    ``head_dim / 2`` numbers, and without state the module survives meta-device construction, ``to_empty`` and
+    checkpoint loading without a re-initialisation step.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = dict(scaling) if scaling else None
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """HF/GPT-NeoX layout: the head is split in two halves (not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [B, S, H, D] by cos/sin [B, S, D] (broadcast over heads)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: TransformerConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        inner = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,160 @@
+"""Tensor parallelism (Megatron-style) with sequence parallelism, on DTensor parallel styles.
+
+Layout (Shoeybi et al. 2019, Korthikanti et al. 2022), following torchtitan's llama plan:
+- embedding: vocab-parallel (rows sharded, ``RowwiseParallel`` on ``nn.Embedding``); output replicated, or
+  reduce-scattered along the sequence under SP;
+- attention q/k/v and MLP gate/up: column-parallel (heads / inner width sharded); o/down: row-parallel;
+- under SP the norms run on sequence shards (``SequenceParallel``) and the attention/MLP inputs are
+  all-gathered along the sequence (``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
+- LM head: column-parallel with the *local* vocab shard as output, consumed by ``vocab_parallel_cross_entropy``
+  (never materialising full logits) or gathered by ``CausalLM.logits``.
+
+torch has loss parallelism (``loss_parallel``) only for DTensor logits without padded-column masking or a local
+shard interface, so the vocab-parallel cross-entropy is written here as one autograd function (three
+all-reduces: max, target logit, sum-exp).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+if TYPE_CHECKING:
+    from lightning_flagscale.models.decoder import CausalLM
+
+__all__ = ["apply_tp", "check_tp_divisible", "decoder_tp_plan", "vocab_parallel_cross_entropy"]
+
+
+def check_tp_divisible(model: CausalLM, tp: int) -> None:
+    """Raise ``ValueError`` naming the offending size when the model cannot be split ``tp`` ways."""
+    cfg = model.config
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "padded vocab size": model.padded_vocab_size,
+    }
+    for name, value in sizes.items():
+        if value % tp:
+            hint = (
+                " build the model with CausalLM(config, vocab_multiple=tp)"
+                if name.startswith("padded")
+                else " choose a tensor_parallel_size that divides it"
+            )
+            raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp};{hint}.")
+
+
+def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The TP plan of ``CausalLM`` for the parts present (pipeline stages may lack embedding / norm / head).
+
+    MoE ``mlp`` entries are left to the MoE package (experts are sharded by expert parallelism).
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.embed_tokens is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
+    for name, block in model.layers.items():
+        p = f"layers.{name}."
+        plan[p + "self_attn.q_proj"] = ColwiseParallel()
+        plan[p + "self_attn.k_proj"] = ColwiseParallel()
+        plan[p + "self_attn.v_proj"] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        if not block.is_moe:
+            plan[p + "mlp.gate_proj"] = ColwiseParallel()
+            plan[p + "mlp.up_proj"] = ColwiseParallel()
+            plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            plan[p + "input_layernorm"] = SequenceParallel()
+            plan[p + "post_attention_layernorm"] = SequenceParallel()
+            # Attention takes (x, cos, sin, segment_ids): only x is sequence-sharded and must be all-gathered.
+            plan[p + "self_attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            )
+            if not block.is_moe:
+                plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def apply_tp(model: CausalLM, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> CausalLM:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (Megatron TP, optionally with SP); returns it.
+
+    Records on the model what its loss and logits need (``tp_mesh``, ``vocab_start``) and keeps tied embeddings
+    as one Parameter (embedding rows and LM-head rows are both ``Shard(0)`` over the vocab, so one DTensor serves
+    both).
+    """
+    tp = tp_mesh.size()
+    check_tp_divisible(model, tp)
+    parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
+    model.tie_weights()  # parallelize_module distributed embed_tokens and lm_head into two separate Parameters
+    model.tp_mesh = tp_mesh
+    model.vocab_start = tp_mesh.get_local_rank() * (model.padded_vocab_size // tp)
+    return model
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE from vocab-sharded logits (Megatron ``_VocabParallelCrossEntropy``); gradient computed
+    in closed form (``softmax - onehot``) so the backward needs no communication."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, group, vocab_start: int, real_vocab: int) -> Tensor:
+        dtype = logits.dtype
+        logits = logits.float()
+        local_v = logits.shape[-1]
+        cols = torch.arange(vocab_start, vocab_start + local_v, device=logits.device)
+        logits = logits.masked_fill(cols >= real_vocab, float("-inf"))  # padded vocab columns
+        logits_max = logits.amax(dim=-1)
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        valid = labels != -100
+        in_shard = valid & (labels >= vocab_start) & (labels < vocab_start + local_v)
+        local_target = torch.where(in_shard, labels - vocab_start, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        # One all-reduce for both sums (Megatron does two; the payloads are tiny, the latency is not).
+        both = torch.stack([target_logit, sum_exp])
+        dist.all_reduce(both, group=group)
+        target_logit, sum_exp = both[0], both[1]
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
+
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_target, in_shard, valid)
+        ctx.input_dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, local_target, in_shard, valid = ctx.saved_tensors
+        # Out of place so that a retained graph can run backward twice.
+        grad = softmax.scatter_add(-1, local_target.unsqueeze(-1), -in_shard.unsqueeze(-1).to(softmax.dtype))
+        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor, labels: Tensor, tp_group: dist.ProcessGroup, vocab_start: int, real_vocab: int
+) -> Tensor:
+    """Per-token cross-entropy [*labels.shape] from this rank's vocab shard ``local_logits`` [..., V/tp].
+
+    ``vocab_start`` is the global index of the shard's first column; columns ``>= real_vocab`` are padding and
+    masked out; labels ``-100`` give loss 0 and no gradient. The gradient has the input's dtype.
+    """
+    return _VocabParallelCrossEntropy.apply(local_logits, labels, tp_group, vocab_start, real_vocab)
