@@ -401,6 +401,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------------------------------
 
 
+RecomputeMode = Literal["none", "selective", "full"]
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Degrees of every parallelism and the micro-batching around them.
@@ -439,6 +442,8 @@ class ParallelConfig:
     """Pipeline schedule name."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
+    recompute: RecomputeMode | list[RecomputeMode] = "none"
+    """Activation recompute per block: ``none``, ``selective`` (norms, activations) or ``full``; or one per stage."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -471,6 +476,14 @@ class ParallelConfig:
             raise ValueError(
                 "virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1; raise the pipeline size or set"
                 " virtual_pipeline_parallel_size=1."
+            )
+        modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
+        if any(m not in ("none", "selective", "full") for m in modes) or not modes:
+            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")
+        if not isinstance(self.recompute, str) and len(modes) != self.num_stages:
+            raise ValueError(
+                f"recompute has {len(modes)} entries but there are {self.num_stages} pipeline stages; give one mode"
+                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size) or a single mode."
             )
         if self.pipeline_layers is not None and len(self.pipeline_layers) != self.num_stages:
             raise ValueError(
