@@ -1,1 +1,39 @@
-"""convert"""
+"""Hugging Face <-> lightning-flagscale conversion (issue 6).
+
+- ``load_hf_weights(module, hf_dir)``: stream HF safetensors into a plain or parallelised ``CausalLM``.
+- ``causal_lm_from_hf(hf_dir)`` / ``module_from_hf(CausalLMModule, hf_dir)``: build and load.
+- ``export_hf(module_or_dcp_dir, out_dir)``: write an HF folder loadable by ``AutoModelForCausalLM``.
+- ``hf_to_ckpt`` / ``ckpt_to_hf``: the ``lightning-flagscale convert`` commands.
+- Families are registered by ``model_type`` in ``families/`` (``supported_model_types()``).
+"""
+
+from lightning_flagscale.convert.cli import add_convert_subcommands, ckpt_to_hf, hf_to_ckpt
+from lightning_flagscale.convert.hf_export import export_hf, is_dcp_checkpoint, write_model_config
+from lightning_flagscale.convert.hf_import import causal_lm_from_hf, config_from_hf, load_hf_weights, module_from_hf
+from lightning_flagscale.convert.registry import (
+    HFConversionError,
+    HFFamily,
+    family_for,
+    register_family,
+    supported_model_types,
+)
+from lightning_flagscale.convert.safetensors_io import CheckpointFormatError
+
+__all__ = [
+    "CheckpointFormatError",
+    "HFConversionError",
+    "HFFamily",
+    "add_convert_subcommands",
+    "causal_lm_from_hf",
+    "ckpt_to_hf",
+    "config_from_hf",
+    "export_hf",
+    "family_for",
+    "hf_to_ckpt",
+    "is_dcp_checkpoint",
+    "load_hf_weights",
+    "module_from_hf",
+    "register_family",
+    "supported_model_types",
+    "write_model_config",
+]

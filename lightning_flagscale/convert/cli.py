@@ -1,0 +1,107 @@
+"""``lightning-flagscale convert hf-to-ckpt|ckpt-to-hf``: plain functions plus an argparse wiring helper.
+
+``hf_to_ckpt`` writes a weights-only DCP checkpoint (keys ``state_dict.model.<FQN>``, the layout the strategy
+saves and can reshard on load) plus ``model_config.json``, the original ``config.json`` as ``hf_config.json``
+and the tokenizer / generation files, so ``ckpt_to_hf`` of it (or of any later training checkpoint in the same
+folder layout) restores a complete HF folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lightning_flagscale.convert.hf_export import HF_CONFIG_FILE, TOKENIZER_FILES, export_hf, write_model_config
+from lightning_flagscale.convert.hf_import import causal_lm_from_hf
+from lightning_flagscale.convert.registry import read_hf_config
+from lightning_flagscale.convert.safetensors_io import atomic_output_dir
+
+__all__ = ["add_convert_subcommands", "ckpt_to_hf", "convert_main", "hf_to_ckpt"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_to_ckpt(hf_dir: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int | None = None) -> Path:
+    """Convert an HF folder into a DCP checkpoint folder ``out`` (refused if it exists; written atomically)."""
+    import torch.distributed.checkpoint as dcp
+
+    overrides = {"max_seq_len": max_seq_len} if max_seq_len else {}
+    model = causal_lm_from_hf(hf_dir, **overrides)
+    state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    if model.config.tie_word_embeddings:
+        state["state_dict"].pop("model.lm_head.weight", None)  # the same tensor as the embedding
+    with atomic_output_dir(out) as tmp:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        write_model_config(tmp, model.config)
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(read_hf_config(hf_dir), indent=2) + "\n")
+        for file in (*TOKENIZER_FILES, "generation_config.json"):
+            if (Path(hf_dir) / file).is_file():
+                shutil.copy2(Path(hf_dir) / file, tmp / file)
+    return Path(out)
+
+
+def ckpt_to_hf(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_size: str = "2GB",
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    model_type: str | None = None,
+) -> Path:
+    """Convert a DCP checkpoint folder (any parallel layout) into an HF folder ``out``."""
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+    return export_hf(
+        ckpt,
+        out,
+        max_shard_size=max_shard_size,
+        tokenizer_dir=tokenizer_dir,
+        dtype=_DTYPES[dtype] if dtype else None,
+        model_type=model_type,
+    )
+
+
+def add_convert_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``convert {hf-to-ckpt,ckpt-to-hf}`` to an argparse subparsers object; returns the ``convert`` parser."""
+    convert = subparsers.add_parser("convert", help="Hugging Face <-> lightning-flagscale checkpoint conversion")
+    sub = convert.add_subparsers(dest="convert_command", required=True)
+    a = sub.add_parser("hf-to-ckpt", help="HF safetensors folder -> sharded DCP checkpoint")
+    a.add_argument("hf_dir")
+    a.add_argument("out")
+    a.add_argument("--max-seq-len", type=int, default=None, help="override max_position_embeddings")
+    a.set_defaults(convert_fn=lambda ns: hf_to_ckpt(ns.hf_dir, ns.out, max_seq_len=ns.max_seq_len))
+    b = sub.add_parser("ckpt-to-hf", help="sharded DCP checkpoint -> HF safetensors folder")
+    b.add_argument("ckpt")
+    b.add_argument("out")
+    b.add_argument("--max-shard-size", default="2GB")
+    b.add_argument("--tokenizer-dir", default=None)
+    b.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    b.add_argument("--model-type", default=None, help="HF family to export as (default: inferred)")
+    b.set_defaults(
+        convert_fn=lambda ns: ckpt_to_hf(
+            ns.ckpt,
+            ns.out,
+            max_shard_size=ns.max_shard_size,
+            tokenizer_dir=ns.tokenizer_dir,
+            dtype=ns.dtype,
+            model_type=ns.model_type,
+        )
+    )
+    return convert
+
+
+def convert_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``lightning-flagscale convert ...`` (``argv`` without the leading ``convert``)."""
+    parser = argparse.ArgumentParser(prog="lightning-flagscale")
+    add_convert_subcommands(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["convert", *(argv or [])])
+    out = ns.convert_fn(ns)
+    print(f"wrote {out}")  # CLI output, not library logging
+    return 0

@@ -1,0 +1,258 @@
+"""Export to a Hugging Face folder from a live (possibly parallelised) module or a sharded DCP checkpoint.
+
+Tensors are produced one at a time in checkpoint order and streamed into size-capped safetensors shards, so
+rank 0's peak memory is about one shard plus one full tensor, whatever the model size:
+
+- live module: every rank walks the same FQN list; a DTensor is gathered with ``full_tensor()`` by the ranks
+  holding it (its own mesh), and the lowest such rank sends it to rank 0 (pipeline stages other than rank 0's).
+- DCP folder (written by the strategy with ``torch.distributed.checkpoint``, keys ``state_dict.<module FQN>``):
+  each tensor is loaded alone with ``dcp.load(..., no_dist=True)``, which reassembles it from any layout.
+
+Everything is written into a temporary folder that is renamed at the end (never half-written) and an
+existing output folder is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for
+from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
+from lightning_flagscale.convert.specs import Direct
+
+__all__ = ["MODEL_CONFIG_FILE", "TOKENIZER_FILES", "export_hf", "is_dcp_checkpoint", "write_model_config"]
+
+MODEL_CONFIG_FILE = "model_config.json"
+"""Our ``TransformerConfig`` next to a DCP checkpoint's ``.metadata`` (HF export needs the architecture)."""
+HF_CONFIG_FILE = "hf_config.json"
+"""The original ``config.json`` kept next to a checkpoint imported from HF (token ids, model_type)."""
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.json", "chat_template.jinja",
+)  # fmt: skip
+_CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_DCP_PREFIXES = ("state_dict.model.", "state_dict.", "model.", "")
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def write_model_config(ckpt_dir: str | os.PathLike, config: TransformerConfig) -> None:
+    """Store ``config`` next to a DCP checkpoint so that ``export_hf(ckpt_dir, ...)`` can rebuild the HF config."""
+    (Path(ckpt_dir) / MODEL_CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def export_hf(
+    src: nn.Module | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "2GB",
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    model_type: str | None = None,
+    config: TransformerConfig | None = None,
+    generation_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``src`` as a Hugging Face folder ``out_dir`` (config.json, safetensors shards + index, ...).
+
+    ``src``: a ``CausalLM`` / ``CausalLMModule`` (under a process group every rank must call this; rank 0 writes)
+    or the folder of a DCP checkpoint (needs ``config`` or a ``model_config.json`` inside it). ``model_type``
+    picks the HF family (default: the one the model was imported from, else inferred from its features);
+    ``dtype`` casts the exported weights (default: as stored); ``tokenizer_dir`` (default: the HF folder the
+    model came from, if known) provides tokenizer files to copy. Padded vocab rows are dropped.
+    """
+    source = _DCPSource(Path(src), config) if isinstance(src, (str, os.PathLike)) else _ModuleSource(src)
+    config = source.config
+    hf_base = source.hf_config or {}
+    family = family_for({"model_type": model_type}) if model_type else _family_from(hf_base, config)
+    specs = family.weight_specs(config)
+    if Path(out_dir).exists():  # checked on every rank before any collective, so all ranks fail alike
+        raise FileExistsError(f"Output folder {str(out_dir)!r} already exists; remove it or choose another path.")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        if isinstance(source, _ModuleSource):
+            for name in specs:  # take part in the gathers; rank 0 writes
+                if not (config.tie_word_embeddings and name == "lm_head.weight"):
+                    source.get(name)
+        dist.barrier()
+        return Path(out_dir)
+    with atomic_output_dir(out_dir) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_size)
+        out_dtype = dtype
+        for name, spec in specs.items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # HF tied checkpoints store only the embedding
+            full = source.get(name)
+            out_dtype = out_dtype or full.dtype
+            hf_rows = config.vocab_size if isinstance(spec, Direct) and spec.pad_rows else None
+            for hf_name, tensor in spec.split(full, hf_rows).items():
+                writer.add(hf_name, tensor.to(dtype) if dtype is not None else tensor)
+            del full
+        writer.finish()
+        hf_config = _hf_config_json(family, config, hf_base, out_dtype or torch.float32)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        _write_extras(tmp, source.hf_dir, tokenizer_dir, generation_config)
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(out_dir)
+
+
+def _family_from(hf_base: dict[str, Any], config: TransformerConfig) -> HFFamily:
+    if hf_base.get("model_type"):
+        return family_for(hf_base)
+    return family_for(config)
+
+
+def _hf_config_json(
+    family: HFFamily, config: TransformerConfig, base: dict[str, Any], dtype: torch.dtype
+) -> dict[str, Any]:
+    out = family.config_to_hf(config)
+    out.update({k: base[k] for k in _CARRIED_KEYS if k in base})
+    # transformers 4.x reads torch_dtype, 5.x dtype.
+    out["torch_dtype"] = out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+def _write_extras(
+    tmp: Path, hf_dir: str | None, tokenizer_dir: str | os.PathLike | None, generation_config: dict | None
+) -> None:
+    if generation_config is not None:
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    elif hf_dir and (Path(hf_dir) / "generation_config.json").is_file():
+        shutil.copy2(Path(hf_dir) / "generation_config.json", tmp / "generation_config.json")
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else (Path(hf_dir) if hf_dir else None)
+    if tokenizer_dir is not None and not tok.is_dir():
+        raise FileNotFoundError(f"tokenizer_dir {str(tok)!r} does not exist.")
+    if tok is not None and tok.is_dir():
+        for file in TOKENIZER_FILES:
+            if (tok / file).is_file():
+                shutil.copy2(tok / file, tmp / file)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sources: one full tensor per FQN of our CausalLM
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _canonical(fqn: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+class _ModuleSource:
+    """Full tensors of a live module; collective when a process group exists (every rank calls ``get``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from lightning_flagscale.convert.hf_import import unwrap_causal_lm
+
+        model = unwrap_causal_lm(module)
+        self.config: TransformerConfig = model.config
+        self.hf_dir: str | None = getattr(module, "hf_dir", None) or getattr(model, "hf_dir", None)
+        self.hf_config: dict | None = getattr(module, "hf_config", None) or getattr(model, "hf_config", None)
+        self.tensors: dict[str, Tensor] = {_canonical(k): v for k, v in model.state_dict(keep_vars=True).items()}
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if self.distributed:
+            # Who holds what (pipeline stages hold different parts): the lowest holder sends to rank 0.
+            mine = {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
+            every: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(every, mine)
+            self.owner = {}
+            self.meta = {}
+            for rank, held in enumerate(every):
+                for k, meta in held.items():
+                    self.owner.setdefault(k, rank)
+                    self.meta.setdefault(k, meta)
+
+    @torch.no_grad()
+    def get(self, name: str) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        local = self.tensors.get(name)
+        full = None
+        if local is not None:
+            full = local.full_tensor() if isinstance(local, DTensor) else local.detach()
+            full = full.cpu()
+        if not self.distributed:
+            if full is None:
+                raise HFConversionError(f"The module has no tensor {name!r} (a pipeline stage without a group?).")
+            return full
+        if name not in self.owner:
+            raise HFConversionError(f"No rank holds tensor {name!r}; cannot export an incomplete model.")
+        owner, rank = self.owner[name], dist.get_rank()
+        if owner == 0:
+            return full if rank == 0 else None  # type: ignore[return-value]
+        if rank == owner:
+            dist.send(full.contiguous(), dst=0)
+        elif rank == 0:
+            shape, dtype = self.meta[name]
+            full = torch.empty(shape, dtype=dtype)
+            dist.recv(full, src=owner)
+        return full  # type: ignore[return-value]
+
+
+class _DCPSource:
+    """Full tensors of a DCP checkpoint folder, loaded one by one in a single process (any saved layout)."""
+
+    def __init__(self, path: Path, config: TransformerConfig | None) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        if not is_dcp_checkpoint(path):
+            raise HFConversionError(f"{path} is not a DCP checkpoint folder (no .metadata file).")
+        self.path = path
+        self.reader = FileSystemReader(str(path))
+        metadata = self.reader.read_metadata()
+        self.meta = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.config = config or self._read_config(path)
+        hf_config = path / HF_CONFIG_FILE
+        self.hf_config = json.loads(hf_config.read_text()) if hf_config.is_file() else None
+        self.hf_dir: str | None = str(path)  # hf_to_ckpt copies tokenizer/generation files here
+        self.keys = self._match_keys()
+
+    @staticmethod
+    def _read_config(path: Path) -> TransformerConfig:
+        file = path / MODEL_CONFIG_FILE
+        if not file.is_file():
+            raise HFConversionError(
+                f"{path} has no {MODEL_CONFIG_FILE}; pass config=TransformerConfig(...) to export_hf, or save it "
+                "with lightning_flagscale.convert.write_model_config(ckpt_dir, config)."
+            )
+        data = json.loads(file.read_text())
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        return TransformerConfig(**{k: v for k, v in data.items() if k in known})
+
+    def _match_keys(self) -> dict[str, str]:
+        """Our FQN -> DCP key, trying the prefixes the strategy may use (``state_dict.model.`` first)."""
+        canonical = {_canonical(k): k for k in self.meta}
+        for prefix in _DCP_PREFIXES:
+            found = {k[len(prefix) :]: v for k, v in canonical.items() if k.startswith(prefix)}
+            if "norm.weight" in found or "layers.0.input_layernorm.weight" in found:
+                return found
+        raise HFConversionError(
+            f"{self.path}: no model weights found (looked for keys like 'state_dict.model.norm.weight'; the "
+            f"checkpoint has e.g. {sorted(self.meta)[:5]})."
+        )
+
+    def get(self, name: str) -> Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        key = self.keys.get(name)
+        if key is None:
+            raise HFConversionError(f"{self.path}: the checkpoint has no tensor for {name!r} (expected by the model).")
+        meta = self.meta[key]
+        out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+        dcp.load(out, storage_reader=self.reader, no_dist=True)
+        return out[key]

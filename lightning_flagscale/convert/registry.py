@@ -1,0 +1,124 @@
+"""Registry of Hugging Face model families, keyed by ``config.json``'s ``model_type``.
+
+A family is one small adapter (see ``families/``): ``config.json`` <-> ``TransformerConfig`` and a declarative
+map from our parameter FQNs to HF tensor specs. Adding a family is one file with ``@register_family``; nothing
+here dispatches on name prefixes (the torchtitan ``state_dict_adapter`` shape, STYLE.md 7).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.convert.specs import Spec
+
+__all__ = [
+    "HFConversionError",
+    "HFFamily",
+    "family_for",
+    "read_hf_config",
+    "register_family",
+    "supported_model_types",
+]
+
+
+class HFConversionError(ValueError):
+    """A Hugging Face config or checkpoint that cannot be mapped exactly; the message names the field or tensor."""
+
+
+class HFFamily(abc.ABC):
+    """One HF architecture family: config mapping both ways and the weight name map."""
+
+    model_type: ClassVar[str]
+    """``config.json`` ``model_type`` this family handles."""
+    architecture: ClassVar[str]
+    """``architectures[0]`` written on export, e.g. ``LlamaForCausalLM``."""
+    ignored_tensors: ClassVar[tuple[str, ...]] = (r"\.rotary_emb\.inv_freq$",)
+    """Regexes of HF tensors that carry no weights (old checkpoints saved RoPE buffers)."""
+
+    @abc.abstractmethod
+    def config_from_hf(self, hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
+        """Map ``config.json`` (``overrides`` replace fields, e.g. ``max_seq_len``); any value that would change
+        the math and is unsupported raises ``HFConversionError`` naming the field."""
+
+    @abc.abstractmethod
+    def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+        """The ``config.json`` dict for ``config`` (model_type and architectures included)."""
+
+    @abc.abstractmethod
+    def weight_specs(self, config: TransformerConfig) -> dict[str, Spec]:
+        """Every parameter FQN of the full ``CausalLM`` -> the HF tensors it is made of."""
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.search(p, hf_name) for p in self.ignored_tensors)
+
+
+_FAMILIES: dict[str, HFFamily] = {}
+
+
+def register_family(cls: type[HFFamily]) -> type[HFFamily]:
+    """Class decorator: make ``cls`` the converter for ``cls.model_type``."""
+    if cls.model_type in _FAMILIES:
+        raise ValueError(f"HF family {cls.model_type!r} is registered twice.")
+    _FAMILIES[cls.model_type] = cls()
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    _load_builtin_families()
+    return sorted(_FAMILIES)
+
+
+def family_for(hf_config: dict[str, Any] | TransformerConfig) -> HFFamily:
+    """The family for an HF config dict (by ``model_type``) or for one of our configs (by its features)."""
+    _load_builtin_families()
+    if isinstance(hf_config, TransformerConfig):
+        return _family_for_ours(hf_config)
+    model_type = hf_config.get("model_type")
+    if model_type not in _FAMILIES:
+        arch = hf_config.get("architectures")
+        raise HFConversionError(
+            f"Unsupported architecture: model_type={model_type!r} (architectures={arch}); supported model types: "
+            f"{', '.join(sorted(_FAMILIES))}."
+        )
+    return _FAMILIES[model_type]
+
+
+def _family_for_ours(config: TransformerConfig) -> HFFamily:
+    """Pick the HF family that can express ``config``: a stored ``hf_model_type`` or inferred from features."""
+    if config.is_moe:
+        if config.num_shared_experts:
+            name = "qwen2_moe"
+        elif config.qk_norm:
+            name = "qwen3_moe"
+        else:
+            name = "mixtral"
+    elif config.qk_norm:
+        name = "qwen3"
+    elif config.attention_bias:
+        name = "qwen2"
+    else:
+        name = "llama"
+    if name not in _FAMILIES:
+        raise HFConversionError(f"No registered HF family can express this config (needs {name!r}).")
+    return _FAMILIES[name]
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise HFConversionError(f"{path} does not exist; is {str(hf_dir)!r} a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HFConversionError(f"{path} is not valid JSON: {err}") from err
+
+
+def _load_builtin_families() -> None:
+    # Imported lazily so that the families can import this module for the decorator.
+    from lightning_flagscale.convert import families  # noqa: F401
