@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM
 
-__all__ = ["apply_tp", "check_tp_divisible", "decoder_tp_plan", "vocab_parallel_cross_entropy"]
+__all__ = ["ReplicateParallel", "apply_tp", "check_tp_divisible", "decoder_tp_plan", "vocab_parallel_cross_entropy"]
 
 
 def check_tp_divisible(model: CausalLM, tp: int) -> None:
@@ -57,17 +57,43 @@ def check_tp_divisible(model: CausalLM, tp: int) -> None:
             raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp};{hint}.")
 
 
+class ReplicateParallel(ParallelStyle):
+    """Parameters become ``Replicate()`` DTensors; inputs and outputs stay plain (replicated) tensors.
+
+    For the norms when sequence parallelism is off: every TP rank sees the full activations, so the gradients are
+    already identical, but making them DTensors keeps the whole model on one mesh for gradient clipping, ZeRO
+    and checkpointing (torch has no built-in style for this; torchtitan carries a similar ``NoParallel``).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=self._to_dtensor, output_fn=self._to_local)
+
+    @staticmethod
+    def _to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            if isinstance(t, Tensor) and not isinstance(t, DTensor)
+            else t
+            for t in inputs
+        )
+
+    @staticmethod
+    def _to_local(module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+
 def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The TP plan of ``CausalLM`` for the parts present (pipeline stages may lack embedding / norm / head).
 
     MoE ``mlp`` entries are left to the MoE package (experts are sharded by expert parallelism).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
     plan: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and sequence_parallel:
-        plan["norm"] = SequenceParallel()
+    if model.norm is not None:
+        plan["norm"] = norm_style()
     if model.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
     for name, block in model.layers.items():
@@ -76,13 +102,18 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         plan[p + "self_attn.k_proj"] = ColwiseParallel()
         plan[p + "self_attn.v_proj"] = ColwiseParallel()
         plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        if block.self_attn.q_norm is not None:
+            # QK-norm runs on the TP-local heads [B, S, H/tp, D]: as a head-sharded DTensor its weight gradient
+            # (a partial sum over local heads) is all-reduced over TP like any replicated parameter's.
+            plan[p + "self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[p + "self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if not block.is_moe:
             plan[p + "mlp.gate_proj"] = ColwiseParallel()
             plan[p + "mlp.up_proj"] = ColwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[p + "input_layernorm"] = norm_style()
+        plan[p + "post_attention_layernorm"] = norm_style()
         if sequence_parallel:
-            plan[p + "input_layernorm"] = SequenceParallel()
-            plan[p + "post_attention_layernorm"] = SequenceParallel()
             # Attention takes (x, cos, sin, segment_ids): only x is sequence-sharded and must be all-gathered.
             plan[p + "self_attn"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
