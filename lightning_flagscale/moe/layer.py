@@ -1,0 +1,291 @@
+"""The MoE block: route -> permute -> dispatch -> experts -> combine -> unpermute (+ shared experts).
+
+Dispatch is pluggable: :class:`LocalDispatcher` runs every expert in this process; expert parallelism
+(``parallel.expert.apply_ep``) swaps in an all-to-all dispatcher with the same call signature, so the layer
+itself does not know whether experts are local or spread over an EP group.
+
+Telemetry, refreshed by every forward (detached, never part of the graph):
+``tokens_per_expert`` [E] (summed over the EP group under EP), ``tokens_per_ep_rank`` [ep], ``imbalance``
+(max / mean tokens per expert), ``dropped_fraction`` (capacity path), ``last_aux_losses`` (name -> value, coefficients
+applied), ``a2a_bytes`` (bytes this rank sent in dispatch + combine). ``load_accum`` [E] sums the per-expert load
+over forwards until ``moe.balance.update_moe_state`` consumes it after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, maybe_checkpoint
+from lightning_flagscale.moe.router import AttachAuxLoss, TopKRouter, switch_aux_loss, z_loss
+
+__all__ = [
+    "RECOMPUTE_LEVELS",
+    "Dispatcher",
+    "LocalDispatcher",
+    "MoELayer",
+    "RoutingPlan",
+    "build_moe",
+]
+
+RecomputeLevel = Literal["light", "medium", "full"]
+# MXMACA's multi-level MoE recompute: light = activation, permute, router; medium = + shared expert and expert FC1;
+# full = the whole layer (including its all-to-alls, re-run in backward).
+RECOMPUTE_LEVELS: dict[str, frozenset[str]] = {
+    "light": frozenset({"act", "permute", "router"}),
+    "medium": frozenset({"act", "permute", "router", "shared", "fc1"}),
+    "full": frozenset({"layer"}),
+}
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. during checkpoint recomputation: skip telemetry updates."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class RoutingPlan:
+    """Rows of the permuted token buffer: source token and mixing weight per row, rows grouped by expert.
+
+    ``counts[e]`` rows belong to expert e. Capacity plans have exactly ``C`` rows per expert; padding rows have
+    ``valid == False`` and weight 0.
+    """
+
+    token_idx: Tensor
+    weight: Tensor
+    counts: list[int]
+    valid: Tensor | None
+    dropped_fraction: float
+
+
+def dropless_plan(topk_idx: Tensor, topk_weight: Tensor, num_experts: int) -> RoutingPlan:
+    """Every (token, expert) assignment becomes a row; rows sorted by expert (stable: token order within)."""
+    k = topk_idx.shape[1]
+    flat_e = topk_idx.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    counts = torch.bincount(flat_e, minlength=num_experts).tolist()
+    return RoutingPlan(order // k, topk_weight.reshape(-1)[order], counts, None, 0.0)
+
+
+def capacity_plan(
+    topk_idx: Tensor, topk_weight: Tensor, num_experts: int, capacity: int, policy: Literal["position", "probs"]
+) -> RoutingPlan:
+    """Keep at most ``capacity`` rows per expert, pad short experts with zero rows.
+
+    ``policy="position"`` keeps the earliest assignments in (token, k) order; ``"probs"`` keeps the assignments
+    with the largest routing weights (Megatron's ``drop_policy``).
+    """
+    k = topk_idx.shape[1]
+    flat_e, flat_w = topk_idx.reshape(-1), topk_weight.reshape(-1)
+    order = torch.arange(flat_e.numel(), device=flat_e.device)
+    if policy == "probs":
+        order = torch.argsort(-flat_w.detach(), stable=True)
+    order = order[torch.argsort(flat_e[order], stable=True)]
+    sorted_e = flat_e[order]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    pos = torch.arange(order.numel(), device=order.device) - starts[sorted_e]
+    keep = pos < capacity
+    slot = sorted_e[keep] * capacity + pos[keep]
+    rows = num_experts * capacity
+    src = torch.zeros(rows, dtype=torch.long, device=flat_e.device).index_copy_(0, slot, order[keep])
+    valid = torch.zeros(rows, dtype=torch.bool, device=flat_e.device).index_fill_(0, slot, True)
+    weight = flat_w[src] * valid
+    dropped = 1.0 - float(keep.sum()) / max(flat_e.numel(), 1)
+    return RoutingPlan(src // k, weight, [capacity] * num_experts, valid, dropped)
+
+
+class Dispatcher(Protocol):
+    """Moves the permuted rows to the experts' owners and back: ``(layer, x_perm, counts) -> y_perm``."""
+
+    def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor: ...
+
+
+class LocalDispatcher:
+    """All experts live in this process: no communication."""
+
+    def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor:
+        layer.record_dispatch(torch.tensor([counts]), a2a_bytes=0)
+        return layer.run_experts(x_perm, counts, tokens_on_busiest_rank=sum(counts))
+
+
+class MoELayer(nn.Module):
+    """Routed SwiGLU experts (+ optional shared experts) with HF-compatible names; ``forward([B, S, H]) -> [B, S, H]``.
+
+    Submodules: ``gate`` (:class:`TopKRouter`), ``experts`` (:class:`GroupedExperts`), and either
+    ``shared_experts`` (DeepSeek) or ``shared_expert`` + ``shared_expert_gate`` (Qwen2-MoE, sigmoid-gated).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        *,
+        router: TopKRouter,
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        bias_update_rate: float = 0.0,
+        capacity_factor: float | None = None,
+        drop_policy: Literal["position", "probs"] = "position",
+    ) -> None:
+        super().__init__()
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless routing).")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.gate = router
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        if shared_intermediate_size and shared_gate:
+            self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        elif shared_intermediate_size:
+            self.shared_experts = SwiGLUMLP(hidden_size, shared_intermediate_size)
+        self.aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate = aux_loss_coeff, z_loss_coeff, bias_update_rate
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        # Knobs set by apply_* functions / the strategy (plain attributes: not part of the state dict).
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.aux_loss_scale = 1.0
+        """Gradient scale of the aux losses: the factor the main loss is multiplied by (1/num_microbatches)."""
+        self.recompute_level: RecomputeLevel | None = None
+        self.recompute_token_threshold: int | None = None
+        """Adaptive recompute: recompute only when the busiest EP rank holds more rows than this."""
+        self.replicated_experts: tuple[int, ...] = ()
+        """Hot experts with a replica on every EP rank (used by the EP dispatcher; see ``moe.balance``)."""
+        self.hot_expert_config = None
+        self.register_buffer("load_accum", torch.zeros(num_experts), persistent=False)
+        self.tokens_per_expert = torch.zeros(num_experts)
+        self.tokens_per_ep_rank = torch.zeros(1)
+        self.imbalance = torch.tensor(1.0)
+        self.dropped_fraction = 0.0
+        self.a2a_bytes = 0
+        self.last_aux_losses: dict[str, Tensor] = {}
+
+    # ---- helpers the dispatcher calls ----
+    def _recompute_parts(self, busiest_rank_rows: int) -> frozenset[str]:
+        if self.recompute_level is None or not self.training:
+            return frozenset()
+        if self.recompute_token_threshold is not None and busiest_rank_rows <= self.recompute_token_threshold:
+            return frozenset()
+        return RECOMPUTE_LEVELS[self.recompute_level]
+
+    def run_experts(
+        self, x: Tensor, counts: list[int], tokens_on_busiest_rank: int, weights: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """Apply the local experts (or ``weights``) to rows sorted by expert; honours the recompute level."""
+        parts = self._recompute_parts(tokens_on_busiest_rank) if "layer" not in self._static_parts() else frozenset()
+        batched = self.capacity_factor is not None and weights is None
+        return self.experts(x, counts, batched=batched, weights=weights, recompute=parts)
+
+    def record_dispatch(self, counts_per_rank: Tensor, a2a_bytes: int) -> None:
+        """Telemetry from the dispatcher: ``counts_per_rank`` [ep, E] rows each source rank sends to each expert."""
+        if _in_backward():
+            return
+        per_expert = counts_per_rank.sum(0).float()
+        self.tokens_per_expert = per_expert
+        ep = counts_per_rank.shape[0]
+        self.tokens_per_ep_rank = per_expert.view(ep, -1).sum(1) if per_expert.numel() % ep == 0 else per_expert.sum()
+        self.imbalance = per_expert.max() / per_expert.mean().clamp_min(1e-9)
+        self.a2a_bytes = a2a_bytes
+
+    def _static_parts(self) -> frozenset[str]:
+        if self.recompute_level is None or not self.training:
+            return frozenset()
+        return RECOMPUTE_LEVELS[self.recompute_level]
+
+    # ---- forward ----
+    def forward(self, hidden: Tensor) -> Tensor:
+        if "layer" in self._static_parts() and torch.is_grad_enabled():
+            # Full recompute: the adaptive threshold uses the previous forward's per-rank load, which every EP rank
+            # knows identically, so all ranks agree on re-running the all-to-alls in backward.
+            busiest = int(self.tokens_per_ep_rank.max()) if self.tokens_per_ep_rank.numel() else 0
+            if self.recompute_token_threshold is None or busiest > self.recompute_token_threshold:
+                return maybe_checkpoint(True, self._forward, hidden)
+        return self._forward(hidden)
+
+    def _forward(self, hidden: Tensor) -> Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        static = self._static_parts()
+        route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x))
+        if self.capacity_factor is None:
+            plan = dropless_plan(route.topk_idx, route.topk_weight, self.num_experts)
+        else:
+            capacity = math.ceil(x.shape[0] * self.top_k / self.num_experts * self.capacity_factor)
+            plan = capacity_plan(route.topk_idx, route.topk_weight, self.num_experts, capacity, self.drop_policy)
+
+        def permute(inp: Tensor) -> Tensor:
+            rows = inp[plan.token_idx]
+            return rows if plan.valid is None else rows * plan.valid.unsqueeze(-1).to(rows.dtype)
+
+        x_perm = maybe_checkpoint("permute" in static, permute, x)
+        y_perm = self.dispatcher(self, x_perm, plan.counts)
+        out = torch.zeros_like(x).index_add_(0, plan.token_idx, y_perm * plan.weight.unsqueeze(-1).to(y_perm.dtype))
+        out = out + maybe_checkpoint("shared" in static, self._shared, x)
+        if not _in_backward():
+            load = torch.bincount(route.topk_idx.reshape(-1), minlength=self.num_experts).float()
+            self.load_accum += load.to(self.load_accum.device)
+            self.dropped_fraction = plan.dropped_fraction
+        return self._attach_aux_losses(out, route.logits, route.scores, route.topk_idx).view(shape)
+
+    def _shared(self, x: Tensor) -> Tensor:
+        if hasattr(self, "shared_expert"):
+            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if hasattr(self, "shared_experts"):
+            return self.shared_experts(x)
+        return torch.zeros_like(x)
+
+    def _attach_aux_losses(self, out: Tensor, logits: Tensor, scores: Tensor, topk_idx: Tensor) -> Tensor:
+        losses: dict[str, Tensor] = {}
+        if self.aux_loss_coeff > 0:
+            normalize = self.gate.score_func == "sigmoid"
+            losses["aux_loss"] = self.aux_loss_coeff * switch_aux_loss(scores, topk_idx, self.num_experts, normalize)
+        if self.z_loss_coeff > 0:
+            losses["z_loss"] = self.z_loss_coeff * z_loss(logits)
+        if not _in_backward():
+            self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
+        if losses and torch.is_grad_enabled() and self.training:
+            out = AttachAuxLoss.apply(out, sum(losses.values()), self.aux_loss_scale)
+        return out
+
+
+def build_moe(config: TransformerConfig, layer_idx: int) -> MoELayer:
+    """The MoE block of decoder layer ``layer_idx`` (the decoder calls this when ``config.is_moe_layer(i)``)."""
+    if not config.is_moe_layer(layer_idx):
+        raise ValueError(f"Layer {layer_idx} is not an MoE layer for this config (see TransformerConfig.is_moe_layer).")
+    inter = config.moe_intermediate_size or config.intermediate_size
+    shared = 0
+    if config.num_shared_experts:
+        shared = config.shared_expert_intermediate_size or inter * config.num_shared_experts
+    router = TopKRouter(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        score_func=config.router_type,
+        norm_topk_prob=config.norm_topk_prob,
+        scaling_factor=config.moe_router_scaling_factor,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        # DeepSeek-V3 checkpoints always carry the bias; keep it for sigmoid routers so HF import is lossless.
+        use_bias=config.router_type == "sigmoid" or config.moe_router_bias_update_rate > 0,
+    )
+    return MoELayer(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        inter,
+        router=router,
+        shared_intermediate_size=shared,
+        shared_gate=config.shared_expert_gate,
+        aux_loss_coeff=config.moe_aux_loss_coeff,
+        z_loss_coeff=config.moe_z_loss_coeff,
+        bias_update_rate=config.moe_router_bias_update_rate,
+        capacity_factor=config.moe_capacity_factor,
+    )

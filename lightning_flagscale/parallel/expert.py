@@ -1,0 +1,207 @@
+"""Expert parallelism: shard MoE experts over an EP group and move tokens with all-to-all (issue 5).
+
+``apply_ep(model, ep_mesh)`` turns every :class:`~lightning_flagscale.moe.layer.MoELayer` of ``model`` into an
+expert-parallel layer:
+
+- ``experts.gate_up_proj`` / ``experts.down_proj`` become DTensors ``Shard(0)`` over the 1-D ``ep`` mesh: rank r
+  owns experts ``[r * E/ep, (r + 1) * E/ep)``. State-dict keys and global shapes do not depend on ep, and DCP
+  reshards them on load (``full_tensor()`` gathers one);
+- the layer's dispatcher becomes :class:`AllToAllDispatcher`: permute locally -> exchange per-expert counts
+  (all-gather, so every rank knows the uneven split sizes and the per-rank load) -> all-to-all dispatch -> regroup
+  by local expert -> grouped/batched expert GEMMs -> all-to-all combine -> unpermute. Both all-to-alls are
+  differentiable (the backward of a dispatch is a combine with swapped split sizes);
+- hot-expert replication (``hot_experts=HotExpertReplication(...)``): tokens of the replicated experts skip the
+  all-to-all and run on a local replica whose weights are all-reduced from the owner (a sum where only the owner
+  contributes); the backward of that all-reduce sums every replica's gradient into the owner's shard.
+
+MoE parallel folding (Megatron): the EP group is cut out of a pipeline stage's dp x cp x tp ranks, on a second mesh
+("edp", "ep") over the same ranks (``parallel/mesh.py`` builds it). Each rank of the EP group must feed *different*
+tokens to its MoE layers (distinct data/context shards, or TP ranks under sequence parallelism).
+
+Gradient reduction contract (the data-parallel / ZeRO code honours it): expert parameters carry
+``param._flagscale_grad_group = "edp"``. Their gradient on the owner already sums the contributions of every token
+of the EP group (the combine backward brought them home), so it must be reduced (summed) over the **edp** group
+only, never over ep, and scaled by the same factor as every other gradient (``1 / (dp * cp)`` for a mean loss).
+ZeRO shards expert optimizer states over edp. All other parameters (router, shared experts) follow the normal
+dp x cp reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_flagscale.moe.balance import HotExpertReplication, moe_layers
+from lightning_flagscale.moe.layer import MoELayer
+
+__all__ = ["EXPERT_GRAD_GROUP_ATTR", "AllToAllDispatcher", "all_to_all", "apply_ep", "is_expert_param"]
+
+EXPERT_GRAD_GROUP_ATTR = "_flagscale_grad_group"
+"""Attribute on a parameter naming the mesh dim its gradient is reduced over (``"edp"`` for experts)."""
+
+
+def is_expert_param(param: Tensor) -> bool:
+    """Whether ``param`` is an expert-parallel parameter (gradient reduced over "edp" only)."""
+    return getattr(param, EXPERT_GRAD_GROUP_ATTR, None) == "edp"
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits whose backward is the reverse exchange.
+
+    Written here because torch's autograd-aware variant lives in the private ``_functional_collectives`` module.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Differentiable uneven all-to-all along dim 0: send ``in_splits[r]`` rows to rank r, receive ``out_splits``."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the backward sums the gradients (each rank's output depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _regroup_index(counts: Tensor) -> Tensor:
+    """Row order turning chunks laid out [src][expert] (sizes ``counts`` [src, e]) into [expert][src]."""
+    src, ne = counts.shape
+    offsets = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view(src, ne)
+    chunks = [
+        torch.arange(int(offsets[s, e]), int(offsets[s, e] + counts[s, e])) for e in range(ne) for s in range(src)
+    ]
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
+
+
+class AllToAllDispatcher:
+    """Dispatcher of an expert-parallel :class:`MoELayer` (see module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, ep_size: int, ep_rank: int) -> None:
+        self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.replica_bytes = 0
+        """Bytes of replica weights all-reduced by this rank in the last forward (hot-expert replication)."""
+
+    def _replica_weights(self, layer: MoELayer, experts: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        w1, w2 = layer.experts.local_weights()
+        per_rank = w1.shape[0]
+        parts = []
+        for w in (w1, w2):
+            rows = [
+                w[e - self.ep_rank * per_rank] if e // per_rank == self.ep_rank else w.new_zeros(w.shape[1:])
+                for e in experts
+            ]
+            parts.append(_AllReduceSum.apply(torch.stack(rows), self.group))
+        self.replica_bytes = sum(p.numel() * p.element_size() for p in parts)
+        return parts[0], parts[1]
+
+    def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor:
+        ep, rank = self.ep_size, self.ep_rank
+        per_rank = layer.num_experts // ep
+        local = torch.tensor(counts, dtype=torch.long)
+        gathered = [torch.zeros_like(local) for _ in range(ep)]
+        dist.all_gather(gathered, local, group=self.group)  # split sizes first: every rank learns all counts
+        all_counts = torch.stack(gathered)  # [src rank, global expert]
+        replicated = layer.replicated_experts if layer.capacity_factor is None else ()
+        a2a_counts = all_counts.clone()
+        if replicated:
+            a2a_counts[:, list(replicated)] = 0
+        send = a2a_counts[rank].view(ep, per_rank).sum(1).tolist()
+        recv_counts = a2a_counts[:, rank * per_rank : (rank + 1) * per_rank]  # [src, local expert]
+        recv = recv_counts.sum(1).tolist()
+        busiest = int(a2a_counts.view(ep, ep, per_rank).sum((0, 2)).max())
+        row_expert = torch.repeat_interleave(torch.arange(layer.num_experts), local)
+        is_rep = torch.isin(row_expert, torch.tensor(replicated, dtype=torch.long))
+        a2a_rows = (~is_rep).nonzero().squeeze(1).to(x_perm.device)
+
+        x_recv = all_to_all(x_perm[a2a_rows] if replicated else x_perm, recv, send, self.group)
+        order = _regroup_index(recv_counts).to(x_perm.device)
+        y_local = layer.run_experts(x_recv[order], recv_counts.sum(0).tolist(), busiest)
+        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
+        y = all_to_all(y_recv, send, recv, self.group)
+
+        h = x_perm.shape[-1]
+        sent_rows = sum(send) - send[rank]
+        layer.record_dispatch(all_counts, a2a_bytes=2 * sent_rows * h * x_perm.element_size())
+        self.replica_bytes = 0
+        if not replicated:
+            return y
+        rep_rows = is_rep.nonzero().squeeze(1).to(x_perm.device)
+        weights = self._replica_weights(layer, replicated)
+        y_rep = layer.run_experts(x_perm[rep_rows], [counts[e] for e in replicated], busiest, weights=weights)
+        out = x_perm.new_zeros((x_perm.shape[0], y.shape[-1]))
+        return out.index_copy(0, a2a_rows, y).index_copy(0, rep_rows, y_rep)
+
+
+def _ep_submesh(ep_mesh: DeviceMesh) -> DeviceMesh:
+    names = ep_mesh.mesh_dim_names or ()
+    if "etp" in names and ep_mesh["etp"].size() > 1:
+        raise ValueError("apply_ep does not implement expert tensor parallelism; use expert_tensor_parallel_size=1.")
+    if ep_mesh.ndim == 1:
+        return ep_mesh
+    if "ep" not in names:
+        raise ValueError(f"The expert mesh needs an 'ep' dimension; got dims {names}.")
+    return ep_mesh["ep"]
+
+
+def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    per_rank = param.shape[0] // ep
+    local = param.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
+    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    setattr(new, EXPERT_GRAD_GROUP_ATTR, "edp")
+    return new
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, hot_experts: HotExpertReplication | None = None) -> nn.Module:
+    """Shard the experts of every MoE layer of ``model`` over ``ep_mesh`` (1-D, or a mesh with an "ep" dim).
+
+    Call it before ZeRO/FSDP wrapping and after TP (experts are not tensor-parallel here); works on meta-device
+    models (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
+    """
+    mesh = _ep_submesh(ep_mesh)
+    ep = mesh.size()
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("apply_ep found no MoE layers in the model; expert parallelism needs num_experts > 0.")
+    for name, layer in layers:
+        if layer.num_experts % ep:
+            raise ValueError(
+                f"{name}: num_experts={layer.num_experts} is not divisible by the expert-parallel size {ep};"
+                " change expert_parallel_size."
+            )
+        if isinstance(layer.experts.gate_up_proj, DTensor):
+            raise ValueError(f"{name}: experts are already sharded; apply_ep was called twice.")
+        for pname in ("gate_up_proj", "down_proj"):
+            setattr(layer.experts, pname, _shard_param(getattr(layer.experts, pname), mesh))
+        layer.dispatcher = AllToAllDispatcher(mesh.get_group(), ep, mesh.get_local_rank())
+        layer.hot_expert_config = hot_experts
+    return model
