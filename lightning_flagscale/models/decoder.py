@@ -156,17 +156,17 @@ class CausalLM(nn.Module):
             head_output = DTensor.from_local(head_output, self.tp_mesh, [Shard(head_output.dim() - 1)]).full_tensor()
         return head_output[..., : self.vocab_size]
 
-    def aux_loss(self) -> Tensor | None:
-        """Sum of the auxiliary losses (already coefficient-weighted) the MoE blocks stored in their last forward.
+    def moe_aux_losses(self) -> dict[str, Tensor]:
+        """Detached auxiliary losses (coefficients applied) of the last forward, summed over MoE blocks, by name.
 
-        An MoE block exposes it as a tensor attribute ``aux_loss`` (``None`` when it has none).
+        For logging only: the MoE blocks already attach these losses to the backward pass themselves
+        (``moe.router.AttachAuxLoss``), so adding them to the training loss would count them twice.
         """
-        total = None
+        totals: dict[str, Tensor] = {}
         for layer in self.layers.values():
-            value = getattr(layer.mlp, "aux_loss", None)
-            if isinstance(value, Tensor):
-                total = value if total is None else total + value
-        return total
+            for name, value in getattr(layer.mlp, "last_aux_losses", {}).items():
+                totals[name] = totals[name] + value if name in totals else value
+        return totals
 
     # ---- initialisation -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,194 @@
+"""``CausalLMModule``: the LightningModule around ``CausalLM`` that runs unchanged under every parallel layout.
+
+The module only builds the model (``configure_model``) and computes the loss; parallelisation, materialisation
+and initialisation are the strategy's job. Under ``FlagScaleStrategy`` ``configure_model`` runs inside a
+meta-device context, the strategy then applies TP/PP/CP/EP/ZeRO, materialises with ``to_empty`` and calls
+``init_weights()``; under a plain single-device Trainer the model is built and initialised eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_flagscale.config import TransformerConfig, check_known_fields
+from lightning_flagscale.models.decoder import CausalLM
+from lightning_flagscale.models.layers import RMSNorm
+
+__all__ = ["CausalLMModule", "param_groups", "warmup_cosine_lambda"]
+
+
+def _resolve_config(config: TransformerConfig | str | dict[str, Any]) -> TransformerConfig:
+    if isinstance(config, TransformerConfig):
+        return config
+    if isinstance(config, str):
+        return TransformerConfig.from_preset(config)
+    if isinstance(config, dict):
+        fields = dict(config)
+        preset = fields.pop("preset", None)
+        if preset is not None:  # {"preset": "llama-tiny", "num_layers": 2}: a preset with overrides
+            return TransformerConfig.from_preset(preset, **fields)
+        check_known_fields(TransformerConfig, fields)
+        return TransformerConfig(**fields)
+    raise TypeError(
+        f"config must be a TransformerConfig, a preset name or a dict of TransformerConfig fields, got {type(config)}."
+    )
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay matrices only; norms, biases and embeddings (and a head tied to them) are exempt.
+
+    Follows GPT-2/nanoGPT/litgpt practice: decaying gains and biases only shrinks scale parameters, and decaying
+    embeddings penalises rare tokens whose rows rarely receive gradient.
+    """
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, nn.LayerNorm, nn.Embedding)):
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # shared (tied) parameters are listed once
+        if not p.requires_grad:
+            continue
+        if id(p) in no_decay_ids or p.ndim < 2 or name.endswith("bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: float):
+    """LR multiplier per optimizer step: linear warmup to 1, then cosine down to ``min_lr_ratio`` at ``total_steps``.
+
+    An infinite ``total_steps`` (a Trainer without ``max_steps``/``max_epochs``) keeps the peak LR after warmup.
+    """
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        decay_steps = max(total_steps - warmup_steps, 1)
+        progress = min((step - warmup_steps) / decay_steps, 1.0)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token LM training of :class:`CausalLM` on HF-style batches (``input_ids``, ``labels``, optional
+    ``position_ids``, ``segment_ids``, ``attention_mask``)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig | str | dict[str, Any] = "llama-tiny",
+        *,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = _resolve_config(config)
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        self.model: CausalLM | None = None
+        # Token-weighted mean of the validation loss; perplexity is exp of it at epoch end.
+        self.val_loss_mean = MeanMetric()
+        self._last_step_time: float | None = None
+
+    # ---- model construction ----------------------------------------------------------------------------------
+    @property
+    def vocab_multiple(self) -> int:
+        trainer = self._trainer
+        return int(getattr(trainer.strategy, "vocab_multiple", 1)) if trainer is not None else 1
+
+    def configure_model(self) -> None:
+        """Build ``self.model`` once; initialise it here unless it was created on the meta device.
+
+        On meta the strategy parallelises, materialises and then calls :meth:`init_weights` itself.
+        """
+        if self.model is not None:
+            return
+        self.model = CausalLM(self.config, vocab_multiple=self.vocab_multiple)
+        if not next(self.model.parameters()).is_meta:
+            self.init_weights()
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Layout-independent deterministic init of the (possibly parallelised) model; default seed ``init_seed``."""
+        self.model.init_weights(self.hparams.init_seed if seed is None else seed)
+
+    def _require_model(self) -> CausalLM:
+        if self.model is None:
+            self.configure_model()
+        return self.model
+
+    # ---- steps ---------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None):
+        return self._require_model()(input_ids, position_ids, segment_ids)
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        model = self._require_model()
+        segment_ids = batch.get("segment_ids")
+        mask = batch.get("attention_mask")
+        if segment_ids is None and mask is not None and not bool(mask.all()):
+            # Padding as a segment of its own: real tokens never attend to pad tokens (any padding side).
+            segment_ids = mask.long()
+        out = model(batch["input_ids"], batch.get("position_ids"), segment_ids)
+        return model.loss_fn(out, batch["labels"])
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss.detach(), prog_bar=True)
+        # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
+        for name, value in self.model.moe_aux_losses().items():
+            self.log(f"train_moe_{name}", value)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            tokens = batch["input_ids"].numel() * self._data_parallel_replicas()
+            self.log("tokens_per_s", tokens / max(now - self._last_step_time, 1e-9), prog_bar=True)
+        self._last_step_time = now
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_time = None  # do not count validation / epoch-boundary time as step time
+
+    def _data_parallel_replicas(self) -> int:
+        """Ranks that see different batches (each TP/PP/CP group shares one)."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1))
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        tokens = (batch["labels"] != -100).sum()
+        self.val_loss_mean.update(loss.detach().float(), weight=tokens.float())
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        mean = self.val_loss_mean.compute()  # synchronised (token-weighted) over processes
+        self.val_loss_mean.reset()
+        self.log("val_loss", mean, prog_bar=True, sync_dist=False)
+        self.log("val_ppl", torch.exp(mean), sync_dist=False)
+
+    # ---- optimisation --------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            param_groups(self._require_model(), hp.weight_decay), lr=hp.learning_rate, betas=tuple(hp.betas)
+        )
+        total = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else math.inf
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine_lambda(hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
