@@ -46,7 +46,14 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 def config_from_hf(hf_dir: str | os.PathLike, **overrides: Any) -> TransformerConfig:
     """``TransformerConfig`` of an HF folder; ``overrides`` set non-architectural fields (e.g. ``max_seq_len``)."""
     hf = read_hf_config(hf_dir)
-    return family_for(hf).config_from_hf(hf, **overrides)
+    return _family_config(hf, Path(hf_dir), **overrides)
+
+
+def _family_config(hf: dict[str, Any], root: Path, **overrides: Any) -> TransformerConfig:
+    try:
+        return family_for(hf).config_from_hf(hf, **overrides)
+    except HFConversionError as err:  # name the file: users often juggle several model folders
+        raise HFConversionError(f"{root / 'config.json'}: {err}") from err
 
 
 def unwrap_causal_lm(module: nn.Module) -> nn.Module:
@@ -124,7 +131,7 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> None:
     root = Path(hf_dir)
     hf = read_hf_config(root)
     family = family_for(hf)
-    _check_architecture(model.config, family.config_from_hf(hf, max_seq_len=model.config.max_seq_len), root)
+    _check_architecture(model.config, _family_config(hf, root, max_seq_len=model.config.max_seq_len), root)
     specs = family.weight_specs(model.config)
     with HFCheckpointReader(root) as reader:
         _check_names(reader, family, specs, model.config.tie_word_embeddings)
@@ -176,7 +183,8 @@ def causal_lm_from_hf(
     if dtype is not None:
         model = model.to(dtype)
     load_hf_weights(model, hf_dir)
-    model.hf_dir = str(hf_dir)
+    model.hf_dir = str(hf_dir)  # export reuses its family, token ids, tokenizer and generation config
+    model.hf_config = read_hf_config(hf_dir)
     return model
 
 
