@@ -1,0 +1,209 @@
+"""Memory accounting: bytes of training state held by this rank, process RSS, and the ZeRO paper's formulas.
+
+``state_bytes`` measures what this rank really holds (local shards of DTensor parameters, gradients, optimizer
+master copies and states), so ZeRO and every other layout can be checked against ``zero_theory_bytes``
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, Fig. 1 and
+Sec. 5) and their traffic against ``comm_theory_bytes`` (Sec. 7).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "CommTheory",
+    "StateBytes",
+    "ZeroTheory",
+    "comm_theory_bytes",
+    "current_rss_bytes",
+    "peak_rss_bytes",
+    "state_bytes",
+    "zero_theory_bytes",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Measured state
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of training state held by this rank, each storage counted once (in the first category it appears)."""
+
+    params: int
+    """Model parameters (local shards of DTensors)."""
+    grads: int
+    """Gradients of model parameters and of optimizer-owned parameter copies."""
+    master_params: int
+    """Parameters the optimizers own that are not model parameters (fp32 master weights, ZeRO shard params)."""
+    optimizer_states: int
+    """Every tensor in ``optimizer.state`` (Adam moments, step counters, ...)."""
+
+    @property
+    def optimizer(self) -> int:
+        """Master copies + optimizer states: the ZeRO paper's "optimizer states" term (K x Ψ)."""
+        return self.master_params + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master_params + self.optimizer_states
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _StorageCounter:
+    """Counts the bytes of each distinct storage once."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+
+    def __call__(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            t = _local(t)
+            if t.device.type == "meta":
+                continue  # holds no memory
+            storage = t.untyped_storage()
+            # The whole storage is held, even if the tensor is a view of part of it (e.g. a padded shard).
+            key = (str(t.device), storage.data_ptr())
+            if key in self.seen or storage.nbytes() == 0:
+                continue
+            self.seen.add(key)
+            total += storage.nbytes()
+        return total
+
+
+def _state_tensors(optimizer: Optimizer) -> Iterable[torch.Tensor]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def state_bytes(model: nn.Module, optimizers: Sequence[Optimizer] = ()) -> StateBytes:
+    """Bytes of parameters, gradients, optimizer-owned parameter copies and optimizer states held by this rank.
+
+    Deduplicated by storage: tied weights, views into one flat buffer and a tensor that is both a model parameter
+    and an optimizer parameter are counted once. A storage is counted in full, padding included.
+    """
+    count = _StorageCounter()
+    model_params = list(model.parameters())
+    params = count(model_params)
+    opt_params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    master = count(opt_params)
+    grads = count(p.grad for p in [*model_params, *opt_params])
+    states = count(t for opt in optimizers for t in _state_tensors(opt))
+    return StateBytes(params=params, grads=grads, master_params=master, optimizer_states=states)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    # Linux keeps RSS counters in per-thread caches, so the recorded peak can trail the current RSS by a few pages.
+    return max(peak, current_rss_bytes())
+
+
+def current_rss_bytes() -> int:
+    """Current resident set size of this process (psutil when installed, else ``/proc/self/statm``)."""
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return psutil.Process().memory_info().rss
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Theory (ZeRO paper)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroTheory:
+    """Bytes per rank of model states predicted by the ZeRO paper."""
+
+    params: float
+    grads: float
+    optimizer: float
+    """Optimizer states including any fp32 master copy (the paper's K x Ψ)."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+# Bytes per parameter of (params, grads, optimizer) for each layout, Adam/AdamW optimizer.
+_LAYOUTS: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 8),  # fp32 params and grads, Adam m and v
+    "bf16-master": (2, 2, 12),  # bf16 params and grads; fp32 master, m, v (the paper's 2 + 2 + K=12)
+}
+
+
+def zero_theory_bytes(
+    num_params: int, dp: int, stage: Literal[0, 1, 2, 3], layout: Literal["fp32", "bf16-master"] = "bf16-master"
+) -> ZeroTheory:
+    """Model-state bytes per rank for ``num_params`` (Ψ) parameters data-parallel over ``dp`` (N) ranks.
+
+    Stage 0 (DDP) replicates everything; ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients,
+    ZeRO-3 also the parameters. For ``bf16-master``: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {sorted(_LAYOUTS)}.")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3.")
+    if dp < 1 or num_params < 0:
+        raise ValueError(f"Need dp >= 1 and num_params >= 0, got dp={dp}, num_params={num_params}.")
+    p, g, o = (b * num_params for b in _LAYOUTS[layout])
+    return ZeroTheory(
+        params=p / dp if stage >= 3 else float(p),
+        grads=g / dp if stage >= 2 else float(g),
+        optimizer=o / dp if stage >= 1 else float(o),
+    )
+
+
+@dataclass(frozen=True)
+class CommTheory:
+    """Wire bytes per rank per step predicted by the ZeRO paper, per op (names as in ``CommTracker``)."""
+
+    by_op: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_op.values())
+
+
+def comm_theory_bytes(num_params_bytes: int, dp: int, stage: Literal[0, 1, 2, 3]) -> CommTheory:
+    """Data-parallel wire bytes per rank per step for gradients/parameters of ``num_params_bytes`` (Ψ) bytes.
+
+    DDP all-reduces the gradients: 2Ψ(N-1)/N. ZeRO-1/2 reduce-scatter the gradients and all-gather the updated
+    parameters: Ψ(N-1)/N each, 2Ψ(N-1)/N in total. ZeRO-3 all-gathers the parameters in forward and again in
+    backward, and reduce-scatters the gradients: 3Ψ(N-1)/N. Ψ is counted in bytes so callers pass the dtype
+    actually communicated (e.g. 2 x params for bf16).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3.")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1.")
+    unit = num_params_bytes * (dp - 1) / dp
+    if stage == 0:
+        return CommTheory({"all_reduce": 2 * unit})
+    if stage in (1, 2):
+        return CommTheory({"reduce_scatter": unit, "all_gather": unit})
+    return CommTheory({"reduce_scatter": unit, "all_gather": 2 * unit})
