@@ -168,6 +168,13 @@ class MoELayer(nn.Module):
         self.a2a_bytes = 0
         self.last_aux_losses: dict[str, Tensor] = {}
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the router bias and the load accumulator (after ``to_empty`` they hold garbage)."""
+        self.load_accum.zero_()
+        if self.gate.e_score_correction_bias is not None:
+            self.gate.e_score_correction_bias.zero_()
+
     # ---- helpers the dispatcher calls ----
     def _recompute_parts(self, busiest_rank_rows: int) -> frozenset[str]:
         if self.recompute_level is None or not self.training:

@@ -187,11 +187,11 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, hot_experts: HotExpertRep
     Call it before ZeRO/FSDP wrapping and after TP (experts are not tensor-parallel here); works on meta-device
     models (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
     """
-    mesh = _ep_submesh(ep_mesh)
-    ep = mesh.size()
     layers = moe_layers(model)
     if not layers:
         raise ValueError("apply_ep found no MoE layers in the model; expert parallelism needs num_experts > 0.")
+    mesh = _ep_submesh(ep_mesh)
+    ep = mesh.size()
     for name, layer in layers:
         if layer.num_experts % ep:
             raise ValueError(

@@ -1,0 +1,110 @@
+"""Expert parallelism (gloo/CPU): EP layers equal the single-process layer run on every rank's tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.moe import build_moe
+from lightning_flagscale.parallel.expert import apply_ep, is_expert_param
+from tests.moe._reference import init_moe, rel_err
+
+
+def _ep_parity(preset: str, mesh_shape: tuple[int, ...], overrides: dict, replicate: tuple[int, ...] = ()) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = ("edp", "ep") if len(mesh_shape) == 2 else ("ep",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    cfg = TransformerConfig.from_preset(preset, **overrides)
+    ref = init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0)
+    layer = apply_ep(copy.deepcopy(ref), mesh)
+    layer.replicated_experts = replicate
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
+    gs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
+    # Oracle: the single-process layer on every rank's tokens, losses summed (aux losses per shard, like EP).
+    ref_x = xs.clone().requires_grad_()
+    ref_out = torch.stack([ref(ref_x[r]) for r in range(world)])
+    (ref_out * gs).sum().backward()
+
+    x = xs[rank].clone().requires_grad_()
+    out = layer(x)
+    (out * gs[rank]).sum().backward()
+    errs = {"out": rel_err(out.detach(), ref_out[rank].detach()), "x_grad": rel_err(x.grad, ref_x.grad[rank])}
+    edp_group = mesh["edp"].get_group() if "edp" in names else None
+    ref_params = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():
+        grad = p.grad
+        if isinstance(p, DTensor):
+            assert is_expert_param(p) and isinstance(grad, DTensor)
+            grad = grad.to_local().clone()
+            if edp_group is not None:  # the contract: expert grads are summed over edp only
+                dist.all_reduce(grad, group=edp_group)
+            per = grad.shape[0]
+            ep_rank = mesh["ep"].get_local_rank()
+            expected = ref_params[name].grad[ep_rank * per : (ep_rank + 1) * per]
+            errs[name + ".full"] = rel_err(p.full_tensor().detach(), ref_params[name].detach())
+        else:
+            assert not is_expert_param(p)
+            grad = grad.clone()
+            dist.all_reduce(grad)  # router / shared experts: normal data-parallel sum
+            expected = ref_params[name].grad
+        errs[name] = rel_err(grad, expected)
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    return {"errs": errs, "a2a_bytes": layer.a2a_bytes, "tokens_per_ep_rank": layer.tokens_per_ep_rank.tolist()}
+
+
+def _check(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        bad = {k: v for k, v in res["errs"].items() if not v <= 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+AUX = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+
+
+def test_ep2_dropless_matches_single_process(launcher):
+    _check(launcher(2, _ep_parity, "deepseek-v3-tiny", (2,), AUX))
+
+
+def test_ep4_dropless_matches_single_process(launcher):
+    results = launcher(4, _ep_parity, "qwen2-moe-tiny", (4,), AUX)
+    _check(results)
+    assert len(results[0]["tokens_per_ep_rank"]) == 4 and sum(results[0]["tokens_per_ep_rank"]) == 4 * 10 * 2
+
+
+def test_edp2_ep2_folded_grads_reduced_over_edp(launcher):
+    _check(launcher(4, _ep_parity, "mixtral-tiny", (2, 2), AUX))
+
+
+def test_ep2_capacity_matches_single_process(launcher):
+    _check(launcher(2, _ep_parity, "mixtral-tiny", (2,), {"moe_capacity_factor": 0.75, **AUX}))
+
+
+def test_hot_expert_replication_changes_traffic_not_results(launcher):
+    plain = launcher(2, _ep_parity, "mixtral-tiny", (2,), AUX)
+    replicated = launcher(2, _ep_parity, "mixtral-tiny", (2,), AUX, replicate=(1, 6))
+    _check(plain)
+    _check(replicated)
+    assert sum(r["a2a_bytes"] for r in replicated) < sum(r["a2a_bytes"] for r in plain)
+
+
+def _ep_error(num_experts: int) -> str:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
+    cfg = TransformerConfig.from_preset("mixtral-tiny", num_experts=num_experts)
+    try:
+        apply_ep(build_moe(cfg, 0), mesh)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_errors(launcher):
+    assert "num_experts=5 is not divisible by the expert-parallel size 2" in launcher(2, _ep_error, 5)[0]
+    with pytest.raises(ValueError, match="no MoE layers"):
+        apply_ep(torch.nn.Linear(2, 2), None)  # type: ignore[arg-type]
