@@ -110,18 +110,19 @@ def _visible(
     return mask
 
 
-def _split_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 views as q [B, Hkv, G, Sq, D], k/v [B, Hkv, Sk, D] so grouped heads share K/V without copies."""
-    b, sq, hq, d = q.shape
-    hkv = k.shape[2]
-    qf = q.float().reshape(b, sq, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
-    return qf, k.float().transpose(1, 2), v.float().transpose(1, 2)
-
-
 class TorchBlockKernel:
-    """Materialises one block of scores in fp32; exact, any mask, any device."""
+    """Exact fp32 attention of one block with any mask, on any device.
+
+    Query rows are processed ``q_block`` at a time, so at most ``q_block x Sk`` scores per head are alive: memory
+    stays linear in the sequence for a fixed tile, as in FlashAttention, at the price of a Python loop over tiles.
+    """
 
     name = "torch"
+
+    def __init__(self, q_block: int = 512) -> None:
+        if q_block < 1:
+            raise ValueError(f"q_block must be >= 1, got {q_block}.")
+        self.q_block = q_block
 
     def _probs(self, qf: Tensor, kf: Tensor, scale: float, mask: Tensor | None, lse: Tensor | None):
         s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kf) * scale
@@ -132,29 +133,39 @@ class TorchBlockKernel:
         ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         return torch.exp(s - ref.unsqueeze(-1)), lse
 
+    def _tiles(self, sq: int) -> list[slice]:
+        return [slice(i, min(i + self.q_block, sq)) for i in range(0, sq, self.q_block)]
+
     def forward(self, q, k, v, *, scale, causal, q_pos, k_pos, q_seg=None, k_seg=None):
         b, sq, hq, d = q.shape
-        qf, kf, vf = _split_heads(q, k, v)
-        mask = _visible(q_pos, k_pos, causal, q_seg, k_seg, q.device)
-        p, lse = self._probs(qf, kf, scale, mask, None)
-        out = torch.einsum("bhgqk,bhkd->bhgqd", p, vf)
-        return out.permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d), lse.reshape(b, hq, sq)
+        hkv = k.shape[2]
+        kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)
+        outs, lses = [], []
+        for t in self._tiles(sq):
+            qf = q[:, t].float().reshape(b, -1, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+            mask = _visible(q_pos[t], k_pos, causal, None if q_seg is None else q_seg[:, t], k_seg, q.device)
+            p, lse = self._probs(qf, kf, scale, mask, None)
+            outs.append(torch.einsum("bhgqk,bhkd->bhgqd", p, vf).permute(0, 3, 1, 2, 4).reshape(b, -1, hq, d))
+            lses.append(lse.reshape(b, hq, -1))
+        return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal, q_pos, k_pos, q_seg=None, k_seg=None):
         b, sq, hq, d = q.shape
-        hkv = k.shape[2]
-        qf, kf, vf = _split_heads(q, k, v)
-        dof = dout.float().reshape(b, sq, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
-        of = out.float().reshape(b, sq, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
-        mask = _visible(q_pos, k_pos, causal, q_seg, k_seg, q.device)
-        # Probabilities against the row-FINAL lse: the block's share of the full softmax, hence exact gradients.
-        p, _ = self._probs(qf, kf, scale, mask, lse.reshape(b, hkv, hq // hkv, sq))
-        delta = (dof * of).sum(-1, keepdim=True)
-        dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dof)
-        ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dof, vf) - delta)
-        dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, kf) * scale
-        dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qf) * scale
-        return dq.permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d), dk.transpose(1, 2), dv.transpose(1, 2)
+        hkv, g = k.shape[2], hq // k.shape[2]
+        kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        dqs = []
+        for t in self._tiles(sq):
+            qf, dof, of = (x[:, t].float().reshape(b, -1, hkv, g, d).permute(0, 2, 3, 1, 4) for x in (q, dout, out))
+            mask = _visible(q_pos[t], k_pos, causal, None if q_seg is None else q_seg[:, t], k_seg, q.device)
+            # Probabilities against the row-FINAL lse: the block's share of the full softmax, hence exact gradients.
+            p, _ = self._probs(qf, kf, scale, mask, lse[:, :, t].reshape(b, hkv, g, -1))
+            delta = (dof * of).sum(-1, keepdim=True)
+            dv += torch.einsum("bhgqk,bhgqd->bhkd", p, dof)
+            ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dof, vf) - delta)
+            dqs.append((torch.einsum("bhgqk,bhkd->bhgqd", ds, kf) * scale).permute(0, 3, 1, 2, 4).reshape(b, -1, hq, d))
+            dk += torch.einsum("bhgqk,bhgqd->bhkd", ds, qf) * scale
+        return torch.cat(dqs, dim=1), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

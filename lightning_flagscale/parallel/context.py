@@ -328,6 +328,9 @@ def _check_heads(num_heads: int, num_kv_heads: int, ulysses: int) -> None:
 class HybridAttention(nn.Module):
     """CoreAttention replacement: Ulysses inside ``ulysses_group``, ring across ``ring_group`` (either may be None).
 
+    ``backend`` names the block kernel (see ``attention_kernels.get_attention_kernel``); ``kernel`` passes a
+    configured one instead (e.g. ``TorchBlockKernel(q_block=256)``).
+
     CP rank = ring_rank * ulysses_size + ulysses_rank (Ulysses ranks are consecutive), and the local tokens follow
     :func:`shard_batch_for_cp` over the whole CP group. Holds no parameters.
     """
@@ -339,12 +342,14 @@ class HybridAttention(nn.Module):
         *,
         backend: str = "torch",
         softmax_scale: float | None = None,
+        kernel: AttentionKernel | None = None,
     ) -> None:
         super().__init__()
         self.ring_group = _as_group(ring_group)
         self.ulysses_group = _as_group(ulysses_group)
-        self.backend = backend
-        self.kernel = get_attention_kernel(backend)  # raises here, at apply time, for backends without LSE
+        # Resolved here, at apply time, so a backend without LSE fails before training starts.
+        self.kernel = kernel if kernel is not None else get_attention_kernel(backend)
+        self.backend = self.kernel.name
         self.softmax_scale = softmax_scale
         self.ring_size = 1 if self.ring_group is None else dist.get_world_size(self.ring_group)
         self.ulysses_size = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)

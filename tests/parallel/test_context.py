@@ -220,7 +220,7 @@ def test_torch_kernel_blocks_merge_to_full_attention():
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _reference(*full, True, seg)
     ref.backward(dout)
-    kern, pos, scale = TorchBlockKernel(), torch.arange(12), 8**-0.5
+    kern, pos, scale = TorchBlockKernel(q_block=5), torch.arange(12), 8**-0.5  # 3 query tiles
     perm = torch.randperm(12)  # key blocks need not be contiguous: the mask comes from positions
     blocks = [perm[:5], perm[5:]]
     out = torch.zeros(2, 12, 4, 8)
