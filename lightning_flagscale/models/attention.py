@@ -101,16 +101,19 @@ class CoreAttention(nn.Module):
     Stateless (no parameters), so context parallelism may replace it with any module of the same interface.
     """
 
-    def __init__(self, backend: Backend = "torch", head_dim: int | None = None) -> None:
+    def __init__(
+        self, backend: Backend = "torch", head_dim: int | None = None, softmax_scale: float | None = None
+    ) -> None:
         super().__init__()
         self.backend = backend
         self.head_dim = head_dim
+        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim); read by context parallel when it swaps us out
         self._te: dict[tuple[int, int, int], nn.Module] = {}  # lazily built TE modules, keyed by local head shape
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, segment_ids: Tensor | None = None
     ) -> Tensor:
-        scale = q.shape[-1] ** -0.5
+        scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
         if self.backend == "torch":
             return _torch_attention(q, k, v, causal, segment_ids, scale)
         check_backend_available(self.backend)

@@ -110,6 +110,11 @@ class CausalLMModule(L.LightningModule):
 
     # ---- model construction ----------------------------------------------------------------------------------
     @property
+    def init_seed(self) -> int:
+        """Seed the strategy passes to ``init_weights`` after meta-device materialisation."""
+        return int(self.hparams.init_seed)
+
+    @property
     def vocab_multiple(self) -> int:
         trainer = self._trainer
         return int(getattr(trainer.strategy, "vocab_multiple", 1)) if trainer is not None else 1

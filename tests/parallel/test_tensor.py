@@ -69,6 +69,15 @@ def _tp_vs_single(config_name: str, sequence_parallel: bool) -> dict[str, float]
         assert torch.count_nonzero(full[rows:]) == 0 and torch.count_nonzero(grad[rows:]) == 0, name
         errors[f"value:{name}"] = _rel(full[:rows], ref_params[name].detach())
         errors[f"grad:{name}"] = _rel(grad[:rows], ref_params[name].grad)
+
+    # The eager flow: an initialised model parallelised afterwards keeps its values (and its tied head).
+    eager = CausalLM(cfg, vocab_multiple=2)
+    eager.init_weights(seed=7)
+    apply_tp(eager, mesh, sequence_parallel=sequence_parallel)
+    if cfg.tie_word_embeddings:
+        assert eager.lm_head.weight is eager.embed_tokens.weight
+    with torch.no_grad():
+        errors["eager_loss"] = _rel(eager.loss_fn(eager(ids, position_ids, segment_ids), labels), ref_loss.detach())
     return errors
 
 
@@ -114,6 +123,6 @@ def test_indivisible_sizes_raise():
     cfg = TransformerConfig(**_CONFIGS["tied_bias_oddvocab"])
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         check_tp_divisible(CausalLM(cfg), 3)
-    with pytest.raises(ValueError, match="padded vocab size=101 .*vocab_multiple"):
+    with pytest.raises(ValueError, match=r"padded vocab size=101 .*vocab_multiple"):
         check_tp_divisible(CausalLM(cfg), 2)
     check_tp_divisible(CausalLM(cfg, vocab_multiple=2), 2)
