@@ -119,13 +119,14 @@ def _local_box(tensor: Tensor) -> Box:
 
 
 @torch.no_grad()
-def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> None:
+def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> int:
     """Copy the HF checkpoint in ``hf_dir`` into ``module`` (a ``CausalLM`` or a module holding one at ``.model``).
 
     Works on plain modules and on parallelised ones (DTensor parameters from TP/FSDP/EP, pipeline stages missing
     parts); each rank reads only its shards. Padded vocab rows become zero. Persistent buffers that HF does not
     have (e.g. MoE router state) are reset as ``init_weights`` does, so this call replaces ``init_weights``.
     Raises ``HFConversionError``/``CheckpointFormatError`` naming the field, file or tensor at fault.
+    Returns the number of tensor bytes this rank read.
     """
     model = unwrap_causal_lm(module)
     root = Path(hf_dir)
@@ -133,6 +134,12 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> None:
     family = family_for(hf)
     _check_architecture(model.config, _family_config(hf, root, max_seq_len=model.config.max_seq_len), root)
     specs = family.weight_specs(model.config)
+    # Reset buffers first (as init_weights does), so a buffer that HF does provide is then overwritten by it.
+    for sub in model.modules():
+        for buf in sub.buffers(recurse=False):
+            buf.zero_()
+        if sub is not model and hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()
     with HFCheckpointReader(root) as reader:
         _check_names(reader, family, specs, model.config.tie_word_embeddings)
         param_ids = {id(p) for p in model.parameters()}
@@ -144,11 +151,9 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> None:
                     raise HFConversionError(
                         f"Parameter {name!r} of the module has no source in the {family.model_type} checkpoint map."
                     )
-                continue  # buffers: reset below
+                continue  # a buffer HF does not have: reset above
             _load_one(reader, name, spec, target)
-    for sub in model.modules():
-        if sub is not model and hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
+        return reader.bytes_read
 
 
 def _load_one(reader: HFCheckpointReader, name: str, spec: Spec, target: Tensor) -> None:

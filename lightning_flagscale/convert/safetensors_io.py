@@ -68,6 +68,8 @@ class HFCheckpointReader:
         if not self.root.is_dir():
             raise CheckpointFormatError(f"Hugging Face checkpoint folder {str(self.root)!r} does not exist.")
         self._handles: dict[str, Any] = {}
+        self.bytes_read = 0
+        """Tensor bytes returned by ``read`` so far (to check that a rank reads only its shard)."""
         index = self.root / INDEX_FILE
         if index.is_file():
             try:
@@ -127,10 +129,13 @@ class HFCheckpointReader:
         sl = self._slice(name)
         try:
             if box is None or len(box) == 0:
-                return self._open(self.weight_map[name]).get_tensor(name)
-            return sl[tuple(slice(a, b) for a, b in box)]
+                out = self._open(self.weight_map[name]).get_tensor(name)
+            else:
+                out = sl[tuple(slice(a, b) for a, b in box)]
         except SafetensorError as err:
             raise CheckpointFormatError(f"{self.file_of(name)}: tensor {name!r} cannot be read: {err}") from err
+        self.bytes_read += out.numel() * out.element_size()
+        return out
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles release their mmap when collected
