@@ -26,22 +26,30 @@ __all__ = ["EpochShuffleSampler", "LMDataModule", "ResumableDataLoader"]
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """A permutation of ``range(num_samples)`` that is a pure function of ``(seed, epoch)``.
+    """A permutation of ``range(num_samples)`` that is a pure function of ``(seed, data_epoch)``.
 
-    Unlike ``RandomSampler(generator=g)``, whose order depends on how often ``g`` was drawn before, epoch ``e``'s
-    order can be rebuilt after a restart. Lightning calls ``set_epoch`` (directly, or through its distributed wrapper).
+    Unlike ``RandomSampler(generator=g)``, whose order depends on how often ``g`` was drawn before, the order of a
+    data epoch can be rebuilt after a restart. Lightning calls ``set_epoch`` with its own epoch counter (directly, or
+    through its distributed wrapper); ``epoch_offset`` maps that counter to the data epoch, because Lightning counts a
+    run stopped mid-epoch by ``max_steps`` as a finished epoch while its data is only partly consumed.
     """
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int, *, epoch_offset: int = 0) -> None:
         self.num_samples = num_samples
         self.seed = seed
+        self.epoch_offset = epoch_offset
         self.epoch = 0
+
+    @property
+    def data_epoch(self) -> int:
+        """Which permutation this sampler yields."""
+        return self.epoch + self.epoch_offset
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed + self.data_epoch)
         return iter(torch.randperm(self.num_samples, generator=generator).tolist())
 
     def __len__(self) -> int:
@@ -140,6 +148,8 @@ class LMDataModule(L.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._resume: dict[str, Any] | None = None
+        self._train_sampler: EpochShuffleSampler | None = None
+        self._epoch_offset = 0
 
     # ---- datasets ----------------------------------------------------------------------------------------------
 
@@ -199,14 +209,16 @@ class LMDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_dataset is not None, "call setup() first"
+        self._epoch_offset, skip = self._resume_position()
+        self._train_sampler = EpochShuffleSampler(len(self.train_dataset), self.seed, epoch_offset=self._epoch_offset)
         return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            sampler=EpochShuffleSampler(len(self.train_dataset), self.seed),
+            sampler=self._train_sampler,
             drop_last=True,  # fixed shapes: pipeline micro-batching and CP sharding need full batches
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            skip_batches=self._skip_batches(),
+            skip_batches=skip,
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -221,6 +233,9 @@ class LMDataModule(L.LightningDataModule):
         )
 
     # ---- resumption --------------------------------------------------------------------------------------------
+    # The data position is (data epoch, samples consumed in it over all DP ranks); the per-epoch permutation is
+    # global, so the position means the same thing under any DP size. On restore, ``train_dataloader`` maps
+    # Lightning's epoch counter onto the data epoch (``epoch_offset``) and skips the consumed batches once.
 
     def _dp_size(self) -> int:
         trainer = self.trainer
@@ -233,15 +248,16 @@ class LMDataModule(L.LightningDataModule):
         return math.ceil(len(self.train_dataset) / dp_size) // self.batch_size
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position: epoch and samples consumed (over all DP ranks) in it, read from the trainer's progress."""
-        trainer = self.trainer
-        if trainer is None or self.train_dataset is None:
+        """The data position, read from the sampler (data epoch) and the trainer's progress (batches run in it)."""
+        trainer, sampler = self.trainer, self._train_sampler
+        if trainer is None or sampler is None or self.train_dataset is None:
             return {}
         dp_size = self._dp_size()
-        epoch = trainer.current_epoch
-        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # steps run in this epoch
         global_batch = self.batch_size * dp_size
-        in_epoch = batches * global_batch
+        epoch = sampler.data_epoch
+        in_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed * global_batch
+        if in_epoch >= self._batches_per_epoch(dp_size) * global_batch:  # a finished epoch: next one, from the start
+            epoch, in_epoch = epoch + 1, 0
         return {
             "epoch": epoch,
             "samples_in_epoch": in_epoch,
@@ -251,24 +267,25 @@ class LMDataModule(L.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Remember the data position; the next ``train_dataloader`` skips what that epoch already consumed."""
+        """Remember the data position; the next ``train_dataloader`` resumes from it."""
         self._resume = dict(state_dict) if state_dict else None
 
-    def _skip_batches(self) -> int:
-        """Per-rank batches to skip once after a restore (possibly under another DP size or batch size)."""
+    def _resume_position(self) -> tuple[int, int]:
+        """``(epoch_offset, batches to skip)`` for the loader built right after a restore; ``(offset, 0)`` otherwise."""
         state, self._resume = self._resume, None
         trainer = self.trainer
-        if not state or trainer is None or state["epoch"] != trainer.current_epoch:
-            return 0
+        if not state or trainer is None:
+            return self._epoch_offset, 0
         if state["seed"] != self.seed or state["num_train_samples"] != len(self.train_dataset or ()):
-            rank_zero_warn("LMDataModule: seed or dataset size changed since the checkpoint; not skipping any data.")
-            return 0
-        dp_size = self._dp_size()
-        global_batch = self.batch_size * dp_size
+            rank_zero_warn("LMDataModule: seed or dataset size changed since the checkpoint; not resuming the data.")
+            return self._epoch_offset, 0
+        # Lightning passes ``epoch_progress.current.processed`` to ``set_epoch`` for the epoch it is about to run.
+        offset = state["epoch"] - trainer.fit_loop.epoch_progress.current.processed
+        global_batch = self.batch_size * self._dp_size()
         skip, rest = divmod(state["samples_in_epoch"], global_batch)
         if rest:
             rank_zero_warn(
                 f"LMDataModule: {state['samples_in_epoch']} samples were consumed in this epoch, not a multiple of the "
                 f"new global batch {global_batch}; {rest} samples will be seen twice."
             )
-        return 0 if skip >= self._batches_per_epoch(dp_size) else skip
+        return offset, skip
