@@ -54,6 +54,38 @@ def _c10d_collectives() -> dict:
     return {"summary": comm.summary(), "table": comm.table(), "total": comm.total_wire_bytes()}
 
 
+def _list_and_rooted_collectives() -> dict:
+    rank = dist.get_rank()
+    with CommTracker() as comm:
+        dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(3))
+        dist.reduce_scatter_single(torch.empty(2), torch.ones(4))
+        dist.all_to_all([torch.empty(2), torch.empty(2)], [torch.ones(2), torch.ones(2)])
+        dist.gather(torch.ones(5), [torch.empty(5), torch.empty(5)] if rank == 0 else None, dst=0)
+        dist.scatter(torch.empty(6), [torch.ones(6), torch.ones(6)] if rank == 0 else None, src=0)
+        dist.reduce(torch.ones(7), dst=1)
+        dist.all_reduce_coalesced([torch.ones(2), torch.ones(3)])
+    return _ops(comm)
+
+
+def _pipeline_1f1b() -> dict:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stage = PipelineStage(nn.Linear(3, 3), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, target: out.sum())
+    x, target = torch.randn(8, 3), torch.zeros(8, 3)
+    summaries = []
+    for _ in range(2):  # the first step also exchanges shape metadata; the second only activations and grads
+        with CommTracker() as comm:
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=target, losses=[])
+        summaries.append(_ops(comm))
+    return summaries[1]
+
+
 def _dtensor_redistribute() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -148,6 +180,27 @@ def test_c10d_collectives_and_p2p_exact_bytes(launcher):
         expected_total = (6 + 4 + 4 + 3 + 12 + 7 + rows_off * 2) * F32
         assert res["total"] == expected_total
         assert "all_to_all" in res["table"] and "total wire" in res["table"]
+
+
+def test_list_rooted_and_coalesced_collectives(launcher):
+    for rank, ops in enumerate(launcher(2, _list_and_rooted_collectives)):
+        assert ops["all_gather"] == {"calls": 1, "payload_bytes": 3 * F32, "wire_bytes": 3 * F32}
+        assert ops["reduce_scatter"] == {"calls": 1, "payload_bytes": 4 * F32, "wire_bytes": 2 * F32}
+        assert ops["all_to_all"] == {"calls": 1, "payload_bytes": 4 * F32, "wire_bytes": 2 * F32}
+        # gather: the root receives the other rank's 5 floats, the other rank sends its 5.
+        assert ops["gather"] == {"calls": 1, "payload_bytes": 5 * F32, "wire_bytes": 5 * F32}
+        # scatter: the root hands over 2 x 6 floats and sends one slot; the other rank receives 6.
+        assert ops["scatter"] == {"calls": 1, "payload_bytes": (12 if rank == 0 else 6) * F32, "wire_bytes": 6 * F32}
+        assert ops["reduce"] == {"calls": 1, "payload_bytes": 7 * F32, "wire_bytes": 7 * F32}
+        assert ops["all_reduce"] == {"calls": 1, "payload_bytes": 5 * F32, "wire_bytes": 5 * F32}
+        assert len(ops) == 7
+
+
+def test_pipeline_schedule_p2p(launcher):
+    # 4 micro-batches of 2 x 3 floats: stage 0 sends activations and receives grads, stage 1 the reverse.
+    micro = {"calls": 4, "payload_bytes": 4 * 2 * 3 * F32, "wire_bytes": 4 * 2 * 3 * F32}
+    for ops in launcher(2, _pipeline_1f1b):
+        assert ops == {"recv": micro, "send": micro}
 
 
 def test_dtensor_redistribution_counts_functional_collectives(launcher):
