@@ -1,0 +1,579 @@
+"""Pipeline parallelism: stage planning, stage modules, schedules by name, and one runner the strategy drives.
+
+Built on ``torch.distributed.pipelining`` (``PipelineStage`` + its schedules, which run on CPU/gloo). What torch
+lacks and this file adds (issue 3):
+
+* **Stage planning** from the model protocol's ``pipeline_units()`` (embedding, blocks, final norm, head): even
+  split, explicit ``pipeline_layers``, or cost balancing that counts the embedding and LM head; and **empty-layer
+  padding** (61 layers, p=8, v=2 -> 64 slots): placeholder slots exist only in the plan, so they cost nothing,
+  hold no weights and can never reach a state dict.
+* **Stage modules** cut from one (meta) model by deleting what a stage does not run, keeping every FQN, so a
+  checkpoint written with PP=2 loads with PP=1 or PP=4.
+* **Schedules by name** with the placement each needs (looped for 1F1B-family, V-shaped for ZBV/DualPipeV) and
+  clear errors for layouts torch would reject late or hang on.
+* **Tied embeddings** across the first and last stage: both hold a copy; :meth:`PipelineRunner.sync_tied_grads`
+  sums their gradients over a 2-rank group.
+* **Per-stage recompute** (none / selective / full), see ``pipeline_recompute.py``.
+
+``position_ids`` and ``segment_ids`` reach every stage as keyword inputs of the schedule: torch splits keyword
+arguments into micro-batches and hands each stage its chunk together with the activations it receives (only
+positional arguments travel between stages), so every stage's ``forward(x, position_ids=..., segment_ids=...)``
+sees the same per-micro-batch ids. Every pipeline rank therefore calls :meth:`PipelineRunner.step` with the full
+batch dict (as Lightning does anyway: all ranks of a pipeline read the same data-parallel shard).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+)
+from torch.distributed.tensor import DTensor
+
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineRunner",
+    "StagePlan",
+    "build_pipeline",
+    "build_stage_module",
+    "min_microbatches",
+    "plan_stages",
+    "stage_ids_for_rank",
+    "unit_param_costs",
+    "validate_schedule",
+]
+
+_LAYER_PREFIX = "layers."
+
+# name -> (torch schedule class, stage placement). V placement: rank i holds stages i and 2p-1-i.
+SCHEDULES: dict[str, tuple[type, str]] = {
+    "gpipe": (ScheduleGPipe, "loop"),
+    "1f1b": (Schedule1F1B, "loop"),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop"),
+    "zero_bubble": (ScheduleInterleavedZeroBubble, "loop"),
+    "zbv": (ScheduleZBVZeroBubble, "v"),
+    "dualpipev": (ScheduleDualPipeV, "v"),
+}
+_V_SCHEDULES = ("zbv", "dualpipev")
+_SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage planning (pure, no process group)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which pipeline units each global stage runs, and how many placeholder (padding) layers it has."""
+
+    units: tuple[tuple[str, ...], ...]
+    """Per global stage, the units from ``pipeline_units()`` it runs, in execution order."""
+    padding: tuple[int, ...]
+    """Per global stage, placeholder layer slots: nothing is built for them, they only shape the split."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.units)
+
+    def layers(self, stage: int) -> list[str]:
+        """Decoder-layer keys (``"0"``, ``"1"``, ...) of ``stage``."""
+        return [u[len(_LAYER_PREFIX) :] for u in self.units[stage] if u.startswith(_LAYER_PREFIX)]
+
+    def num_layers(self) -> list[int]:
+        return [len(self.layers(s)) for s in range(self.num_stages)]
+
+
+def _split_units(units: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(units before the first layer, layers, units after the last layer); layers must be contiguous."""
+    idx = [i for i, u in enumerate(units) if u.startswith(_LAYER_PREFIX)]
+    if not idx:
+        raise ValueError(f"pipeline_units() has no 'layers.<i>' entries: {list(units)}.")
+    if idx != list(range(idx[0], idx[-1] + 1)):
+        raise ValueError(f"Decoder layers must be contiguous in pipeline_units(), got {list(units)}.")
+    return list(units[: idx[0]]), list(units[idx[0] : idx[-1] + 1]), list(units[idx[-1] + 1 :])
+
+
+def _padding_order(num_stages: int) -> list[int]:
+    # Placeholders go first where the non-layer work is: last stage (norm + LM head), first stage (embedding),
+    # then inwards, so the real layers shift towards the middle stages that carry nothing else.
+    order: list[int] = []
+    lo, hi = 0, num_stages - 1
+    while lo <= hi:
+        order.append(hi)
+        if lo != hi:
+            order.append(lo)
+        lo, hi = lo + 1, hi - 1
+    return order
+
+
+def _even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
+    """Real layers and padding slots per stage for an even split, padding to equal layers per pipeline rank."""
+    stages = pp * vpp
+    if num_layers % stages == 0:
+        return [num_layers // stages] * stages, [0] * stages
+    padded = math.ceil(num_layers / pp) * pp
+    per_rank = padded // pp
+    if per_rank % vpp:
+        fits = [v for v in range(1, per_rank + 1) if per_rank % v == 0]
+        raise ValueError(
+            f"virtual_pipeline_parallel_size={vpp} does not divide the {per_rank} layer slots per pipeline rank "
+            f"({num_layers} layers padded to {padded} for pipeline_parallel_size={pp}); use a virtual size in "
+            f"{fits}, or give pipeline_layers explicitly."
+        )
+    slots = padded // stages
+    padding = [0] * stages
+    order = _padding_order(stages)
+    for i in range(padded - num_layers):
+        padding[order[i % stages]] += 1
+    return [slots - pad for pad in padding], padding
+
+
+def _balanced_partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising the largest run; returns run lengths."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-run cost splitting the first i units into k runs; cut[k][i]: start of the last run.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    lengths, i = [], n
+    for k in range(parts, 0, -1):
+        lengths.append(i - cut[k][i])
+        i = cut[k][i]
+    return lengths[::-1]
+
+
+def plan_stages(
+    units: Sequence[str],
+    pipeline_parallel_size: int,
+    virtual_pipeline_parallel_size: int = 1,
+    *,
+    pipeline_layers: Sequence[int] | None = None,
+    balance: str = "even",
+    unit_costs: Mapping[str, float] | None = None,
+) -> StagePlan:
+    """Cut ``units`` (from ``model.pipeline_units()``) into ``pp x vpp`` contiguous stages.
+
+    ``pipeline_layers`` fixes the decoder layers per stage; otherwise ``balance="even"`` gives every stage the same
+    number of layer slots (padding with placeholders when needed) and ``balance="cost"`` minimises the largest
+    stage cost from ``unit_costs`` (e.g. :func:`unit_param_costs`), counting embedding, final norm and LM head.
+    Units before the first layer always go to stage 0 and units after the last to the last stage, except under
+    ``"cost"``, where the embedding or head may get a stage of its own.
+    """
+    stages = pipeline_parallel_size * virtual_pipeline_parallel_size
+    if stages > len(units):
+        raise ValueError(
+            f"pipeline_parallel_size x virtual_pipeline_parallel_size = {stages} stages exceed the {len(units)} "
+            f"pipeline units of the model ({', '.join(units)}); lower the pipeline size."
+        )
+    head, layers, tail = _split_units(units)
+    if pipeline_layers is not None:
+        counts, padding = list(pipeline_layers), [0] * stages
+        if len(counts) != stages:
+            raise ValueError(f"pipeline_layers={counts} needs one entry per stage ({stages} stages).")
+        if sum(counts) != len(layers) or min(counts) < 0:
+            raise ValueError(f"pipeline_layers={counts} must be >= 0 and sum to the {len(layers)} decoder layers.")
+    elif balance == "even":
+        counts, padding = _even_layer_counts(len(layers), pipeline_parallel_size, virtual_pipeline_parallel_size)
+    elif balance == "cost":
+        if unit_costs is None:
+            raise ValueError("balance='cost' needs unit_costs (e.g. unit_param_costs(model)).")
+        lengths = _balanced_partition([float(unit_costs[u]) for u in units], stages)
+        out, start = [], 0
+        for n in lengths:
+            out.append(tuple(units[start : start + n]))
+            start += n
+        return StagePlan(units=tuple(out), padding=(0,) * stages)
+    else:
+        raise ValueError(f"balance={balance!r} is unknown; use 'even' or 'cost'.")
+    out, start = [], 0
+    for s, n in enumerate(counts):
+        stage_units = layers[start : start + n]
+        start += n
+        if s == 0:
+            stage_units = head + stage_units
+        if s == stages - 1:
+            stage_units = stage_units + tail
+        if not stage_units:
+            raise ValueError(f"Stage {s} would run nothing (layers per stage {counts}); give every stage a layer.")
+        out.append(tuple(stage_units))
+    return StagePlan(units=tuple(out), padding=tuple(padding))
+
+
+def unit_param_costs(model: nn.Module, units: Sequence[str] | None = None) -> dict[str, float]:
+    """Parameter count of each pipeline unit, a FLOP proxy (2 x params x tokens for every linear/embedding).
+
+    A tied LM head counts its (shared) weight again: it costs a full matmul even though it owns no new storage.
+    """
+    units = list(units if units is not None else model.pipeline_units())
+    return {
+        u: float(sum(p.numel() for _, p in model.get_submodule(u).named_parameters(remove_duplicate=False)))
+        for u in units
+    }
+
+
+def stage_ids_for_rank(rank: int, pipeline_parallel_size: int, num_stages: int, style: str = "loop") -> list[int]:
+    """Global stage indices held by pipeline rank ``rank``: looped (r, r+p, ...) or V-shaped (r, 2p-1-r)."""
+    p = pipeline_parallel_size
+    if style == "v":
+        if num_stages != 2 * p:
+            raise ValueError(f"V-shaped placement needs exactly 2 stages per rank ({2 * p}), got {num_stages}.")
+        return [rank, 2 * p - 1 - rank]
+    return list(range(rank, num_stages, p))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Schedule checks (pure)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def min_microbatches(schedule: str, pipeline_parallel_size: int, virtual_pipeline_parallel_size: int = 1) -> int:
+    """Fewest micro-batches ``schedule`` accepts at this layout (fewer would leave stages without work or deadlock)."""
+    if schedule == "gpipe":
+        return 1
+    if schedule == "dualpipev":
+        return 2 * pipeline_parallel_size  # torch: at least as many micro-batches as stages
+    return pipeline_parallel_size
+
+
+def validate_schedule(
+    schedule: str, pipeline_parallel_size: int, virtual_pipeline_parallel_size: int, n_microbatches: int | None = None
+) -> None:
+    """Raise ``ValueError`` naming the fix when ``schedule`` cannot run this layout (before any stage is built)."""
+    p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}.")
+    if schedule in _SINGLE_STAGE_SCHEDULES and v != 1:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs one stage per rank but virtual_pipeline_parallel_size={v}; use"
+            " 'interleaved_1f1b' or 'zero_bubble' for virtual stages, or set virtual_pipeline_parallel_size=1."
+        )
+    if schedule in _V_SCHEDULES and v != 2:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} is V-shaped: every rank holds exactly 2 stages (i and 2p-1-i), so it "
+            f"needs virtual_pipeline_parallel_size=2, got {v} ({p * v} stages for {p} ranks)."
+        )
+    if n_microbatches is None:
+        return
+    need = min_microbatches(schedule, p, v)
+    if n_microbatches < need:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} with pipeline_parallel_size={p} needs at least {need} micro-batches, "
+            f"got {n_microbatches}; raise the batch size or lower micro_batch_size "
+            "(micro-batches = batch per data-parallel rank / micro_batch_size)."
+        )
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        rounds = max(1, n_microbatches // p)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} needs the micro-batch count to be a multiple of the number of "
+                f"rounds (micro-batches // pipeline size = {rounds}), got {n_microbatches}; use a multiple of {p}."
+            )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage modules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_stage_module(model: nn.Module, units: Sequence[str]) -> nn.Module:
+    """A copy of ``model`` that runs only ``units``: other layers deleted from ``layers``, absent parts set to None.
+
+    Kept layers keep their ModuleDict keys (FQNs such as ``layers.7.mlp.up_proj.weight``), so state dicts of all
+    stages together are exactly the full model's. Works on meta models; only the kept parts are copied.
+    """
+    keep = set(units)
+    all_units = list(model.pipeline_units())
+    unknown = keep - set(all_units)
+    if unknown:
+        raise ValueError(f"Units {sorted(unknown)} are not in the model's pipeline_units().")
+    full_layers = model.layers
+    dropped_parts = {u: getattr(model, u) for u in all_units if not u.startswith(_LAYER_PREFIX) and u not in keep}
+    # Temporarily strip what the stage does not run so deepcopy never touches it (no copy of unused weights).
+    model.layers = nn.ModuleDict({k: m for k, m in full_layers.items() if f"{_LAYER_PREFIX}{k}" in keep})
+    try:
+        for name in dropped_parts:
+            setattr(model, name, None)
+        stage = copy.deepcopy(model)
+    finally:
+        model.layers = full_layers
+        for name, module in dropped_parts.items():
+            setattr(model, name, module)
+    return stage
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _make_forward_only(schedule: PipelineScheduleMulti) -> None:
+    """Keep only the forward actions of a multi-stage schedule and re-lower its communication.
+
+    torch's ``schedule.eval()`` replays the training order with backward switched off, which breaks for V
+    placements (a stage hands its input gradient to the co-located previous stage, and there is none). The forward
+    actions of a deadlock-free schedule, in the same per-rank order, are deadlock-free too: backward actions never
+    feed a forward. The lowering reuses torch's own passes (unshard/reshard for FSDP stages, then send/recv);
+    ``_prepare_schedule_with_comms`` itself cannot be used because it insists on one backward per micro-batch.
+    Private torch helpers: pinned by the forward-only parity tests of every multi-stage schedule.
+    """
+    order: dict[int, list[Any]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        # DualPipeV fuses a forward and a backward into one OVERLAP_F_B action: keep its forward part.
+        flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
+        order[rank] = [a for a in flat if a.computation_type == _ComputationType.FORWARD]
+    lowered = {rank: _add_unshard_reshard(actions) for rank, actions in order.items()}
+    schedule.pipeline_order = order
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        lowered, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class PipelineRunner:
+    """The stages this rank holds, the training schedule and the forward-only path, behind two calls.
+
+    Integration order for the strategy (PP outermost): ``build_pipeline`` -> TP/CP on each of ``stage_modules``
+    -> ZeRO/FSDP on each -> optimizer over their parameters. Per training step: ``loss = runner.step(batch)``
+    (forward + backward of all micro-batches; grads left in ``.grad``, already averaged over micro-batches), then,
+    once per optimizer step and before clipping / the DP reduction, ``runner.sync_tied_grads()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: StagePlan,
+        stage_ids: list[int],
+        stage_modules: list[nn.Module],
+        pp_mesh: DeviceMesh,
+        schedule_name: str,
+        micro_batch_size: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        tied: bool,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self.stage_ids = stage_ids
+        self.stage_modules = stage_modules
+        self.pp_mesh = pp_mesh
+        self.schedule_name = schedule_name
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self._user_loss_fn = loss_fn
+        self._group = pp_mesh.get_group()
+        self._pp = pp_mesh.size()
+        self._rank = pp_mesh.get_local_rank()
+        style = SCHEDULES[schedule_name][1]
+        self._stage_to_rank = {
+            s: r for r in range(self._pp) for s in stage_ids_for_rank(r, self._pp, plan.num_stages, style)
+        }
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self.has_first_stage = 0 in stage_ids
+        self.has_last_stage = plan.num_stages - 1 in stage_ids
+        self._tied_group: dist.ProcessGroup | None = None
+        self._tied = tied
+        if tied:
+            ends = {self._stage_to_rank[0], self._stage_to_rank[plan.num_stages - 1]}
+            if len(ends) == 2 and self._rank in ends:
+                ranks = sorted(dist.get_global_rank(self._group, r) for r in ends)
+                # Only the two ranks join: use_local_synchronization lets every other rank skip the call.
+                self._tied_group = dist.new_group(ranks, use_local_synchronization=True)
+
+    # ---- loss ----
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._user_loss_fn is not None:
+            return self._user_loss_fn(output, target)
+        # The last stage module's own loss: after TP it knows its vocab shard (vocab-parallel cross-entropy).
+        return self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)].loss_fn(output, target)
+
+    # ---- schedules ----
+    def _schedule(self, n_microbatches: int, train: bool) -> Any:
+        key = (n_microbatches, train)
+        if key not in self._schedules:
+            validate_schedule(self.schedule_name, self._pp, len(self.stage_ids), n_microbatches)
+            stages = [
+                PipelineStage(m, s, self.plan.num_stages, self.device, group=self._group)
+                for s, m in zip(self.stage_ids, self.stage_modules)
+            ]
+            cls = SCHEDULES[self.schedule_name][0]
+            if issubclass(cls, PipelineScheduleSingle):
+                sched = cls(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=True)
+            else:
+                assert issubclass(cls, PipelineScheduleMulti)
+                sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=True)
+            if not train and isinstance(sched, PipelineScheduleMulti):
+                _make_forward_only(sched)
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    def _split_batch(self, batch: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any, int]:
+        input_ids = batch["input_ids"]
+        size = input_ids.shape[0]
+        if size % self.micro_batch_size:
+            raise ValueError(
+                f"Batch size {size} per data-parallel rank is not a multiple of micro_batch_size="
+                f"{self.micro_batch_size}; make the DataLoader batch size a multiple of it."
+            )
+        args = (input_ids.to(self.device),) if self.has_first_stage else ()
+        # Keyword inputs reach every stage, split into the same micro-batches as the tokens (module docstring).
+        kwargs = {k: batch[k].to(self.device) for k in ("position_ids", "segment_ids") if batch.get(k) is not None}
+        target = batch["labels"].to(self.device) if self.has_last_stage else None
+        return args, kwargs, target, size // self.micro_batch_size
+
+    def _reduce_losses(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        # Each micro-batch loss is a mean over its tokens and torch divides grads by the micro-batch count, so the
+        # step's loss is the mean over micro-batches; it lives on the last stage and is broadcast for logging.
+        out = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.has_last_stage:
+            assert losses
+            out = torch.stack([_local(x).detach().float() for x in losses]).mean().reshape(())
+        src = self._stage_to_rank[self.plan.num_stages - 1]
+        dist.broadcast(out, group=self._group, group_src=src)
+        return out
+
+    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Forward + backward of every micro-batch of ``batch``; returns the mean loss (same on every PP rank)."""
+        args, kwargs, target, n = self._split_batch(batch)
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        self._schedule(n, train=True).step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return self._reduce_losses(losses)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Forward-only pipeline over the micro-batches of ``batch``; returns the mean loss on every PP rank."""
+        args, kwargs, target, n = self._split_batch(batch)
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        self._schedule(n, train=False).eval(*args, target=target, losses=losses, **kwargs)
+        return self._reduce_losses(losses)
+
+    # ---- tied embeddings ----
+    def _tied_params(self) -> list[nn.Parameter]:
+        params = []
+        if self.has_first_stage:
+            params.append(self.stage_modules[self.stage_ids.index(0)].embed_tokens.weight)
+        if self.has_last_stage:
+            params.append(self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)].lm_head.weight)
+        return params
+
+    @torch.no_grad()
+    def sync_tied_params(self) -> None:
+        """Copy the first stage's embedding into the last stage's tied LM head (call once after materialising).
+
+        Per-FQN initialisation seeds ``lm_head.weight`` and ``embed_tokens.weight`` differently on split stages;
+        this makes the two copies the same tensor values, as in the unsplit (tied) model.
+        """
+        if not self._tied:
+            return
+        params = self._tied_params()
+        if len(params) == 2:
+            _local(params[1]).copy_(_local(params[0]))
+        elif self._tied_group is not None:
+            first = dist.get_global_rank(self._group, self._stage_to_rank[0])
+            dist.broadcast(_local(params[0]), src=first, group=self._tied_group)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of the tied embedding / LM-head copies on the first and last stage.
+
+        Call exactly once per optimizer step, after the last ``step`` of the accumulation window and before
+        gradient clipping and the optimizer (calling it per micro-step would double-count earlier micro-steps).
+        The two copies start identical and get identical gradients, so they stay identical. No-op when untied
+        or on ranks that hold neither end.
+        """
+        if not self._tied:
+            return
+        params = [p for p in self._tied_params() if p.grad is not None]
+        if not params:
+            return
+        if len(self._tied_params()) == 2:  # both ends on this rank (V placement, or PP=1 through this path)
+            first, last = self._tied_params()
+            total = _local(first.grad) + _local(last.grad)
+            _local(first.grad).copy_(total)
+            _local(last.grad).copy_(total)
+            return
+        if self._tied_group is not None:
+            dist.all_reduce(_local(params[0].grad), group=self._tied_group)
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    config: ParallelConfig,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    *,
+    balance: str = "even",
+    unit_costs: Mapping[str, float] | None = None,
+    device: torch.device | str | None = None,
+) -> PipelineRunner:
+    """Split ``model`` into this rank's pipeline stages and return the runner the strategy drives.
+
+    ``model`` (usually on the meta device) implements ``pipeline_units()``, keeps its blocks in a ``layers``
+    ``nn.ModuleDict`` and accepts ``forward(x, position_ids=None, segment_ids=None)``. ``loss_fn`` defaults to the
+    last stage module's ``loss_fn``. Recompute from ``config.recompute`` is applied per stage here.
+    """
+    p, v = config.pipeline_parallel_size, config.virtual_pipeline_parallel_size
+    if pp_mesh.size() != p:
+        raise ValueError(f"pp_mesh has {pp_mesh.size()} ranks but pipeline_parallel_size={p}.")
+    validate_schedule(config.pipeline_schedule, p, v)
+    units = list(model.pipeline_units())
+    if balance == "cost" and unit_costs is None:
+        unit_costs = unit_param_costs(model, units)
+    plan = plan_stages(units, p, v, pipeline_layers=config.pipeline_layers, balance=balance, unit_costs=unit_costs)
+    style = SCHEDULES[config.pipeline_schedule][1]
+    stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, plan.num_stages, style)
+    recompute = resolve_recompute(getattr(config, "recompute", "none"), plan.num_stages)
+    modules = []
+    for s in stage_ids:
+        module = build_stage_module(model, plan.units[s])
+        apply_recompute(module, recompute[s])
+        modules.append(module)
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return PipelineRunner(
+        plan=plan,
+        stage_ids=stage_ids,
+        stage_modules=modules,
+        pp_mesh=pp_mesh,
+        schedule_name=config.pipeline_schedule,
+        micro_batch_size=config.micro_batch_size,
+        loss_fn=loss_fn,
+        tied=tied,
+        device=torch.device(device),
+    )

@@ -1,0 +1,320 @@
+"""Pipeline parallelism (issue 3): split planning, schedules vs the single-process fp32 oracle, recompute, errors.
+
+Multi-process cases run on the shared gloo launcher at world size 2 (V schedules: 2 stages per rank). Every parity
+case trains the reference ``CausalLM`` for three optimizer steps through ``PipelineRunner`` and compares, on every
+rank, the per-step losses, the first step's gradients and the final parameters of the stages the rank holds with
+the same model trained in one process (relative error <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.models.decoder import CausalLM
+from lightning_flagscale.parallel.pipeline import (
+    build_pipeline,
+    build_stage_module,
+    min_microbatches,
+    plan_stages,
+    stage_ids_for_rank,
+    unit_param_costs,
+    validate_schedule,
+)
+from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+
+TOL = 1e-5
+
+
+def _units(n: int) -> list[str]:
+    return ["embed_tokens", *(f"layers.{i}" for i in range(n)), "norm", "lm_head"]
+
+
+def _tiny(**overrides) -> TransformerConfig:
+    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_layers=4)
+    return TransformerConfig.from_preset("llama-tiny", **{**base, **overrides})
+
+
+def _batch(n: int, seq: int = 8, vocab: int = 256, with_ids: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (n, seq), generator=gen)
+    labels = torch.randint(0, vocab, (n, seq), generator=gen)
+    labels[0, :3] = -100  # unequal token counts per micro-batch: the loss is the mean over micro-batches
+    batch = {"input_ids": ids, "labels": labels}
+    if with_ids:  # packed documents: two segments per row with restarted positions
+        half = seq // 2
+        batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(n, seq).clone()
+        batch["segment_ids"] = torch.cat([torch.zeros(half), torch.ones(seq - half)]).long().expand(n, seq).clone()
+    return batch
+
+
+def _micro(batch: dict[str, torch.Tensor], mbs: int) -> list[dict[str, torch.Tensor]]:
+    n = batch["input_ids"].shape[0] // mbs
+    return [{k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()} for i in range(n)]
+
+
+def _opt(params, name: str) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _oracle(model: CausalLM, batch, mbs: int, steps: int, optim: str):
+    model = copy.deepcopy(model)
+    opt = _opt(model.parameters(), optim)
+    losses, grads = [], {}
+    for step in range(steps):
+        mbatches = _micro(batch, mbs)
+        total = 0.0
+        for mb in mbatches:
+            out = model(mb["input_ids"], position_ids=mb.get("position_ids"), segment_ids=mb.get("segment_ids"))
+            loss = model.loss_fn(out, mb["labels"]) / len(mbatches)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        eval_loss = sum(
+            model.loss_fn(
+                model(mb["input_ids"], position_ids=mb.get("position_ids"), segment_ids=mb.get("segment_ids")),
+                mb["labels"],
+            ).item()
+            for mb in _micro(batch, mbs)
+        )
+    losses.append(eval_loss / len(_micro(batch, mbs)))
+    # Tied weights appear once in named_parameters (as embed_tokens.weight); stages name them lm_head.weight too.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if model.config.tie_word_embeddings:
+        grads["lm_head.weight"] = grads["embed_tokens.weight"]
+    return losses, grads, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _pipeline_parity(
+    schedule: str,
+    vpp: int,
+    *,
+    n_micro: int = 4,
+    mbs: int = 1,
+    optim: str = "sgd",
+    model_kw: dict | None = None,
+    pipeline_layers: list[int] | None = None,
+    recompute: str | list[str] = "none",
+    with_ids: bool = False,
+    balance: str = "even",
+    steps: int = 3,
+) -> dict:
+    torch.manual_seed(0)
+    cfg = _tiny(**(model_kw or {}))
+    model = CausalLM(cfg)
+    model.init_weights(seed=3)
+    batch = _batch(n_micro * mbs, with_ids=with_ids)
+    ref_losses, ref_grads, ref_params = _oracle(model, batch, mbs, steps, optim)
+
+    pcfg = ParallelConfig(
+        pipeline_parallel_size=2,
+        virtual_pipeline_parallel_size=vpp,
+        pipeline_schedule=schedule,
+        micro_batch_size=mbs,
+        pipeline_layers=pipeline_layers,
+        recompute=recompute,
+    )
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    runner = build_pipeline(model, mesh, pcfg, balance=balance)
+    params = [p for m in runner.stage_modules for p in m.parameters()]
+    opt = _opt(params, optim)
+    losses, grad_err = [], 0.0
+    for step in range(steps):
+        losses.append(runner.step(batch).item())
+        runner.sync_tied_grads()
+        if step == 0:
+            for m in runner.stage_modules:
+                for n, p in m.named_parameters():
+                    grad_err = max(grad_err, _rel(p.grad, ref_grads[n]))
+        opt.step()
+        opt.zero_grad()
+    param_err = max(_rel(p.detach(), ref_params[n]) for m in runner.stage_modules for n, p in m.named_parameters())
+    eval_loss = runner.eval_step(batch).item()
+    ref_eval = ref_losses.pop()
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip([*losses, eval_loss], [*ref_losses, ref_eval]))
+    return {
+        "loss_err": loss_err,
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "eval_loss": eval_loss,
+        "losses": losses,
+        "stage_ids": runner.stage_ids,
+        "units": [list(u) for u in runner.plan.units],
+        "state_keys": sorted(k for m in runner.stage_modules for k in m.state_dict()),
+        "n_params": len(params),
+        "ref_keys": sorted(model.state_dict()),
+    }
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        assert r["loss_err"] <= TOL, r
+        assert r["grad_err"] <= TOL, r
+        assert r["param_err"] <= TOL, r
+    assert results[0]["losses"] == results[1]["losses"]  # broadcast: every rank reports the same loss
+    assert results[0]["eval_loss"] == results[1]["eval_loss"]
+
+
+# ---- planning (single process) --------------------------------------------------------------------------------------
+
+
+def test_even_split_puts_embedding_and_head_on_the_ends():
+    plan = plan_stages(_units(4), 2)
+    assert plan.units == (("embed_tokens", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "lm_head"))
+    assert plan.padding == (0, 0)
+
+
+def test_explicit_uneven_split():
+    plan = plan_stages(_units(5), 2, pipeline_layers=[1, 4])
+    assert plan.num_layers() == [1, 4]
+    assert plan.units[0] == ("embed_tokens", "layers.0")
+
+
+def test_padding_61_layers_p8_v2_gives_64_slots():
+    plan = plan_stages(_units(61), 8, 2)
+    assert plan.num_stages == 16
+    assert [n + pad for n, pad in zip(plan.num_layers(), plan.padding)] == [4] * 16
+    assert sum(plan.padding) == 3 and sum(plan.num_layers()) == 61
+    assert plan.padding[-1] == 1 and plan.padding[0] == 1  # head and embedding stages get the placeholders
+    layers = [layer for s in range(16) for layer in plan.layers(s)]
+    assert layers == [str(i) for i in range(61)]
+
+
+def test_cost_balance_counts_embedding_and_head():
+    costs = {u: 1.0 for u in _units(6)}
+    costs["embed_tokens"] = costs["lm_head"] = 3.0
+    plan = plan_stages(_units(6), 3, balance="cost", unit_costs=costs)
+    totals = [sum(costs[u] for u in stage) for stage in plan.units]
+    assert max(totals) == 5.0, plan.units  # total 13 over 3 stages: 5 is optimal, an even 2-2-2 split gives 7
+    assert plan.units[0][0] == "embed_tokens" and plan.units[-1][-1] == "lm_head"
+
+
+def test_unit_param_costs_on_real_model():
+    model = CausalLM(_tiny(tie_word_embeddings=True))
+    costs = unit_param_costs(model)
+    assert costs["lm_head"] == costs["embed_tokens"] == 256 * 32  # tied head still costs its matmul
+    assert costs["norm"] == 32
+
+
+def test_stage_module_keeps_fqns_and_drops_the_rest():
+    with torch.device("meta"):
+        model = CausalLM(_tiny())
+    stage = build_stage_module(model, ["layers.2", "layers.3", "norm", "lm_head"])
+    assert stage.embed_tokens is None and list(stage.layers) == ["2", "3"]
+    assert all(k.startswith(("layers.2.", "layers.3.", "norm.", "lm_head.")) for k in stage.state_dict())
+    assert model.embed_tokens is not None and len(model.layers) == 4  # original untouched
+
+
+def test_v_placement():
+    assert stage_ids_for_rank(0, 4, 8, "v") == [0, 7]
+    assert stage_ids_for_rank(3, 4, 8, "v") == [3, 4]
+    assert stage_ids_for_rank(1, 2, 4, "loop") == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: plan_stages(_units(2), 3, 2), "exceed the 5 pipeline units"),
+        (lambda: plan_stages(_units(10), 2, 4), "does not divide the 5 layer slots"),
+        (lambda: validate_schedule("1f1b", 4, 1, 3), "at least 4 micro-batches"),
+        (lambda: validate_schedule("dualpipev", 2, 2, 3), "at least 4 micro-batches"),
+        (lambda: validate_schedule("zbv", 2, 1), "needs virtual_pipeline_parallel_size=2"),
+        (lambda: validate_schedule("dualpipev", 2, 3), "exactly 2 stages"),
+        (lambda: validate_schedule("1f1b", 2, 2), "one stage per rank"),
+        (lambda: validate_schedule("pipedream", 2, 1), "unknown"),
+        (lambda: plan_stages(_units(4), 2, pipeline_layers=[1, 2]), "sum to the 4"),
+        (lambda: resolve_recompute(["full"], 2), "one mode per pipeline stage"),
+        (lambda: resolve_recompute("most", 1), "unknown"),
+        (lambda: ParallelConfig(recompute=["full"], pipeline_parallel_size=2), "2 pipeline stages"),
+    ],
+)
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_min_microbatches():
+    assert min_microbatches("gpipe", 4) == 1
+    assert min_microbatches("1f1b", 4) == 4
+    assert min_microbatches("dualpipev", 4, 2) == 8
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_matches_and_keeps_fqns(mode):
+    torch.manual_seed(0)
+    model = CausalLM(_tiny(num_layers=2))
+    model.init_weights(1)
+    other = copy.deepcopy(model)
+    apply_recompute(other, mode)
+    assert [n for n, _ in other.named_parameters()] == [n for n, _ in model.named_parameters()]
+    batch = _batch(2)
+    for m in (model, other):
+        m.loss_fn(m(batch["input_ids"]), batch["labels"]).backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
+        assert _rel(b.grad, a.grad) <= TOL, n
+
+
+# ---- multi-process parity -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vpp", "optim"),
+    [
+        ("gpipe", 1, "sgd"),
+        ("1f1b", 1, "adamw"),
+        ("interleaved_1f1b", 2, "sgd"),
+        ("zero_bubble", 1, "adamw"),
+        ("zbv", 2, "sgd"),
+        ("dualpipev", 2, "adamw"),
+    ],
+)
+def test_schedule_matches_single_process(launcher, schedule, vpp, optim):
+    results = launcher(2, _pipeline_parity, schedule, vpp, optim=optim)
+    _check(results)
+    # Stages of both ranks together are exactly the full model's state dict.
+    assert sorted(results[0]["state_keys"] + results[1]["state_keys"]) == results[0]["ref_keys"]
+
+
+def test_uneven_split_with_packed_ids_and_per_stage_recompute(launcher):
+    results = launcher(
+        2,
+        _pipeline_parity,
+        "1f1b",
+        1,
+        model_kw={"num_layers": 3},
+        pipeline_layers=[1, 2],
+        recompute=["full", "selective"],
+        with_ids=True,
+    )
+    _check(results)
+    assert results[0]["units"] == [["embed_tokens", "layers.0"], ["layers.1", "layers.2", "norm", "lm_head"]]
+
+
+def test_padded_layers_interleaved(launcher):
+    # 3 layers, p=2, v=2: 4 slots, one placeholder on the last stage; it holds no weights.
+    results = launcher(2, _pipeline_parity, "interleaved_1f1b", 2, model_kw={"num_layers": 3})
+    _check(results)
+    assert results[1]["units"][-1] == ["norm", "lm_head"]
+    assert sorted(results[0]["state_keys"] + results[1]["state_keys"]) == results[0]["ref_keys"]
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("zbv", 2)])
+def test_tied_embeddings(launcher, schedule, vpp):
+    # 1f1b: embedding on rank 0, head on rank 1 (grads all-reduced); zbv: both ends on rank 0 (summed locally).
+    results = launcher(2, _pipeline_parity, schedule, vpp, optim="adamw", model_kw={"tie_word_embeddings": True})
+    _check(results)
