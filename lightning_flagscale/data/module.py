@@ -151,6 +151,13 @@ class LMDataModule(L.LightningDataModule):
         self._train_sampler: EpochShuffleSampler | None = None
         self._epoch_offset = 0
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce (the model's ``vocab_size`` must be at least this); loads the tokenizer."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        return self.tokenizer.vocab_size
+
     # ---- datasets ----------------------------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
@@ -161,7 +168,8 @@ class LMDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
-        self.tokenizer = load_tokenizer(self.tokenizer_name)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
         if self.source == "synthetic":
             train_docs = SyntheticTextDataset(None if self.packing else self.num_train_samples, seed=self.seed)
             val_docs = SyntheticTextDataset(

@@ -5,8 +5,8 @@ and every resume sees the same text, and the corpus can be indexed at random (ma
 
 What there is to learn, from easy to hard (so the loss falls early and keeps falling):
 
-- a closed vocabulary of a few hundred lowercase words in a handful of sentence templates (spelling, spacing,
-  punctuation: the first nats of loss);
+- a closed vocabulary of about a hundred lowercase words and numbers in a handful of sentence templates
+  (spelling, spacing, punctuation: the first nats of loss);
 - **facts that recur**: a small fixed "world" of people (made-up names, drawn once from ``seed``) each with a city,
   a pet, a colour and a food; every mention of ``mira`` says she lives in the same city, in train and validation
   alike, so the facts can be memorised;

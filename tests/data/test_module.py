@@ -23,7 +23,7 @@ def _dm(**kwargs) -> LMDataModule:
 
 def test_synthetic_batches_follow_the_model_contract():
     dm = _dm()
-    assert (len(dm.train_dataset), len(dm.val_dataset)) == (64, 16)
+    assert (len(dm.train_dataset), len(dm.val_dataset), dm.vocab_size) == (64, 16, 256)
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"input_ids", "labels", "position_ids", "segment_ids"}
     assert all(v.shape == (4, 32) and v.dtype == torch.int64 for v in batch.values())
