@@ -1,0 +1,155 @@
+"""Sharded, reshardable, atomic checkpoints on top of ``torch.distributed.checkpoint`` (DCP).
+
+Layout of a checkpoint folder::
+
+    ckpt/
+      .metadata, __*_*.distcp    DCP: model weights and optimizer states, keyed by parameter name, stored as the
+                                 union of every rank's shards (DTensor/TP/FSDP2/ZeRO layouts all save the same keys)
+      meta.pt                    everything else Lightning saves (loops, schedulers, callbacks, precision, data
+                                 position, per-rank RNG), written by rank 0
+      COMPLETE                   written last
+
+All ranks write into ``ckpt.tmp-<id>/``; rank 0 renames it to ``ckpt/`` only after every rank finished and the
+marker is written, so a crash leaves a ``*.tmp-*`` folder that is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "META_FILE",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
+    "load_sharded",
+    "read_meta",
+    "save_sharded",
+]
+
+META_FILE = "meta.pt"
+COMPLETE_MARKER = "COMPLETE"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A finished sharded checkpoint folder written by ``save_sharded``."""
+    path = Path(path)
+    return path.is_dir() and (path / COMPLETE_MARKER).is_file() and (path / ".metadata").is_file()
+
+
+def save_sharded(path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Collectively save ``state`` (DCP, every rank) and ``meta`` (rank 0) to ``path``, atomically."""
+    path = Path(path)
+    tmp = Path(_broadcast_object(str(path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    _barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if rank == 0:
+        torch.save(meta, tmp / META_FILE)
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        _fsync_dir(tmp)
+        old = None
+        if path.exists() or path.is_symlink():
+            old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _barrier()
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint; raises a clear error for anything that is not a finished checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+    if not path.is_dir():
+        raise ValueError(
+            f"{path} is a file, not a FlagScale sharded checkpoint folder; load single-file checkpoints with"
+            " `torch.load`, or consolidate/convert them first."
+        )
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{path} is not a complete FlagScale checkpoint (missing {COMPLETE_MARKER!r} or DCP '.metadata'):"
+            " it may be a checkpoint whose writing was interrupted. Use an earlier checkpoint."
+        )
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Collectively fill ``state`` (tensors/DTensors of the CURRENT layout) in place from checkpoint ``path``."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        read_meta(path)  # raises the descriptive error
+    dcp.load(state, checkpoint_id=path)
+
+
+def checkpoint_keys(path: str | os.PathLike) -> dict[str, Any]:
+    """Flattened DCP keys -> storage metadata (shape/dtype for tensors) of a checkpoint."""
+    reader = dcp.FileSystemReader(str(path))
+    return dict(reader.read_metadata().state_dict_metadata)
+
+
+def consolidate_checkpoint(path: str | os.PathLike, out_file: str | os.PathLike) -> Path:
+    """Merge a sharded checkpoint into one ``torch.save`` file in Lightning's format (single process, no GPU).
+
+    The result loads with ``torch.load`` and ``LightningModule.load_state_dict(ckpt["state_dict"])`` of an
+    unparallelised model.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    meta = read_meta(path)
+    out_file = Path(out_file)
+    tmp_tensors = out_file.with_name(out_file.name + ".tensors.tmp")
+    dcp_to_torch_save(path, tmp_tensors)
+    tensors = torch.load(tmp_tensors, map_location="cpu", weights_only=False)
+    tmp_tensors.unlink()
+    checkpoint = dict(meta)
+    checkpoint.pop("rng_states_per_rank", None)
+    checkpoint["state_dict"] = tensors.get("state_dict", {})
+    optimizer_states = [tensors[k] for k in sorted(tensors) if k.startswith("optimizer_")]
+    if optimizer_states:
+        checkpoint["optimizer_states"] = optimizer_states
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, out_file)
+    return out_file
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,428 @@
+"""Data parallelism: DDP (stage 0), ZeRO-1/2 (our distributed optimizer) and ZeRO-3 (FSDP2).
+
+Stages 0-2 keep parameters replicated over the data x context ranks. Gradients are flattened into buckets and
+all-reduced (stage 0) or reduce-scattered (stages 1-2) over ``dp_cp``; with ZeRO the optimizer steps only its
+contiguous 1/N slice of each bucket (held as an fp32 "main" parameter, the master weights under mixed precision)
+and the updated slices are all-gathered back into the model: the same bytes on the wire as DDP (2Ψ(N-1)/N), with
+optimizer states (and for stage 2 gradients) divided by N. torch has no such optimizer for DTensor/TP parameters
+(``ZeroRedundancyOptimizer`` partitions whole parameters and broadcasts), hence this file. Stage 3 is
+``torch.distributed.fsdp.fully_shard`` per block.
+
+Every parameter the optimizer steps carries its share of the global gradient norm: ``num_shards`` (how many ranks
+of its pipeline stage hold distinct parts of it), so ``clip_grad_norm_`` can compute the true norm with one
+all-reduce whatever the layout (TP shards, ZeRO slices, FSDP2 shards, replicated norms).
+
+Expert parameters that set ``param._flagscale_grad_group = "edp"`` are reduced over the expert-data-parallel group
+passed in ``groups["edp"]`` instead of ``dp_cp``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = [
+    "DistributedOptimizer",
+    "apply_fsdp",
+    "clip_grad_norm_",
+    "found_inf",
+    "local_tensor",
+    "num_shards",
+]
+
+_DEFAULT_BUCKET_NUMEL = 1 << 24  # 16M elements (64 MiB in fp32) per flat bucket
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds (the local shard of a DTensor, or ``t`` itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def num_shards(p: Tensor) -> int:
+    """How many ranks of a pipeline stage hold distinct parts of ``p``."""
+    explicit = getattr(p, "_fs_num_shards", None)
+    if explicit is not None:
+        return explicit
+    if isinstance(p, DTensor):
+        return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    return 1
+
+
+def _grad_local(p: Tensor) -> Tensor | None:
+    g = p.grad
+    if g is None:
+        return None
+    if isinstance(g, DTensor):
+        if isinstance(p, DTensor) and g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)
+        return g.to_local()
+    return g
+
+
+class _FlatBucket:
+    """A run of parameters flattened into one buffer, reduced and (optionally) sharded as a unit."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        shard: bool,
+        main_dtype: torch.dtype | None,
+    ) -> None:
+        self.params = params
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.shard = shard
+        locals_ = [local_tensor(p) for p in params]
+        self.shapes = [t.shape for t in locals_]
+        self.numels = [t.numel() for t in locals_]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.dtype = locals_[0].dtype
+        self.device = locals_[0].device
+        self.padded = math.ceil(self.numel / self.world) * self.world if shard else self.numel
+        self.shard_numel = self.padded // self.world if shard else self.padded
+        self.shard_start = self.rank * self.shard_numel if shard else 0
+        # A parameter the optimizer steps: this rank's slice (ZeRO) or the whole bucket (DDP with master weights).
+        self.main_param: nn.Parameter | None = None
+        if main_dtype is not None:
+            flat = self._flatten(locals_, self.dtype)
+            main = flat[self.shard_start : self.shard_start + self.shard_numel].to(main_dtype).clone()
+            self.main_param = nn.Parameter(main)
+            tp_shards = num_shards(params[0])  # buckets never mix TP-sharded and TP-replicated parameters
+            self.main_param._fs_num_shards = (self.world if shard else 1) * tp_shards
+
+    def _flatten(self, tensors: Sequence[Tensor | None], dtype: torch.dtype) -> Tensor:
+        parts = [
+            torch.zeros(n, dtype=dtype, device=self.device) if t is None else t.reshape(-1).to(dtype)
+            for t, n in zip(tensors, self.numels)
+        ]
+        if self.padded > self.numel:
+            parts.append(torch.zeros(self.padded - self.numel, dtype=dtype, device=self.device))
+        return torch.cat(parts)
+
+    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
+        """Average the bucket's gradients over the group; result in ``main_param.grad`` or back in ``p.grad``."""
+        grads = [_grad_local(p) for p in self.params]
+        flat = self._flatten(grads, reduce_dtype)
+        if self.shard:
+            out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=self.device)
+            dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
+        else:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            out = flat
+        out.div_(self.world)
+        if self.main_param is None:  # DDP on the model's own parameters: write the average back
+            for g, off, n, shape in zip(grads, self.offsets, self.numels, self.shapes):
+                if g is not None:
+                    g.copy_(out[off : off + n].view(shape))
+            return
+        main = self.main_param
+        out = out.to(main.dtype)
+        main.grad = out if main.grad is None else main.grad.add_(out)
+        for p in self.params:
+            p.grad = None
+
+    def sync_params(self) -> None:
+        """Copy the updated main slice(s) back into every rank's model parameters."""
+        if self.main_param is None:
+            return
+        shard = self.main_param.detach().to(self.dtype)
+        if self.shard:
+            full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            dist.all_gather_into_tensor(full, shard, group=self.group)
+        else:
+            full = shard
+        with torch.no_grad():
+            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+                local_tensor(p).copy_(full[off : off + n].view(shape))
+
+    def gather_main(self) -> Tensor:
+        """The full (unsharded) main buffer, gathered from all ranks: for checkpoints."""
+        assert self.main_param is not None
+        if not self.shard:
+            return self.main_param.detach()
+        full = torch.empty(self.padded, dtype=self.main_param.dtype, device=self.device)
+        dist.all_gather_into_tensor(full, self.main_param.detach().contiguous(), group=self.group)
+        return full
+
+    def gather_state(self, t: Tensor) -> Tensor:
+        if not self.shard:
+            return t
+        full = torch.empty(self.padded, dtype=t.dtype, device=self.device)
+        dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
+        return full
+
+
+class DistributedOptimizer:
+    """Turns a user's optimizer into a DDP / ZeRO-1 / ZeRO-2 optimizer, in place.
+
+    The optimizer object itself is kept (LR schedulers and Lightning hold references to it); its param groups are
+    rewritten to hold the main parameters of the flat buckets. Call ``reduce_grads()`` after the last backward of a
+    step (stage 2: after every backward), ``optimizer.step()``, then ``sync_params()``.
+
+    ``master_weights`` keeps an fp32 copy of every parameter for the optimizer (mixed precision); for stage 0 without
+    master weights the optimizer keeps stepping the model parameters and gradients are averaged in place.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        groups: dict[str, dist.ProcessGroup],
+        *,
+        stage: int,
+        master_weights: bool,
+        bucket_numel: int = _DEFAULT_BUCKET_NUMEL,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"DistributedOptimizer handles zero_stage 0, 1 or 2, got {stage}; stage 3 is apply_fsdp.")
+        self.optimizer = optimizer
+        self.stage = stage
+        self.master_weights = master_weights or stage > 0
+        self.names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
+        self.buckets: list[_FlatBucket] = []
+        self.group_buckets: list[list[_FlatBucket]] = []
+        main_dtype = torch.float32 if self.master_weights else None
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            unknown = [p for p in params if p not in self.names]
+            if unknown:
+                raise ValueError(
+                    "The optimizer holds parameters that are not in the model (a copy, or an extra tensor);"
+                    " build the optimizer from `self.parameters()` inside `configure_optimizers`."
+                )
+            buckets = [
+                _FlatBucket(run, groups[key[0]], shard=stage > 0, main_dtype=main_dtype)
+                for key, run in _bucket_runs(params, bucket_numel)
+            ]
+            self.group_buckets.append(buckets)
+            self.buckets.extend(buckets)
+            if self.master_weights:
+                group["params"] = [b.main_param for b in buckets]
+        if self.master_weights:
+            optimizer.state.clear()
+        self.reduce_dtype = torch.float32
+
+    @property
+    def main_params(self) -> list[Tensor]:
+        """The tensors the optimizer steps (and whose gradients clipping and loss scaling see)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def reduce_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.reduce_grads(self.reduce_dtype)
+
+    def sync_params(self) -> None:
+        for bucket in self.buckets:
+            bucket.sync_params()
+
+    def zero_grad(self) -> None:
+        for p in self.main_params:
+            p.grad = None
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+
+    # ---- checkpoints: a layout-independent view, keyed by parameter name, shaped like each parameter ----
+    def _per_param(self, bucket: _FlatBucket, flat: Tensor) -> dict[str, Tensor]:
+        out = {}
+        for p, off, n, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
+            t = flat[off : off + n].view(shape).clone()
+            if isinstance(p, DTensor):
+                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+            out[self.names[p]] = t
+        return out
+
+    def master_state_dict(self) -> dict[str, Tensor]:
+        """fp32 master weights of every parameter (gathered over the shard group), or {} without masters."""
+        if not self.master_weights:
+            return {}
+        out: dict[str, Tensor] = {}
+        for bucket in self.buckets:
+            out.update(self._per_param(bucket, bucket.gather_main()))
+        return out
+
+    def state_dict(self) -> dict:
+        """Optimizer state keyed by parameter FQN, each tensor shaped (and placed) like its parameter."""
+        opt = self.optimizer
+        if not self.master_weights:
+            state = {self.names[p]: dict(s) for p, s in opt.state.items()}
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self.names[p] for p in g["params"]]}
+                      for g in opt.param_groups]  # fmt: skip
+            return {"state": state, "param_groups": groups}
+        state: dict[str, dict[str, Tensor]] = defaultdict(dict)
+        groups = []
+        for g, buckets in zip(opt.param_groups, self.group_buckets):
+            names = []
+            for bucket in buckets:
+                names.extend(self.names[p] for p in bucket.params)
+                for key, value in opt.state.get(bucket.main_param, {}).items():
+                    if isinstance(value, Tensor) and value.numel() == bucket.shard_numel:
+                        for name, t in self._per_param(bucket, bucket.gather_state(value)).items():
+                            state[name][key] = t
+                    else:  # scalars such as Adam's `step`
+                        for p in bucket.params:
+                            state[self.names[p]][key] = value.clone() if isinstance(value, Tensor) else value
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return {"state": dict(state), "param_groups": groups}
+
+    def state_dict_template(self, example_state_keys: Iterable[str] = ("exp_avg", "exp_avg_sq")) -> dict:
+        """An empty state dict in the ``state_dict`` format, for ``dcp.load`` to fill in place."""
+        template: dict[str, dict[str, Tensor]] = defaultdict(dict)
+        for bucket in self.buckets:
+            for p, shape in zip(bucket.params, bucket.shapes):
+                name = self.names[p]
+                for key in example_state_keys:
+                    t = torch.zeros(shape, dtype=torch.float32, device=bucket.device)
+                    if isinstance(p, DTensor):
+                        t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+                    template[name][key] = t
+                template[name]["step"] = torch.zeros((), dtype=torch.float32)
+        return {"state": dict(template)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict``-format dict (filled by DCP for this rank's layout) into the optimizer."""
+        opt = self.optimizer
+        state = state_dict["state"]
+        if not self.master_weights:
+            by_name = {n: p for p, n in self.names.items()}
+            for name, s in state.items():
+                if name in by_name:
+                    opt.state[by_name[name]] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
+            return
+        for bucket in self.buckets:
+            main = bucket.main_param
+            keys = set().union(*(state.get(self.names[p], {}).keys() for p in bucket.params))
+            new_state: dict[str, Tensor] = {}
+            for key in keys:
+                values = [state[self.names[p]][key] for p in bucket.params]
+                first = values[0]
+                if isinstance(first, Tensor) and first.dim() > 0:
+                    flat = bucket._flatten([local_tensor(v) for v in values], torch.float32)
+                    new_state[key] = flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel].clone()
+                else:
+                    new_state[key] = first.clone() if isinstance(first, Tensor) else first
+            opt.state[main] = new_state
+
+    def load_master_weights(self) -> None:
+        """Refresh the main (master) slices from the model parameters, e.g. after the model weights were loaded."""
+        if not self.master_weights:
+            return
+        for bucket in self.buckets:
+            flat = bucket._flatten([local_tensor(p).detach() for p in bucket.params], torch.float32)
+            with torch.no_grad():
+                bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+    def load_master_state_dict(self, masters: dict[str, Tensor]) -> None:
+        """Set the main slices from full-precision per-parameter tensors (checkpoint model weights)."""
+        if not self.master_weights:
+            return
+        for bucket in self.buckets:
+            flat = bucket._flatten([local_tensor(masters[self.names[p]]) for p in bucket.params], torch.float32)
+            with torch.no_grad():
+                bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tuple[str, torch.dtype, int], list]]:
+    """Consecutive runs of parameters that can share a flat bucket: same reduction group, dtype and TP sharding."""
+    runs: list[tuple[tuple[str, torch.dtype, int], list]] = []
+    size = 0
+    for p in params:
+        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype, num_shards(p))
+        n = local_tensor(p).numel()
+        if runs and runs[-1][0] == key and size + n <= bucket_numel:
+            runs[-1][1].append(p)
+            size += n
+        else:
+            runs.append((key, [p]))
+            size = n
+    return runs
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    blocks: Sequence[nn.Module] | None = None,
+) -> nn.Module:
+    """ZeRO-3: shard every block, then the root (embedding, final norm, head), with FSDP2 over ``dp_mesh``.
+
+    Tied embeddings stay in the root group so that one sharded parameter serves both uses.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        if layers is not None:
+            blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+        else:  # a model without the protocol: one FSDP unit per direct child that holds parameters
+            blocks = [m for m in model.children() if any(True for _ in m.parameters())]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _stage_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int = 1, norm_type: float = 2.0) -> Tensor:
+    """Clip by the true global gradient norm across TP, CP, ZeRO/FSDP shards and pipeline stages.
+
+    Each rank adds its local squared norms weighted by ``num_shards(p) / ranks_per_stage`` (the fraction of
+    replicas of ``p`` it speaks for), one all-reduce over the world gives the norm every rank agrees on.
+    """
+    params = [p for p in params if p.grad is not None]
+    stage_ranks = _stage_size() // pp_size
+    device = local_tensor(params[0].grad).device if params else torch.device("cpu")
+    if norm_type == math.inf:
+        total = torch.zeros((), device=device)
+        for p in params:
+            total = torch.maximum(total, local_tensor(p.grad).detach().abs().max().float())
+        if dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p in params:
+            g = local_tensor(p.grad).detach().double()
+            total += (num_shards(p) / stage_ranks) * g.norm(norm_type).pow(norm_type)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        total = total.pow(1.0 / norm_type).float()
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for p in params:
+            local_tensor(p.grad).mul_(coef.to(local_tensor(p.grad).dtype))
+    return total
+
+
+@torch.no_grad()
+def found_inf(params: Iterable[Tensor]) -> bool:
+    """Whether any rank's gradients hold an inf or nan (every rank gets the same answer)."""
+    params = list(params)
+    device = local_tensor(params[0].grad).device if params and params[0].grad is not None else torch.device("cpu")
+    flag = torch.zeros((), device=device)
+    for p in params:
+        if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all():
+            flag.fill_(1.0)
+            break
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
