@@ -321,7 +321,7 @@ class CommTracker:
             if name in self._groups:
                 return self._groups[name]
             pg = dist.distributed_c10d._resolve_process_group(name)
-        name = pg.group_name
+        name = _group_key(pg)
         if name not in self._groups:
             self._groups[name] = _resolve_group(pg)
         return self._groups[name]
@@ -371,7 +371,12 @@ class CommTracker:
             return list(self._stats)
         if isinstance(group, str):
             return [n for n in self._stats if group in (n, self._groups[n].desc)]
-        return [n for n in self._stats if n == group.group_name]
+        return [n for n in self._stats if n == _group_key(group)]
+
+
+def _group_key(pg: dist.ProcessGroup) -> str:
+    # Groups built outside ``dist.new_group`` (a bare backend object) may be unnamed: key them by size.
+    return pg.group_name or f"unnamed(size={pg.size()})"
 
 
 def _resolve_group(pg: dist.ProcessGroup) -> _Group:
@@ -380,7 +385,13 @@ def _resolve_group(pg: dist.ProcessGroup) -> _Group:
     except (RuntimeError, ValueError, KeyError):
         # A group unknown to the Python world registry (created in C++): its global ranks are not known.
         ranks = ()
-    return _Group(name=pg.group_name, desc=getattr(pg, "group_desc", ""), ranks=ranks, size=pg.size(), rank=pg.rank())
+    return _Group(
+        name=_group_key(pg),
+        desc=getattr(pg, "group_desc", ""),
+        ranks=ranks,
+        size=pg.size(),
+        rank=pg.rank(),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -434,13 +445,15 @@ def _human(n: float) -> str:
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """Render a ``summary()`` or ``merge_summaries()`` result as an aligned text table."""
-    header = ["group", "ranks", "op", "calls", "payload", "wire"]
+    merged = any("max_rank_wire_bytes" in s for g in summary.values() for s in g["ops"].values())
+    header = ["group", "ranks", "op", "calls", "payload", "wire"] + (["wire (busiest rank)"] if merged else [])
     rows: list[list[str]] = []
     for name, g in summary.items():
         label = f"{g['desc'] or 'group'}#{name}"
         ranks = _ranks_str(g["ranks"])
         for op, s in g["ops"].items():
-            rows.append([label, ranks, op, str(s["calls"]), _human(s["payload_bytes"]), _human(s["wire_bytes"])])
+            row = [label, ranks, op, str(s["calls"]), _human(s["payload_bytes"]), _human(s["wire_bytes"])]
+            rows.append(row + ([_human(s["max_rank_wire_bytes"])] if merged else []))
     if not rows:
         return "(no communication)"
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
