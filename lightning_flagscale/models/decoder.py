@@ -72,8 +72,10 @@ class CausalLM(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.padded_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        # Set by parallel.tensor.apply_tp: the TP mesh and the first vocab row this rank's LM-head shard holds.
+        # Set by parallel.tensor.apply_tp: the TP mesh, whether activations between blocks are sequence-sharded,
+        # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
+        self.sequence_parallel = False
         self.vocab_start = 0
         self.tie_weights()
 
@@ -107,12 +109,13 @@ class CausalLM(nn.Module):
         ``position_ids`` are global positions for RoPE (default ``arange(S)``); ``segment_ids`` restrict attention
         to tokens of the same packed document.
         """
+        batch, seq = x.shape[:2]
         if self.embed_tokens is not None:
             h = self.embed_tokens(x)
-            batch, seq = x.shape[:2]
         else:
             h = x
-            batch, seq = x.shape[:2]
+            if self.sequence_parallel:  # a later pipeline stage receives this rank's sequence shard
+                seq *= self.tp_mesh.size()
         if position_ids is None:
             position_ids = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, seq)
         if len(self.layers):
@@ -179,6 +182,7 @@ class CausalLM(nn.Module):
         a ``reset_buffers()`` method (e.g. MoE router state) re-initialise theirs.
         """
         std = self.config.initializer_range
+        tied = self.config.tie_word_embeddings
         owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
         for fqn, param in self.named_parameters():
             name = _canonical_fqn(fqn)
@@ -188,7 +192,9 @@ class CausalLM(nn.Module):
             elif name.endswith("bias"):
                 full = torch.zeros(full_shape)
             else:
-                gen = torch.Generator().manual_seed(_seed_for(seed, name))
+                # A tied head alone on the last pipeline stage must start equal to the first stage's embedding.
+                seed_name = "embed_tokens.weight" if tied and name == "lm_head.weight" else name
+                gen = torch.Generator().manual_seed(_seed_for(seed, seed_name))
                 real_shape = (min(full_shape[0], self.vocab_size), *full_shape[1:]) if _is_vocab(name) else full_shape
                 full = torch.zeros(full_shape)
                 full[: real_shape[0]] = torch.randn(real_shape, generator=gen) * std

@@ -135,6 +135,7 @@ def apply_tp(model: CausalLM, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
     model.tie_weights()  # parallelize_module distributed embed_tokens and lm_head into two separate Parameters
     model.tp_mesh = tp_mesh
+    model.sequence_parallel = sequence_parallel
     model.vocab_start = tp_mesh.get_local_rank() * (model.padded_vocab_size // tp)
     return model
 

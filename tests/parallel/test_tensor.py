@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -78,6 +80,23 @@ def _tp_vs_single(config_name: str, sequence_parallel: bool) -> dict[str, float]
         assert eager.lm_head.weight is eager.embed_tokens.weight
     with torch.no_grad():
         errors["eager_loss"] = _rel(eager.loss_fn(eager(ids, position_ids, segment_ids), labels), ref_loss.detach())
+
+    # Pipeline stages under TP(+SP): the last stage gets this rank's (sequence-sharded) hidden states and default
+    # positions; a tied head alone on the last stage starts equal to the embedding.
+    with torch.device("meta"):
+        full = CausalLM(cfg, vocab_multiple=2)
+    first, last = copy.deepcopy(full), copy.deepcopy(full)
+    first.norm = first.lm_head = None
+    del first.layers["1"]
+    last.embed_tokens = None
+    del last.layers["0"]
+    for stage in (first, last):
+        apply_tp(stage, mesh, sequence_parallel=sequence_parallel)
+        stage.to_empty(device="cpu")
+        stage.init_weights(seed=7)
+    with torch.no_grad():
+        staged = last.loss_fn(last(first(ids, None, segment_ids), None, segment_ids), labels)
+        errors["staged_loss"] = _rel(staged, ref.loss_fn(ref(ids, None, segment_ids), labels))
     return errors
 
 
