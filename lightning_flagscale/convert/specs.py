@@ -3,7 +3,8 @@
 A converter family maps every parameter FQN of our ``CausalLM`` to a *spec* over checkpoint tensor names:
 
 - ``Direct(name)``: the same tensor; with ``pad_rows`` our dim 0 may be longer (TP vocab padding, zero rows).
-- ``Stack(names)``: our dim 0 indexes a list of equally shaped HF tensors (grouped experts).
+- ``Stack(parts)``: our dim 0 indexes a list of equally shaped specs (grouped experts, one HF tensor each or a
+  ``Concat`` of gate and up).
 - ``Concat(names, dim)``: HF tensors concatenated along ``dim`` (fused projections).
 
 Import asks a spec for a *box* (global offset + size per dim, the local shard of a DTensor) and the spec reads
@@ -67,22 +68,28 @@ class Direct:
 
 @dataclass(frozen=True)
 class Stack:
-    """Our dim 0 indexes ``names`` (each HF tensor is one slice of our tensor along dim 0)."""
+    """Our dim 0 indexes ``parts``: part ``e`` (a spec, e.g. one expert's tensor) is our slice ``[e]``.
 
-    names_: tuple[str, ...]
+    Under expert parallelism a rank's box covers only its experts' range of dim 0, so only their files are read.
+    """
+
+    parts: tuple[Spec, ...]
 
     def names(self) -> tuple[str, ...]:
-        return self.names_
+        return tuple(n for part in self.parts for n in part.names())
 
     def global_shape(self, hf_shape: ShapeFn, our_shape: Sequence[int]) -> tuple[int, ...]:
-        return (len(self.names_), *hf_shape(self.names_[0]))
+        return (len(self.parts), *self.parts[0].global_shape(hf_shape, tuple(our_shape[1:])))
 
     def read(self, read: ReadFn, hf_shape: ShapeFn, box: Box, dtype: torch.dtype) -> torch.Tensor:
         (start, stop), rest = box[0], box[1:]
-        return torch.stack([read(self.names_[i], rest).to(dtype) for i in range(start, stop)])
+        return torch.stack([self.parts[i].read(read, hf_shape, rest, dtype) for i in range(start, stop)])
 
     def split(self, full: torch.Tensor, hf_rows: int | None) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names_, full.unbind(0)))
+        out: dict[str, torch.Tensor] = {}
+        for part, piece in zip(self.parts, full.unbind(0)):
+            out.update(part.split(piece, hf_rows))
+        return out
 
 
 @dataclass(frozen=True)

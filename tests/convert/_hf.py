@@ -21,7 +21,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "rope_theta": 1e6}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            decoder_sparse_step=2,
+        ),  # layer 0 dense, layer 1 MoE
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=16, norm_topk_prob=True),
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 BASE = dict(
     vocab_size=50,
     hidden_size=32,

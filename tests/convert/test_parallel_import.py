@@ -65,3 +65,42 @@ def test_pipeline_stage_reads_only_its_parts(tmp_path):
     assert torch.equal(stage.layers["3"].mlp.down_proj.weight, want["model.layers.3.mlp.down_proj.weight"])
     total = sum(t.numel() * t.element_size() for t in want.values())
     assert read < 0.75 * total
+
+
+def _ep_import(hf_dir: str, out_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.parallel.expert import apply_ep
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    with torch.device("meta"):
+        model = CausalLM(config_from_hf(hf_dir))
+    apply_ep(model, mesh)
+    model.to_empty(device="cpu")
+    read = load_hf_weights(model, hf_dir)
+    experts = [p for n, p in model.named_parameters() if "experts." in n]
+    assert experts and all(isinstance(p, DTensor) for p in experts)
+    with torch.no_grad():
+        logits = model.logits(model(IDS))
+    export_hf(model, out_dir)
+    return {"logits": logits, "bytes_read": read}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_ep2_import_matches_transformers_and_exports_identically(launcher, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = make_hf_model(family)
+    hf_dir = save(hf_model, tmp_path / "hf")
+    results = launcher(2, _ep_import, str(hf_dir), str(tmp_path / "out"))
+    want = hf_logits(hf_model, IDS)
+    state = hf_model.state_dict()
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if ".experts." in n)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    for r in results:
+        torch.testing.assert_close(r["logits"], want, rtol=0, atol=1e-5)
+        assert r["bytes_read"] == total - expert_bytes // 2  # each rank reads half of the experts, all the rest
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in state.items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name

@@ -1,5 +1,5 @@
 """Built-in HF families; importing this package registers them (one file per family)."""
 
-from lightning_flagscale.convert.families import llama, mistral, qwen2, qwen3
+from lightning_flagscale.convert.families import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 
-__all__ = ["llama", "mistral", "qwen2", "qwen3"]
+__all__ = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]

@@ -89,8 +89,10 @@ class DenseDecoderFamily(HFFamily):
 
     implied: ClassVar[dict[str, Any]] = {}
     """TransformerConfig fields fixed by the architecture (e.g. Qwen2 always has q/k/v bias)."""
-    has_attention_bias_field: ClassVar[bool] = True
-    """Whether ``config.json`` carries ``attention_bias`` (Qwen2 does not: the bias is implied)."""
+    attention_bias_key: ClassVar[str | None] = "attention_bias"
+    """``config.json`` field of the q/k/v bias flag (``None``: the architecture fixes it, see ``implied``)."""
+    attention_bias_default: ClassVar[bool] = False
+    """Its value when the field is absent."""
     is_moe_family: ClassVar[bool] = False
     default_rope_theta: ClassVar[float] = 10000.0
     default_rms_norm_eps: ClassVar[float] = 1e-6
@@ -126,7 +128,9 @@ class DenseDecoderFamily(HFFamily):
             rms_norm_eps=float(hf.get("rms_norm_eps", self.default_rms_norm_eps)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=bool(hf.get("attention_bias", False)) if self.has_attention_bias_field else False,
+            attention_bias=bool(hf.get(self.attention_bias_key, self.attention_bias_default))
+            if self.attention_bias_key
+            else False,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
         )
@@ -147,7 +151,7 @@ class DenseDecoderFamily(HFFamily):
                 raise HFConversionError(f"{self.model_type} requires {key}={value!r}, got {getattr(config, key)!r}.")
         if config.qk_norm and "qk_norm" not in self.implied:
             raise HFConversionError(f"{self.model_type} has no q/k norm; export with model_type='qwen3'.")
-        if config.attention_bias and not self.has_attention_bias_field and not self.implied.get("attention_bias"):
+        if config.attention_bias and not self.attention_bias_key and not self.implied.get("attention_bias"):
             raise HFConversionError(f"{self.model_type} has no attention bias; export with model_type='qwen2'.")
         if config.is_moe != self.is_moe_family:
             raise HFConversionError(
@@ -175,8 +179,8 @@ class DenseDecoderFamily(HFFamily):
             initializer_range=config.initializer_range,
             **rope_to_hf(config),
         )
-        if self.has_attention_bias_field:
-            out["attention_bias"] = config.attention_bias
+        if self.attention_bias_key:
+            out[self.attention_bias_key] = config.attention_bias
         out.update(self.extra_to_hf(config))
         return out
 

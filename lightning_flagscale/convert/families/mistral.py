@@ -14,7 +14,7 @@ __all__ = ["MistralFamily"]
 class MistralFamily(DenseDecoderFamily):
     model_type = "mistral"
     architecture = "MistralForCausalLM"
-    has_attention_bias_field = False
+    attention_bias_key = None
 
     def check_hf(self, hf: dict[str, Any], max_seq_len: int) -> None:
         super().check_hf(hf, max_seq_len)

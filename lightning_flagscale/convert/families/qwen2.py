@@ -15,7 +15,7 @@ class Qwen2Family(DenseDecoderFamily):
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"
     implied = {"attention_bias": True}
-    has_attention_bias_field = False  # implied by the architecture, not a config.json field
+    attention_bias_key = None  # implied by the architecture, not a config.json field
 
     def config_to_hf(self, config: Any) -> dict[str, Any]:
         return {**super().config_to_hf(config), "use_sliding_window": False, "sliding_window": None}
