@@ -8,9 +8,11 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.data import _replace_dunder_methods, _set_sampler_epoch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_flagscale.data import IGNORE_INDEX, ByteTokenizer, LMDataModule
 
@@ -69,11 +71,13 @@ def _global_order(dm: LMDataModule, epoch: int) -> list[int]:
 
 
 def _rank_loader(dm: LMDataModule, rank: int, world: int, epoch: int):
-    """What Lightning does to the training loader under a strategy with ``world`` DP ranks."""
-    loader = dm.train_dataloader()
-    wrapper = DistributedSamplerWrapper(loader.sampler, num_replicas=world, rank=rank, shuffle=False)
-    loader = _update_dataloader(loader, wrapper)
-    loader.sampler.set_epoch(epoch)
+    """What Lightning's data connector does to the training loader under a strategy with ``world`` DP ranks."""
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        loader = dm.train_dataloader()  # created like in Lightning's ``_request_dataloader``
+    shuffle = _is_dataloader_shuffled(loader)
+    sampler = _get_distributed_sampler(loader, shuffle, overfit_batches=0, num_replicas=world, rank=rank)
+    loader = _update_dataloader(loader, sampler)
+    _set_sampler_epoch(loader, epoch)
     return loader
 
 
