@@ -129,7 +129,14 @@ def apply_tp(model: CausalLM, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -
     Records on the model what its loss and logits need (``tp_mesh``, ``vocab_start``) and keeps tied embeddings
     as one Parameter (embedding rows and LM-head rows are both ``Shard(0)`` over the vocab, so one DTensor serves
     both).
+
+    Order (torchtitan's): TP first, then CP (swaps core attention on the TP-local heads), recompute, compile and
+    ZeRO/FSDP last (it shards the TP-local DTensors further); pipeline splitting happens before all of them.
     """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim} dims ({tp_mesh.mesh_dim_names}).")
+    if getattr(model, "tp_mesh", None) is not None:
+        raise ValueError("apply_tp was already applied to this model; apply it once, to the unparallelised model.")
     tp = tp_mesh.size()
     check_tp_divisible(model, tp)
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
