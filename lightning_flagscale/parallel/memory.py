@@ -189,21 +189,25 @@ class CommTheory:
         return sum(self.by_op.values())
 
 
-def comm_theory_bytes(num_params_bytes: int, dp: int, stage: Literal[0, 1, 2, 3]) -> CommTheory:
-    """Data-parallel wire bytes per rank per step for gradients/parameters of ``num_params_bytes`` (Ψ) bytes.
+def comm_theory_bytes(
+    num_params_bytes: int, dp: int, stage: Literal[0, 1, 2, 3], *, grad_bytes: int | None = None
+) -> CommTheory:
+    """Data-parallel wire bytes per rank per step for parameters of ``num_params_bytes`` (Ψ) bytes.
 
     DDP all-reduces the gradients: 2Ψ(N-1)/N. ZeRO-1/2 reduce-scatter the gradients and all-gather the updated
     parameters: Ψ(N-1)/N each, 2Ψ(N-1)/N in total. ZeRO-3 all-gathers the parameters in forward and again in
     backward, and reduce-scatters the gradients: 3Ψ(N-1)/N. Ψ is counted in bytes so callers pass the dtype
-    actually communicated (e.g. 2 x params for bf16).
+    actually communicated (e.g. 2 x params for bf16); ``grad_bytes`` is the size of the gradients as reduced
+    when it differs from the parameters' (e.g. 4 x params for an fp32 reduction of bf16 gradients).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3.")
     if dp < 1:
         raise ValueError(f"dp={dp} must be >= 1.")
-    unit = num_params_bytes * (dp - 1) / dp
+    params = num_params_bytes * (dp - 1) / dp
+    grads = (num_params_bytes if grad_bytes is None else grad_bytes) * (dp - 1) / dp
     if stage == 0:
-        return CommTheory({"all_reduce": 2 * unit})
+        return CommTheory({"all_reduce": 2 * grads})
     if stage in (1, 2):
-        return CommTheory({"reduce_scatter": unit, "all_gather": unit})
-    return CommTheory({"reduce_scatter": unit, "all_gather": 2 * unit})
+        return CommTheory({"reduce_scatter": grads, "all_gather": params})
+    return CommTheory({"reduce_scatter": grads, "all_gather": 2 * params})

@@ -278,3 +278,6 @@ def test_comm_theory(dp):
     assert comm_theory_bytes(psi, dp, 0).total == 2 * psi * (dp - 1) / dp
     assert comm_theory_bytes(psi, dp, 1).total == comm_theory_bytes(psi, dp, 2).total == 2 * psi * (dp - 1) / dp
     assert comm_theory_bytes(psi, dp, 3).total == 3 * psi * (dp - 1) / dp
+    # bf16 parameters with an fp32 gradient reduction: the reduce side doubles, the gather side does not.
+    mixed = comm_theory_bytes(psi, dp, 1, grad_bytes=2 * psi).by_op
+    assert mixed == {"reduce_scatter": 2 * psi * (dp - 1) / dp, "all_gather": psi * (dp - 1) / dp}
