@@ -120,7 +120,7 @@ def _write(tmp_path, fmt: str, name: str = "part") -> str:
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps({"content": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
     else:
-        import pyarrow as pa
+        pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
 
         path = tmp_path / f"{name}.parquet"
@@ -130,6 +130,7 @@ def _write(tmp_path, fmt: str, name: str = "part") -> str:
 
 @pytest.mark.parametrize("fmt", ["text", "json", "parquet"])
 def test_local_files_round_trip(tmp_path, fmt):
+    pytest.importorskip("datasets")
     data = tmp_path / "data"
     data.mkdir()
     path = _write(data, fmt)
@@ -157,6 +158,7 @@ def test_resolve_data_files_errors(tmp_path):
 
 
 def test_missing_text_field_is_a_clear_error(tmp_path):
+    pytest.importorskip("datasets")
     path = _write(tmp_path, "json")
     with pytest.raises(ValueError, match=r"Column 'text' not found.*content"):
         load_text_documents(path, cache_dir=str(tmp_path / "cache"))

@@ -48,6 +48,7 @@ def test_unpacked_mode_has_attention_mask():
 
 
 def test_file_source_split_is_document_disjoint(tmp_path):
+    pytest.importorskip("datasets")
     docs = [f"document number {i} says {i * 7 % 13}." for i in range(200)]
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))

@@ -46,6 +46,8 @@ def _save_word_level_tokenizer(path, with_bos: bool) -> None:
 
 @pytest.mark.parametrize("with_bos", [False, True])
 def test_hf_tokenizer_from_local_folder(tmp_path, with_bos):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
     _save_word_level_tokenizer(tmp_path, with_bos)
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
