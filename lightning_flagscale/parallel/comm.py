@@ -36,6 +36,7 @@ For each op it records, per process group:
 Async ops (``async_op=True``, functional collectives) are counted once, when issued; ``wait`` and
 ``wait_tensor`` are not counted. The mode is thread-local like every dispatch mode: ops of the autograd engine
 inherit it (so FSDP2's backward reduce-scatters are seen); ops issued from other Python threads are not.
+Inside a window every op (not only collectives) takes a trip through Python dispatch, so time steps outside it.
 """
 
 from __future__ import annotations
