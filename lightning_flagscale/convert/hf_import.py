@@ -9,6 +9,7 @@ with the same message naming the file and tensor.
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,8 @@ def module_from_hf(module_cls: type, hf_dir: str | os.PathLike, /, **module_kwar
     """
     overrides = module_kwargs.pop("config_overrides", None) or {}
     config = config_from_hf(hf_dir, **overrides)
+    if "hf_dir" in inspect.signature(module_cls).parameters:  # lets save_hyperparameters/LightningCLI record it
+        module_kwargs["hf_dir"] = str(hf_dir)
     module = module_cls(config, **module_kwargs)
     module.hf_dir = str(hf_dir)
     module.hf_config = read_hf_config(hf_dir)
