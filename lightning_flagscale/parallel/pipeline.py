@@ -79,6 +79,8 @@ SCHEDULES: dict[str, tuple[type, str]] = {
 }
 _V_SCHEDULES = ("zbv", "dualpipev")
 _SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+# Run input- and weight-gradients as two autograd passes (the first stage does one full pass in the W step).
+_SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -557,6 +559,13 @@ def build_pipeline(
     style = SCHEDULES[config.pipeline_schedule][1]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, plan.num_stages, style)
     recompute = resolve_recompute(getattr(config, "recompute", "none"), plan.num_stages)
+    if config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES and "selective" in recompute[1:]:
+        raise ValueError(
+            f"recompute='selective' cannot run under pipeline_schedule={config.pipeline_schedule!r}: it splits each "
+            "backward into an input-gradient and a weight-gradient pass, and torch's selective activation "
+            "checkpointing allows one backward per region. Use 'full' or 'none' on stages after the first, or a "
+            "1F1B-family schedule."
+        )
     modules = []
     for s in stage_ids:
         module = build_stage_module(model, plan.units[s])

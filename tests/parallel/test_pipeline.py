@@ -113,6 +113,7 @@ def _pipeline_parity(
     with_ids: bool = False,
     balance: str = "even",
     steps: int = 3,
+    meta: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     cfg = _tiny(**(model_kw or {}))
@@ -130,7 +131,16 @@ def _pipeline_parity(
         recompute=recompute,
     )
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    runner = build_pipeline(model, mesh, pcfg, balance=balance)
+    if meta:  # the strategy's path: split a meta model, materialise each stage, init per FQN, re-tie the copies
+        with torch.device("meta"):
+            meta_model = CausalLM(cfg)
+        runner = build_pipeline(meta_model, mesh, pcfg, balance=balance)
+        for module in runner.stage_modules:
+            module.to_empty(device="cpu")
+            module.init_weights(seed=3)
+        runner.sync_tied_params()
+    else:
+        runner = build_pipeline(model, mesh, pcfg, balance=balance)
     params = [p for m in runner.stage_modules for p in m.parameters()]
     opt = _opt(params, optim)
     losses, grad_err = [], 0.0
@@ -314,7 +324,29 @@ def test_padded_layers_interleaved(launcher):
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("zbv", 2)])
-def test_tied_embeddings(launcher, schedule, vpp):
+def test_tied_embeddings_from_meta(launcher, schedule, vpp):
     # 1f1b: embedding on rank 0, head on rank 1 (grads all-reduced); zbv: both ends on rank 0 (summed locally).
-    results = launcher(2, _pipeline_parity, schedule, vpp, optim="adamw", model_kw={"tie_word_embeddings": True})
+    kw = {"tie_word_embeddings": True}
+    results = launcher(2, _pipeline_parity, schedule, vpp, optim="adamw", model_kw=kw, meta=True)
     _check(results)
+
+
+def test_full_recompute_with_split_backward(launcher):
+    # DualPipeV runs input- and weight-gradients as two autograd passes over each recomputed block; the first
+    # stage runs one full pass, where selective recompute is allowed.
+    results = launcher(2, _pipeline_parity, "dualpipev", 2, recompute=["selective", "full", "none", "full"])
+    _check(results)
+
+
+def _selective_under_zbv() -> None:
+    cfg = ParallelConfig(
+        pipeline_parallel_size=2, virtual_pipeline_parallel_size=2, pipeline_schedule="zbv", recompute="selective"
+    )
+    with torch.device("meta"):
+        model = CausalLM(_tiny())
+    build_pipeline(model, init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), cfg)
+
+
+def test_selective_recompute_rejected_under_split_backward(launcher):
+    with pytest.raises(Exception, match="selective activation checkpointing allows one backward"):
+        launcher(2, _selective_under_zbv)
