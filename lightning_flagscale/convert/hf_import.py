@@ -144,7 +144,9 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> int:
     with HFCheckpointReader(root) as reader:
         _check_names(reader, family, specs, model.config.tie_word_embeddings)
         param_ids = {id(p) for p in model.parameters()}
-        for fqn, target in model.state_dict(keep_vars=True).items():
+        # In checkpoint-file order, so that each shard is mapped once (the reader keeps one file open).
+        items = sorted(model.state_dict(keep_vars=True).items(), key=lambda kv: _file_order(reader, specs, kv[0]))
+        for fqn, target in items:
             name = _canonical(fqn)
             spec = specs.get(name)
             if spec is None:
@@ -155,6 +157,11 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> int:
                 continue  # a buffer HF does not have: reset above
             _load_one(reader, name, spec, target)
         return reader.bytes_read
+
+
+def _file_order(reader: HFCheckpointReader, specs: dict[str, Spec], fqn: str) -> str:
+    spec = specs.get(_canonical(fqn))
+    return reader.weight_map.get(spec.names()[0], "") if spec is not None else ""
 
 
 def _load_one(reader: HFCheckpointReader, name: str, spec: Spec, target: Tensor) -> None:

@@ -101,6 +101,9 @@ class HFCheckpointReader:
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
+            # Keep one file mapped at a time: pages touched through the mmap count towards RSS until the handle
+            # is dropped, so holding every shard open would let peak memory grow to the whole checkpoint.
+            self._handles.clear()
             try:
                 self._handles[file] = safe_open(str(self.root / file), framework="pt")
             except (SafetensorError, OSError) as err:
