@@ -114,12 +114,13 @@ def _pipeline_parity(
     balance: str = "even",
     steps: int = 3,
     meta: bool = False,
+    dp: int = 1,
 ) -> dict:
     torch.manual_seed(0)
     cfg = _tiny(**(model_kw or {}))
     model = CausalLM(cfg)
     model.init_weights(seed=3)
-    batch = _batch(n_micro * mbs, with_ids=with_ids)
+    batch = _batch(n_micro * mbs * dp, with_ids=with_ids)
     ref_losses, ref_grads, ref_params = _oracle(model, batch, mbs, steps, optim)
 
     pcfg = ParallelConfig(
@@ -130,7 +131,11 @@ def _pipeline_parity(
         pipeline_layers=pipeline_layers,
         recompute=recompute,
     )
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    full_batch, rows = batch, n_micro * mbs
+    batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in full_batch.items()}  # this rank's DP shard
+    mesh = mesh["pp"]
     if meta:  # the strategy's path: split a meta model, materialise each stage, init per FQN, re-tie the copies
         with torch.device("meta"):
             meta_model = CausalLM(cfg)
@@ -145,8 +150,15 @@ def _pipeline_parity(
     opt = _opt(params, optim)
     losses, grad_err = [], 0.0
     for step in range(steps):
-        losses.append(runner.step(batch).item())
+        loss = runner.step(batch)
         runner.sync_tied_grads()
+        if dp > 1:  # the data-parallel reduction the strategy runs after the pipeline step
+            for p in params:
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+                p.grad /= dp
+            torch.distributed.all_reduce(loss, group=dp_group)
+            loss /= dp
+        losses.append(loss.item())
         if step == 0:
             for m in runner.stage_modules:
                 for n, p in m.named_parameters():
@@ -154,7 +166,11 @@ def _pipeline_parity(
         opt.step()
         opt.zero_grad()
     param_err = max(_rel(p.detach(), ref_params[n]) for m in runner.stage_modules for n, p in m.named_parameters())
-    eval_loss = runner.eval_step(batch).item()
+    eval_loss = runner.eval_step(batch)
+    if dp > 1:
+        torch.distributed.all_reduce(eval_loss, group=dp_group)
+        eval_loss /= dp
+    eval_loss = eval_loss.item()
     ref_eval = ref_losses.pop()
     loss_err = max(abs(a - b) / abs(b) for a, b in zip([*losses, eval_loss], [*ref_losses, ref_eval]))
     return {
@@ -350,3 +366,14 @@ def _selective_under_zbv() -> None:
 def test_selective_recompute_rejected_under_split_backward(launcher):
     with pytest.raises(Exception, match="selective activation checkpointing allows one backward"):
         launcher(2, _selective_under_zbv)
+
+
+def test_pipeline_on_a_submesh_with_data_parallel(launcher):
+    # World 4 = pp 2 x dp 2: the runner gets the "pp" sub-mesh (tied-embedding group built from global ranks);
+    # DP shards of the batch, grads averaged over "dp", must equal one process on the whole batch.
+    results = launcher(
+        4, _pipeline_parity, "interleaved_1f1b", 2, optim="adamw", model_kw={"tie_word_embeddings": True}, dp=2
+    )
+    for r in results:
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["param_err"] <= TOL, r
+    assert len({tuple(r["losses"]) for r in results}) == 1
