@@ -25,7 +25,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "DistributedOptimizer",
@@ -50,8 +51,19 @@ def num_shards(p: Tensor) -> int:
     if explicit is not None:
         return explicit
     if isinstance(p, DTensor):
-        return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+        return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if _is_shard(pl))
     return 1
+
+
+def _is_shard(placement) -> bool:
+    # FSDP2 on top of TP shards the same dim twice with `_StridedShard`, which is not a `Shard` subclass.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def _align_grad_placements(p: Tensor) -> None:
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _grad_local(p: Tensor) -> Tensor | None:
@@ -390,6 +402,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int =
     replicas of ``p`` it speaks for), one all-reduce over the world gives the norm every rank agrees on.
     """
     params = [p for p in params if p.grad is not None]
+    for p in params:  # DTensor autograd may hand back Replicate/Partial grads for Shard params: align them first
+        _align_grad_placements(p)
     stage_ranks = _stage_size() // pp_size
     device = local_tensor(params[0].grad).device if params else torch.device("cpu")
     if norm_type == math.inf:

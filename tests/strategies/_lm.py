@@ -1,0 +1,121 @@
+"""Shared pieces of the LM strategy tests: data, a single-process oracle and a Trainer run inside workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.models import CausalLMModule
+from tests._oracle import global_batch_indices
+
+# LR 1e-3: with larger steps Adam turns last-bit reduction-order noise in near-zero gradients into sign flips.
+SEQ, NUM_SAMPLES, GLOBAL_BATCH, LR = 16, 32, 4, 1e-3
+
+
+def tiny_config(**overrides: Any) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return TransformerConfig.from_preset("llama-tiny", **{**base, **overrides})
+
+
+class TokenDataset(Dataset):
+    """Random token sequences as HF-style dict samples (fixed by seed)."""
+
+    def __init__(self, vocab: int = 256, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (num_samples, seq + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[indices, :-1], "labels": self.tokens[indices, 1:]}
+
+
+def make_module(config: TransformerConfig) -> CausalLMModule:
+    # Constant LR (no warmup, no decay) so runs of different lengths see the same schedule.
+    return CausalLMModule(config, learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1)
+
+
+def reference_run(config: TransformerConfig, steps: int, clip: float | None = None) -> tuple[list[float], dict]:
+    """Single-process fp32 training: the oracle every layout must match."""
+    torch.manual_seed(0)
+    module = make_module(config)
+    module.configure_model()
+    opt = module.configure_optimizers()["optimizer"]
+    data = TokenDataset(config.vocab_size)
+    losses = []
+    for step in range(steps):
+        loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
+        losses.append(loss.item())
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in module.model.named_parameters()}
+
+
+class _LossRecorder:
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+
+def trainer_run(
+    strategy_kwargs: dict[str, Any],
+    config: TransformerConfig,
+    steps: int,
+    *,
+    clip: float | None = None,
+    precision: str = "32-true",
+    ckpt_path: str | None = None,
+    save_path: str | None = None,
+    max_epochs: int | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+
+    world = dist.get_world_size()
+    strategy = FlagScaleStrategy(**strategy_kwargs)
+    recorder = _LossRecorder()
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
+            dist.all_reduce(loss)  # every rank holds its replica's mean; replicas x TP/CP copies average back
+            recorder.losses.append(loss.item() / world)
+
+    torch.manual_seed(0)
+    module = make_module(config)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
+        max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
+        num_sanity_val_steps=0, callbacks=[Record()],
+    )  # fmt: skip
+    dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
+    loader = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    if save_path is not None:
+        trainer.save_checkpoint(save_path)
+    params = {}
+    for name, p in module.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().float().clone()
+    return recorder.losses, params
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
+    """Relative error of a whole tensor: ||a - e|| / ||e|| <= rel."""
+    err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    assert err <= rel, f"{what}: relative error {err:.3e} > {rel:.0e}"
