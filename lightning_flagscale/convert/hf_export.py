@@ -203,6 +203,16 @@ class _ModuleSource:
         return full  # type: ignore[return-value]
 
 
+def _to_config(value: Any) -> TransformerConfig:
+    """A TransformerConfig from what a checkpoint stores: the object, its dict, or a preset name."""
+    if isinstance(value, TransformerConfig):
+        return value
+    if isinstance(value, str):
+        return TransformerConfig.from_preset(value)
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return TransformerConfig(**{k: v for k, v in dict(value).items() if k in known})
+
+
 class _DCPSource:
     """Full tensors of a DCP checkpoint folder, loaded one by one in a single process (any saved layout)."""
 
@@ -216,23 +226,32 @@ class _DCPSource:
         self.reader = FileSystemReader(str(path))
         metadata = self.reader.read_metadata()
         self.meta = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        self.config = config or self._read_config(path)
         hf_config = path / HF_CONFIG_FILE
         self.hf_config = json.loads(hf_config.read_text()) if hf_config.is_file() else None
         self.hf_dir: str | None = str(path)  # hf_to_ckpt copies tokenizer/generation files here
+        self.config = config or self._read_config(path)
         self.keys = self._match_keys()
 
-    @staticmethod
-    def _read_config(path: Path) -> TransformerConfig:
+    def _read_config(self, path: Path) -> TransformerConfig:
+        """``model_config.json`` (hf_to_ckpt), else the module's ``hyper_parameters["config"]`` in the strategy's
+        ``meta.pt`` (Lightning's non-tensor checkpoint entries, see ``checkpoint/sharded.py``)."""
         file = path / MODEL_CONFIG_FILE
-        if not file.is_file():
-            raise HFConversionError(
-                f"{path} has no {MODEL_CONFIG_FILE}; pass config=TransformerConfig(...) to export_hf, or save it "
-                "with lightning_flagscale.convert.write_model_config(ckpt_dir, config)."
-            )
-        data = json.loads(file.read_text())
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        return TransformerConfig(**{k: v for k, v in data.items() if k in known})
+        if file.is_file():
+            return _to_config(json.loads(file.read_text()))
+        meta = path / "meta.pt"
+        if meta.is_file():
+            # Our own file written by the strategy (Lightning loop state, hparams): a trusted pickle.
+            hparams = torch.load(meta, map_location="cpu", weights_only=False).get("hyper_parameters") or {}
+            if hparams.get("config") is not None:
+                if hparams.get("hf_dir") and self.hf_config is None:
+                    hf_file = Path(hparams["hf_dir"]) / "config.json"
+                    self.hf_config = json.loads(hf_file.read_text()) if hf_file.is_file() else None
+                    self.hf_dir = str(hparams["hf_dir"])
+                return _to_config(hparams["config"])
+        raise HFConversionError(
+            f"{path} has neither {MODEL_CONFIG_FILE} nor a meta.pt with hyper_parameters['config']; pass "
+            "config=TransformerConfig(...) to export_hf, or save it with write_model_config(ckpt_dir, config)."
+        )
 
     def _match_keys(self) -> dict[str, str]:
         """Our FQN -> DCP key, trying the prefixes the strategy may use (``state_dict.model.`` first)."""

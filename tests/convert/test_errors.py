@@ -141,3 +141,22 @@ def test_parse_size():
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1MiB") == 2**20 and parse_size(10) == 10
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size("lots")
+
+
+def test_moe_layouts_and_routers_that_do_not_map_are_refused():
+    from lightning_flagscale.convert import family_for
+
+    qwen = family_for({"model_type": "qwen2_moe"})
+    hf = dict(
+        model_type="qwen2_moe", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    )  # fmt: skip
+    assert qwen.config_from_hf({**hf, "decoder_sparse_step": 2}).first_k_dense_layers == 1
+    with pytest.raises(HFConversionError, match="mlp_only_layers"):
+        qwen.config_from_hf({**hf, "mlp_only_layers": [2]})  # MoE layers 0, 1, 3: not "first k dense, every n-th"
+    mixtral = family_for({"model_type": "mixtral"})
+    with pytest.raises(HFConversionError, match="router_jitter_noise"):
+        mixtral.config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "router_jitter_noise": 0.1})
+    deepseek_like = TransformerConfig.from_preset("deepseek-v3-tiny")
+    with pytest.raises(HFConversionError, match="router_type='sigmoid'"):
+        mixtral.config_to_hf(deepseek_like)

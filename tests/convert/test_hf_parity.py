@@ -96,3 +96,21 @@ def _dcp_keys(path):
     from torch.distributed.checkpoint import FileSystemReader
 
     return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def test_export_from_strategy_style_checkpoint(tmp_path):
+    """The strategy's layout: DCP ``state_dict.model.*`` (vocab padded to 64) + ``meta.pt`` with the hparams."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    hf_model = make_hf_model("llama")
+    path = save(hf_model, tmp_path / "hf")
+    ours = causal_lm_from_hf(path, vocab_multiple=64)
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"state_dict": {f"model.{k}": v for k, v in ours.state_dict().items()}}, checkpoint_id=ckpt, no_dist=True)
+    torch.save({"hyper_parameters": {"config": ours.config, "hf_dir": str(path)}}, ckpt / "meta.pt")
+    out = export_hf(ckpt, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == hf_model.config.eos_token_id
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
