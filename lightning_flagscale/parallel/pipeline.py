@@ -377,6 +377,9 @@ class PipelineRunner:
     once per optimizer step and before clipping / the DP reduction, ``runner.sync_tied_grads()``.
     """
 
+    stage_cls: type[PipelineStage] = PipelineStage
+    """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
+
     def __init__(
         self,
         *,
@@ -430,7 +433,7 @@ class PipelineRunner:
         if key not in self._schedules:
             validate_schedule(self.schedule_name, self._pp, len(self.stage_ids), n_microbatches)
             stages = [
-                PipelineStage(m, s, self.plan.num_stages, self.device, group=self._group)
+                self.stage_cls(m, s, self.plan.num_stages, self.device, group=self._group)
                 for s, m in zip(self.stage_ids, self.stage_modules)
             ]
             cls = SCHEDULES[self.schedule_name][0]
