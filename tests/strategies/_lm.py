@@ -42,13 +42,15 @@ def make_module(config: TransformerConfig) -> CausalLMModule:
     return CausalLMModule(config, learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1)
 
 
-def reference_run(config: TransformerConfig, steps: int, clip: float | None = None) -> tuple[list[float], dict]:
+def reference_run(
+    config: TransformerConfig, steps: int, clip: float | None = None, num_samples: int = NUM_SAMPLES
+) -> tuple[list[float], dict]:
     """Single-process fp32 training: the oracle every layout must match."""
     torch.manual_seed(0)
     module = make_module(config)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
-    data = TokenDataset(config.vocab_size)
+    data = TokenDataset(config.vocab_size, num_samples)
     losses = []
     for step in range(steps):
         loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
@@ -76,6 +78,8 @@ def trainer_run(
     ckpt_path: str | None = None,
     save_path: str | None = None,
     max_epochs: int | None = None,
+    num_samples: int = NUM_SAMPLES,
+    callbacks: list | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
@@ -101,10 +105,10 @@ def trainer_run(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
         max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
-        num_sanity_val_steps=0, callbacks=[Record()],
+        num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
-    loader = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
+    loader = DataLoader(TokenDataset(config.vocab_size, num_samples), batch_size=GLOBAL_BATCH // dp)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
         trainer.save_checkpoint(save_path)

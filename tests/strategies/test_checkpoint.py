@@ -1,0 +1,63 @@
+"""Sharded checkpoints: atomic, and resumable under a different TP / DP / ZeRO layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flagscale.checkpoint import consolidate_checkpoint, is_sharded_checkpoint, read_meta
+from tests.strategies._lm import assert_rel_close, reference_run, tiny_config, trainer_run
+
+# 12 samples, global batch 4: one epoch is 3 steps, so the checkpoint sits on an epoch boundary.
+NUM_SAMPLES = 12
+SAVE_LAYOUT = dict(tensor_parallel_size=2, zero_stage=1)
+
+
+@pytest.fixture(scope="module")
+def saved(launcher, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "tp2xdp2.ckpt")
+    launcher(4, trainer_run, SAVE_LAYOUT, tiny_config(), 3, max_epochs=1, num_samples=NUM_SAMPLES, save_path=path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return reference_run(tiny_config(), 6, num_samples=NUM_SAMPLES)
+
+
+def test_checkpoint_is_complete_and_consolidates(saved, tmp_path):
+    assert is_sharded_checkpoint(saved)
+    meta = read_meta(saved)
+    assert meta["global_step"] == 3
+    assert meta["parallel_config"]["tensor_parallel_size"] == 2
+    out = consolidate_checkpoint(saved, tmp_path / "full.pt")
+    full = torch.load(out, weights_only=False)
+    weights = full["state_dict"]
+    assert weights["model.embed_tokens.weight"].shape == (256, 32)  # full, unsharded tensors
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (64, 32)
+    _, ref_params = reference_run(tiny_config(), 3, num_samples=NUM_SAMPLES)
+    for name, want in ref_params.items():
+        assert_rel_close(weights[f"model.{name}"], want, 1e-5, name)
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(tensor_parallel_size=1, zero_stage=0), dict(zero_stage=3)], ids=["tp1xdp4", "zero3"]
+)
+def test_resume_under_other_layout_matches_uninterrupted(launcher, saved, uninterrupted, layout):
+    ref_losses, ref_params = uninterrupted
+    results = launcher(4, trainer_run, layout, tiny_config(), 6, max_epochs=2, num_samples=NUM_SAMPLES, ckpt_path=saved)
+    for losses, params in results:
+        assert len(losses) == 3, "the resumed run must continue at step 4, not start over"
+        for got, want in zip(losses, ref_losses[3:]):
+            assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses[3:])
+        for name, want in ref_params.items():
+            assert_rel_close(params[name], want, 1e-5, name)
+
+
+def test_half_written_checkpoint_is_rejected(tmp_path):
+    broken = tmp_path / "broken.ckpt"
+    broken.mkdir()
+    (broken / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a complete FlagScale checkpoint"):
+        read_meta(broken)
+    assert not is_sharded_checkpoint(broken)
