@@ -1,0 +1,73 @@
+"""Precision: fp16 loss scaling agrees across ranks; bf16-mixed keeps fp32 master weights; Lightning flags map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flagscale import FlagScalePrecision
+from tests.strategies._lm import tiny_config, trainer_run
+
+
+def _inject_inf_run(zero_stage: int):
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    snapshots: list[torch.Tensor] = []
+    scales: list[float] = []
+
+    class InjectInf(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            # Only rank 1, only at step 1: a single bad gradient element somewhere in that rank's replica.
+            if trainer.global_step == 1 and dist.get_rank() == 1:
+                w = pl_module.model.layers["0"].mlp.down_proj.weight
+                w.grad.view(-1)[5] = float("inf")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append(pl_module.model.layers["1"].self_attn.q_proj.weight.detach().float().clone())
+            scales.append(trainer.precision_plugin.scaler.scale)
+
+    trainer_run(dict(zero_stage=zero_stage), tiny_config(), 3, precision="16-mixed", callbacks=[InjectInf()])
+    return snapshots, scales
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(launcher, zero_stage):
+    results = launcher(2, _inject_inf_run, zero_stage)
+    for snapshots, scales in results:
+        # step 0 changed the weights, step 1 was skipped (no change), step 2 changed them again
+        assert torch.equal(snapshots[1], snapshots[0]), "the overflowing step must be skipped"
+        assert not torch.equal(snapshots[2], snapshots[1]), "training must continue after the skip"
+        assert scales == [2.0**16, 2.0**15, 2.0**15]
+    torch.testing.assert_close(results[0][0][2], results[1][0][2], rtol=0, atol=0)  # ranks stay in sync
+
+
+def _bf16_run():
+    losses, params = trainer_run(dict(zero_stage=1), tiny_config(), 3, precision="bf16-mixed")
+    return losses, params
+
+
+def test_bf16_mixed_trains_close_to_fp32(launcher):
+    from tests.strategies._lm import reference_run
+
+    ref_losses, _ = reference_run(tiny_config(), 3)
+    for losses, params in launcher(2, _bf16_run):
+        assert all(abs(a - b) < 0.05 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
+def test_lightning_precision_flags_map_onto_flagscale_precision():
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    from lightning_flagscale.precision import as_flagscale_precision
+
+    assert as_flagscale_precision(Precision()).precision == "32-true"
+    assert as_flagscale_precision(MixedPrecision("bf16-mixed", "cpu")).precision == "bf16-mixed"
+    assert as_flagscale_precision(HalfPrecision("bf16-true")).precision == "bf16-true"
+    assert FlagScalePrecision("bf16-mixed").master_weights and not FlagScalePrecision("bf16-true").master_weights
+
+
+def test_fp8_without_transformer_engine_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"transformer-engine, which is not installed"):
+        FlagScalePrecision("fp8")
+    with pytest.raises(ValueError, match=r"does not support precision='64-true'"):
+        FlagScalePrecision("64-true")
