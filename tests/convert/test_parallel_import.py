@@ -104,3 +104,35 @@ def test_ep2_import_matches_transformers_and_exports_identically(launcher, tmp_p
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for name, tensor in state.items():
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def _pp_import_and_export(hf_dir: str, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from lightning_flagscale.parallel.pipeline import build_stage_module, plan_stages
+
+    with torch.device("meta"):
+        full = CausalLM(config_from_hf(hf_dir))
+    plan = plan_stages(full.pipeline_units(), 2)
+    stage = build_stage_module(full, plan.units[dist.get_rank()]).to_empty(device="cpu")
+    stage.tie_weights()
+    read = load_hf_weights(stage, hf_dir)
+    export_hf(stage, out_dir, max_shard_size="30KB")  # stage 1 sends its tensors to rank 0
+    return {"bytes_read": read, "names": sorted(stage.state_dict())}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+def test_pp2_stages_import_their_parts_and_export_together(launcher, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = make_hf_model(family, num_hidden_layers=4)
+    hf_dir = save(hf_model, tmp_path / "hf")
+    results = launcher(2, _pp_import_and_export, str(hf_dir), str(tmp_path / "out"))
+    assert not set(results[0]["names"]) & {"norm.weight"} and "embed_tokens.weight" not in results[1]["names"]
+    state = hf_model.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert all(r["bytes_read"] < 0.75 * total for r in results)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in state.items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    torch.testing.assert_close(hf_logits(reloaded, IDS), hf_logits(hf_model, IDS), rtol=0, atol=0)
