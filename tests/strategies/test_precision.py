@@ -43,15 +43,25 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(launcher, zero_stag
 
 
 def _bf16_run():
-    losses, params = trainer_run(dict(zero_stage=1), tiny_config(), 3, precision="bf16-mixed")
-    return losses, params
+    from lightning.pytorch.callbacks import Callback
+
+    dtypes: dict[str, torch.dtype] = {}
+
+    class Dtypes(Callback):
+        def on_train_end(self, trainer, pl_module):
+            dtypes["model"] = pl_module.model.layers["0"].mlp.up_proj.weight.dtype
+            dtypes["optimizer"] = trainer.optimizers[0].param_groups[0]["params"][0].dtype
+
+    losses, _ = trainer_run(dict(zero_stage=1), tiny_config(), 3, precision="bf16-mixed", callbacks=[Dtypes()])
+    return losses, dtypes
 
 
-def test_bf16_mixed_trains_close_to_fp32(launcher):
+def test_bf16_mixed_trains_close_to_fp32_with_fp32_masters(launcher):
     from tests.strategies._lm import reference_run
 
     ref_losses, _ = reference_run(tiny_config(), 3)
-    for losses, params in launcher(2, _bf16_run):
+    for losses, dtypes in launcher(2, _bf16_run):
+        assert dtypes == {"model": torch.bfloat16, "optimizer": torch.float32}
         assert all(abs(a - b) < 0.05 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
 
 

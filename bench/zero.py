@@ -1,0 +1,159 @@
+"""Bytes moved and state bytes held per rank for one training step of each data-parallel layout, next to theory.
+
+    python bench/zero.py [--world 4] [--precision bf16-mixed] [--preset llama-tiny] [--json bench/results/zero.json]
+
+Runs ``Trainer.fit`` with ``FlagScaleStrategy`` on ``--world`` CPU processes (gloo) for DDP, ZeRO-1, ZeRO-2 and
+ZeRO-3. For the third optimizer step (Adam states exist by then) it records every collective with
+``CommTracker`` and, just before the optimizer step, the bytes of parameters, gradients, master weights and
+optimizer states held by the rank. Theory:
+
+- bytes moved (ZeRO paper, Ψ parameters, N ranks, per rank): DDP and ZeRO-1/2 2Ψ(N-1)/N, ZeRO-3 3Ψ(N-1)/N, each
+  term in the dtype that is actually sent (our gradient reductions are fp32 whatever the parameter dtype);
+- state bytes: the paper's bf16 layout (DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N) and the layout
+  this package uses (fp32 main gradients instead of bf16 ones; see the README's "Mixed precision layout").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MEASURED_STEP = 2  # 0-based: the third optimizer step
+
+
+def _ours_state_bytes(psi: int, n: int, stage: int, precision: str) -> dict[str, float]:
+    """State bytes per rank of this package's layout at the optimizer step (after the gradient reduction)."""
+    if precision == "32-true":
+        if stage == 0:
+            return {"params": 4 * psi, "grads": 4 * psi, "master": 0, "optimizer": 8 * psi}
+        if stage in (1, 2):  # fp32 main shard = a sharded master copy
+            return {"params": 4 * psi, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer": 8 * psi / n}
+        return {"params": 4 * psi / n, "grads": 4 * psi / n, "master": 0, "optimizer": 8 * psi / n}
+    # bf16-mixed / 16-mixed: half-precision params, fp32 main grads, fp32 masters + Adam
+    if stage == 0:
+        return {"params": 2 * psi, "grads": 4 * psi, "master": 4 * psi, "optimizer": 8 * psi}
+    if stage in (1, 2):
+        return {"params": 2 * psi, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer": 8 * psi / n}
+    return {"params": 4 * psi / n, "grads": 4 * psi / n, "master": 0, "optimizer": 8 * psi / n}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
+    torch.set_num_threads(1)
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.data import LMDataModule
+    from lightning_flagscale.models import CausalLMModule
+    from lightning_flagscale.parallel.comm import CommTracker, gather_summaries, merge_summaries
+    from lightning_flagscale.parallel.memory import state_bytes
+
+    dist.init_process_group("gloo")
+    results = []
+    for stage in args.stages:
+        tracker = CommTracker()
+        measured: dict = {}
+
+        class Measure(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_step == MEASURED_STEP:
+                    tracker.__enter__()
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                if trainer.global_step == MEASURED_STEP:
+                    s = state_bytes(pl_module, [optimizer])
+                    measured.update(params=s.params, grads=s.grads, master=s.master_params,
+                                    optimizer=s.optimizer_states)  # fmt: skip
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == MEASURED_STEP + 1:
+                    tracker.__exit__(None, None, None)
+
+        config = TransformerConfig.from_preset(args.preset)
+        module = CausalLMModule(config, learning_rate=1e-3, warmup_steps=0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=stage),
+            plugins=[FlagScalePrecision(args.precision)], max_steps=MEASURED_STEP + 1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[Measure()],
+        )  # fmt: skip
+        dm = LMDataModule(seq_len=64, batch_size=2, num_train_samples=64, num_val_samples=8)
+        trainer.fit(module, dm)
+        psi = sum(p.numel() for p in module.model.parameters()) if stage < 3 else None
+        if stage == 3:
+            from torch.distributed.tensor import DTensor
+
+            psi = sum(p.numel() if not isinstance(p, DTensor) else p.shape.numel() for p in module.model.parameters())
+        merged = merge_summaries(gather_summaries(tracker))
+        dp_bytes = (
+            sum(op["wire_bytes"] for g in merged.values() if g["size"] == world for op in g["ops"].values()) / world
+        )
+        results.append({"stage": stage, "psi": psi, "wire_bytes_per_rank": dp_bytes, "state": measured,
+                        "ops": {name: {op: v["wire_bytes"] / world for op, v in g["ops"].items()}
+                                for name, g in merged.items() if g["size"] == world}})  # fmt: skip
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--preset", default="llama-tiny")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--json", default="bench/results/zero.json")
+    args = parser.parse_args()
+
+    from lightning_flagscale.parallel.memory import comm_theory_bytes, zero_theory_bytes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = queue.get()
+    for p in procs:
+        p.join()
+
+    n = args.world
+    half = args.precision != "32-true"
+    param_b = 2 if half else 4
+    rows = []
+    print(f"world={n} precision={args.precision} preset={args.preset}  (bytes per rank, one optimizer step)")
+    print(f"{'layout':8} {'moved':>12} {'theory':>12} {'ratio':>6} | {'state':>12} {'ours-theory':>12} {'ratio':>6}"
+          f" {'paper-theory':>13}")  # fmt: skip
+    for r in results:
+        stage, psi = r["stage"], r["psi"]
+        comm = comm_theory_bytes(param_b * psi, n, stage, grad_bytes=4 * psi).total
+        ours = _ours_state_bytes(psi, n, stage, args.precision)
+        paper = zero_theory_bytes(psi, n, stage, "bf16-master" if half else "fp32").total
+        state = sum(r["state"].values())
+        name = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][stage]
+        print(f"{name:8} {r['wire_bytes_per_rank']:12.0f} {comm:12.0f} {r['wire_bytes_per_rank'] / comm:6.3f} |"
+              f" {state:12.0f} {sum(ours.values()):12.0f} {state / sum(ours.values()):6.3f} {paper:13.0f}")  # fmt: skip
+        rows.append({**r, "name": name, "comm_theory": comm, "state_theory_ours": ours, "state_theory_paper": paper})
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"world": n, "precision": args.precision, "torch": torch.__version__, "rows": rows},
+                              indent=2, default=float))  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
