@@ -67,19 +67,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         measured: dict = {}
 
         class Measure(L.Callback):
+            def __init__(self, tracker: CommTracker, measured: dict) -> None:
+                self.tracker, self.measured = tracker, measured
+
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 if trainer.global_step == MEASURED_STEP:
-                    tracker.__enter__()
+                    self.tracker.__enter__()
 
             def on_before_optimizer_step(self, trainer, pl_module, optimizer):
                 if trainer.global_step == MEASURED_STEP:
                     s = state_bytes(pl_module, [optimizer])
-                    measured.update(params=s.params, grads=s.grads, master=s.master_params,
+                    self.measured.update(params=s.params, grads=s.grads, master=s.master_params,
                                     optimizer=s.optimizer_states)  # fmt: skip
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if trainer.global_step == MEASURED_STEP + 1:
-                    tracker.__exit__(None, None, None)
+                    self.tracker.__exit__(None, None, None)
 
         config = TransformerConfig.from_preset(args.preset)
         module = CausalLMModule(config, learning_rate=1e-3, warmup_steps=0)
@@ -87,7 +90,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
             accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=stage),
             plugins=[FlagScalePrecision(args.precision)], max_steps=MEASURED_STEP + 1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[Measure()],
+            callbacks=[Measure(tracker, measured)],
         )  # fmt: skip
         dm = LMDataModule(seq_len=64, batch_size=2, num_train_samples=64, num_val_samples=8)
         trainer.fit(module, dm)
