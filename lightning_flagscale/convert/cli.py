@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,8 +20,8 @@ import torch
 
 from lightning_flagscale.convert.hf_export import HF_CONFIG_FILE, TOKENIZER_FILES, export_hf, write_model_config
 from lightning_flagscale.convert.hf_import import causal_lm_from_hf
-from lightning_flagscale.convert.registry import read_hf_config
-from lightning_flagscale.convert.safetensors_io import atomic_output_dir
+from lightning_flagscale.convert.registry import HFConversionError, read_hf_config
+from lightning_flagscale.convert.safetensors_io import CheckpointFormatError, atomic_output_dir
 
 __all__ = ["add_convert_subcommands", "ckpt_to_hf", "convert_main", "hf_to_ckpt"]
 
@@ -37,7 +38,9 @@ def hf_to_ckpt(hf_dir: str | os.PathLike, out: str | os.PathLike, *, max_seq_len
     if model.config.tie_word_embeddings:
         state["state_dict"].pop("model.lm_head.weight", None)  # the same tensor as the embedding
     with atomic_output_dir(out) as tmp:
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        with warnings.catch_warnings():  # single-process on purpose: silence DCP's "assuming no_dist" warning
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
         write_model_config(tmp, model.config)
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(read_hf_config(hf_dir), indent=2) + "\n")
         for file in (*TOKENIZER_FILES, "generation_config.json"):
@@ -102,6 +105,9 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-flagscale")
     add_convert_subcommands(parser.add_subparsers(dest="command", required=True))
     ns = parser.parse_args(["convert", *(argv or [])])
-    out = ns.convert_fn(ns)
+    try:
+        out = ns.convert_fn(ns)
+    except (HFConversionError, CheckpointFormatError, FileExistsError, FileNotFoundError) as err:
+        parser.exit(2, f"lightning-flagscale convert: error: {err}\n")  # user errors: the message, no traceback
     print(f"wrote {out}")  # CLI output, not library logging
     return 0

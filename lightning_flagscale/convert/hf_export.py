@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -273,5 +274,7 @@ class _DCPSource:
             raise HFConversionError(f"{self.path}: the checkpoint has no tensor for {name!r} (expected by the model).")
         meta = self.meta[key]
         out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-        dcp.load(out, storage_reader=self.reader, no_dist=True)
+        with warnings.catch_warnings():  # single-process on purpose: silence DCP's "assuming no_dist" warning
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(out, storage_reader=self.reader, no_dist=True)
         return out[key]

@@ -160,3 +160,15 @@ def test_moe_layouts_and_routers_that_do_not_map_are_refused():
     deepseek_like = TransformerConfig.from_preset("deepseek-v3-tiny")
     with pytest.raises(HFConversionError, match="router_type='sigmoid'"):
         mixtral.config_to_hf(deepseek_like)
+
+
+def test_cli_round_trip_and_user_errors(hf_dir, tmp_path, capsys):
+    from lightning_flagscale.convert.cli import convert_main
+
+    assert convert_main(["hf-to-ckpt", str(hf_dir), str(tmp_path / "ck")]) == 0
+    assert convert_main(["ckpt-to-hf", str(tmp_path / "ck"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit) as exc:
+        convert_main(["ckpt-to-hf", str(tmp_path / "ck"), str(tmp_path / "back")])
+    assert exc.value.code == 2 and "already exists" in capsys.readouterr().err
