@@ -458,6 +458,11 @@ class PipelineRunner:
         args = (input_ids.to(self.device),) if self.has_first_stage else ()
         # Keyword inputs reach every stage, split into the same micro-batches as the tokens (module docstring).
         kwargs = {k: batch[k].to(self.device) for k in ("position_ids", "segment_ids") if batch.get(k) is not None}
+        if "position_ids" not in kwargs:
+            # Always explicit: a later stage under sequence parallelism receives a sequence shard and could not
+            # derive the global positions from its input's length.
+            seq = input_ids.shape[1]
+            kwargs["position_ids"] = torch.arange(seq, device=self.device).expand(size, seq).contiguous()
         target = batch["labels"].to(self.device) if self.has_last_stage else None
         return args, kwargs, target, size // self.micro_batch_size
 
@@ -525,6 +530,11 @@ class PipelineRunner:
         params = [p for p in self._tied_params() if p.grad is not None]
         if not params:
             return
+        for p in params:
+            # Under TP torch's embedding backward yields a Replicate grad for a vocab-sharded (Shard(0)) weight,
+            # while the LM head's grad is Shard(0): bring both to the parameter's layout (a local slice) first.
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         if len(self._tied_params()) == 2:  # both ends on this rank (V placement, or PP=1 through this path)
             first, last = self._tied_params()
             total = _local(first.grad) + _local(last.grad)
