@@ -171,8 +171,12 @@ class ShardedSafetensorsWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._current and self._current_bytes + nbytes > self.limit:
             self._flush()
-        # contiguous clone: safetensors refuses views sharing storage (e.g. tied or unbound expert tensors)
-        self._current[name] = tensor.detach().to("cpu").contiguous().clone()
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
+            # A view into a bigger storage (unbound experts, vocab rows without padding): safetensors refuses
+            # tensors sharing storage, so copy it; whole tensors (live parameters) are referenced, not copied.
+            tensor = tensor.clone()
+        self._current[name] = tensor
         self._current_bytes += nbytes
         self.total_bytes += nbytes
 

@@ -114,3 +114,23 @@ def test_export_from_strategy_style_checkpoint(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen2-moe-tiny"])
+def test_export_of_native_model_gives_our_logits_in_transformers(preset, tmp_path):
+    """Train-from-scratch workflow: no HF origin, the family is inferred from the config's features."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_flagscale.config import TransformerConfig
+
+    model = CausalLM(TransformerConfig.from_preset(preset, num_layers=2), vocab_multiple=3)
+    model.init_weights(seed=7)
+    with torch.no_grad():  # norms are ones at init: perturb them so a norm mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    out = export_hf(model, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(reloaded, ids), model.logits(model(ids)), rtol=0, atol=1e-5)
