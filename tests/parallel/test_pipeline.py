@@ -364,6 +364,24 @@ def _selective_under_zbv() -> None:
     build_pipeline(model, init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), cfg)
 
 
+def _too_few_microbatches() -> None:
+    cfg = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="1f1b", micro_batch_size=2)
+    model = CausalLM(_tiny())
+    runner = build_pipeline(model, init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), cfg)
+    runner.step(_batch(2))  # one micro-batch of 2 rows for a 2-stage 1F1B
+
+
+def test_too_few_microbatches_raise_on_every_rank(launcher):
+    with pytest.raises(Exception, match="needs at least 2 micro-batches, got 1"):
+        launcher(2, _too_few_microbatches)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "zero_bubble", "interleaved_1f1b"])
+def test_schedules_at_their_minimum_microbatches(launcher, schedule):
+    vpp = 1 if schedule == "zero_bubble" else 2
+    _check(launcher(2, _pipeline_parity, schedule, vpp, n_micro=min_microbatches(schedule, 2, vpp), steps=1))
+
+
 def test_selective_recompute_rejected_under_split_backward(launcher):
     with pytest.raises(Exception, match="selective activation checkpointing allows one backward"):
         launcher(2, _selective_under_zbv)
