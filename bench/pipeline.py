@@ -81,7 +81,7 @@ class _SleepLM(nn.Module):
     def pipeline_units(self) -> list[str]:
         return [f"layers.{i}" for i in self.layers]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers.values():
             x = layer(x)
         return x

@@ -478,7 +478,11 @@ class PipelineRunner:
         return out
 
     def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Forward + backward of every micro-batch of ``batch``; returns the mean loss (same on every PP rank)."""
+        """Forward + backward of every micro-batch of ``batch``; returns the mean loss (same on every PP rank).
+
+        Reads ``input_ids`` (first stage), ``labels`` (last stage), optional ``position_ids`` / ``segment_ids``
+        (every stage); ``attention_mask`` is not used (padding is expressed by ``labels == -100``).
+        """
         args, kwargs, target, n = self._split_batch(batch)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         self._schedule(n, train=True).step(*args, target=target, losses=losses, return_outputs=False, **kwargs)

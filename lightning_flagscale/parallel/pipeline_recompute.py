@@ -10,7 +10,12 @@ Modes (the seeds' "non-uniform fine-grained recompute"):
 
 A stage is recomputed block by block with ``torch.utils.checkpoint`` (non-reentrant). The block's ``forward`` is
 rebound on the instance instead of wrapping the block in a ``CheckpointWrapper`` so that every parameter FQN stays
-``layers.<i>.<...>``: TP plans, checkpoints and HF export address parameters by those names.
+``layers.<i>.<...>``: TP plans, checkpoints and HF export address parameters by those names. Apply it to the
+final (stage) module: a deep copy keeps the rebound forward of the original.
+
+Zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) run each backward as two autograd passes (input
+gradient, then weight gradient): a ``full`` block is recomputed in both, and ``selective`` is refused there (except
+on the first stage, which runs one pass) because torch's selective checkpointing allows one backward per region.
 """
 
 from __future__ import annotations
