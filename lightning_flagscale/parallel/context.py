@@ -181,6 +181,7 @@ class _RingAttention(torch.autograd.Function):
                     q[:, qs], ck, cv, scale=scale, causal=causal, q_pos=pos[qs], k_pos=kpos[ks], q_seg=qseg, k_seg=cseg
                 )
                 out[:, qs], lse[:, :, qs] = merge_attention(out[:, qs], lse[:, :, qs], b_out, b_lse)
+                del b_out, b_lse, ck, cv  # free before the next block's kernel runs
             _wait(reqs)
             cur = nxt
         out = out.to(q.dtype)
@@ -203,9 +204,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             reqs, nxt = ring.exchange(cur) if step < ring.size - 1 else ([], cur)
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             plan = _step_plan(ring.rank, src, ctx.causal, half)
+            grads = None
             if plan is not None:
                 qs, ks = plan
                 kpos = local_positions(q.shape[1], ring.size, src)
@@ -215,18 +215,19 @@ class _RingAttention(torch.autograd.Function):
                     q_seg=None if seg is None else seg[:, qs], k_seg=None if seg is None else cur[2][:, ks],
                 )  # fmt: skip
                 dq[:, qs] += b_dq
-                dk[:, ks] += b_dk
-                dv[:, ks] += b_dv
-            # dK/dV of the block we hold arrive from the previous rank (accumulated along the way): add ours and
-            # pass them on; after the last step they have gone full circle and are the gradients of our own K/V.
+                grads = (ks, b_dk, b_dv)
+            # dK/dV of the block we hold arrive from the previous rank (accumulated along the way): add ours in place
+            # and pass them on; after the last step they have gone full circle and are the gradients of our own K/V.
             _wait(dkv_reqs)
-            if dkv_in is not None:
-                dk += dkv_in[0]
-                dv += dkv_in[1]
+            if dkv_in is None:
+                dkv_in = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+            if grads is not None:
+                ks, b_dk, b_dv = grads
+                dkv_in[0][:, ks] += b_dk
+                dkv_in[1][:, ks] += b_dv
+                del grads, b_dq, b_dk, b_dv  # free block gradients before the next block's kernel runs
             if ring.size > 1:
-                dkv_reqs, dkv_in = ring.exchange([dk, dv])
-            else:
-                dkv_in = [dk, dv]
+                dkv_reqs, dkv_in = ring.exchange(dkv_in)
             _wait(reqs)
             cur = nxt
         _wait(dkv_reqs)
