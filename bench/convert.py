@@ -94,6 +94,7 @@ def task_raw(hf_dir: str) -> dict:
 
 def task_import(hf_dir: str, export_to: str | None) -> dict:
     from lightning_flagscale.convert import causal_lm_from_hf, export_hf
+    from lightning_flagscale.models import CausalLM  # noqa: F401  (import time is not conversion time)
 
     base = _rss_mb()
     start = time.perf_counter()

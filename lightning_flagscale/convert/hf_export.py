@@ -69,7 +69,8 @@ def export_hf(
     """Write ``src`` as a Hugging Face folder ``out_dir`` (config.json, safetensors shards + index, ...).
 
     ``src``: a ``CausalLM`` / ``CausalLMModule`` (under a process group every rank must call this; rank 0 writes)
-    or the folder of a DCP checkpoint (needs ``config`` or a ``model_config.json`` inside it). ``model_type``
+    or the folder of a DCP checkpoint (the architecture comes from ``config``, else a ``model_config.json`` in
+    it, else ``hyper_parameters["config"]`` in the strategy's ``meta.pt``). ``model_type``
     picks the HF family (default: the one the model was imported from, else inferred from its features);
     ``dtype`` casts the exported weights (default: as stored); ``tokenizer_dir`` (default: the HF folder the
     model came from, if known) provides tokenizer files to copy. Padded vocab rows are dropped.
@@ -79,8 +80,11 @@ def export_hf(
     hf_base = source.hf_config or {}
     family = family_for({"model_type": model_type}) if model_type else _family_from(hf_base, config)
     specs = family.weight_specs(config)
-    if Path(out_dir).exists():  # checked on every rank before any collective, so all ranks fail alike
+    # User errors are raised on every rank before any collective, so all ranks fail alike and nothing is written.
+    if Path(out_dir).exists():
         raise FileExistsError(f"Output folder {str(out_dir)!r} already exists; remove it or choose another path.")
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer_dir {str(tokenizer_dir)!r} does not exist.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         if isinstance(source, _ModuleSource):
@@ -134,8 +138,6 @@ def _write_extras(
     elif hf_dir and (Path(hf_dir) / "generation_config.json").is_file():
         shutil.copy2(Path(hf_dir) / "generation_config.json", tmp / "generation_config.json")
     tok = Path(tokenizer_dir) if tokenizer_dir is not None else (Path(hf_dir) if hf_dir else None)
-    if tokenizer_dir is not None and not tok.is_dir():
-        raise FileNotFoundError(f"tokenizer_dir {str(tok)!r} does not exist.")
     if tok is not None and tok.is_dir():
         for file in TOKENIZER_FILES:
             if (tok / file).is_file():
