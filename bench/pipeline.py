@@ -11,7 +11,7 @@ and the peak number of live micro-batch activations per stage (forwarded, weight
 per rank with F = I = W per layer: 1F1B/GPipe (p-1)/(m+p-1); interleaved 1F1B divides the bubble by v; ZB-H1
 leaves (p-1)(F+I-W), about a third of 1F1B's (p-1)(F+I+W); ZB-V ~0; DualPipeV (p/2-1)(F&B+B-3W) per DeepSeek.
 
-    python bench/pipeline.py [--out bench/results/tmp/pipeline_timeline.png] [--ms 10] [--iters 2]
+    python bench/pipeline.py [--out bench/results/tmp/pipeline_timeline.png] [--ms 30] [--iters 3]
 """
 
 from __future__ import annotations
@@ -240,8 +240,8 @@ def _plot(rows: list[dict], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tmp" / "pipeline_timeline.png")
-    parser.add_argument("--ms", type=float, default=10.0, help="F = I = W cost of one layer in milliseconds")
-    parser.add_argument("--iters", type=int, default=2, help="measured iterations per schedule (best is kept)")
+    parser.add_argument("--ms", type=float, default=30.0, help="F = I = W cost of one layer in milliseconds")
+    parser.add_argument("--iters", type=int, default=3, help="measured iterations per schedule (best is kept)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
