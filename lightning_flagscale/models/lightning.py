@@ -51,6 +51,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for module in model.modules():
         if isinstance(module, (RMSNorm, nn.LayerNorm, nn.Embedding)):
             no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        # A tied head is the embedding; on the last pipeline stage it is a separate copy that must update alike.
+        no_decay_ids.add(id(head.weight))
     decay, no_decay = [], []
     for name, p in model.named_parameters():  # shared (tied) parameters are listed once
         if not p.requires_grad:

@@ -113,6 +113,7 @@ class _FlatBucket:
             self.main_param = nn.Parameter(main)
             tp_shards = num_shards(params[0])  # buckets never mix TP-sharded and TP-replicated parameters
             self.main_param._fs_num_shards = (self.world if shard else 1) * tp_shards
+            self.main_param._fs_norm_scale = getattr(params[0], "_fs_norm_scale", 1.0)
 
     def _flatten(self, tensors: Sequence[Tensor | None], dtype: torch.dtype) -> Tensor:
         parts = [
@@ -346,12 +347,13 @@ class DistributedOptimizer:
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
 
 
-def _bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tuple[str, torch.dtype, int], list]]:
-    """Consecutive runs of parameters that can share a flat bucket: same reduction group, dtype and TP sharding."""
-    runs: list[tuple[tuple[str, torch.dtype, int], list]] = []
+def _bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tuple, list]]:
+    """Consecutive runs of parameters that can share a flat bucket: same reduction group, dtype, TP sharding and
+    share of the gradient norm."""
+    runs: list[tuple[tuple, list]] = []
     size = 0
     for p in params:
-        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype, num_shards(p))
+        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype, num_shards(p), getattr(p, "_fs_norm_scale", 1.0))
         n = local_tensor(p).numel()
         if runs and runs[-1][0] == key and size + n <= bucket_numel:
             runs[-1][1].append(p)
@@ -399,7 +401,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int =
     """Clip by the true global gradient norm across TP, CP, ZeRO/FSDP shards and pipeline stages.
 
     Each rank adds its local squared norms weighted by ``num_shards(p) / ranks_per_stage`` (the fraction of
-    replicas of ``p`` it speaks for), one all-reduce over the world gives the norm every rank agrees on.
+    replicas of ``p`` it speaks for), one all-reduce over the world gives the norm every rank agrees on. A parameter
+    with ``_fs_norm_scale = 0`` (the last pipeline stage's copy of a tied embedding) is not counted twice.
     """
     params = [p for p in params if p.grad is not None]
     for p in params:  # DTensor autograd may hand back Replicate/Partial grads for Shard params: align them first
@@ -416,7 +419,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int =
         total = torch.zeros((), dtype=torch.float64, device=device)
         for p in params:
             g = local_tensor(p.grad).detach().double()
-            total += (num_shards(p) / stage_ranks) * g.norm(norm_type).pow(norm_type)
+            weight = getattr(p, "_fs_norm_scale", 1.0) * num_shards(p) / stage_ranks
+            total += weight * g.norm(norm_type).pow(norm_type)
         if dist.is_initialized():
             dist.all_reduce(total)
         total = total.pow(1.0 / norm_type).float()

@@ -47,6 +47,7 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data import DistributedOptimizer, apply_fsdp, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
+from lightning_flagscale.strategies._pipeline import PipelinedModel
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -110,7 +111,9 @@ class FlagScaleStrategy(ParallelStrategy):
         self._grad_bucket_numel = grad_bucket_numel
         self._meshes: ParallelMeshes | None = None
         self._dist_optimizers: dict[int, DistributedOptimizer] = {}
-        self._fsdp_root: nn.Module | None = None
+        self._fsdp_roots: list[nn.Module] = []
+        self._pipeline: PipelinedModel | None = None
+        self._pp_zero_grad_pending = True
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -242,20 +245,25 @@ class FlagScaleStrategy(ParallelStrategy):
                 f"{type(module).__name__} exposes no model with a `tp_plan` (the model protocol); tensor/pipeline/"
                 "context/expert parallelism cannot be applied. Set those sizes to 1."
             )
-        if p.pp_enabled:
-            raise NotImplementedError(  # pipeline integration lands with issue #3
-                "pipeline_parallel_size > 1 is not wired into FlagScaleStrategy yet; use lightning_flagscale.parallel."
-                "pipeline directly or pipeline_parallel_size=1."
-            )
         precision = self.precision_plugin
-        if inner is not None:
-            self._parallelize(inner)
+        parts: list[nn.Module] = []  # the modules each parallelism is applied to: the model, or its pipeline stages
+        if inner is not None and p.pp_enabled:
+            self._pipeline = _build_pipelined_model(module, inner, self.meshes, p, self.root_device)
+            inner = self._pipeline
+            parts = list(self._pipeline.stage_modules)
+        elif inner is not None:
+            parts = [inner]
+        for part in parts:
+            self._parallelize(part)
         if p.zero_stage == 3:
-            target = inner if inner is not None else module
+            targets = parts or [module]
             param_dtype = None if precision.param_dtype == torch.float32 else precision.param_dtype
-            apply_fsdp(target, self.meshes.dp_cp, param_dtype=param_dtype, reduce_dtype=precision.reduce_dtype)
-            self._fsdp_root = target
+            for target in targets:
+                apply_fsdp(target, self.meshes.dp_cp, param_dtype=param_dtype, reduce_dtype=precision.reduce_dtype)
+            self._fsdp_roots = targets
         self._materialize(module, inner)
+        if self._pipeline is not None:
+            _exclude_tied_copy_from_norm(self._pipeline)
         if p.zero_stage < 3:
             self.model = precision.convert_module(self.model)
         self.model_to_device()
@@ -302,6 +310,12 @@ class FlagScaleStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         self._dist_optimizers = {}
+        if self._pipeline is not None:
+            for opt in self.optimizers:
+                # Lightning zeroes grads between training_step and backward; under PP that would wipe the
+                # schedule's gradients. Keep the real zero_grad for `training_step` to call at the right time.
+                opt._flagscale_zero_grad = opt.zero_grad
+                opt.zero_grad = _deferred_zero_grad
         if self.parallel.zero_stage == 3:
             return
         groups = {"dp_cp": self.meshes.group(MeshDim.DP_CP)}
@@ -331,6 +345,18 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         args = self._shard_for_cp(args)
+        if self._pipeline is not None:
+            if self._pp_zero_grad_pending:
+                # Under PP the schedule runs backward inside training_step, before the point where Lightning's loop
+                # zeroes gradients; the zeroing happens here instead, at the start of each accumulation window.
+                for opt in self.optimizers:
+                    opt._flagscale_zero_grad(set_to_none=True)
+                for param in self.lightning_module.parameters():
+                    param.grad = None
+                self._pp_zero_grad_pending = False
+            scaler = self.precision_plugin.scaler
+            scale = scaler.scale if scaler is not None else 1.0
+            self._pipeline.grad_scale = scale / self.lightning_module.trainer.accumulate_grad_batches
         return super().training_step(*args, **kwargs)
 
     @override
@@ -347,22 +373,35 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        # ZeRO-2 reduce-scatters after every backward and frees the full gradients; stages 0/1 reduce once per step.
-        if self.parallel.zero_stage == 2:
+        # ZeRO-2 reduce-scatters after every backward and frees the full gradients; stages 0/1 reduce once per step
+        # (as does ZeRO-2 under PP: tied-embedding gradients are summed across stages first, in optimizer_step).
+        if self.parallel.zero_stage == 2 and self._pipeline is None:
             for dopt in self._dist_optimizers.values():
                 dopt.reduce_grads()
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._fsdp_root is not None:
-            self._fsdp_root.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self._fsdp_root.set_requires_gradient_sync(True)
-        else:
+        for root in self._fsdp_roots:
+            root.set_requires_gradient_sync(False)
+        try:
             yield
+        finally:
+            for root in self._fsdp_roots:
+                root.set_requires_gradient_sync(True)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None or not self.lightning_module.training:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule already ran forward and backward of every micro-batch inside `loss_fn`; only the
+        # hooks remain (on_before_backward / on_after_backward), so callbacks see the usual sequence.
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        self.precision_plugin.pre_backward(closure_loss.detach(), module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -370,8 +409,10 @@ class FlagScaleStrategy(ParallelStrategy):
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         precision = self.precision_plugin
         closure_result = closure()
+        if self._pipeline is not None:
+            self._pipeline.runner.sync_tied_grads()
         dopt = self._dist_opt(opt)
-        if dopt is not None and self.parallel.zero_stage < 2:
+        if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
             dopt.reduce_grads()
         params = [q for g in opt.param_groups for q in g["params"]]
         skip = precision.unscale_and_check(params)
@@ -380,6 +421,7 @@ class FlagScaleStrategy(ParallelStrategy):
             opt.step(**kwargs)
         if dopt is not None:
             dopt.sync_params()
+        self._pp_zero_grad_pending = True
         return closure_result
 
     # ------------------------------------------------------------------ collectives
@@ -533,6 +575,35 @@ def _optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> d
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def _deferred_zero_grad(set_to_none: bool = True) -> None:
+    """Lightning's zero_grad under pipeline parallelism: a no-op (the strategy zeroes before the schedule runs)."""
+
+
+def _build_pipelined_model(module, inner: nn.Module, meshes: ParallelMeshes, config: ParallelConfig, device):
+    """Cut ``inner`` into this rank's stages and put them in place of ``module.model``."""
+    from lightning_flagscale.parallel.pipeline import build_pipeline
+
+    holder: list[PipelinedModel] = []
+    runner = build_pipeline(
+        inner, meshes["pp"], config, loss_fn=lambda out, target: holder[0].scaled_stage_loss(out, target),
+        device=device,
+    )  # fmt: skip
+    pipelined = PipelinedModel(runner, inner.config)
+    holder.append(pipelined)
+    module.model = pipelined
+    return pipelined
+
+
+def _exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:
+    """The last stage's LM head is a second copy of a tied embedding: count it once in the gradient norm."""
+    if not pipelined.runner._tied:
+        return
+    for stage in pipelined.stage_modules:
+        head, embed = stage.lm_head, stage.embed_tokens
+        if head is not None and (embed is None or head.weight is not embed.weight):
+            head.weight._fs_norm_scale = 0.0
 
 
 def _transformer_config(module: nn.Module | None) -> TransformerConfig | None:
