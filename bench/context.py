@@ -17,7 +17,7 @@ processes (spawned here unless launched by torchrun):
    ``N/P x heads x D`` slice forward (``4 N h / P`` for MHA) and the same again backward. Target: within 5%.
 3. Longest trainable sequence within a memory budget (default: the cp=1 peak at the longest ``--seqs``): the
    measured peaks are extrapolated linearly per (mode, cp) (memory is linear in N with a tiled kernel), and
-   the estimate is checked by measured runs, stepping down 5% until it fits. Target: cp=4 at least 3.5x cp=1.
+   the estimate is refined by measured runs (secant steps); the longest measured length within budget is reported. Target: cp=4 at least 3.5x cp=1.
 
 The pure-torch kernel is run with query tiles of ``--q-block`` rows, so its scores take ``q_block x N_k`` per head
 like a fused GPU kernel instead of ``N_q x N_k``.
@@ -142,12 +142,13 @@ def _spawn(cp: int, args: argparse.Namespace, seqs: list[int] | None = None) -> 
 
 
 def _fit_length(points: list[tuple[int, float]], budget: float, multiple: int) -> int:
-    """Largest N (a multiple of ``multiple``) with a + b N <= budget, the line through the two longest points.
+    """Largest N (a multiple of ``multiple``) with a + b N <= budget on the line through the two measured points
+    whose peaks are closest to the budget (a secant step).
 
-    With a tiled kernel every term of the attention memory is linear in N for a fixed tile, so the longest
-    points give the asymptotic slope; the caller checks the estimate with a measured run.
+    With a tiled kernel every term of the attention memory is linear in N once the local length exceeds the tile,
+    so the line is a good local model; the caller checks each estimate with a measured run.
     """
-    (n0, p0), (n1, p1) = sorted(points)[-2:]
+    (n0, p0), (n1, p1) = sorted(sorted(points, key=lambda p: abs(p[1] - budget))[:2])
     slope = (p1 - p0) / (n1 - n0)
     n = n1 + (budget - p1) / slope if slope > 0 else n1
     return max(multiple, int(n) // multiple * multiple)
@@ -204,13 +205,19 @@ def main() -> None:
         base_len = None
         for cp in args.cps:
             points = [(n, results[cp][(mode, n)]["peak"]) for n in args.seqs]
-            n_fit = _fit_length(points, budget, 2 * cp)
-            for _ in range(4):  # step down until the measured peak fits (the fit is an estimate)
-                sub = argparse.Namespace(**{**vars(args), "modes": [mode]})
-                check = _spawn(cp, sub, seqs=[n_fit])[(mode, n_fit)]
-                if check["peak"] <= budget:
+            best, best_peak = 0, 0.0
+            for _ in range(4):  # secant refinement on measured runs: the fit is only an estimate
+                n_try = _fit_length(points, budget, 2 * cp)
+                if n_try in (n for n, _ in points):
                     break
-                n_fit = max(2 * cp, int(n_fit * 0.95) // (2 * cp) * (2 * cp))
+                sub = argparse.Namespace(**{**vars(args), "modes": [mode]})
+                peak = _spawn(cp, sub, seqs=[n_try])[(mode, n_try)]["peak"]
+                points.append((n_try, peak))
+                if peak <= budget and n_try > best:
+                    best, best_peak = n_try, peak
+            if best == 0:  # every try was over budget: the longest measured length that fits
+                best, best_peak = max(((n, p) for n, p in points if p <= budget), default=(0, 0.0))
+            n_fit, check = best, {"peak": best_peak}
             base_len = base_len or n_fit
             print(f"  cp={cp}: N={n_fit:7d} ({n_fit / base_len:5.2f}x cp={args.cps[0]}), measured peak"
                   f" {_mib(check['peak'])} MiB ({check['peak'] / budget:.3f} of budget)")  # fmt: skip
