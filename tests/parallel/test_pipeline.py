@@ -116,6 +116,7 @@ def _pipeline_parity(
     steps: int = 3,
     meta: bool = False,
     dp: int = 1,
+    pp: int = 2,
 ) -> dict:
     torch.manual_seed(0)
     cfg = _tiny(**(model_kw or {}))
@@ -125,14 +126,14 @@ def _pipeline_parity(
     ref_losses, ref_grads, ref_params = _oracle(model, batch, mbs, steps, optim)
 
     pcfg = ParallelConfig(
-        pipeline_parallel_size=2,
+        pipeline_parallel_size=pp,
         virtual_pipeline_parallel_size=vpp,
         pipeline_schedule=schedule,
         micro_batch_size=mbs,
         pipeline_layers=pipeline_layers,
         recompute=recompute,
     )
-    mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
     full_batch, rows = batch, n_micro * mbs
     batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in full_batch.items()}  # this rank's DP shard
@@ -439,3 +440,15 @@ def test_pipeline_with_tensor_and_sequence_parallel(launcher):
     # the embedding (Replicate grad) and the LM head (Shard(0) grad) copies are synced on rank 0 of each TP pair.
     for r in launcher(4, _pipeline_tp_parity, "zbv", 2, True):
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["param_err"] <= TOL, r
+
+
+def test_dualpipev_p4_with_padded_layers(launcher):
+    # p=4, v=2: 6 layers padded to 8 slots; the placeholders leave stage 0 with the embedding alone and stage 7 with
+    # norm + head alone. Rank i holds stages i and 7-i.
+    results = launcher(4, _pipeline_parity, "dualpipev", 2, n_micro=8, model_kw={"num_layers": 6}, pp=4, steps=2)
+    for r in results:
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["param_err"] <= TOL, r
+    assert results[0]["stage_ids"] == [0, 7] and results[3]["stage_ids"] == [3, 4]
+    assert results[0]["units"][0] == ["embed_tokens"] and results[0]["units"][7] == ["norm", "lm_head"]
+    keys = sorted(k for r in results for k in r["state_keys"])
+    assert keys == results[0]["ref_keys"]
