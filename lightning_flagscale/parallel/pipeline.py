@@ -420,6 +420,11 @@ class PipelineRunner:
                 # Only the two ranks join: use_local_synchronization lets every other rank skip the call.
                 self._tied_group = dist.new_group(ranks, use_local_synchronization=True)
 
+    @property
+    def tied(self) -> bool:
+        """Whether the first stage's embedding and the last stage's LM head are copies of one tied weight."""
+        return self._tied
+
     # ---- loss ----
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._user_loss_fn is not None:
