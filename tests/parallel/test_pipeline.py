@@ -154,7 +154,8 @@ def _pipeline_parity(
     params = [p for m in runner.stage_modules for p in m.parameters()]
     opt = _opt(params, optim)
     first_eval = _mean_loss(model, batch, mbs)  # forward-only before any training step (validation-only runs)
-    eval0_err = abs(runner.eval_step(batch).item() - first_eval) / first_eval
+    with torch.inference_mode():  # as in Lightning's validation loop
+        eval0_err = abs(runner.eval_step(batch).item() - first_eval) / first_eval
     losses, grad_err = [], 0.0
     for step in range(steps):
         loss = runner.step(batch)
