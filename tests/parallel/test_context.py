@@ -87,8 +87,9 @@ def _case(cp_mesh, mode, ulysses, causal, b, s, hq, hkv, d, packed):
 
 def run_cases(cases):
     """Task: every rank runs each case and returns [max of (out, dq, dk, dv) relative errors per case]."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
-    return [max(_case(mesh, *case)) for case in cases]
+    # The CP mesh is a sub-mesh of a larger one, as the strategy will pass it (hybrid splits it with _unflatten).
+    world = init_device_mesh("cpu", (1, dist.get_world_size(), 1), mesh_dim_names=("dp", "cp", "tp"))
+    return [max(_case(world["cp"], *case)) for case in cases]
 
 
 # (mode, ulysses_size, causal, B, S, Hq, Hkv, D, packed)
