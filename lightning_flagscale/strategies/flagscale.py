@@ -11,6 +11,7 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -293,7 +294,15 @@ class FlagScaleStrategy(ParallelStrategy):
     def _materialize(self, module: nn.Module, inner: nn.Module | None) -> None:
         if not any(t.is_meta for t in module.parameters()) and not any(t.is_meta for t in module.buffers()):
             return
-        module.to_empty(device=self.root_device)
+        # Only what is on the meta device: `to_empty` on the whole LightningModule would also wipe state that was
+        # built for real in `__init__` (e.g. torchmetrics accumulators). The model goes first, as a whole, so its
+        # own `_apply` can keep tied weights tied.
+        if inner is not None:
+            inner.to_empty(device=self.root_device)
+        for sub in module.modules():
+            own = itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))
+            if any(t.is_meta for t in own):
+                sub.to_empty(device=self.root_device, recurse=False)
         target = inner if inner is not None else module
         if hasattr(module, "initialize_weights"):
             module.initialize_weights()

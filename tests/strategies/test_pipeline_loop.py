@@ -62,3 +62,70 @@ def test_tied_embeddings_across_first_and_last_stage(launcher, tied_reference):
         for name, value in params.items():
             ref_name = "embed_tokens.weight" if name == "lm_head.weight" else name
             assert_rel_close(value, ref_params[ref_name], 1e-5, name)
+
+
+NUM_SAMPLES = 12  # 3 steps per epoch: the checkpoint sits on an epoch boundary
+
+
+@pytest.fixture(scope="module")
+def pp2_checkpoint(launcher, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "pp2.ckpt")
+    kwargs = dict(pipeline_parallel_size=2, micro_batch_size=2)
+    launcher(
+        2, trainer_run, kwargs, tiny_config(num_layers=4), 3, max_epochs=1, num_samples=NUM_SAMPLES, save_path=path
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "world,kwargs",
+    [(2, dict(pipeline_parallel_size=1)), (4, dict(pipeline_parallel_size=4, micro_batch_size=1))],
+    ids=["pp1xdp2", "pp4"],
+)
+def test_checkpoint_reshards_across_pipeline_sizes(launcher, pp2_checkpoint, world, kwargs):
+    ref_losses, ref_params = reference_run(tiny_config(num_layers=4), 6, num_samples=NUM_SAMPLES)
+    results = launcher(world, trainer_run, kwargs, tiny_config(num_layers=4), 6, max_epochs=2,
+                       num_samples=NUM_SAMPLES, ckpt_path=pp2_checkpoint)  # fmt: skip
+    for losses, params in results:
+        assert len(losses) == 3
+        for got, want in zip(losses, ref_losses[3:]):
+            assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses[3:])
+        for name, value in params.items():
+            assert_rel_close(value, ref_params[name], 1e-5, name)
+
+
+def _validate(strategy_kwargs):
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale import FlagScaleStrategy
+    from tests.strategies._lm import TokenDataset, make_module
+
+    torch.manual_seed(0)
+    module = make_module(tiny_config(num_layers=4))
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), logger=False, enable_progress_bar=False,
+                        strategy=FlagScaleStrategy(**strategy_kwargs))  # fmt: skip
+    (metrics,) = trainer.validate(module, DataLoader(TokenDataset(256, 8), batch_size=4))
+    return metrics["val_loss"]
+
+
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [dict(pipeline_parallel_size=2, micro_batch_size=2), dict(tensor_parallel_size=2), dict(zero_stage=3)],
+    ids=["pp2-forward-only", "tp2", "zero3"],
+)
+def test_validation_matches_single_process(launcher, strategy_kwargs):
+    import torch
+
+    from tests.strategies._lm import TokenDataset, make_module
+
+    torch.manual_seed(0)
+    module = make_module(tiny_config(num_layers=4))
+    module.configure_model()
+    data = TokenDataset(256, 8)
+    with torch.no_grad():
+        want = sum(module._loss(data.batch(torch.arange(i, i + 4))).item() for i in (0, 4)) / 2
+    for got in launcher(2, _validate, strategy_kwargs):
+        assert abs(got - want) <= 1e-5 * want, (got, want)
