@@ -118,7 +118,12 @@ class AllToAllDispatcher:
                 w[e - self.ep_rank * per_rank] if e // per_rank == self.ep_rank else w.new_zeros(w.shape[1:])
                 for e in experts
             ]
-            parts.append(_AllReduceSum.apply(torch.stack(rows), self.group))
+            contribution = torch.stack(rows)
+            if w.requires_grad and not contribution.requires_grad:
+                # A rank owning none of the replicated experts must still run the backward all-reduce, or the
+                # owners wait for it forever: make its all-zero contribution part of the graph.
+                contribution.requires_grad_()
+            parts.append(_AllReduceSum.apply(contribution, self.group))
         self.replica_bytes = sum(p.numel() * p.element_size() for p in parts)
         return parts[0], parts[1]
 
@@ -154,6 +159,8 @@ class AllToAllDispatcher:
         if not replicated:
             return y
         rep_rows = is_rep.nonzero().squeeze(1).to(x_perm.device)
+        # Backward order of the collectives is the same on every rank: autograd runs the ready node created last
+        # first, and every node of the replica branch was created after the combine all-to-all.
         weights = self._replica_weights(layer, replicated)
         y_rep = layer.run_experts(x_perm[rep_rows], [counts[e] for e in replicated], busiest, weights=weights)
         out = x_perm.new_zeros((x_perm.shape[0], y.shape[-1]))
