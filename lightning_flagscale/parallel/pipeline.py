@@ -581,17 +581,11 @@ def build_pipeline(
     style = SCHEDULES[config.pipeline_schedule][1]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, plan.num_stages, style)
     recompute = resolve_recompute(getattr(config, "recompute", "none"), plan.num_stages)
-    if config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES and "selective" in recompute[1:]:
-        raise ValueError(
-            f"recompute='selective' cannot run under pipeline_schedule={config.pipeline_schedule!r}: it splits each "
-            "backward into an input-gradient and a weight-gradient pass, and torch's selective activation "
-            "checkpointing allows one backward per region. Use 'full' or 'none' on stages after the first, or a "
-            "1F1B-family schedule."
-        )
+    split_backward = config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES
     modules = []
     for s in stage_ids:
         module = build_stage_module(model, plan.units[s])
-        apply_recompute(module, recompute[s])
+        apply_recompute(module, recompute[s], replayable=split_backward)
         modules.append(module)
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and head.weight is embed.weight

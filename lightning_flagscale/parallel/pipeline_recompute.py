@@ -14,8 +14,8 @@ rebound on the instance instead of wrapping the block in a ``CheckpointWrapper``
 final (stage) module: a deep copy keeps the rebound forward of the original.
 
 Zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) run each backward as two autograd passes (input
-gradient, then weight gradient): a ``full`` block is recomputed in both, and ``selective`` is refused there (except
-on the first stage, which runs one pass) because torch's selective checkpointing allows one backward per region.
+gradient, then weight gradient), and a recomputed block is recomputed in both. torch's selective checkpointing
+allows one backward per region, so under those schedules ``selective`` uses a replayable cache (``_Replayable``).
 """
 
 from __future__ import annotations
@@ -79,10 +79,45 @@ def resolve_recompute(recompute: str | Sequence[str], num_stages: int) -> list[s
     return modes
 
 
-def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
-    context_fn = (
-        functools.partial(create_selective_checkpoint_contexts, selective_policy) if mode == "selective" else None
-    )
+class _Replayable:
+    """Re-enterable recompute context whose cached (saved) op outputs survive each backward pass.
+
+    torch's selective checkpointing marks a cached output consumed when a recompute reads it, so a second
+    backward over the region fails. Zero-bubble schedules run two (input-, then weight-gradient), each
+    recomputing the block; this wrapper restores the cache after every recompute. The cache then lives until the
+    block's graph is freed (after the weight-gradient pass) instead of being released during the first pass.
+    """
+
+    def __init__(self, cached_mode: Any) -> None:
+        self._mode = cached_mode
+        self._snapshot: dict[Any, dict[int, Any]] = {}
+
+    def __enter__(self) -> Any:
+        self._snapshot = {key: dict(entries) for key, entries in self._mode.storage.items()}
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._mode.__exit__(*exc)
+        finally:
+            self._mode.storage.clear()
+            self._mode.storage.update(self._snapshot)
+            self._snapshot = {}
+
+
+def _replayable_contexts() -> tuple[Any, Any]:
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(selective_policy)
+    return forward_ctx, _Replayable(recompute_ctx)
+
+
+def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> Callable[..., Any]:
+    context_fn = None
+    if mode == "selective":
+        context_fn = (
+            _replayable_contexts
+            if replayable
+            else functools.partial(create_selective_checkpoint_contexts, selective_policy)
+        )
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -95,14 +130,20 @@ def _checkpointed(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
     return run
 
 
-def apply_recompute(module: nn.Module, mode: str) -> nn.Module:
-    """Recompute every block of ``module.layers`` in backward according to ``mode``; returns ``module``."""
+def apply_recompute(module: nn.Module, mode: str, *, replayable: bool = False) -> nn.Module:
+    """Recompute every block of ``module.layers`` in backward according to ``mode``; returns ``module``.
+
+    ``replayable=True`` lets ``selective`` regions be backpropagated more than once (zero-bubble schedules run an
+    input-gradient and a weight-gradient pass), at the cost of keeping the saved matmul outputs until the last one.
+    """
     resolve_recompute(mode, 1)
     if mode == "none":
         return module
     for block in module.layers.values():
         if getattr(block, "_recompute_mode", None) is not None:
             raise ValueError(f"Block already has recompute={block._recompute_mode!r}; apply recompute once.")
-        block.forward = _checkpointed(block.forward, mode)  # instance attribute: FQNs unchanged (module doc)
+        block.forward = _checkpointed(
+            block.forward, mode, replayable
+        )  # instance attribute: FQNs unchanged (module doc)
         block._recompute_mode = mode
     return module
