@@ -60,7 +60,8 @@ def _family_config(hf: dict[str, Any], root: Path, **overrides: Any) -> Transfor
 def unwrap_causal_lm(module: nn.Module) -> nn.Module:
     """The ``CausalLM`` inside ``module`` (itself, or ``module.model`` for the LightningModule)."""
     for candidate in (module, getattr(module, "model", None)):
-        if isinstance(candidate, nn.Module) and hasattr(candidate, "pipeline_units") and hasattr(candidate, "config"):
+        is_model = hasattr(candidate, "pipeline_units") or hasattr(candidate, "stage_modules")  # stages of a pipeline
+        if isinstance(candidate, nn.Module) and is_model and hasattr(candidate, "config"):
             return candidate
     raise TypeError(
         f"{type(module).__name__} is neither a CausalLM nor a module with a CausalLM at `.model`; HF conversion "

@@ -99,9 +99,11 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
+        hf_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.hf_dir = hf_dir
         self.config = _resolve_config(config)
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
@@ -132,7 +134,28 @@ class CausalLMModule(L.LightningModule):
             return
         self.model = CausalLM(self.config, vocab_multiple=self.vocab_multiple)
         if not next(self.model.parameters()).is_meta:
+            self.initialize_weights()
+
+    @classmethod
+    def from_hf(cls, hf_dir: str, **kwargs: Any) -> CausalLMModule:
+        """A module whose config and weights come from a local Hugging Face folder (safetensors).
+
+        Weights stream in after the strategy has parallelised and materialised the model, each rank reading only
+        its shard. ``config_overrides={...}`` changes config fields (e.g. ``max_seq_len``).
+        """
+        from lightning_flagscale.convert import module_from_hf  # lazy: model code does not depend on converters
+
+        return module_from_hf(cls, hf_dir, **kwargs)
+
+    def initialize_weights(self) -> None:
+        """Called by the strategy once the (parallelised) model is materialised: HF weights or ``init_weights``."""
+        if not self.hf_dir:
             self.init_weights()
+            return
+        from lightning_flagscale.convert import load_hf_weights
+
+        for part in getattr(self.model, "stage_modules", None) or [self.model]:
+            load_hf_weights(part, self.hf_dir)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Layout-independent deterministic init of the (possibly parallelised) model; default seed ``init_seed``."""

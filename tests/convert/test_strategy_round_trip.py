@@ -9,21 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.convert import load_hf_weights, module_from_hf
 from lightning_flagscale.models import CausalLM, CausalLMModule
 from tests.convert._hf import hf_logits, make_hf_model, save
 
 pytest.importorskip("transformers")
 
 
-class _HFModule(CausalLMModule):
-    from_hf = classmethod(module_from_hf)
-
-    def initialize_weights(self) -> None:  # the strategy calls this after parallelise + materialise
-        if getattr(self, "hf_dir", None):
-            load_hf_weights(self.model, self.hf_dir)
-        else:
-            self.init_weights()
+_HFModule = CausalLMModule  # from_hf + initialize_weights (HF weights after parallelise + materialise)
 
 
 def _train_and_export(hf_dir: str, out_dir: str, strategy_kwargs: dict) -> dict:
@@ -49,15 +41,17 @@ def _train_and_export(hf_dir: str, out_dir: str, strategy_kwargs: dict) -> dict:
     return params
 
 
-# PP=2 (and TP=2 x PP=2) join once the strategy wires pipeline parallelism (it raises NotImplementedError today);
-# the pipeline-stage import/export paths themselves are covered in test_parallel_import.py.
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}])
-def test_train_under_strategy_then_export(launcher, tmp_path, layout):
+@pytest.mark.parametrize(
+    "world,layout",
+    [(2, {"tensor_parallel_size": 2}), (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2})],
+    ids=["tp2", "tp2xpp2"],
+)
+def test_train_under_strategy_then_export(launcher, tmp_path, world, layout):
     from transformers import AutoModelForCausalLM
 
     hf_model = make_hf_model("llama", num_hidden_layers=2)
     hf_dir = save(hf_model, tmp_path / "hf")
-    results = launcher(2, _train_and_export, str(hf_dir), str(tmp_path / "out"), layout)
+    results = launcher(world, _train_and_export, str(hf_dir), str(tmp_path / "out"), layout)
     trained = {k: v for r in results for k, v in r.items()}  # pipeline stages hold different parts
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     state = exported.state_dict()
