@@ -16,7 +16,13 @@ from lightning_flagscale.parallel.expert import apply_ep, is_expert_param
 from tests.moe._reference import init_moe, rel_err
 
 
-def _ep_parity(preset: str, mesh_shape: tuple[int, ...], overrides: dict, replicate: tuple[int, ...] = ()) -> dict:
+def _ep_parity(
+    preset: str,
+    mesh_shape: tuple[int, ...],
+    overrides: dict,
+    replicate: tuple[int, ...] = (),
+    recompute: tuple[str | None, int | None] = (None, None),
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     names = ("edp", "ep") if len(mesh_shape) == 2 else ("ep",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -24,6 +30,7 @@ def _ep_parity(preset: str, mesh_shape: tuple[int, ...], overrides: dict, replic
     ref = init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0)
     layer = apply_ep(copy.deepcopy(ref), mesh)
     layer.replicated_experts = replicate
+    layer.recompute_level, layer.recompute_token_threshold = recompute
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
     gs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
@@ -94,6 +101,12 @@ def test_hot_expert_replication_changes_traffic_not_results(launcher):
         replicated = launcher(2, _ep_parity, "mixtral-tiny", (2,), AUX, replicate=replicate)
         _check(replicated)
         assert sum(r["a2a_bytes"] for r in replicated) < sum(r["a2a_bytes"] for r in plain)
+
+
+@pytest.mark.parametrize("recompute", [("full", None), ("medium", 0)])
+def test_ep2_recompute_matches_single_process(launcher, recompute):
+    # "full" re-runs the all-to-alls inside backward; "medium" with a threshold exercises the adaptive decision.
+    _check(launcher(2, _ep_parity, "deepseek-v3-tiny", (2,), AUX, replicate=(3,), recompute=recompute))
 
 
 def _ep_error(num_experts: int) -> str:
