@@ -416,6 +416,10 @@ class UlyssesAttention(HybridAttention):
 def _cp_groups(cp_mesh: DeviceMesh, mode: CPMode, ulysses_size: int | None) -> tuple[Any, Any]:
     cp = cp_mesh.size()
     if mode == "ring":
+        if ulysses_size not in (None, 1):
+            raise ValueError(
+                f"mode='ring' got ulysses_size={ulysses_size}; use mode='hybrid' to combine ring and Ulysses."
+            )
         return cp_mesh, None
     if mode == "ulysses":
         if ulysses_size not in (None, cp):
