@@ -31,7 +31,7 @@ from lightning_flagscale.moe.balance import (
     update_moe_state,
 )
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, grouped_linear
-from lightning_flagscale.moe.layer import RECOMPUTE_LEVELS, LocalDispatcher, MoELayer, build_moe
+from lightning_flagscale.moe.layer import RECOMPUTE_LEVELS, LocalDispatcher, MoELayer, apply_moe_recompute, build_moe
 from lightning_flagscale.moe.router import AttachAuxLoss, RouterOutput, TopKRouter
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "RouterOutput",
     "SwiGLUMLP",
     "TopKRouter",
+    "apply_moe_recompute",
     "build_moe",
     "grouped_linear",
     "moe_layers",

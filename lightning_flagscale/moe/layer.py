@@ -30,6 +30,7 @@ __all__ = [
     "LocalDispatcher",
     "MoELayer",
     "RoutingPlan",
+    "apply_moe_recompute",
     "build_moe",
 ]
 
@@ -296,3 +297,22 @@ def build_moe(config: TransformerConfig, layer_idx: int) -> MoELayer:
         bias_update_rate=config.moe_router_bias_update_rate,
         capacity_factor=config.moe_capacity_factor,
     )
+
+
+def apply_moe_recompute(
+    model: nn.Module, level: RecomputeLevel | None, *, token_threshold: int | None = None
+) -> nn.Module:
+    """Set multi-level MoE recompute on every MoE layer of ``model`` (in place; returns it).
+
+    ``level``: "light" (activation, permute, router), "medium" (+ shared expert, expert FC1), "full" (whole layer,
+    all-to-alls included) or None. ``token_threshold`` makes it adaptive: recompute only when the busiest EP rank
+    holds more than this many rows (known from the count exchange; for "full", from the previous forward).
+    """
+    if level is not None and level not in RECOMPUTE_LEVELS:
+        raise ValueError(f"MoE recompute level {level!r} is unknown; use one of {sorted(RECOMPUTE_LEVELS)} or None.")
+    if token_threshold is not None and token_threshold < 0:
+        raise ValueError(f"token_threshold={token_threshold} must be >= 0 (or None for always).")
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.recompute_level, module.recompute_token_threshold = level, token_threshold
+    return model

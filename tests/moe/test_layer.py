@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.moe import HotExpertReplication, MoELayer, TopKRouter, build_moe, update_moe_state
+from lightning_flagscale.moe import (
+    HotExpertReplication,
+    MoELayer,
+    TopKRouter,
+    apply_moe_recompute,
+    build_moe,
+    update_moe_state,
+)
 from lightning_flagscale.moe.balance import select_hot_experts
 from lightning_flagscale.moe.experts import grouped_linear, grouped_mm_usable
 from tests.moe._reference import init_moe, reference_moe, reference_route, rel_err
@@ -132,7 +139,7 @@ def test_recompute_levels_same_gradients(level, threshold):
     grads = []
     for lvl in (None, level):
         layer = make_layer("qwen2-moe-tiny", moe_z_loss_coeff=0.01)
-        layer.recompute_level, layer.recompute_token_threshold = lvl, threshold
+        apply_moe_recompute(layer, lvl, token_threshold=threshold)
         xi = x.clone().requires_grad_()
         layer(xi).square().sum().backward()
         grads.append([xi.grad] + [p.grad for _, p in sorted(layer.named_parameters())])
@@ -166,5 +173,7 @@ def test_errors():
         TransformerConfig.from_preset("mixtral-tiny", num_experts_per_tok=9)
     with pytest.raises(ValueError, match="group top-k"):
         TopKRouter(64, 8, 4, num_groups=4, group_topk=1)
+    with pytest.raises(ValueError, match="recompute level 'heavy' is unknown"):
+        apply_moe_recompute(make_layer("mixtral-tiny"), "heavy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an MoE layer"):
         build_moe(TransformerConfig.from_preset("deepseek-v3-tiny"), 0)
