@@ -198,7 +198,10 @@ class CausalLMModule(L.LightningModule):
 
     def _data_parallel_replicas(self) -> int:
         """Ranks that see different batches (each TP/PP/CP group shares one)."""
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "token_shards"):  # context parallel splits each sample's tokens too
+            return int(strategy.token_shards)
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

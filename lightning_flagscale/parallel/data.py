@@ -67,14 +67,12 @@ def _align_grad_placements(p: Tensor) -> None:
 
 
 def _grad_local(p: Tensor) -> Tensor | None:
+    """This rank's part of ``p.grad`` in ``p``'s own layout (re-laid out in place when autograd chose another)."""
+    _align_grad_placements(p)
     g = p.grad
     if g is None:
         return None
-    if isinstance(g, DTensor):
-        if isinstance(p, DTensor) and g.placements != p.placements:
-            g = g.redistribute(p.device_mesh, p.placements)
-        return g.to_local()
-    return g
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 class _FlatBucket:

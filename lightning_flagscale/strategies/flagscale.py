@@ -154,6 +154,11 @@ class FlagScaleStrategy(ParallelStrategy):
         return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
 
     @property
+    def token_shards(self) -> int:
+        """Ranks whose batches hold disjoint tokens (data x context parallel): for tokens/s accounting."""
+        return self.meshes.size(MeshDim.DP) * self.meshes.size(MeshDim.CP)
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
@@ -285,7 +290,10 @@ class FlagScaleStrategy(ParallelStrategy):
         if p.cp_enabled:
             from lightning_flagscale.parallel.context import apply_cp
 
-            apply_cp(inner, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size)
+            apply_cp(
+                inner, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
+                tp_size=p.tensor_parallel_size,
+            )  # fmt: skip
         if p.ep_enabled:
             from lightning_flagscale.parallel.expert import apply_ep
 
@@ -607,7 +615,7 @@ def _build_pipelined_model(module, inner: nn.Module, meshes: ParallelMeshes, con
 
 def _exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:
     """The last stage's LM head is a second copy of a tied embedding: count it once in the gradient norm."""
-    if not pipelined.runner._tied:
+    if not pipelined.runner.tied:
         return
     for stage in pipelined.stage_modules:
         head, embed = stage.lm_head, stage.embed_tokens
