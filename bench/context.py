@@ -8,8 +8,8 @@ For each mode, cp and sequence length N, one attention layer (forward + backward
 processes (spawned here unless launched by torchrun):
 
 1. Peak attention memory per rank: ``torch.distributed._tools.mem_tracker.MemTracker`` peak of every tensor
-   allocated during the layer's forward and backward (inputs excluded), next to cp=1. Target on long sequences:
-   cp=4 at most 0.3x cp=1.
+   the layer's forward and backward allocate or touch (so its local q/k/v and output gradient are included),
+   next to cp=1. Target on long sequences: cp=4 at most 0.3x cp=1.
 2. Communication per rank per layer, measured with ``lightning_flagscale.parallel.comm.CommTracker``:
    ring = bytes sent by P2P; theory: forward ``(cp-1)`` K/V blocks (the K/V of the whole sequence but one's own
    pass every rank), backward ``(cp-1)`` K/V blocks + ``cp`` fp32 dK/dV blocks (they go full circle).
@@ -60,9 +60,9 @@ def _inputs(n: int, heads: int, kv_heads: int, d: int, cp: int, rank: int) -> li
     return [t[:, idx].clone().requires_grad_() for t in full]
 
 
-def _step(layer: HybridAttention, qkv: list[torch.Tensor]) -> None:
+def _step(layer: HybridAttention, qkv: list[torch.Tensor], dout: torch.Tensor) -> None:
     out = layer(*qkv, causal=True)
-    out.backward(torch.ones_like(out))
+    out.backward(dout)
 
 
 def measure(mode: str, n: int, args: argparse.Namespace, group: dist.ProcessGroup | None) -> dict[str, float]:
@@ -71,9 +71,10 @@ def measure(mode: str, n: int, args: argparse.Namespace, group: dist.ProcessGrou
     rank = 0 if group is None else dist.get_rank(group)
     layer = _layer(mode, group, args.q_block)
     qkv = _inputs(n, args.heads, args.kv_heads, args.head_dim, cp, rank)
+    dout = torch.ones_like(qkv[0])  # incoming gradient of the output (MemTracker counts it once it is used)
     mem = MemTracker()
     with mem:
-        _step(layer, qkv)
+        _step(layer, qkv, dout)
     peak = mem.get_tracker_snapshot("peak")
     peak_bytes = sum(dev.get("Total", 0) for dev in peak.values()) if isinstance(peak, dict) else 0
     qkv = _inputs(n, args.heads, args.kv_heads, args.head_dim, cp, rank)
