@@ -13,7 +13,8 @@ of its pipeline stage hold distinct parts of it), so ``clip_grad_norm_`` can com
 all-reduce whatever the layout (TP shards, ZeRO slices, FSDP2 shards, replicated norms).
 
 Expert parameters that set ``param._flagscale_grad_group = "edp"`` are reduced over the expert-data-parallel group
-passed in ``groups["edp"]`` instead of ``dp_cp``.
+passed in ``groups["edp"]`` instead of ``dp_cp``, and divided by ``divisors["edp"]`` (the number of distinct token
+shards whose gradients the all-to-all already summed into the expert's owner).
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ class _FlatBucket:
         *,
         shard: bool,
         main_dtype: torch.dtype | None,
+        divisor: int | None = None,
     ) -> None:
         self.params = params
         self.group = group
         self.world = dist.get_world_size(group)
+        # Gradients are summed over the group, then divided by how many distinct token shards fed them.
+        self.divisor = divisor or self.world
         self.rank = dist.get_rank(group)
         self.shard = shard
         locals_ = [local_tensor(p) for p in params]
@@ -132,7 +136,7 @@ class _FlatBucket:
         else:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             out = flat
-        out.div_(self.world)
+        out.div_(self.divisor)
         if self.main_param is None:  # DDP on the model's own parameters: write the average back
             for g, off, n, shape in zip(grads, self.offsets, self.numels, self.shapes):
                 if g is not None:
@@ -195,6 +199,7 @@ class DistributedOptimizer:
         stage: int,
         master_weights: bool,
         bucket_numel: int = _DEFAULT_BUCKET_NUMEL,
+        divisors: dict[str, int] | None = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"DistributedOptimizer handles zero_stage 0, 1 or 2, got {stage}; stage 3 is apply_fsdp.")
@@ -214,7 +219,9 @@ class DistributedOptimizer:
                     " build the optimizer from `self.parameters()` inside `configure_optimizers`."
                 )
             buckets = [
-                _FlatBucket(run, groups[key[0]], shard=stage > 0, main_dtype=main_dtype)
+                _FlatBucket(
+                    run, groups[key[0]], shard=stage > 0, main_dtype=main_dtype, divisor=(divisors or {}).get(key[0])
+                )
                 for key, run in _bucket_runs(params, bucket_numel)
             ]
             self.group_buckets.append(buckets)

@@ -204,6 +204,8 @@ class FlagScaleStrategy(ParallelStrategy):
                 " tensor/pipeline/context/expert parallelism; use a model that implements the model protocol"
                 " (e.g. lightning_flagscale.models.CausalLMModule) or set those sizes to 1."
             )
+        if config is not None:
+            _check_supported_combination(self.parallel, config)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -268,11 +270,14 @@ class FlagScaleStrategy(ParallelStrategy):
                 apply_fsdp(target, self.meshes.dp_cp, param_dtype=param_dtype, reduce_dtype=precision.reduce_dtype)
             self._fsdp_roots = targets
         self._materialize(module, inner)
-        if self._pipeline is not None:
-            _exclude_tied_copy_from_norm(self._pipeline)
         if p.zero_stage < 3:
             self.model = precision.convert_module(self.model)
         self.model_to_device()
+        # Tags live on Parameter objects, which materialising and dtype/device moves may replace: set them last.
+        if self._pipeline is not None:
+            _exclude_tied_copy_from_norm(self._pipeline)
+        if p.ep_enabled:
+            _tag_expert_params(inner)
         precision.grad_norm_fn = partial(clip_grad_norm_, pp_size=p.pipeline_parallel_size)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -297,7 +302,7 @@ class FlagScaleStrategy(ParallelStrategy):
         if p.ep_enabled:
             from lightning_flagscale.parallel.expert import apply_ep
 
-            apply_ep(inner, meshes)
+            apply_ep(inner, meshes["ep"])
 
     def _materialize(self, module: nn.Module, inner: nn.Module | None) -> None:
         if not any(t.is_meta for t in module.parameters()) and not any(t.is_meta for t in module.buffers()):
@@ -335,9 +340,15 @@ class FlagScaleStrategy(ParallelStrategy):
                 opt.zero_grad = _deferred_zero_grad
         if self.parallel.zero_stage == 3:
             return
+        p = self.parallel
         groups = {"dp_cp": self.meshes.group(MeshDim.DP_CP)}
+        divisors = {"dp_cp": p.dp * p.context_parallel_size}
         if self.meshes.expert is not None:
             groups["edp"] = self.meshes.group(MeshDim.EDP)
+            # An expert's owner already holds the sum over its EP group; TP ranks without sequence parallelism feed
+            # identical tokens, so they count once per TP rank in that sum.
+            tp_copies = 1 if p.sequence_parallel else p.tensor_parallel_size
+            divisors["edp"] = p.dp * p.context_parallel_size * tp_copies
         for opt in self.optimizers:
             self._dist_optimizers[id(opt)] = DistributedOptimizer(
                 opt,
@@ -346,6 +357,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 stage=self.parallel.zero_stage,
                 master_weights=self.precision_plugin.master_weights,
                 bucket_numel=self._grad_bucket_numel,
+                divisors=divisors,
             )
 
     def _dist_opt(self, optimizer) -> DistributedOptimizer | None:
@@ -592,6 +604,32 @@ def _optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> d
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def _tag_expert_params(model: nn.Module) -> None:
+    """(Re)mark expert weights for the edp gradient reduction: materialising replaced the Parameter objects."""
+    from lightning_flagscale.moe.balance import moe_layers
+    from lightning_flagscale.parallel.expert import EXPERT_GRAD_GROUP_ATTR
+
+    for _, layer in moe_layers(model):
+        for param in layer.experts.parameters():
+            setattr(param, EXPERT_GRAD_GROUP_ATTR, "edp")
+
+
+def _check_supported_combination(p: ParallelConfig, config: TransformerConfig) -> None:
+    """Layouts that are valid in principle but not implemented yet: refuse them early and say what works."""
+    if config.is_moe and p.sequence_parallel:
+        raise ValueError(
+            "MoE models with sequence_parallel=True are not supported yet (router and shared-expert gradients would"
+            " be partial per TP rank); use sequence_parallel=False with tensor parallelism."
+        )
+    if p.ep_enabled and p.zero_stage == 3:
+        raise ValueError(
+            "expert_parallel_size > 1 with zero_stage=3 is not supported yet (FSDP2 cannot shard the expert DTensors"
+            " of the expert mesh); use zero_stage=1 or 2, which shard expert optimizer states over the edp group."
+        )
+    if p.ep_enabled and p.pp_enabled:
+        raise ValueError("expert_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet.")
 
 
 def _deferred_zero_grad(set_to_none: bool = True) -> None:

@@ -1,0 +1,41 @@
+"""Expert parallelism inside Trainer.fit: dropless MoE training matches the single-process run."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_flagscale.config import TransformerConfig
+from tests.strategies._lm import assert_rel_close, reference_run, trainer_run
+
+STEPS = 3
+
+
+def moe_config() -> TransformerConfig:
+    return TransformerConfig.from_preset(
+        "mixtral-tiny", num_layers=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_aux_loss_coeff=0.0,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(moe_config(), STEPS, clip=1.0)
+
+
+@pytest.mark.parametrize(
+    "world,kwargs",
+    [
+        (2, dict(expert_parallel_size=2)),
+        (2, dict(expert_parallel_size=2, zero_stage=1)),
+        (4, dict(expert_parallel_size=2, tensor_parallel_size=2)),
+        (4, dict(expert_parallel_size=4, zero_stage=1)),
+    ],
+    ids=["ep2", "ep2-zero1", "ep2xtp2", "ep4-zero1"],
+)
+def test_expert_parallel_training_matches_single_process(launcher, reference, world, kwargs):
+    ref_losses, ref_params = reference
+    for rank, (losses, params) in enumerate(launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)):
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
+        for name, want in ref_params.items():
+            assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
