@@ -37,6 +37,7 @@ class MeshDim(str, Enum):
     CP = "cp"
     TP = "tp"
     DP_CP = "dp_cp"  # flattened: gradients and ZeRO shards are reduced over data x context ranks
+    STAGE = "dp_cp_tp"  # flattened: every rank of one pipeline stage (MoE load statistics, per-stage reductions)
     EDP = "edp"
     EP = "ep"
     ETP = "etp"
@@ -53,6 +54,7 @@ class ParallelMeshes:
     config: ParallelConfig
     world: DeviceMesh
     dp_cp: DeviceMesh
+    stage: DeviceMesh
     expert: DeviceMesh | None = None
 
     def __getitem__(self, dims: str | MeshDim | tuple[str | MeshDim, ...]) -> DeviceMesh:
@@ -65,6 +67,8 @@ class ParallelMeshes:
         world_names = set(self.world.mesh_dim_names or ())
         if names == (MeshDim.DP_CP.value,):
             return self.dp_cp
+        if names == (MeshDim.STAGE.value,):
+            return self.stage
         if all(n in world_names for n in names):
             return self.world[names if len(names) > 1 else names[0]]
         if self.expert is not None and all(n in (self.expert.mesh_dim_names or ()) for n in names):
@@ -100,6 +104,7 @@ def build_meshes(config: ParallelConfig, device_type: str) -> ParallelMeshes:
     shape = (config.pipeline_parallel_size, config.dp, config.context_parallel_size, config.tensor_parallel_size)
     world = init_device_mesh(device_type, shape, mesh_dim_names=tuple(d.value for d in _WORLD_DIMS))
     dp_cp = world[(MeshDim.DP.value, MeshDim.CP.value)]._flatten(MeshDim.DP_CP.value)
+    stage = world[(MeshDim.DP.value, MeshDim.CP.value, MeshDim.TP.value)]._flatten(MeshDim.STAGE.value)
     expert = None
     if config.expert_parallel_size > 1 or config.expert_tensor_parallel_size > 1:
         folded = config.dp * config.context_parallel_size * config.tensor_parallel_size
@@ -107,7 +112,7 @@ def build_meshes(config: ParallelConfig, device_type: str) -> ParallelMeshes:
         ep = config.expert_parallel_size
         eshape = (config.pipeline_parallel_size, folded // (ep * etp), ep, etp)
         expert = init_device_mesh(device_type, eshape, mesh_dim_names=tuple(d.value for d in _EXPERT_DIMS))
-    return ParallelMeshes(config=config, world=world, dp_cp=dp_cp, expert=expert)
+    return ParallelMeshes(config=config, world=world, dp_cp=dp_cp, stage=stage, expert=expert)
 
 
 def device_type_of(device: torch.device) -> str:

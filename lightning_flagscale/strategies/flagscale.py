@@ -115,6 +115,8 @@ class FlagScaleStrategy(ParallelStrategy):
         self._fsdp_roots: list[nn.Module] = []
         self._pipeline: PipelinedModel | None = None
         self._pp_zero_grad_pending = True
+        self._moe_layers: list[nn.Module] = []
+        self._moe_callback = False
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -152,6 +154,11 @@ class FlagScaleStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only data-parallel replicas see different samples; TP/CP/PP ranks of one replica share a batch.
         return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
+
+    @property
+    def moe_state_group(self) -> dist.ProcessGroup:
+        """Every rank of this rank's pipeline stage: where MoE routers' load statistics are summed."""
+        return self.meshes.group(MeshDim.STAGE)
 
     @property
     def token_shards(self) -> int:
@@ -283,6 +290,13 @@ class FlagScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if config := _transformer_config(module):
+            if config.is_moe:
+                from lightning_flagscale.callbacks.moe import MoETelemetry
+                from lightning_flagscale.moe.balance import moe_layers
+
+                self._moe_layers = [layer for _, layer in moe_layers(module)]
+                self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
         """Apply TP -> CP -> EP (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors)."""
@@ -374,6 +388,13 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         args = self._shard_for_cp(args)
+        scaler = self.precision_plugin.scaler
+        loss_factor = (
+            scaler.scale if scaler is not None else 1.0
+        ) / self.lightning_module.trainer.accumulate_grad_batches
+        for layer in self._moe_layers:
+            # Aux-loss gradients are attached inside the layers: give them the factor the main loss gets.
+            layer.aux_loss_scale = loss_factor
         if self._pipeline is not None:
             if self._pp_zero_grad_pending:
                 # Under PP the schedule runs backward inside training_step, before the point where Lightning's loop
@@ -383,9 +404,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 for param in self.lightning_module.parameters():
                     param.grad = None
                 self._pp_zero_grad_pending = False
-            scaler = self.precision_plugin.scaler
-            scale = scaler.scale if scaler is not None else 1.0
-            self._pipeline.grad_scale = scale / self.lightning_module.trainer.accumulate_grad_batches
+            self._pipeline.grad_scale = loss_factor
         return super().training_step(*args, **kwargs)
 
     @override
@@ -451,6 +470,10 @@ class FlagScaleStrategy(ParallelStrategy):
         if dopt is not None:
             dopt.sync_params()
         self._pp_zero_grad_pending = True
+        if self._moe_layers and not self._moe_callback:
+            from lightning_flagscale.moe.balance import update_moe_state
+
+            update_moe_state(self.lightning_module, self.moe_state_group)  # bias balancing, hot-expert choice
         return closure_result
 
     # ------------------------------------------------------------------ collectives
