@@ -290,13 +290,12 @@ class FlagScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if config := _transformer_config(module):
-            if config.is_moe:
-                from lightning_flagscale.callbacks.moe import MoETelemetry
-                from lightning_flagscale.moe.balance import moe_layers
+        if (config := _transformer_config(module)) and config.is_moe:
+            from lightning_flagscale.callbacks.moe import MoETelemetry
+            from lightning_flagscale.moe.balance import moe_layers
 
-                self._moe_layers = [layer for _, layer in moe_layers(module)]
-                self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
+            self._moe_layers = [layer for _, layer in moe_layers(module)]
+            self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
         """Apply TP -> CP -> EP (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors)."""
