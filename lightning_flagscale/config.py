@@ -442,6 +442,9 @@ class ParallelConfig:
     """Pipeline schedule name."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
+    pipeline_balance: Literal["even", "cost"] = "even"
+    """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
+    (embedding and LM head included)."""
     recompute: RecomputeMode | list[RecomputeMode] = "none"
     """Activation recompute per block: ``none``, ``selective`` (norms, activations) or ``full``; or one per stage."""
 
@@ -485,6 +488,8 @@ class ParallelConfig:
                 f"recompute has {len(modes)} entries but there are {self.num_stages} pipeline stages; give one mode"
                 " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size) or a single mode."
             )
+        if self.pipeline_balance not in ("even", "cost"):
+            raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
         if self.pipeline_layers is not None and len(self.pipeline_layers) != self.num_stages:
             raise ValueError(
                 f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"

@@ -15,6 +15,7 @@ import zlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -76,6 +77,8 @@ class CausalLM(nn.Module):
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
         self.sequence_parallel = False
+        # Set by the strategy under context parallelism: the ranks that split each sequence's tokens.
+        self.token_group = None
         self.vocab_start = 0
         self.tie_weights()
 
@@ -148,8 +151,15 @@ class CausalLM(nn.Module):
         else:
             logits = head_output[..., : self.vocab_size].float()
             losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
-        count = (labels != -100).sum().clamp(min=1)
-        return losses.sum() / count
+        count = (labels != -100).sum()
+        if self.token_group is not None:
+            # Context parallel: this rank holds a slice of every sequence, and ignored labels fall unevenly across
+            # the slices. Weighting by the group's total count makes the mean of the CP ranks' losses (what the
+            # gradient reduction averages) the token mean of the whole sequences.
+            total = count.detach().clone()
+            dist.all_reduce(total, group=self.token_group)
+            return losses.sum() * dist.get_world_size(self.token_group) / total.clamp(min=1)
+        return losses.sum() / count.clamp(min=1)
 
     def logits(self, head_output: Tensor) -> Tensor:
         """Full logits over the real vocabulary [B, S, vocab_size] (gathered over TP)."""

@@ -83,6 +83,8 @@ class FlagScaleStrategy(ParallelStrategy):
         gradient_accumulation_steps: int = 1,
         pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b",
         pipeline_layers: list[int] | None = None,
+        pipeline_balance: Literal["even", "cost"] = "even",
+        recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = 1 << 24,
@@ -105,6 +107,8 @@ class FlagScaleStrategy(ParallelStrategy):
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 pipeline_schedule=pipeline_schedule,
                 pipeline_layers=pipeline_layers,
+                pipeline_balance=pipeline_balance,
+                recompute=recompute,
             )
         self.parallel = parallel
         self._process_group_backend = process_group_backend
@@ -298,7 +302,8 @@ class FlagScaleStrategy(ParallelStrategy):
             self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
-        """Apply TP -> CP -> EP (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors)."""
+        """Apply TP -> CP -> EP -> recompute (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors and wraps
+        the checkpointed blocks)."""
         p = self.parallel
         meshes = self.meshes
         if p.tp_enabled:
@@ -312,10 +317,15 @@ class FlagScaleStrategy(ParallelStrategy):
                 inner, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
                 tp_size=p.tensor_parallel_size,
             )  # fmt: skip
+            inner.token_group = meshes.group(MeshDim.CP)
         if p.ep_enabled:
             from lightning_flagscale.parallel.expert import apply_ep
 
             apply_ep(inner, meshes["ep"])
+        if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
+            from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+
+            apply_recompute(inner, resolve_recompute(p.recompute, 1)[0])
 
     def _materialize(self, module: nn.Module, inner: nn.Module | None) -> None:
         if not any(t.is_meta for t in module.parameters()) and not any(t.is_meta for t in module.buffers()):
@@ -665,7 +675,7 @@ def _build_pipelined_model(module, inner: nn.Module, meshes: ParallelMeshes, con
     holder: list[PipelinedModel] = []
     runner = build_pipeline(
         inner, meshes["pp"], config, loss_fn=lambda out, target: holder[0].scaled_stage_loss(out, target),
-        device=device,
+        balance=config.pipeline_balance, device=device,
     )  # fmt: skip
     pipelined = PipelinedModel(runner, inner.config)
     holder.append(pipelined)

@@ -23,18 +23,24 @@ def tiny_config(**overrides: Any) -> TransformerConfig:
 class TokenDataset(Dataset):
     """Random token sequences as HF-style dict samples (fixed by seed)."""
 
-    def __init__(self, vocab: int = 256, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 3) -> None:
+    def __init__(
+        self, vocab: int = 256, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 3, ragged: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab, (num_samples, seq + 1), generator=g)
+        self.labels = self.tokens[:, 1:].clone()
+        if ragged:  # ignore a random prefix of each sample's labels (-100), as packing/prompt masking does
+            for i, k in enumerate(torch.randint(0, seq // 2 + 1, (num_samples,), generator=g).tolist()):
+                self.labels[i, :k] = -100
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+        return {"input_ids": self.tokens[i, :-1], "labels": self.labels[i]}
 
     def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[indices, :-1], "labels": self.tokens[indices, 1:]}
+        return {"input_ids": self.tokens[indices, :-1], "labels": self.labels[indices]}
 
 
 def make_module(config: TransformerConfig) -> CausalLMModule:
@@ -43,17 +49,22 @@ def make_module(config: TransformerConfig) -> CausalLMModule:
 
 
 def reference_run(
-    config: TransformerConfig, steps: int, clip: float | None = None, num_samples: int = NUM_SAMPLES
+    config: TransformerConfig,
+    steps: int,
+    clip: float | None = None,
+    num_samples: int = NUM_SAMPLES,
+    global_batch: int = GLOBAL_BATCH,
+    ragged: bool = False,
 ) -> tuple[list[float], dict]:
     """Single-process fp32 training: the oracle every layout must match."""
     torch.manual_seed(0)
     module = make_module(config)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
-    data = TokenDataset(config.vocab_size, num_samples)
+    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged)
     losses = []
     for step in range(steps):
-        loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
+        loss = module._loss(data.batch(global_batch_indices(len(data), global_batch, step)))
         losses.append(loss.item())
         loss.backward()
         if clip is not None:
@@ -80,6 +91,7 @@ def trainer_run(
     max_epochs: int | None = None,
     num_samples: int = NUM_SAMPLES,
     callbacks: list | None = None,
+    ragged: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
@@ -108,7 +120,7 @@ def trainer_run(
         num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
-    loader = DataLoader(TokenDataset(config.vocab_size, num_samples), batch_size=GLOBAL_BATCH // dp)
+    loader = DataLoader(TokenDataset(config.vocab_size, num_samples, ragged=ragged), batch_size=GLOBAL_BATCH // dp)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
