@@ -660,8 +660,6 @@ def _check_supported_combination(p: ParallelConfig, config: TransformerConfig) -
             "expert_parallel_size > 1 with zero_stage=3 is not supported yet (FSDP2 cannot shard the expert DTensors"
             " of the expert mesh); use zero_stage=1 or 2, which shard expert optimizer states over the edp group."
         )
-    if p.ep_enabled and p.pp_enabled:
-        raise ValueError("expert_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet.")
 
 
 def _deferred_zero_grad(set_to_none: bool = True) -> None:

@@ -39,3 +39,14 @@ def test_expert_parallel_training_matches_single_process(launcher, reference, wo
             assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
         for name, want in ref_params.items():
             assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
+
+
+def test_expert_parallel_inside_pipeline_stages(launcher):
+    config = moe_config()
+    ref_losses, ref_params = reference_run(config, STEPS, clip=1.0)
+    kwargs = dict(pipeline_parallel_size=2, expert_parallel_size=2, micro_batch_size=1, zero_stage=1)
+    for rank, (losses, params) in enumerate(launcher(4, trainer_run, kwargs, config, STEPS, clip=1.0)):
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
+        for name, value in params.items():
+            assert_rel_close(value, ref_params[name], 1e-5, f"rank {rank} {name}")
