@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -120,6 +121,14 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
             )
             if not block.is_moe:
                 plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            else:
+                # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
+                # without SP: its parameters then get identical full gradients on every TP rank. Only its output
+                # is re-sharded (a local slice, no communication).
+                plan[p + "mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+                )  # fmt: skip
     return plan
 
 

@@ -368,10 +368,9 @@ class FlagScaleStrategy(ParallelStrategy):
         divisors = {"dp_cp": p.dp * p.context_parallel_size}
         if self.meshes.expert is not None:
             groups["edp"] = self.meshes.group(MeshDim.EDP)
-            # An expert's owner already holds the sum over its EP group; TP ranks without sequence parallelism feed
-            # identical tokens, so they count once per TP rank in that sum.
-            tp_copies = 1 if p.sequence_parallel else p.tensor_parallel_size
-            divisors["edp"] = p.dp * p.context_parallel_size * tp_copies
+            # An expert's owner already holds the sum over its EP group; MoE blocks run on the whole sequence on
+            # every TP rank (with or without SP), so each token counts once per TP rank in that sum.
+            divisors["edp"] = p.dp * p.context_parallel_size * p.tensor_parallel_size
         for opt in self.optimizers:
             self._dist_optimizers[id(opt)] = DistributedOptimizer(
                 opt,
@@ -650,11 +649,6 @@ def _tag_expert_params(model: nn.Module) -> None:
 
 def _check_supported_combination(p: ParallelConfig, config: TransformerConfig) -> None:
     """Layouts that are valid in principle but not implemented yet: refuse them early and say what works."""
-    if config.is_moe and p.sequence_parallel:
-        raise ValueError(
-            "MoE models with sequence_parallel=True are not supported yet (router and shared-expert gradients would"
-            " be partial per TP rank); use sequence_parallel=False with tensor parallelism."
-        )
     if p.ep_enabled and p.zero_stage == 3:
         raise ValueError(
             "expert_parallel_size > 1 with zero_stage=3 is not supported yet (FSDP2 cannot shard the expert DTensors"

@@ -50,3 +50,21 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
             assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
         for name, value in params.items():
             assert_rel_close(value, ref_params[name], 1e-5, f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tensor_parallel_size=2, sequence_parallel=True),
+        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2),
+    ],
+    ids=["tp2-sp", "tp2-sp-ep2"],
+)
+def test_moe_under_sequence_parallel(launcher, reference, kwargs):
+    ref_losses, ref_params = reference
+    world = 2 if "expert_parallel_size" not in kwargs else 4
+    for rank, (losses, params) in enumerate(launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)):
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
+        for name, want in ref_params.items():
+            assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
