@@ -135,3 +135,28 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
     """Relative error of a whole tensor: ||a - e|| / ||e|| <= rel."""
     err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
     assert err <= rel, f"{what}: relative error {err:.3e} > {rel:.0e}"
+
+
+def assert_matches_reference(
+    results: list, reference: tuple[list[float], dict], what: str, *, losses_per_step: int = 1,
+    rename: dict[str, str] | None = None, every_rank_holds_all: bool = False,
+) -> None:  # fmt: skip
+    """Each rank's per-step losses and the parameters it holds match the single-process run (rel. err <= 1e-5).
+
+    With gradient accumulation Lightning reports every batch's loss already divided by the accumulation count, so
+    a step's loss is the sum over its ``losses_per_step`` batches. Pipeline ranks hold only their stages' parameters;
+    together they must hold every parameter.
+    """
+    ref_losses, ref_params = reference
+    rename = rename or {}
+    for rank, (losses, params) in enumerate(results):
+        assert len(losses) == len(ref_losses) * losses_per_step, f"{what} rank {rank}: {len(losses)} losses"
+        for step, want in enumerate(ref_losses):
+            got = sum(losses[step * losses_per_step : (step + 1) * losses_per_step])
+            assert abs(got - want) <= 1e-5 * abs(want), f"{what} rank {rank} step {step}: loss {got} != {want}"
+        if every_rank_holds_all:
+            assert {rename.get(n, n) for n in params} == set(ref_params), f"{what} rank {rank}: parameter names"
+        for name, value in params.items():
+            assert_rel_close(value, ref_params[rename.get(name, name)], 1e-5, f"{what} rank {rank} {name}")
+    held = {rename.get(n, n) for _, params in results for n in params}
+    assert held == set(ref_params), f"{what}: parameters held across ranks differ from the model's"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.strategies._lm import assert_rel_close, reference_run, tiny_config, trainer_run
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
 
@@ -25,9 +25,5 @@ def reference():
     ids=["cp2-ring", "cp2-ulysses", "cp2xtp2", "cp2xdp2-zero1"],
 )
 def test_context_parallel_training_matches_single_process(launcher, reference, world, kwargs):
-    ref_losses, ref_params = reference
-    for rank, (losses, params) in enumerate(launcher(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)):
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
-        for name, want in ref_params.items():
-            assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
+    results = launcher(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
+    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)

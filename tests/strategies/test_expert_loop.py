@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_flagscale.config import TransformerConfig
-from tests.strategies._lm import assert_rel_close, reference_run, trainer_run
+from tests.strategies._lm import assert_matches_reference, reference_run, trainer_run
 
 STEPS = 3
 
@@ -33,23 +33,14 @@ def reference():
     ids=["ep2", "ep2-zero1", "ep2xtp2", "ep4-zero1"],
 )
 def test_expert_parallel_training_matches_single_process(launcher, reference, world, kwargs):
-    ref_losses, ref_params = reference
-    for rank, (losses, params) in enumerate(launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)):
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
-        for name, want in ref_params.items():
-            assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
+    results = launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)
+    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)
 
 
 def test_expert_parallel_inside_pipeline_stages(launcher):
-    config = moe_config()
-    ref_losses, ref_params = reference_run(config, STEPS, clip=1.0)
     kwargs = dict(pipeline_parallel_size=2, expert_parallel_size=2, micro_batch_size=1, zero_stage=1)
-    for rank, (losses, params) in enumerate(launcher(4, trainer_run, kwargs, config, STEPS, clip=1.0)):
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
-        for name, value in params.items():
-            assert_rel_close(value, ref_params[name], 1e-5, f"rank {rank} {name}")
+    results = launcher(4, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)
+    assert_matches_reference(results, reference_run(moe_config(), STEPS, clip=1.0), "pp2 x ep2")
 
 
 @pytest.mark.parametrize(
@@ -61,10 +52,6 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
     ids=["tp2-sp", "tp2-sp-ep2"],
 )
 def test_moe_under_sequence_parallel(launcher, reference, kwargs):
-    ref_losses, ref_params = reference
     world = 2 if "expert_parallel_size" not in kwargs else 4
-    for rank, (losses, params) in enumerate(launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)):
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: {got} != {want}"
-        for name, want in ref_params.items():
-            assert_rel_close(params[name], want, 1e-5, f"rank {rank} {name}")
+    results = launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)
+    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.strategies._lm import assert_rel_close, reference_run, tiny_config, trainer_run
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
 LAYOUTS = {
@@ -27,12 +27,5 @@ def reference():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(launcher, reference, layout):
     world, kwargs = LAYOUTS[layout]
-    ref_losses, ref_params = reference
     results = launcher(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
-    for rank, (losses, params) in enumerate(results):
-        assert len(losses) == STEPS
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{layout} rank {rank} step {step}: loss {got} != {want}"
-        assert params.keys() == ref_params.keys()
-        for name, want in ref_params.items():
-            assert_rel_close(params[name], want, 1e-5, f"{layout} rank {rank} {name}")
+    assert_matches_reference(results, reference, layout, every_rank_holds_all=True)

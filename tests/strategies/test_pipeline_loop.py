@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.strategies._lm import assert_rel_close, reference_run, tiny_config, trainer_run
+from tests.strategies._lm import assert_matches_reference, assert_rel_close, reference_run, tiny_config, trainer_run
 
 STEPS = 3
 
 
 def _check(results, reference, what):
-    ref_losses, ref_params = reference
-    for rank, (losses, params) in enumerate(results):
-        assert len(losses) == STEPS
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{what} rank {rank} step {step}: loss {got} != {want}"
-        for name, value in params.items():  # each rank holds (and returns) only its own stages' parameters
-            assert_rel_close(value, ref_params[name], 1e-5, f"{what} rank {rank} {name}")
-    held = set().union(*(params.keys() for _, params in results))
-    assert held == set(ref_params), "every parameter lives on some pipeline rank"
+    assert_matches_reference(results, reference, what)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +46,8 @@ def test_pipeline_composes_with_tp_and_zero(launcher, reference, kwargs):
 def test_tied_embeddings_across_first_and_last_stage(launcher, tied_reference):
     kwargs = dict(pipeline_parallel_size=2, micro_batch_size=1, pipeline_layers=[3, 1])
     results = launcher(2, trainer_run, kwargs, tiny_config(num_layers=4, tie_word_embeddings=True), STEPS, clip=1.0)
-    ref_losses, ref_params = tied_reference
     # The last stage's LM head is the tied embedding: compare it against the reference embedding.
-    for losses, params in results:
-        for got, want in zip(losses, ref_losses):
-            assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
-        for name, value in params.items():
-            ref_name = "embed_tokens.weight" if name == "lm_head.weight" else name
-            assert_rel_close(value, ref_params[ref_name], 1e-5, name)
+    assert_matches_reference(results, tied_reference, "tied", rename={"lm_head.weight": "embed_tokens.weight"})
 
 
 NUM_SAMPLES = 12  # 3 steps per epoch: the checkpoint sits on an epoch boundary
