@@ -10,13 +10,16 @@ Layout of a checkpoint folder::
       COMPLETE                   written last
 
 All ranks write into ``ckpt.tmp-<id>/``; rank 0 renames it to ``ckpt/`` only after every rank finished and the
-marker is written, so a crash leaves a ``*.tmp-*`` folder that is never mistaken for a checkpoint.
+marker is written, so a crash leaves a ``*.tmp-*`` folder that is never mistaken for a checkpoint. Asynchronous
+saves (DCP ``async_save``: tensors staged to CPU memory, written by a background thread, as in the seeds' flash
+checkpoint) follow the same rule: the rename happens when the background write has finished on every rank.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 __all__ = [
     "COMPLETE_MARKER",
     "META_FILE",
+    "PendingSave",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded",
@@ -58,29 +62,78 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / COMPLETE_MARKER).is_file() and (path / ".metadata").is_file()
 
 
-def save_sharded(path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Collectively save ``state`` (DCP, every rank) and ``meta`` (rank 0) to ``path``, atomically."""
+def save_sharded(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    async_group: dist.ProcessGroup | None = None,
+) -> PendingSave | None:
+    """Collectively save ``state`` (DCP, every rank) and ``meta`` (rank 0) to ``path``, atomically.
+
+    With ``async_group`` (a process group used only by checkpointing, so the writer thread's collectives never mix
+    with training's) the tensors are staged to CPU memory, written by a background thread, and the checkpoint is
+    renamed into place when the write has finished on every rank; the returned ``PendingSave`` waits for that.
+    """
     path = Path(path)
     tmp = Path(_broadcast_object(str(path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=False)
     _barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    if rank == 0:
-        torch.save(meta, tmp / META_FILE)
-        (tmp / COMPLETE_MARKER).write_text("ok\n")
-        _fsync_dir(tmp)
-        old = None
-        if path.exists() or path.is_symlink():
-            old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
-            path.rename(old)
-        tmp.rename(path)
-        _fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    _barrier()
-    return path
+    if async_group is None:
+        dcp.save(state, checkpoint_id=tmp)
+        if rank == 0:
+            _finalize(tmp, path, meta)
+        _barrier()
+        return None
+    future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
+    return PendingSave(future, (lambda: _finalize(tmp, path, meta)) if rank == 0 else None, path)
+
+
+class PendingSave:
+    """A checkpoint being written in the background; ``wait()`` returns once it is complete and renamed."""
+
+    def __init__(self, future: Any, finalize: Any, path: Path) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+        def _on_done(fut: Any) -> None:
+            try:
+                fut.result()  # rank 0's future resolves after every rank's data and the DCP metadata are written
+                if finalize is not None:
+                    finalize()
+            except BaseException as err:  # reported by wait(), on the training thread
+                self._error = err
+            finally:
+                self._done.set()
+
+        future.add_done_callback(_on_done)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Path:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"Asynchronous checkpoint {self.path} failed: {self._error}") from self._error
+        return self.path
+
+
+def _finalize(tmp: Path, path: Path, meta: dict[str, Any]) -> None:
+    """Rank 0: write the non-tensor part and the marker, then move the folder into place."""
+    torch.save(meta, tmp / META_FILE)
+    (tmp / COMPLETE_MARKER).write_text("ok\n")
+    _fsync_dir(tmp)
+    old = None
+    if path.exists() or path.is_symlink():
+        old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.sharded import load_sharded, read_meta, save_sharded
+from lightning_flagscale.checkpoint.sharded import PendingSave, load_sharded, read_meta, save_sharded
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data import DistributedOptimizer, apply_fsdp, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
@@ -88,6 +88,7 @@ class FlagScaleStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = 1 << 24,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         if parallel is None:
@@ -114,6 +115,9 @@ class FlagScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
+        self._async_checkpoint = async_checkpoint
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
         self._dist_optimizers: dict[int, DistributedOptimizer] = {}
         self._fsdp_roots: list[nn.Module] = []
@@ -225,6 +229,9 @@ class FlagScaleStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._meshes = build_meshes(self.parallel, self.root_device.type)
+        if self._async_checkpoint:
+            # The background writer's collectives get their own group, never interleaved with training's.
+            self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
 
     def _needs_model_protocol(self) -> bool:
@@ -510,6 +517,7 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.wait_for_checkpoint()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -558,7 +566,14 @@ class FlagScaleStrategy(ParallelStrategy):
         dist.all_gather_object(gathered, rng)
         checkpoint["rng_states_per_rank"] = gathered
         checkpoint["parallel_config"] = vars(self.parallel).copy()
-        save_sharded(path, state, checkpoint)
+        self.wait_for_checkpoint()  # one save in flight at a time
+        self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint in flight is complete (renamed into place)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.wait()
 
     @override
     def remove_checkpoint(self, filepath) -> None:
@@ -581,6 +596,7 @@ class FlagScaleStrategy(ParallelStrategy):
             set_optimizer_state_dict,
         )
 
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = read_meta(path)
         model_sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))

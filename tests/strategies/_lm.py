@@ -124,6 +124,7 @@ def trainer_run(
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
+        strategy.wait_for_checkpoint()  # a no-op unless the save was asynchronous
     params = {}
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p

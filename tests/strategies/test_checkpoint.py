@@ -61,3 +61,31 @@ def test_half_written_checkpoint_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="not a complete FlagScale checkpoint"):
         read_meta(broken)
     assert not is_sharded_checkpoint(broken)
+
+
+def _train_with_async_save_mid_run(path: str):
+    import lightning as L
+
+    class SaveAfterFirstEpoch(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                trainer.save_checkpoint(path)  # returns at once; training goes on while it is written
+
+    kwargs = dict(SAVE_LAYOUT, async_checkpoint=True)
+    return trainer_run(
+        kwargs, tiny_config(), 6, max_epochs=2, num_samples=NUM_SAMPLES, callbacks=[SaveAfterFirstEpoch()]
+    )
+
+
+def test_async_checkpoint_in_flight_does_not_disturb_training_and_resumes(launcher, uninterrupted, tmp_path):
+    path = str(tmp_path / "async.ckpt")
+    ref_losses, ref_params = uninterrupted
+    for losses, params in launcher(4, _train_with_async_save_mid_run, path):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, want in ref_params.items():
+            assert_rel_close(params[name], want, 1e-5, name)
+    assert is_sharded_checkpoint(path) and read_meta(path)["global_step"] == 3
+    results = launcher(4, trainer_run, dict(zero_stage=3), tiny_config(), 6, max_epochs=2, num_samples=NUM_SAMPLES,
+                       ckpt_path=path)  # fmt: skip
+    for losses, _ in results:
+        assert losses == pytest.approx(ref_losses[3:], rel=1e-5)
