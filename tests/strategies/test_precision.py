@@ -81,3 +81,27 @@ def test_fp8_without_transformer_engine_is_a_clear_error():
         FlagScalePrecision("fp8")
     with pytest.raises(ValueError, match=r"does not support precision='64-true'"):
         FlagScalePrecision("64-true")
+
+
+def _registry_and_precision_flag():
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale import FlagScaleStrategy
+    from tests.strategies._lm import TokenDataset, make_module
+
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy="flagscale", precision="bf16-mixed",
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    module = make_module(tiny_config())
+    trainer.fit(module, DataLoader(TokenDataset(), batch_size=2))
+    return (
+        type(trainer.strategy) is FlagScaleStrategy,
+        trainer.precision_plugin.precision,
+        module.model.norm.weight.dtype,
+    )
+
+
+def test_strategy_registry_name_and_lightning_precision_flag(launcher):
+    for is_ours, precision, dtype in launcher(2, _registry_and_precision_flag):
+        assert is_ours and precision == "bf16-mixed" and dtype == torch.bfloat16
