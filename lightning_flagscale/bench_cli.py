@@ -1,0 +1,586 @@
+"""``lightning-flagscale bench``: FlagScaleStrategy side by side with Lightning's built-in strategies.
+
+    python bench/compare_strategies.py [--quick] [--out bench/results] [--only NAME ...]
+    lightning-flagscale bench [--quick] [--out DIR]
+
+Every configuration trains the same decoder (same init, same data, same global batch, same number of steps) with
+``Trainer.fit`` on ``--world`` CPU processes (gloo), each configuration in a fresh set of spawned processes so
+they do not disturb each other:
+
+- Lightning: ``DDPStrategy``, ``FSDPStrategy`` (FSDP1, one unit per decoder block), ``ModelParallelStrategy``
+  (TP=2 x FSDP2, ``configure_model`` applies ``apply_tp`` + ``fully_shard`` on ``self.device_mesh``);
+- FlagScale: DDP, ZeRO-1, ZeRO-3 (FSDP2), TP=2 x ZeRO-1, TP=2 x ZeRO-3, PP=2 x DP=2 (1F1B).
+
+Per configuration it measures, after ``--warmup`` steps, the wall time of ``--steps`` steps (rank 0, between two
+barriers: tokens/s over the global batch), then one more step inside a ``CommTracker`` window (bytes moved per rank,
+split into data-parallel, tensor-parallel and pipeline traffic) with the state bytes per rank taken just before its
+optimizer step, and finally each rank's peak RSS. Theory, for Ψ the parameters one rank's model-parallel part holds
+(TP shard / pipeline stage) and N the data-parallel size, all fp32 (``32-true``):
+
+- data-parallel bytes per rank and step (ZeRO paper Sec. 7, ring model): all-reduce 2·4Ψ(N-1)/N (DDP), reduce-scatter
+  + all-gather 2·4Ψ(N-1)/N (ZeRO-1), all-gather twice + reduce-scatter 3·4Ψ(N-1)/N (FSDP / ZeRO-3);
+- state bytes per rank (ZeRO paper Fig. 1, fp32 Adam: 4Ψ params + 4Ψ grads + 8Ψ moments): DDP 16Ψ, FSDP/ZeRO-3
+  16Ψ/N; this package's ZeRO-1 frees the full gradient once it is reduce-scattered into its fp32 main shard, so at
+  the optimizer step it holds 4Ψ + 16Ψ/N (the paper's ZeRO-1 formula 8Ψ + 8Ψ/N is listed too).
+
+Tensor-parallel and pipeline traffic is reported as measured (no ZeRO formula covers it). Timing is noisy on a
+shared machine: compare ratios within one run, never across runs. Writes ``compare_strategies.json``,
+``compare_strategies.md`` and ``compare_strategies.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SPECS", "RunSpec", "bench_main", "run_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One configuration of the comparison."""
+
+    name: str
+    """Label in tables and charts."""
+    family: str
+    """``"lightning"`` (a built-in strategy) or ``"flagscale"``."""
+    kind: str
+    """``"ddp"``, ``"fsdp"``, ``"model_parallel"`` (Lightning) or ``"flagscale"``."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    zero_stage: int = 0
+    """FlagScale ZeRO stage (0 = DDP); for Lightning peers the stage whose formulas describe them."""
+    peer: str | None = None
+    """Name of the closest Lightning configuration (FlagScale configs only)."""
+
+
+SPECS: tuple[RunSpec, ...] = (
+    RunSpec(name="L-DDP", family="lightning", kind="ddp"),
+    RunSpec(name="L-FSDP", family="lightning", kind="fsdp", zero_stage=3),
+    RunSpec(name="L-TP2xFSDP2", family="lightning", kind="model_parallel", tp=2, zero_stage=3),
+    RunSpec(name="FS-DDP", family="flagscale", kind="flagscale", peer="L-DDP"),
+    RunSpec(name="FS-ZeRO1", family="flagscale", kind="flagscale", zero_stage=1, peer="L-DDP"),
+    RunSpec(name="FS-ZeRO3", family="flagscale", kind="flagscale", zero_stage=3, peer="L-FSDP"),
+    RunSpec(name="FS-TP2xZeRO1", family="flagscale", kind="flagscale", tp=2, zero_stage=1, peer="L-TP2xFSDP2"),
+    RunSpec(name="FS-TP2xZeRO3", family="flagscale", kind="flagscale", tp=2, zero_stage=3, peer="L-TP2xFSDP2"),
+    RunSpec(name="FS-PP2xDP2", family="flagscale", kind="flagscale", pp=2, peer="L-DDP"),
+)
+
+# Issue 7's targets: FlagScale config -> minimum tokens/s ratio to its peer.
+TARGETS: dict[str, float] = {"FS-DDP": 0.95, "FS-ZeRO3": 1.0, "FS-TP2xZeRO3": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model settings
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def model_settings(quick: bool) -> dict[str, Any]:
+    """Decoder and data sizes: tens of millions of parameters by default, a few million with ``quick``."""
+    if quick:
+        model = dict(hidden_size=256, num_layers=4, intermediate_size=704, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)  # fmt: skip
+        return {"model": model, "seq_len": 128, "global_batch": 8, "warmup": 2, "steps": 5}
+    model = dict(hidden_size=512, num_layers=8, intermediate_size=1408, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=256)  # fmt: skip
+    return {"model": model, "seq_len": 128, "global_batch": 8, "warmup": 3, "steps": 8}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker side (runs in each spawned process)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _modules():
+    """LightningModule classes for the peers (built lazily: importing Lightning is slow and only workers need it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lightning_flagscale.models import CausalLMModule
+    from lightning_flagscale.models.decoder import CausalLM, DecoderBlock
+    from lightning_flagscale.parallel.tensor import apply_tp
+
+    class EagerModule(CausalLMModule):
+        """Builds and initialises the model on CPU (DDPStrategy / FSDPStrategy wrap a materialised module), with the
+        same ``init_weights`` values as every other configuration."""
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            with torch.device("cpu"):
+                self.model = CausalLM(self.config, vocab_multiple=64)
+            self.init_weights()
+
+    class FSDP1Module(CausalLMModule):
+        """FSDPStrategy's manual-wrapping path: ``configure_model`` wraps each decoder block and the root in FSDP1
+        (FULL_SHARD), and the strategy uses the wrapped model as is. Lightning's own auto-wrapping passes
+        ``device_id=None`` on CPU, which FSDP1 rejects without an accelerator; here ``device_id`` is the CPU."""
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            with torch.device("cpu"):
+                model = CausalLM(self.config, vocab_multiple=64)
+            self.model = model
+            self.init_weights()  # before sharding: FSDP1 flattens the initialised values
+            self.model = FullyShardedDataParallel(
+                model, auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}), device_id=torch.device("cpu"),
+                sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
+            )  # fmt: skip
+
+    class TPFSDPModule(CausalLMModule):
+        """ModelParallelStrategy's contract: ``configure_model`` parallelises on ``self.device_mesh`` itself
+        (TP with the decoder's own plan, then FSDP2 per block and at the root, as torchtitan does)."""
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            mesh = self.device_mesh
+            model = CausalLM(self.config, vocab_multiple=64)  # meta under ModelParallelStrategy's init context
+            apply_tp(model, mesh["tensor_parallel"], sequence_parallel=False)
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(model, mesh=mesh["data_parallel"])
+            if any(p.is_meta for p in model.parameters()):
+                model.to_empty(device="cpu")
+            self.model = model
+            self.init_weights()
+
+    return EagerModule, FSDP1Module, TPFSDPModule
+
+
+def _strategy(spec: RunSpec, micro_batch_size: int):
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_flagscale import FlagScaleStrategy
+
+    if spec.kind == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if spec.kind == "fsdp":
+
+        class CPUFSDPStrategy(FSDPStrategy):
+            """Lightning's FSDPStrategy unchanged: the Trainer refuses ``type(strategy) is FSDPStrategy`` without a
+            GPU (the module wraps itself, see ``FSDP1Module``)."""
+
+        return CPUFSDPStrategy(process_group_backend="gloo")
+    if spec.kind == "model_parallel":
+        return ModelParallelStrategy(tensor_parallel_size=spec.tp, process_group_backend="gloo")
+    return FlagScaleStrategy(
+        tensor_parallel_size=spec.tp,
+        pipeline_parallel_size=spec.pp,
+        zero_stage=spec.zero_stage,  # type: ignore[arg-type]
+        micro_batch_size=micro_batch_size,
+        process_group_backend="gloo",
+    )
+
+
+def _traffic_class(desc: str, op: str) -> str:
+    """Which parallelism a group's traffic belongs to, from the group's description (mesh dim name)."""
+    d = desc.lower()
+    if op in ("send", "recv") or "pp" in d.split("_") or "pipe" in d:
+        return "pp"
+    if "tp" in d.split("_") or "tensor" in d:
+        return "tp"
+    return "dp"
+
+
+def _mp_local_numel(model: torch.nn.Module) -> int:
+    """Parameters of this rank's model-parallel part (TP shard / pipeline stage), before any data-parallel sharding.
+
+    A DTensor's global numel is divided by the sizes of the mesh dims it is sharded over, except data-parallel ones.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    total, seen = 0, set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if not isinstance(p, DTensor):
+            total += p.numel()
+            continue
+        n = p.shape.numel()
+        names = p.device_mesh.mesh_dim_names or ()
+        for i, placement in enumerate(p.placements):
+            name = names[i] if i < len(names) else ""
+            if isinstance(placement, Shard) and "dp" not in name and "data" not in name:
+                n //= p.device_mesh.size(i)
+        total += n
+    return total
+
+
+def run_config(rank: int, world: int, port: int, spec: RunSpec, settings: dict[str, Any], queue: Any) -> None:
+    """Train ``spec`` on this rank and put a small result dict on ``queue`` (spawn target)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
+    torch.set_num_threads(1)  # world processes share the machine's cores; one thread each, same for every config
+    try:
+        queue.put(_run(rank, world, spec, settings))
+    except Exception as exc:  # report instead of hanging the parent
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        raise
+
+
+def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict[str, Any]:
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.data import LMDataModule
+    from lightning_flagscale.models import CausalLMModule
+    from lightning_flagscale.parallel.comm import CommTracker
+    from lightning_flagscale.parallel.memory import peak_rss_bytes, state_bytes
+
+    warmup, steps = settings["warmup"], settings["steps"]
+    measured_step = warmup + steps
+    dp = world // (spec.tp * spec.pp)
+    per_rank_batch = settings["global_batch"] // dp
+    tracker = CommTracker()
+    out: dict[str, Any] = {"rank": rank}
+
+    class Bench(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = trainer.global_step
+            if step == warmup:
+                dist.barrier()
+                out["t0"] = time.perf_counter()
+            elif step == measured_step:
+                dist.barrier()
+                out["t1"] = time.perf_counter()
+                tracker.__enter__()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == measured_step and "state" not in out:
+                out["state"] = asdict(state_bytes(pl_module, [optimizer]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == measured_step + 1:
+                tracker.__exit__(None, None, None)
+
+    config = TransformerConfig.from_preset("llama-tiny", **settings["model"])
+    EagerModule, FSDP1Module, TPFSDPModule = _modules()
+    cls = {"ddp": EagerModule, "fsdp": FSDP1Module, "model_parallel": TPFSDPModule}.get(spec.kind, CausalLMModule)
+    module = cls(config, learning_rate=1e-3, warmup_steps=0)
+    # PP: 1F1B over per_rank_batch micro-batches of one sample each (fills the 2-stage pipeline best).
+    strategy = _strategy(spec, micro_batch_size=1 if spec.pp > 1 else per_rank_batch)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=measured_step + 1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Bench()],
+    )  # fmt: skip
+    dm = LMDataModule(seq_len=settings["seq_len"], batch_size=per_rank_batch,
+                      num_train_samples=settings["global_batch"] * (measured_step + 2), num_val_samples=8)  # fmt: skip
+    trainer.fit(module, dm)
+
+    from torch.distributed.tensor import DTensor
+
+    model = module.model
+    full = {id(p): p for p in model.parameters()}.values()
+    summary = tracker.summary()
+    traffic: dict[str, float] = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    ops: dict[str, dict[str, float]] = {}
+    for g in summary.values():
+        for op, s in g["ops"].items():
+            cls_ = _traffic_class(g["desc"], op)
+            traffic[cls_] += s["wire_bytes"]
+            ops.setdefault(cls_, {}).setdefault(op, 0.0)
+            ops[cls_][op] += s["wire_bytes"]
+    out.update(
+        dp=dp,
+        psi_local=_mp_local_numel(model),
+        psi_stage_full=sum(p.shape.numel() if isinstance(p, DTensor) else p.numel() for p in full),
+        traffic=traffic,
+        ops=ops,
+        groups={k: {"desc": v["desc"], "size": v["size"]} for k, v in summary.items()},
+        peak_rss=peak_rss_bytes(),
+        final_loss=float(trainer.callback_metrics.get("train_loss", float("nan"))),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: RunSpec, world: int, settings: dict[str, Any], timeout: float = 1800.0) -> list[dict[str, Any]]:
+    """Run ``spec`` on ``world`` fresh spawned processes; per-rank results sorted by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=run_config, args=(r, world, port, spec, settings, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: list[dict[str, Any]] = []
+    try:
+        for _ in range(world):
+            res = queue.get(timeout=timeout)
+            results.append(res)
+            if "error" in res:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(results) == world else 1)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    errors = [r for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"{spec.name} failed on rank {errors[0]['rank']}:\n{errors[0]['traceback']}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _state_theory(spec: RunSpec, psi: int, n: int) -> tuple[float, float]:
+    """(expected for this implementation, ZeRO paper formula) state bytes of one rank, fp32 Adam."""
+    if spec.zero_stage == 0:
+        return 16 * psi, 16 * psi
+    if spec.zero_stage in (1, 2):
+        ours = 4 * psi + 16 * psi / n  # fp32 params + sharded grads, main shard and moments
+        paper = (8 * psi + 8 * psi / n) if spec.zero_stage == 1 else (4 * psi + 12 * psi / n)
+        return ours, paper
+    return 16 * psi / n, 16 * psi / n
+
+
+def _dp_comm_theory(spec: RunSpec, psi: int, n: int) -> float:
+    factor = 3 if spec.zero_stage == 3 else 2
+    return factor * 4 * psi * (n - 1) / n
+
+
+def summarise(spec: RunSpec, ranks: list[dict[str, Any]], settings: dict[str, Any], world: int) -> dict[str, Any]:
+    """One table row from the per-rank results (per-rank figures are means over ranks; theory per rank, summed)."""
+    r0 = ranks[0]
+    elapsed = r0["t1"] - r0["t0"]
+    tokens = settings["global_batch"] * settings["seq_len"] * settings["steps"]
+    comm_theory = sum(_dp_comm_theory(spec, r["psi_local"], r["dp"]) for r in ranks)
+    state_exp = sum(_state_theory(spec, r["psi_local"], r["dp"])[0] for r in ranks)
+    state_paper = sum(_state_theory(spec, r["psi_local"], r["dp"])[1] for r in ranks)
+    dp_bytes = sum(r["traffic"]["dp"] for r in ranks)
+    state = sum(sum(r["state"].values()) for r in ranks) if all("state" in r for r in ranks) else float("nan")
+    ops: dict[str, dict[str, float]] = {}
+    for r in ranks:
+        for cls_, d in r["ops"].items():
+            for op, b in d.items():
+                ops.setdefault(cls_, {}).setdefault(op, 0.0)
+                ops[cls_][op] += b / world
+    return {
+        **asdict(spec),
+        "dp": r0["dp"],
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "dp_bytes_per_rank": dp_bytes / world,
+        "dp_bytes_theory_per_rank": comm_theory / world,
+        "dp_bytes_ratio": dp_bytes / comm_theory if comm_theory else float("nan"),
+        "tp_bytes_per_rank": sum(r["traffic"]["tp"] for r in ranks) / world,
+        "pp_bytes_per_rank": sum(r["traffic"]["pp"] for r in ranks) / world,
+        "ops_per_rank": ops,
+        "state_bytes_per_rank": state / world,
+        "state_theory_per_rank": state_exp / world,
+        "state_paper_per_rank": state_paper / world,
+        "state_ratio": state / state_exp,
+        "state_by_kind_per_rank": {k: sum(r["state"][k] for r in ranks) / world for k in r0.get("state", {})},
+        "peak_rss_max": max(r["peak_rss"] for r in ranks),
+        "psi_local_per_rank": [r["psi_local"] for r in ranks],
+        "final_loss": r0["final_loss"],
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    import lightning
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The Markdown table (and its context) for the README."""
+    rows = report["rows"]
+    by_name = {r["name"]: r for r in rows}
+    m, s = report["machine"], report["settings"]
+    lines = [
+        "# FlagScaleStrategy vs Lightning's built-in strategies",
+        "",
+        f"`{report['command']}` — world size {report['world']} (gloo, CPU, 1 thread per rank), fp32, decoder of "
+        f"{report['num_params'] / 1e6:.1f}M parameters ({', '.join(f'{k}={v}' for k, v in s['model'].items())}), "
+        f"seq {s['seq_len']}, global batch {s['global_batch']}, {s['warmup']} warm-up + {s['steps']} timed steps, "
+        f"then one step with communication accounting. Machine: {m['nproc']} x {m['cpu']}, torch {m['torch']}, "
+        f"Lightning {m['lightning']}, {report['date']}.",
+        "",
+        "| config | tokens/s | vs peer | DP MiB/rank/step (theory, ratio) | TP MiB | PP MiB | state MiB/rank "
+        "(theory, ratio) | ZeRO paper MiB | peak RSS MiB |",
+        "|---|---:|---|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        vs = ""
+        if r["peer"] and r["peer"] in by_name:
+            ratio = r["tokens_per_s"] / by_name[r["peer"]]["tokens_per_s"]
+            target = TARGETS.get(r["name"])
+            mark = "" if target is None else (" ✓" if ratio >= target else f" ✗ (target {target:.2f})")
+            vs = f"{ratio:.2f}x {r['peer']}{mark}"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.0f} | {vs} | {_mib(r['dp_bytes_per_rank'])} "
+            f"({_mib(r['dp_bytes_theory_per_rank'])}, {r['dp_bytes_ratio']:.3f}) | {_mib(r['tp_bytes_per_rank'])} | "
+            f"{_mib(r['pp_bytes_per_rank'])} | {_mib(r['state_bytes_per_rank'])} "
+            f"({_mib(r['state_theory_per_rank'])}, {r['state_ratio']:.3f}) | {_mib(r['state_paper_per_rank'])} | "
+            f"{_mib(r['peak_rss_max'])} |"
+        )
+    lines += [
+        "",
+        "DP bytes: wire bytes per rank on data-parallel groups under the ring model (`CommTracker`), theory "
+        "2·4Ψ(N-1)/N (DDP, ZeRO-1) or 3·4Ψ(N-1)/N (FSDP, ZeRO-3), Ψ the parameters of the rank's TP shard / pipeline "
+        "stage, N the data-parallel size. TP/PP: tensor-parallel collectives and pipeline P2P, measured. State: "
+        "parameters + gradients + optimizer states per rank at the optimizer step; theory 16Ψ (DDP), 16Ψ/N "
+        "(FSDP, ZeRO-3), 4Ψ + 16Ψ/N for this package's ZeRO-1 (the full gradient is freed once reduce-scattered into "
+        "the fp32 main shard); the ZeRO paper's column is its Fig. 1 formula (ZeRO-1: 8Ψ + 8Ψ/N). Peak RSS: "
+        "the largest rank's, whole process (Python, torch, Lightning included).",
+        "",
+        "Timing runs 4 processes on a shared 2-core machine: tokens/s are noisy; only ratios measured in the same "
+        "run are meaningful.",
+    ]
+    for name, err in report.get("failed", {}).items():
+        lines += ["", f"{name} failed: `{err}`"]
+    if report.get("notes"):
+        lines += ["", "## Findings", "", *report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _moved(row: dict[str, Any]) -> float:
+    return row["dp_bytes_per_rank"] + row["tp_bytes_per_rank"] + row["pp_bytes_per_rank"]
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    names = [r["name"] for r in rows]
+    colors = ["#888888" if r["family"] == "lightning" else "#7b2cbf" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        ("tokens/s (higher is better)", [r["tokens_per_s"] for r in rows]),
+        ("bytes moved per rank per step (MiB)", [_moved(r) / 2**20 for r in rows]),
+        ("state bytes per rank (MiB)", [r["state_bytes_per_rank"] / 2**20 for r in rows]),
+    ]
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(names, values, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=60)
+    fig.suptitle(f"FlagScaleStrategy (purple) vs Lightning (grey), {report['world']} CPU ranks, "
+                 f"{report['num_params'] / 1e6:.1f}M params")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_main(argv: list[str]) -> None:
+    """Entry point of ``lightning-flagscale bench`` and ``bench/compare_strategies.py``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-flagscale bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a few-million-parameter decoder, fewer steps")
+    parser.add_argument("--out", default="bench/results", help="folder for the JSON, Markdown and PNG outputs")
+    parser.add_argument("--world", type=int, default=4, help="processes per configuration (multiple of 4)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 8, --quick 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 3, --quick 2)")
+    parser.add_argument("--only", nargs="+", default=None, help=f"subset of {[s.name for s in SPECS]}")
+    parser.add_argument("--note", action="append", default=[], help="a finding to add to the Markdown (repeatable)")
+    args = parser.parse_args(argv)
+    if args.world % 4:
+        parser.error(f"--world={args.world} must be a multiple of 4 (TP=2 x DP and PP=2 x DP configurations).")
+
+    settings = model_settings(args.quick)
+    if args.steps is not None:
+        settings["steps"] = args.steps
+    if args.warmup is not None:
+        settings["warmup"] = args.warmup
+    specs = [s for s in SPECS if args.only is None or s.name in args.only]
+    if args.only and len(specs) != len(args.only):
+        parser.error(f"--only takes names from {[s.name for s in SPECS]}")
+
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models.decoder import CausalLM
+
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in CausalLM(TransformerConfig.from_preset("llama-tiny", **settings["model"]),
+                                                    vocab_multiple=64).parameters())  # fmt: skip
+    command = "lightning-flagscale bench" + (" --quick" if args.quick else "")
+    print(f"{command}: {num_params / 1e6:.1f}M params, world {args.world}, {settings}", flush=True)
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    for spec in specs:
+        start = time.perf_counter()
+        try:
+            ranks = launch(spec, args.world, settings)
+        except Exception as exc:  # one failing configuration must not lose the others' numbers
+            print(f"{spec.name:14} FAILED: {exc}", flush=True)
+            failed[spec.name] = str(exc).splitlines()[-1]
+            continue
+        row = summarise(spec, ranks, settings, args.world)
+        rows.append(row)
+        print(f"{spec.name:14} {row['tokens_per_s']:8.0f} tok/s  DP {_mib(row['dp_bytes_per_rank'])} MiB/rank "
+              f"(x{row['dp_bytes_ratio']:.3f} theory)  TP {_mib(row['tp_bytes_per_rank'])}  PP "
+              f"{_mib(row['pp_bytes_per_rank'])}  state {_mib(row['state_bytes_per_rank'])} MiB/rank "
+              f"(x{row['state_ratio']:.3f})  RSS {_mib(row['peak_rss_max'])} MiB  loss {row['final_loss']:.3f}  "
+              f"[{time.perf_counter() - start:.0f}s]", flush=True)  # fmt: skip
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if r["peer"] in by_name:
+            r["ratio_to_peer"] = r["tokens_per_s"] / by_name[r["peer"]]["tokens_per_s"]
+            print(f"{r['name']:14} {r['ratio_to_peer']:.2f}x {r['peer']}")
+    report = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "world": args.world,
+        "num_params": num_params,
+        "settings": settings,
+        "machine": machine_info(),
+        "targets": TARGETS,
+        "notes": args.note,
+        "rows": rows,
+        "failed": failed,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "compare_strategies_quick" if args.quick else "compare_strategies"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float))
+    (out / f"{stem}.md").write_text(markdown(report))
+    chart(report, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json, .md, .png")
