@@ -124,6 +124,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._pipeline: PipelinedModel | None = None
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
+        self._expert_grad_scale = 1.0
         self._moe_callback = False
         self.num_nodes = 1
 
@@ -284,9 +285,12 @@ class FlagScaleStrategy(ParallelStrategy):
         if p.zero_stage == 3:
             targets = parts or [module]
             param_dtype = None if precision.param_dtype == torch.float32 else precision.param_dtype
+            if p.ep_enabled:
+                for target in targets:
+                    self._shard_experts(target, param_dtype, precision.reduce_dtype)
             for target in targets:
                 apply_fsdp(target, self.meshes.dp_cp, param_dtype=param_dtype, reduce_dtype=precision.reduce_dtype)
-            self._fsdp_roots = targets
+            self._fsdp_roots.extend(targets)
         self._materialize(module, inner)
         if p.zero_stage < 3:
             self.model = precision.convert_module(self.model)
@@ -333,6 +337,21 @@ class FlagScaleStrategy(ParallelStrategy):
             from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
 
             apply_recompute(inner, resolve_recompute(p.recompute, 1)[0])
+
+    def _shard_experts(self, model: nn.Module, param_dtype, reduce_dtype) -> None:
+        """ZeRO-3 for expert weights: FSDP2 over the expert-data-parallel ranks of the expert mesh (the experts are
+        already ``Shard(0)`` over ep on that mesh), each expert group its own FSDP unit inside its block's."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from lightning_flagscale.moe.balance import moe_layers
+
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for _, layer in moe_layers(model):
+            self._fsdp_roots.append(fully_shard(layer.experts, mesh=self.meshes["edp"], mp_policy=mp))
+        # FSDP2 averages over edp; the expert owners already summed their EP group's tokens, so the mean over all
+        # dp x cp x tp token shards needs a further 1/ep (optimizer_step). Not `set_gradient_divide_factor`: it
+        # reduces with PREMUL_SUM, which gloo lacks.
+        self._expert_grad_scale = 1.0 / self.parallel.expert_parallel_size
 
     def _materialize(self, module: nn.Module, inner: nn.Module | None) -> None:
         if not any(t.is_meta for t in module.parameters()) and not any(t.is_meta for t in module.buffers()):
@@ -388,6 +407,9 @@ class FlagScaleStrategy(ParallelStrategy):
                 bucket_numel=self._grad_bucket_numel,
                 divisors=divisors,
             )
+
+    def _expert_params(self) -> list[nn.Parameter]:
+        return [param for layer in self._moe_layers for param in layer.experts.parameters()]
 
     def _dist_opt(self, optimizer) -> DistributedOptimizer | None:
         if isinstance(optimizer, LightningOptimizer):
@@ -472,6 +494,10 @@ class FlagScaleStrategy(ParallelStrategy):
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         precision = self.precision_plugin
         closure_result = closure()
+        if self._expert_grad_scale != 1.0:
+            for param in self._expert_params():
+                if param.grad is not None:
+                    param.grad.mul_(self._expert_grad_scale)
         if self._pipeline is not None:
             self._pipeline.runner.sync_tied_grads()
         dopt = self._dist_opt(opt)
@@ -665,11 +691,6 @@ def _tag_expert_params(model: nn.Module) -> None:
 
 def _check_supported_combination(p: ParallelConfig, config: TransformerConfig) -> None:
     """Layouts that are valid in principle but not implemented yet: refuse them early and say what works."""
-    if p.ep_enabled and p.zero_stage == 3:
-        raise ValueError(
-            "expert_parallel_size > 1 with zero_stage=3 is not supported yet (FSDP2 cannot shard the expert DTensors"
-            " of the expert mesh); use zero_stage=1 or 2, which shard expert optimizer states over the edp group."
-        )
 
 
 def _deferred_zero_grad(set_to_none: bool = True) -> None:

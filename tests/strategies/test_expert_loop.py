@@ -55,3 +55,9 @@ def test_moe_under_sequence_parallel(launcher, reference, kwargs):
     world = 2 if "expert_parallel_size" not in kwargs else 4
     results = launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)
     assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)
+
+
+def test_expert_parallel_with_zero3(launcher, reference):
+    # Experts: FSDP2 over edp on the expert mesh; the rest: FSDP2 over dp x cp.
+    results = launcher(4, trainer_run, dict(expert_parallel_size=2, zero_stage=3), moe_config(), STEPS, clip=1.0)
+    assert_matches_reference(results, reference, "ep2 x zero3", every_rank_holds_all=True)
