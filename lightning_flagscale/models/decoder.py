@@ -77,7 +77,7 @@ class CausalLM(nn.Module):
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
         self.sequence_parallel = False
-        # Set by the strategy under context parallelism: the ranks that split each sequence's tokens.
+        # Set by the strategy: the data x context ranks whose tokens form one global batch (see loss_fn).
         self.token_group = None
         self.vocab_start = 0
         self.tie_weights()
@@ -152,10 +152,11 @@ class CausalLM(nn.Module):
             logits = head_output[..., : self.vocab_size].float()
             losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
         count = (labels != -100).sum()
-        if self.token_group is not None:
-            # Context parallel: this rank holds a slice of every sequence, and ignored labels fall unevenly across
-            # the slices. Weighting by the group's total count makes the mean of the CP ranks' losses (what the
-            # gradient reduction averages) the token mean of the whole sequences.
+        if self.token_group is not None and self.training and torch.is_grad_enabled():
+            # Data/context parallel: ignored labels fall unevenly across the ranks' samples and sequence slices.
+            # Weighting by the group's total token count makes the mean of the ranks' losses (what the gradient
+            # reduction averages) the token mean of the whole global batch, as in one process. Evaluation keeps
+            # per-rank means, which its metrics weight by token count.
             total = count.detach().clone()
             dist.all_reduce(total, group=self.token_group)
             return losses.sum() * dist.get_world_size(self.token_group) / total.clamp(min=1)

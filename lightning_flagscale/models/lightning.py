@@ -182,7 +182,8 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("train_loss", loss.detach(), prog_bar=True)
+        # Averaged over ranks: under data/context parallelism each rank's loss is its token-weighted share.
+        self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
         # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
         for name, value in self.model.moe_aux_losses().items():
             self.log(f"train_moe_{name}", value)

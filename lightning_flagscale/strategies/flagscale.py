@@ -313,6 +313,11 @@ class FlagScaleStrategy(ParallelStrategy):
             self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
+        if self.meshes.size(MeshDim.DP_CP) > 1 and hasattr(inner, "token_group"):
+            inner.token_group = self.meshes.group(MeshDim.DP_CP)  # global token-mean loss (CausalLM.loss_fn)
+        self._apply_parallelisms(inner)
+
+    def _apply_parallelisms(self, inner: nn.Module) -> None:
         """Apply TP -> CP -> EP -> recompute (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors and wraps
         the checkpointed blocks)."""
         p = self.parallel
@@ -328,7 +333,6 @@ class FlagScaleStrategy(ParallelStrategy):
                 inner, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
                 tp_size=p.tensor_parallel_size,
             )  # fmt: skip
-            inner.token_group = meshes.group(MeshDim.CP)
         if p.ep_enabled:
             from lightning_flagscale.parallel.expert import apply_ep
 
