@@ -442,6 +442,9 @@ class ParallelConfig:
     """Pipeline schedule name."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
+    hetero_dp_batch_sizes: list[int] | None = None
+    """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
+    e.g. ``[6, 2]``; ``None`` splits every batch evenly."""
     pipeline_balance: Literal["even", "cost"] = "even"
     """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
     (embedding and LM head included)."""
@@ -565,6 +568,10 @@ class ParallelConfig:
                 f"{self.data_parallel_size * mp} does not match the world size {world_size}; set "
                 f"data_parallel_size={world_size // mp} or leave it None (auto)."
             )
+        if self.hetero_dp_batch_sizes is not None:
+            from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
+
+            check_hetero_batch_sizes(self.hetero_dp_batch_sizes, self.dp)
         folded = self.dp * self.context_parallel_size * self.tensor_parallel_size
         ep_etp = self.expert_parallel_size * self.expert_tensor_parallel_size
         if folded % ep_etp:

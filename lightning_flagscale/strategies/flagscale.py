@@ -85,6 +85,7 @@ class FlagScaleStrategy(ParallelStrategy):
         pipeline_layers: list[int] | None = None,
         pipeline_balance: Literal["even", "cost"] = "even",
         recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
+        hetero_dp_batch_sizes: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = 1 << 24,
@@ -110,6 +111,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 pipeline_layers=pipeline_layers,
                 pipeline_balance=pipeline_balance,
                 recompute=recompute,
+                hetero_dp_batch_sizes=hetero_dp_batch_sizes,
             )
         self.parallel = parallel
         self._process_group_backend = process_group_backend
@@ -424,6 +426,27 @@ class FlagScaleStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Heterogeneous DP: replace the even split of training batches by ``hetero_dp_batch_sizes`` shares."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sizes = self.parallel.hetero_dp_batch_sizes
+        sampler = getattr(dataloader, "sampler", None)
+        if sizes is None or not isinstance(dataloader, DataLoader) or not isinstance(sampler, DistributedSampler):
+            return dataloader
+        if not sampler.shuffle:  # evaluation loaders keep the even split
+            return dataloader
+        from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+
+        batches = HeteroBatchSampler(
+            len(dataloader.dataset), sizes, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed
+        )
+        return DataLoader(
+            dataloader.dataset, batch_sampler=batches, collate_fn=dataloader.collate_fn,
+            num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ step
     @override

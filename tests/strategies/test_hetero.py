@@ -1,0 +1,48 @@
+"""Heterogeneous data parallelism: uneven per-rank batch shares train exactly like one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+from tests._oracle import global_batch_indices
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
+
+
+def test_ranks_take_their_shares_of_the_same_global_batch():
+    shares = [list(HeteroBatchSampler(32, [3, 1], rank, seed=0)) for rank in (0, 1)]
+    assert [len(b) for b in shares[0]] == [3] * 8 and [len(b) for b in shares[1]] == [1] * 8
+    for k in range(8):
+        assert sorted(shares[0][k] + shares[1][k]) == sorted(global_batch_indices(32, 4, k).tolist())
+
+
+def test_invalid_shares_are_rejected_early():
+    with pytest.raises(ValueError, match=r"hetero_dp_batch_sizes has 3 entries but there are 2 data-parallel ranks"):
+        ParallelConfig(hetero_dp_batch_sizes=[2, 1, 1]).resolve(2)
+    with pytest.raises(ValueError, match=r"must hold positive integers"):
+        ParallelConfig(hetero_dp_batch_sizes=[4, 0]).resolve(2)
+
+
+def _run_recording_batch_sizes(kwargs):
+    import lightning as L
+
+    sizes: list[int] = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sizes.append(batch["input_ids"].shape[0])
+
+    losses, params = trainer_run(kwargs, tiny_config(), 3, clip=1.0, ragged=True, callbacks=[Sizes()])
+    return (losses, params), sizes
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_uneven_shares_match_single_process(launcher, zero_stage):
+    # Rank 0 (the "strong device") takes 3 of every 4 samples; labels are ragged, so the token weighting matters.
+    reference = reference_run(tiny_config(), 3, clip=1.0, ragged=True)
+    outputs = launcher(2, _run_recording_batch_sizes, dict(zero_stage=zero_stage, hetero_dp_batch_sizes=[3, 1]))
+    assert [sizes for _, sizes in outputs] == [[3, 3, 3], [1, 1, 1]]
+    assert_matches_reference(
+        [r for r, _ in outputs], reference, f"hetero-dp zero{zero_stage}", every_rank_holds_all=True
+    )
