@@ -37,7 +37,14 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_flagscale.moe.balance import HotExpertReplication, moe_layers
 from lightning_flagscale.moe.layer import MoELayer
 
-__all__ = ["EXPERT_GRAD_GROUP_ATTR", "AllToAllDispatcher", "all_to_all", "apply_ep", "is_expert_param"]
+__all__ = [
+    "EXPERT_GRAD_GROUP_ATTR",
+    "AllToAllDispatcher",
+    "all_to_all",
+    "apply_ep",
+    "is_expert_param",
+    "tag_expert_params",
+]
 
 EXPERT_GRAD_GROUP_ATTR = "_flagscale_grad_group"
 """Attribute on a parameter naming the mesh dim its gradient is reduced over (``"edp"`` for experts)."""
@@ -212,3 +219,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, hot_experts: HotExpertRep
         layer.dispatcher = AllToAllDispatcher(mesh.get_group(), ep, mesh.get_local_rank())
         layer.hot_expert_config = hot_experts
     return model
+
+
+def tag_expert_params(model: nn.Module) -> None:
+    """(Re)mark expert weights for the edp gradient reduction, e.g. after materialising replaced the Parameters."""
+    for _, layer in moe_layers(model):
+        for param in layer.experts.parameters():
+            setattr(param, EXPERT_GRAD_GROUP_ATTR, "edp")

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_flagscale.parallel.pipeline import PipelineRunner
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.mesh import ParallelMeshes
+from lightning_flagscale.parallel.pipeline import PipelineRunner, build_pipeline
 
-__all__ = ["PipelinedModel"]
+__all__ = ["PipelinedModel", "build_pipelined_model", "deferred_zero_grad", "exclude_tied_copy_from_norm"]
 
 
 @dataclass
@@ -94,3 +96,32 @@ class PipelinedModel(nn.Module):
 
     def logits(self, head_output: Tensor) -> Tensor:
         raise RuntimeError("Full logits are not materialised under pipeline parallelism; use the loss.")
+
+
+def deferred_zero_grad(set_to_none: bool = True) -> None:
+    """Lightning's zero_grad under pipeline parallelism: a no-op (the strategy zeroes before the schedule runs)."""
+
+
+def build_pipelined_model(
+    module: nn.Module, inner: nn.Module, meshes: ParallelMeshes, config: ParallelConfig, device: torch.device
+) -> PipelinedModel:
+    """Cut ``inner`` into this rank's stages and put them in place of ``module.model``."""
+    holder: list[PipelinedModel] = []
+    runner = build_pipeline(
+        inner, meshes["pp"], config, loss_fn=lambda out, target: holder[0].scaled_stage_loss(out, target),
+        balance=config.pipeline_balance, device=device,
+    )  # fmt: skip
+    pipelined = PipelinedModel(runner, inner.config)
+    holder.append(pipelined)
+    module.model = pipelined
+    return pipelined
+
+
+def exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:
+    """The last stage's LM head is a second copy of a tied embedding: count it once in the gradient norm."""
+    if not pipelined.runner.tied:
+        return
+    for stage in pipelined.stage_modules:
+        head, embed = stage.lm_head, stage.embed_tokens
+        if head is not None and (embed is None or head.weight is not embed.weight):
+            head.weight._fs_norm_scale = 0.0

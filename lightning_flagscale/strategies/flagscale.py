@@ -12,7 +12,6 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -48,7 +47,13 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data import DistributedOptimizer, apply_fsdp, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
-from lightning_flagscale.strategies._pipeline import PipelinedModel
+from lightning_flagscale.strategies._checkpoint import optimizer_template, rng_state, set_rng_state
+from lightning_flagscale.strategies._pipeline import (
+    PipelinedModel,
+    build_pipelined_model,
+    deferred_zero_grad,
+    exclude_tied_copy_from_norm,
+)
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -222,8 +227,6 @@ class FlagScaleStrategy(ParallelStrategy):
                 " tensor/pipeline/context/expert parallelism; use a model that implements the model protocol"
                 " (e.g. lightning_flagscale.models.CausalLMModule) or set those sizes to 1."
             )
-        if config is not None:
-            _check_supported_combination(self.parallel, config)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -277,7 +280,7 @@ class FlagScaleStrategy(ParallelStrategy):
         precision = self.precision_plugin
         parts: list[nn.Module] = []  # the modules each parallelism is applied to: the model, or its pipeline stages
         if inner is not None and p.pp_enabled:
-            self._pipeline = _build_pipelined_model(module, inner, self.meshes, p, self.root_device)
+            self._pipeline = build_pipelined_model(module, inner, self.meshes, p, self.root_device)
             inner = self._pipeline
             parts = list(self._pipeline.stage_modules)
         elif inner is not None:
@@ -299,9 +302,11 @@ class FlagScaleStrategy(ParallelStrategy):
         self.model_to_device()
         # Tags live on Parameter objects, which materialising and dtype/device moves may replace: set them last.
         if self._pipeline is not None:
-            _exclude_tied_copy_from_norm(self._pipeline)
+            exclude_tied_copy_from_norm(self._pipeline)
         if p.ep_enabled:
-            _tag_expert_params(inner)
+            from lightning_flagscale.parallel.expert import tag_expert_params
+
+            tag_expert_params(inner)
         precision.grad_norm_fn = partial(clip_grad_norm_, pp_size=p.pipeline_parallel_size)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -392,7 +397,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 # Lightning zeroes grads between training_step and backward; under PP that would wipe the
                 # schedule's gradients. Keep the real zero_grad for `training_step` to call at the right time.
                 opt._flagscale_zero_grad = opt.zero_grad
-                opt.zero_grad = _deferred_zero_grad
+                opt.zero_grad = deferred_zero_grad
         if self.parallel.zero_stage == 3:
             return
         p = self.parallel
@@ -614,7 +619,7 @@ class FlagScaleStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        rng = _rng_state()
+        rng = rng_state()
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, rng)
         checkpoint["rng_states_per_rank"] = gathered
@@ -661,7 +666,7 @@ class FlagScaleStrategy(ParallelStrategy):
         for i, opt in enumerate(self.optimizers):
             dopt = self._dist_opt(opt)
             if dopt is not None:
-                state[f"optimizer_{i}"] = _optimizer_template(dopt, path, i)
+                state[f"optimizer_{i}"] = optimizer_template(dopt, path, i)
             else:
                 _init_optim_state(opt)
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(
@@ -682,71 +687,11 @@ class FlagScaleStrategy(ParallelStrategy):
                 )
         rngs = meta.pop("rng_states_per_rank", None)
         if rngs is not None and len(rngs) == self.world_size:
-            _set_rng_state(rngs[self.global_rank])
+            set_rng_state(rngs[self.global_rank])
         elif rngs is not None:
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
         meta.pop("parallel_config", None)
         return meta
-
-
-def _optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> dict[str, Any]:
-    """A template holding exactly the optimizer-state keys the checkpoint has, in this rank's layout."""
-    from lightning_flagscale.checkpoint.sharded import checkpoint_keys
-
-    prefix = f"optimizer_{index}.state."
-    keys: set[str] = set()
-    for key in checkpoint_keys(path):
-        if key.startswith(prefix):
-            keys.add(key.rsplit(".", 1)[-1])
-    tensor_keys = sorted(k for k in keys if k != "step")
-    template = dopt.state_dict_template(tensor_keys)
-    if "step" not in keys:
-        for s in template["state"].values():
-            s.pop("step", None)
-    return template
-
-
-def _tag_expert_params(model: nn.Module) -> None:
-    """(Re)mark expert weights for the edp gradient reduction: materialising replaced the Parameter objects."""
-    from lightning_flagscale.moe.balance import moe_layers
-    from lightning_flagscale.parallel.expert import EXPERT_GRAD_GROUP_ATTR
-
-    for _, layer in moe_layers(model):
-        for param in layer.experts.parameters():
-            setattr(param, EXPERT_GRAD_GROUP_ATTR, "edp")
-
-
-def _check_supported_combination(p: ParallelConfig, config: TransformerConfig) -> None:
-    """Layouts that are valid in principle but not implemented yet: refuse them early and say what works."""
-
-
-def _deferred_zero_grad(set_to_none: bool = True) -> None:
-    """Lightning's zero_grad under pipeline parallelism: a no-op (the strategy zeroes before the schedule runs)."""
-
-
-def _build_pipelined_model(module, inner: nn.Module, meshes: ParallelMeshes, config: ParallelConfig, device):
-    """Cut ``inner`` into this rank's stages and put them in place of ``module.model``."""
-    from lightning_flagscale.parallel.pipeline import build_pipeline
-
-    holder: list[PipelinedModel] = []
-    runner = build_pipeline(
-        inner, meshes["pp"], config, loss_fn=lambda out, target: holder[0].scaled_stage_loss(out, target),
-        balance=config.pipeline_balance, device=device,
-    )  # fmt: skip
-    pipelined = PipelinedModel(runner, inner.config)
-    holder.append(pipelined)
-    module.model = pipelined
-    return pipelined
-
-
-def _exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:
-    """The last stage's LM head is a second copy of a tied embedding: count it once in the gradient norm."""
-    if not pipelined.runner.tied:
-        return
-    for stage in pipelined.stage_modules:
-        head, embed = stage.lm_head, stage.embed_tokens
-        if head is not None and (embed is None or head.weight is not embed.weight):
-            head.weight._fs_norm_scale = 0.0
 
 
 def _transformer_config(module: nn.Module | None) -> TransformerConfig | None:
@@ -760,20 +705,3 @@ def _protocol_model(module: nn.Module) -> nn.Module | None:
         return module
     inner = getattr(module, "model", None)
     return inner if inner is not None and hasattr(inner, "tp_plan") else None
-
-
-def _rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
