@@ -3,6 +3,8 @@
     lightning-flagscale fit --config recipes/llama_tiny.yaml [--trainer.max_steps 50 ...]
     lightning-flagscale validate --config recipes/llama_tiny.yaml --ckpt_path ckpt/
     lightning-flagscale convert hf-to-ckpt HF_DIR OUT | ckpt-to-hf CKPT OUT
+    lightning-flagscale tune --preset llama3-8b --devices 64   best layouts by a memory + cost model
+    lightning-flagscale bench [--quick]    FlagScale layouts next to Lightning's strategies (bench/results/)
 
 A recipe is a plain LightningCLI YAML file: ``trainer`` (with ``strategy: class_path: ...FlagScaleStrategy``),
 ``model`` (``CausalLMModule`` arguments) and ``data`` (``LMDataModule`` arguments). Recipes shipped with the
@@ -66,6 +68,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_flagscale.convert.cli import convert_main
 
         convert_main(argv[1:])
+        return
+    if argv and argv[0] == "tune":
+        from lightning_flagscale.tune import tune_main
+
+        tune_main(argv[1:])
+        return
+    if argv and argv[0] == "bench":
+        from lightning_flagscale.bench_cli import bench_main
+
+        bench_main(argv[1:])
         return
     if argv and argv[0] in ("recipes", "list-recipes"):
         for path in sorted(RECIPES_DIR.glob("*.yaml")):
