@@ -96,7 +96,7 @@ def trainer_run(
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
     import torch.distributed as dist
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.distributed.tensor import DTensor
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
@@ -116,7 +116,7 @@ def trainer_run(
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
         max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks or []), enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
         num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size

@@ -89,3 +89,22 @@ def test_async_checkpoint_in_flight_does_not_disturb_training_and_resumes(launch
                        ckpt_path=path)  # fmt: skip
     for losses, _ in results:
         assert losses == pytest.approx(ref_losses[3:], rel=1e-5)
+
+
+def _fit_with_model_checkpoint(dirpath: str):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
+                               save_last=True)  # fmt: skip
+    trainer_run(SAVE_LAYOUT, tiny_config(), 6, callbacks=[callback])
+    return sorted(p.name for p in __import__("pathlib").Path(dirpath).iterdir())
+
+
+def test_lightning_model_checkpoint_callback_writes_and_prunes_sharded_checkpoints(launcher, tmp_path):
+    names = launcher(4, _fit_with_model_checkpoint, str(tmp_path))[0]
+    kept = [n for n in names if n.startswith("epoch")]
+    assert len(kept) == 2 and "last.ckpt" in names, names  # top-2 by step kept, the older one removed
+    assert not [n for n in names if ".tmp-" in n or ".old-" in n], names
+    for name in [*kept, "last.ckpt"]:
+        assert is_sharded_checkpoint(tmp_path / name)
+    assert read_meta(tmp_path / "last.ckpt")["global_step"] == 6
