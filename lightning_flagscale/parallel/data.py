@@ -162,16 +162,8 @@ class _FlatBucket:
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
                 local_tensor(p).copy_(full[off : off + n].view(shape))
 
-    def gather_main(self) -> Tensor:
-        """The full (unsharded) main buffer, gathered from all ranks: for checkpoints."""
-        assert self.main_param is not None
-        if not self.shard:
-            return self.main_param.detach()
-        full = torch.empty(self.padded, dtype=self.main_param.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, self.main_param.detach().contiguous(), group=self.group)
-        return full
-
     def gather_state(self, t: Tensor) -> Tensor:
+        """The full (unsharded) buffer of a per-slice tensor (main weights, optimizer states): for checkpoints."""
         if not self.shard:
             return t
         full = torch.empty(self.padded, dtype=t.dtype, device=self.device)
@@ -245,13 +237,6 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             bucket.sync_params()
 
-    def zero_grad(self) -> None:
-        for p in self.main_params:
-            p.grad = None
-        for bucket in self.buckets:
-            for p in bucket.params:
-                p.grad = None
-
     # ---- checkpoints: a layout-independent view, keyed by parameter name, shaped like each parameter ----
     def _per_param(self, bucket: _FlatBucket, flat: Tensor) -> dict[str, Tensor]:
         out = {}
@@ -268,7 +253,7 @@ class DistributedOptimizer:
             return {}
         out: dict[str, Tensor] = {}
         for bucket in self.buckets:
-            out.update(self._per_param(bucket, bucket.gather_main()))
+            out.update(self._per_param(bucket, bucket.gather_state(bucket.main_param.detach())))
         return out
 
     def state_dict(self) -> dict:
