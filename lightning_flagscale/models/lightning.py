@@ -189,7 +189,7 @@ class CausalLMModule(L.LightningModule):
             self.log(f"train_moe_{name}", value)
         now = time.perf_counter()
         if self._last_step_time is not None:
-            tokens = batch["input_ids"].numel() * self._data_parallel_replicas()
+            tokens = self._global_tokens(batch["input_ids"].numel())
             self.log("tokens_per_s", tokens / max(now - self._last_step_time, 1e-9), prog_bar=True)
         self._last_step_time = now
         return loss
@@ -197,13 +197,13 @@ class CausalLMModule(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None  # do not count validation / epoch-boundary time as step time
 
-    def _data_parallel_replicas(self) -> int:
-        """Ranks that see different batches (each TP/PP/CP group shares one)."""
+    def _global_tokens(self, local_tokens: int) -> int:
+        """Tokens processed by all ranks this step (TP/PP ranks share a batch; DP/CP ranks hold disjoint tokens)."""
         strategy = self.trainer.strategy
-        if hasattr(strategy, "token_shards"):  # context parallel splits each sample's tokens too
-            return int(strategy.token_shards)
+        if hasattr(strategy, "global_tokens"):
+            return int(strategy.global_tokens(local_tokens))
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        return int(kwargs.get("num_replicas", 1))
+        return local_tokens * int(kwargs.get("num_replicas", 1))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)

@@ -176,10 +176,14 @@ class FlagScaleStrategy(ParallelStrategy):
         """Every rank of this rank's pipeline stage: where MoE routers' load statistics are summed."""
         return self.meshes.group(MeshDim.STAGE)
 
-    @property
-    def token_shards(self) -> int:
-        """Ranks whose batches hold disjoint tokens (data x context parallel): for tokens/s accounting."""
-        return self.meshes.size(MeshDim.DP) * self.meshes.size(MeshDim.CP)
+    def global_tokens(self, local_tokens: int) -> int:
+        """Tokens of the whole step given this rank's share (for tokens/s): data x context ranks hold disjoint
+        tokens, in equal shares or in ``hetero_dp_batch_sizes`` proportions."""
+        cp = self.meshes.size(MeshDim.CP)
+        shares = self.parallel.hetero_dp_batch_sizes
+        if shares is not None:
+            return local_tokens * cp * sum(shares) // shares[self.meshes.local_rank(MeshDim.DP)]
+        return local_tokens * cp * self.meshes.size(MeshDim.DP)
 
     @property
     @override
