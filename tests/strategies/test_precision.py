@@ -105,3 +105,29 @@ def _registry_and_precision_flag():
 def test_strategy_registry_name_and_lightning_precision_flag(launcher):
     for is_ours, precision, dtype in launcher(2, _registry_and_precision_flag):
         assert is_ours and precision == "bf16-mixed" and dtype == torch.bfloat16
+
+
+def _collectives_on_the_mesh():
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale import FlagScaleStrategy
+    from tests.strategies._lm import TokenDataset, make_module
+
+    strategy = FlagScaleStrategy(tensor_parallel_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer.fit(make_module(tiny_config()), DataLoader(TokenDataset(), batch_size=2))
+    rank = dist.get_rank()
+    mean = strategy.reduce(torch.tensor(float(rank)), reduce_op="mean").item()
+    total = strategy.reduce(torch.tensor(float(rank)), reduce_op="sum").item()
+    strategy.barrier()
+    return mean, total, strategy.broadcast({"from": rank}), strategy.distributed_sampler_kwargs
+
+
+def test_reduce_broadcast_barrier_and_sampler_on_the_mesh(launcher):
+    results = launcher(4, _collectives_on_the_mesh)
+    for rank, (mean, total, obj, sampler) in enumerate(results):
+        assert (mean, total, obj) == (1.5, 6.0, {"from": 0})
+        assert sampler == {"num_replicas": 2, "rank": rank // 2}  # TP pairs (0,1), (2,3) share a data shard
