@@ -11,8 +11,9 @@ they do not disturb each other:
   (TP=2 x FSDP2, ``configure_model`` applies ``apply_tp`` + ``fully_shard`` on ``self.device_mesh``);
 - FlagScale: DDP, ZeRO-1, ZeRO-3 (FSDP2), TP=2 x ZeRO-1, TP=2 x ZeRO-3, PP=2 x DP=2 (1F1B).
 
-Per configuration it measures, after ``--warmup`` steps, the wall time of ``--steps`` steps (rank 0, between two
-barriers: tokens/s over the global batch), then one more step inside a ``CommTracker`` window (bytes moved per rank,
+Per configuration it measures, after ``--warmup`` steps, the time of each of ``--steps`` steps on rank 0 (the steps
+synchronise the ranks; tokens/s = global batch tokens / median step time, the wall time of the window is kept too),
+then one more step inside a ``CommTracker`` window (bytes moved per rank,
 split into data-parallel, tensor-parallel and pipeline traffic) with the state bytes per rank taken just before its
 optimizer step, and finally each rank's peak RSS. Theory, for Ψ the parameters one rank's model-parallel part holds
 (TP shard / pipeline stage) and N the data-parallel size, all fp32 (``32-true``):
@@ -35,6 +36,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,6 +136,7 @@ def _modules():
                 model = CausalLM(self.config, vocab_multiple=64)
             self.model = model
             self.init_weights()  # before sharding: FSDP1 flattens the initialised values
+            self.psi_before_sharding = sum(p.numel() for p in model.parameters())  # FSDP1 leaves only shard views
             self.model = FullyShardedDataParallel(
                 model, auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}), device_id=torch.device("cpu"),
                 sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
@@ -160,7 +163,7 @@ def _modules():
     return EagerModule, FSDP1Module, TPFSDPModule
 
 
-def _strategy(spec: RunSpec, micro_batch_size: int):
+def _strategy(spec: RunSpec, dp: int, micro_batch_size: int):
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_flagscale import FlagScaleStrategy
@@ -175,7 +178,7 @@ def _strategy(spec: RunSpec, micro_batch_size: int):
 
         return CPUFSDPStrategy(process_group_backend="gloo")
     if spec.kind == "model_parallel":
-        return ModelParallelStrategy(tensor_parallel_size=spec.tp, process_group_backend="gloo")
+        return ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=spec.tp, process_group_backend="gloo")
     return FlagScaleStrategy(
         tensor_parallel_size=spec.tp,
         pipeline_parallel_size=spec.pp,
@@ -251,15 +254,24 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
     tracker = CommTracker()
     out: dict[str, Any] = {"rank": rank}
 
+    profile_step = warmup - 1 if settings.get("profile_dir") and rank == 0 else -1
+    profiler: list[Any] = []
+
     class Bench(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             step = trainer.global_step
+            if step == profile_step:  # the last warm-up step: profiling never touches the timed window
+                profiler.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
+                profiler[0].__enter__()
             if step == warmup:
                 dist.barrier()
                 out["t0"] = time.perf_counter()
             elif step == measured_step:
                 dist.barrier()
                 out["t1"] = time.perf_counter()
+            if warmup <= step <= measured_step:
+                out.setdefault("marks", []).append(time.perf_counter())
+            if step == measured_step:
                 tracker.__enter__()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -267,6 +279,12 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
                 out["state"] = asdict(state_bytes(pl_module, [optimizer]))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if profiler and trainer.global_step == profile_step + 1:
+                profiler[0].__exit__(None, None, None)
+                table = profiler.pop().key_averages().table(sort_by="cpu_time_total", row_limit=40)
+                path = Path(settings["profile_dir"]) / f"profile_{spec.name}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(table)
             if trainer.global_step == measured_step + 1:
                 tracker.__exit__(None, None, None)
 
@@ -275,7 +293,7 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
     cls = {"ddp": EagerModule, "fsdp": FSDP1Module, "model_parallel": TPFSDPModule}.get(spec.kind, CausalLMModule)
     module = cls(config, learning_rate=1e-3, warmup_steps=0)
     # PP: 1F1B over per_rank_batch micro-batches of one sample each (fills the 2-stage pipeline best).
-    strategy = _strategy(spec, micro_batch_size=1 if spec.pp > 1 else per_rank_batch)
+    strategy = _strategy(spec, dp, micro_batch_size=1 if spec.pp > 1 else per_rank_batch)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=measured_step + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -300,7 +318,7 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
             ops[cls_][op] += s["wire_bytes"]
     out.update(
         dp=dp,
-        psi_local=_mp_local_numel(model),
+        psi_local=getattr(module, "psi_before_sharding", None) or _mp_local_numel(model),
         psi_stage_full=sum(p.shape.numel() if isinstance(p, DTensor) else p.numel() for p in full),
         traffic=traffic,
         ops=ops,
@@ -372,6 +390,10 @@ def summarise(spec: RunSpec, ranks: list[dict[str, Any]], settings: dict[str, An
     r0 = ranks[0]
     elapsed = r0["t1"] - r0["t0"]
     tokens = settings["global_batch"] * settings["seq_len"] * settings["steps"]
+    # Every step synchronises the ranks (gradient reduction), so rank 0's step boundaries are the job's. The median
+    # step time resists the bursts of a shared machine better than the wall time of the whole window.
+    step_times = [b - a for a, b in zip(r0["marks"], r0["marks"][1:])]
+    median_step = statistics.median(step_times)
     comm_theory = sum(_dp_comm_theory(spec, r["psi_local"], r["dp"]) for r in ranks)
     state_exp = sum(_state_theory(spec, r["psi_local"], r["dp"])[0] for r in ranks)
     state_paper = sum(_state_theory(spec, r["psi_local"], r["dp"])[1] for r in ranks)
@@ -387,7 +409,9 @@ def summarise(spec: RunSpec, ranks: list[dict[str, Any]], settings: dict[str, An
         **asdict(spec),
         "dp": r0["dp"],
         "elapsed_s": elapsed,
-        "tokens_per_s": tokens / elapsed,
+        "step_times_s": step_times,
+        "tokens_per_s": settings["global_batch"] * settings["seq_len"] / median_step,
+        "tokens_per_s_wall": tokens / elapsed,
         "dp_bytes_per_rank": dp_bytes / world,
         "dp_bytes_theory_per_rank": comm_theory / world,
         "dp_bytes_ratio": dp_bytes / comm_theory if comm_theory else float("nan"),
@@ -438,7 +462,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}` — world size {report['world']} (gloo, CPU, 1 thread per rank), fp32, decoder of "
         f"{report['num_params'] / 1e6:.1f}M parameters ({', '.join(f'{k}={v}' for k, v in s['model'].items())}), "
-        f"seq {s['seq_len']}, global batch {s['global_batch']}, {s['warmup']} warm-up + {s['steps']} timed steps, "
+        f"seq {s['seq_len']}, global batch {s['global_batch']}, {s['warmup']} warm-up + {s['steps']} timed steps "
+        f"(tokens/s from the median step time, median over {report.get('repeats', 1)} round(s)), "
         f"then one step with communication accounting. Machine: {m['nproc']} x {m['cpu']}, torch {m['torch']}, "
         f"Lightning {m['lightning']}, {report['date']}.",
         "",
@@ -521,6 +546,9 @@ def bench_main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 8, --quick 5)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 3, --quick 2)")
     parser.add_argument("--only", nargs="+", default=None, help=f"subset of {[s.name for s in SPECS]}")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all configs; tokens/s is the median")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="torch.profiler table of rank 0's last warm-up step per config, written under DIR")  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="a finding to add to the Markdown (repeatable)")
     args = parser.parse_args(argv)
     if args.world % 4:
@@ -531,6 +559,10 @@ def bench_main(argv: list[str]) -> None:
         settings["steps"] = args.steps
     if args.warmup is not None:
         settings["warmup"] = args.warmup
+    if settings["warmup"] < 1:
+        parser.error("--warmup must be >= 1")
+    if args.profile:
+        settings["profile_dir"] = args.profile
     specs = [s for s in SPECS if args.only is None or s.name in args.only]
     if args.only and len(specs) != len(args.only):
         parser.error(f"--only takes names from {[s.name for s in SPECS]}")
@@ -541,25 +573,39 @@ def bench_main(argv: list[str]) -> None:
     with torch.device("meta"):
         num_params = sum(p.numel() for p in CausalLM(TransformerConfig.from_preset("llama-tiny", **settings["model"]),
                                                     vocab_multiple=64).parameters())  # fmt: skip
-    command = "lightning-flagscale bench" + (" --quick" if args.quick else "")
+    flags = [("--quick", args.quick), (f"--repeats {args.repeats}", args.repeats > 1),
+             (f"--steps {args.steps}", args.steps is not None), (f"--warmup {args.warmup}", args.warmup is not None),
+             (f"--only {' '.join(args.only or [])}", args.only is not None)]  # fmt: skip
+    command = " ".join(["lightning-flagscale bench", *(flag for flag, on in flags if on)])
     print(f"{command}: {num_params / 1e6:.1f}M params, world {args.world}, {settings}", flush=True)
     rows: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
-    for spec in specs:
-        start = time.perf_counter()
-        try:
-            ranks = launch(spec, args.world, settings)
-        except Exception as exc:  # one failing configuration must not lose the others' numbers
-            print(f"{spec.name:14} FAILED: {exc}", flush=True)
-            failed[spec.name] = str(exc).splitlines()[-1]
-            continue
-        row = summarise(spec, ranks, settings, args.world)
-        rows.append(row)
-        print(f"{spec.name:14} {row['tokens_per_s']:8.0f} tok/s  DP {_mib(row['dp_bytes_per_rank'])} MiB/rank "
-              f"(x{row['dp_bytes_ratio']:.3f} theory)  TP {_mib(row['tp_bytes_per_rank'])}  PP "
-              f"{_mib(row['pp_bytes_per_rank'])}  state {_mib(row['state_bytes_per_rank'])} MiB/rank "
-              f"(x{row['state_ratio']:.3f})  RSS {_mib(row['peak_rss_max'])} MiB  loss {row['final_loss']:.3f}  "
-              f"[{time.perf_counter() - start:.0f}s]", flush=True)  # fmt: skip
+    samples: dict[str, list[float]] = {}
+    for repeat in range(args.repeats):
+        # Rounds run every configuration once, in order, so a peer and its FlagScale counterpart see the same load.
+        for spec in specs:
+            if spec.name in failed:
+                continue
+            start = time.perf_counter()
+            try:
+                ranks = launch(spec, args.world, settings)
+            except Exception as exc:  # one failing configuration must not lose the others' numbers
+                print(f"{spec.name:14} FAILED: {exc}", flush=True)
+                failed[spec.name] = str(exc).splitlines()[-1]
+                continue
+            row = summarise(spec, ranks, settings, args.world)
+            samples.setdefault(spec.name, []).append(row["tokens_per_s"])
+            if repeat == 0:
+                rows.append(row)
+            else:
+                row = next(r for r in rows if r["name"] == spec.name)
+            row["tokens_per_s_samples"] = samples[spec.name]
+            row["tokens_per_s"] = statistics.median(samples[spec.name])
+            print(f"{spec.name:14} {samples[spec.name][-1]:8.0f} tok/s  DP {_mib(row['dp_bytes_per_rank'])} MiB/rank "
+                  f"(x{row['dp_bytes_ratio']:.3f} theory)  TP {_mib(row['tp_bytes_per_rank'])}  PP "
+                  f"{_mib(row['pp_bytes_per_rank'])}  state {_mib(row['state_bytes_per_rank'])} MiB/rank "
+                  f"(x{row['state_ratio']:.3f})  RSS {_mib(row['peak_rss_max'])} MiB  loss {row['final_loss']:.3f}  "
+                  f"[{time.perf_counter() - start:.0f}s]", flush=True)  # fmt: skip
     by_name = {r["name"]: r for r in rows}
     for r in rows:
         if r["peer"] in by_name:
@@ -573,6 +619,7 @@ def bench_main(argv: list[str]) -> None:
         "settings": settings,
         "machine": machine_info(),
         "targets": TARGETS,
+        "repeats": args.repeats,
         "notes": args.note,
         "rows": rows,
         "failed": failed,
