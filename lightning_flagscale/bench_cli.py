@@ -8,7 +8,8 @@ Every configuration trains the same decoder (same init, same data, same global b
 they do not disturb each other:
 
 - Lightning: ``DDPStrategy``, ``FSDPStrategy`` (FSDP1, one unit per decoder block), ``ModelParallelStrategy``
-  (TP=2 x FSDP2, ``configure_model`` applies ``apply_tp`` + ``fully_shard`` on ``self.device_mesh``);
+  (TP=2 x FSDP2, ``configure_model`` applies ``apply_tp`` + ``fully_shard`` on ``self.device_mesh``; and TP=1,
+  i.e. plain FSDP2, to tell FSDP2-vs-FSDP1 differences from FlagScale's own);
 - FlagScale: DDP, ZeRO-1, ZeRO-3 (FSDP2), TP=2 x ZeRO-1, TP=2 x ZeRO-3, PP=2 x DP=2 (1F1B).
 
 Per configuration it measures, after ``--warmup`` steps, the time of each of ``--steps`` steps on rank 0 (the steps
@@ -71,6 +72,8 @@ SPECS: tuple[RunSpec, ...] = (
     RunSpec(name="L-DDP", family="lightning", kind="ddp"),
     RunSpec(name="L-FSDP", family="lightning", kind="fsdp", zero_stage=3),
     RunSpec(name="L-TP2xFSDP2", family="lightning", kind="model_parallel", tp=2, zero_stage=3),
+    # Not a target peer: ModelParallelStrategy with TP=1 is Lightning's FSDP2, the same sharding engine as ZeRO-3.
+    RunSpec(name="L-FSDP2", family="lightning", kind="model_parallel", zero_stage=3),
     RunSpec(name="FS-DDP", family="flagscale", kind="flagscale", peer="L-DDP"),
     RunSpec(name="FS-ZeRO1", family="flagscale", kind="flagscale", zero_stage=1, peer="L-DDP"),
     RunSpec(name="FS-ZeRO3", family="flagscale", kind="flagscale", zero_stage=3, peer="L-FSDP"),
@@ -151,7 +154,8 @@ def _modules():
                 return
             mesh = self.device_mesh
             model = CausalLM(self.config, vocab_multiple=64)  # meta under ModelParallelStrategy's init context
-            apply_tp(model, mesh["tensor_parallel"], sequence_parallel=False)
+            if mesh["tensor_parallel"].size() > 1:
+                apply_tp(model, mesh["tensor_parallel"], sequence_parallel=False)
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh["data_parallel"])
             fully_shard(model, mesh=mesh["data_parallel"])
@@ -626,7 +630,8 @@ def bench_main(argv: list[str]) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "compare_strategies_quick" if args.quick else "compare_strategies"
+    # A subset never overwrites the full comparison's files.
+    stem = "compare_strategies" + ("_quick" if args.quick else "") + ("_subset" if args.only else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float))
     (out / f"{stem}.md").write_text(markdown(report))
     chart(report, out / f"{stem}.png")
