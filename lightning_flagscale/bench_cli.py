@@ -461,14 +461,15 @@ def markdown(report: dict[str, Any]) -> str:
     rows = report["rows"]
     by_name = {r["name"]: r for r in rows}
     m, s = report["machine"], report["settings"]
+    timing = "tokens/s from the median step time" if "step_times_s" in rows[0] else "tokens/s over the timed window"
     lines = [
         "# FlagScaleStrategy vs Lightning's built-in strategies",
         "",
         f"`{report['command']}` — world size {report['world']} (gloo, CPU, 1 thread per rank), fp32, decoder of "
         f"{report['num_params'] / 1e6:.1f}M parameters ({', '.join(f'{k}={v}' for k, v in s['model'].items())}), "
         f"seq {s['seq_len']}, global batch {s['global_batch']}, {s['warmup']} warm-up + {s['steps']} timed steps "
-        f"(tokens/s from the median step time, median over {report.get('repeats', 1)} round(s)), "
-        f"then one step with communication accounting. Machine: {m['nproc']} x {m['cpu']}, torch {m['torch']}, "
+        f"({timing}, median over {len(rows[0].get('tokens_per_s_samples', [0]))} round(s)), "
+        f"then one step with communication accounting. Machine: {m['nproc']} CPUs (nproc), {m['cpu']}, torch {m['torch']}, "
         f"Lightning {m['lightning']}, {report['date']}.",
         "",
         "| config | tokens/s | vs peer | DP MiB/rank/step (theory, ratio) | TP MiB | PP MiB | state MiB/rank "
@@ -554,7 +555,18 @@ def bench_main(argv: list[str]) -> None:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="torch.profiler table of rank 0's last warm-up step per config, written under DIR")  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="a finding to add to the Markdown (repeatable)")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="no run: rewrite the Markdown and PNG of a saved report (with --note findings)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        report = json.loads(path.read_text())
+        report["notes"] = args.note or report.get("notes", [])
+        path.write_text(json.dumps(report, indent=2, default=float))
+        path.with_suffix(".md").write_text(markdown(report))
+        chart(report, path.with_suffix(".png"))
+        print(f"rewrote {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+        return
     if args.world % 4:
         parser.error(f"--world={args.world} must be a multiple of 4 (TP=2 x DP and PP=2 x DP configurations).")
 
