@@ -15,7 +15,6 @@ import zlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -23,7 +22,7 @@ from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models.attention import Attention
 from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
 
-__all__ = ["CausalLM", "DecoderBlock"]
+__all__ = ["CausalLM", "DecoderBlock", "token_mean"]
 
 # Prefixes that activation checkpointing / torch.compile / FSDP1 insert into FQNs: stripped so that the init seed of
 # a parameter does not depend on which wrappers were applied.
@@ -77,8 +76,6 @@ class CausalLM(nn.Module):
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
         self.sequence_parallel = False
-        # Set by the strategy: the data x context ranks whose tokens form one global batch (see loss_fn).
-        self.token_group = None
         self.vocab_start = 0
         self.tie_weights()
 
@@ -98,6 +95,19 @@ class CausalLM(nn.Module):
     def pipeline_units(self) -> list[str]:
         """Module names in execution order, the granularity at which pipeline parallelism cuts stages."""
         return ["embed_tokens", *(f"layers.{i}" for i in self.layers), "norm", "lm_head"]
+
+    def pipeline_inputs(
+        self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        """Stage inputs under pipeline parallelism: ``x`` feeds the first stage, the rest reaches every stage.
+
+        Positions are always explicit: a later stage under sequence parallelism receives a sequence shard and could
+        not derive the global positions from its input's length.
+        """
+        if position_ids is None:
+            batch, seq = x.shape[:2]
+            position_ids = torch.arange(seq, device=x.device).expand(batch, seq).contiguous()
+        return x, {"position_ids": position_ids, "segment_ids": segment_ids}
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``parallel.tensor``)."""
@@ -137,10 +147,14 @@ class CausalLM(nn.Module):
     def _compute_dtype(h: Tensor) -> torch.dtype:
         return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
 
-    def loss_fn(self, head_output: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy over tokens with ``labels != -100``; padded vocab columns never count.
+    def loss_fn(self, head_output: Tensor, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
+        """Cross-entropy summed over tokens with ``labels != -100``, divided by ``num_items_in_batch``.
 
-        Under TP ``head_output`` is this rank's vocab shard and the reduction is vocab-parallel (Megatron-style).
+        ``num_items_in_batch`` is the normaliser of the whole optimizer step (the global count of label tokens over
+        all micro-batches, accumulation steps and data x context ranks, as in Hugging Face's ``num_items_in_batch``),
+        so that the contributions of every micro-batch add up to one token mean. Without it the loss is the local
+        token mean. Padded vocab columns never count. Under TP ``head_output`` is this rank's vocab shard and the
+        reduction is vocab-parallel (Megatron-style).
         """
         if self.tp_mesh is not None:
             from lightning_flagscale.parallel.tensor import vocab_parallel_cross_entropy
@@ -151,16 +165,7 @@ class CausalLM(nn.Module):
         else:
             logits = head_output[..., : self.vocab_size].float()
             losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
-        count = (labels != -100).sum()
-        if self.token_group is not None and self.training and torch.is_grad_enabled():
-            # Data/context parallel: ignored labels fall unevenly across the ranks' samples and sequence slices.
-            # Weighting by the group's total token count makes the mean of the ranks' losses (what the gradient
-            # reduction averages) the token mean of the whole global batch, as in one process. Evaluation keeps
-            # per-rank means, which its metrics weight by token count.
-            total = count.detach().clone()
-            dist.all_reduce(total, group=self.token_group)
-            return losses.sum() * dist.get_world_size(self.token_group) / total.clamp(min=1)
-        return losses.sum() / count.clamp(min=1)
+        return token_mean(losses, labels, num_items_in_batch)
 
     def logits(self, head_output: Tensor) -> Tensor:
         """Full logits over the real vocabulary [B, S, vocab_size] (gathered over TP)."""
@@ -215,6 +220,15 @@ class CausalLM(nn.Module):
                 buf.zero_()
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
+
+
+def token_mean(losses: Tensor, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
+    """Sum of per-token ``losses`` divided by ``num_items_in_batch`` (default: the local count of labels != -100)."""
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum()
+    if isinstance(num_items_in_batch, Tensor):
+        return losses.sum() / num_items_in_batch.to(losses.device).clamp(min=1)
+    return losses.sum() / max(int(num_items_in_batch), 1)
 
 
 def _canonical_fqn(fqn: str) -> str:

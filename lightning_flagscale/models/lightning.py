@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -87,7 +87,16 @@ def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: fl
 
 class CausalLMModule(L.LightningModule):
     """Next-token LM training of :class:`CausalLM` on HF-style batches (``input_ids``, ``labels``, optional
-    ``position_ids``, ``segment_ids``, ``attention_mask``)."""
+    ``position_ids``, ``segment_ids``, ``attention_mask``).
+
+    The training loss is one token mean per optimizer step: when the batch carries ``num_items_in_batch`` (the
+    global label count of the step, set by ``FlagScaleStrategy``) each micro-batch returns its token-loss sum over
+    it, and ``train_loss`` is logged as the sum of the window's contributions, averaged over ranks like Lightning's
+    own loss. Without it (any other strategy) every batch is a local token mean, as in plain Lightning.
+    """
+
+    global_token_loss = True
+    """Model protocol: the loss divides by ``batch["num_items_in_batch"]`` (see ``models/protocol.py``)."""
 
     def __init__(
         self,
@@ -100,6 +109,7 @@ class CausalLMModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
         hf_dir: str | None = None,
+        optimizer: Literal["adamw", "sgd"] = "adamw",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -109,10 +119,13 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r} is unknown; use 'adamw' or 'sgd'.")
         self.model: CausalLM | None = None
         # Token-weighted mean of the validation loss; perplexity is exp of it at epoch end.
         self.val_loss_mean = MeanMetric()
         self._last_step_time: float | None = None
+        self._window_loss: Tensor | None = None
 
     # ---- model construction ----------------------------------------------------------------------------------
     @property
@@ -178,12 +191,10 @@ class CausalLMModule(L.LightningModule):
             # Padding as a segment of its own: real tokens never attend to pad tokens (any padding side).
             segment_ids = mask.long()
         out = model(batch["input_ids"], batch.get("position_ids"), segment_ids)
-        return model.loss_fn(out, batch["labels"])
+        return model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        # Averaged over ranks: under data/context parallelism each rank's loss is its token-weighted share.
-        self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
         # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
         for name, value in self.model.moe_aux_losses().items():
             self.log(f"train_moe_{name}", value)
@@ -193,6 +204,17 @@ class CausalLMModule(L.LightningModule):
             self.log("tokens_per_s", tokens / max(now - self._last_step_time, 1e-9), prog_bar=True)
         self._last_step_time = now
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Lightning's `outputs["loss"]` is what it backpropagated: the sum over an accumulation window is the step's
+        # loss on this rank, and its mean over ranks the global token mean (see strategies/_tokens.py).
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is None:
+            return
+        if batch_idx % self.trainer.accumulate_grad_batches == 0 or self._window_loss is None:
+            self._window_loss = torch.zeros((), device=loss.device)
+        self._window_loss = self._window_loss + loss.detach().float()
+        self.log("train_loss", self._window_loss, prog_bar=True, sync_dist=True)
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None  # do not count validation / epoch-boundary time as step time
@@ -220,9 +242,11 @@ class CausalLMModule(L.LightningModule):
     # ---- optimisation --------------------------------------------------------------------------------------------
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            param_groups(self._require_model(), hp.weight_decay), lr=hp.learning_rate, betas=tuple(hp.betas)
-        )
+        groups = param_groups(self._require_model(), hp.weight_decay)
+        if hp.get("optimizer", "adamw") == "sgd":  # plain SGD: parity tests that see the gradient scale
+            optimizer = torch.optim.SGD(groups, lr=hp.learning_rate)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         total = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else math.inf
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_cosine_lambda(hp.warmup_steps, total, hp.min_lr_ratio)

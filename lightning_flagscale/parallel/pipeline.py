@@ -59,14 +59,15 @@ __all__ = [
     "StagePlan",
     "build_pipeline",
     "build_stage_module",
+    "check_units_cover_parameters",
+    "is_layer_unit",
     "min_microbatches",
     "plan_stages",
     "stage_ids_for_rank",
+    "tied_parameters",
     "unit_param_costs",
     "validate_schedule",
 ]
-
-_LAYER_PREFIX = "layers."
 
 # name -> (torch schedule class, stage placement). V placement: rank i holds stages i and 2p-1-i.
 SCHEDULES: dict[str, tuple[type, str]] = {
@@ -103,20 +104,46 @@ class StagePlan:
 
     def layers(self, stage: int) -> list[str]:
         """Decoder-layer keys (``"0"``, ``"1"``, ...) of ``stage``."""
-        return [u[len(_LAYER_PREFIX) :] for u in self.units[stage] if u.startswith(_LAYER_PREFIX)]
+        return [u.rpartition(".")[2] for u in self.units[stage] if is_layer_unit(u)]
 
     def num_layers(self) -> list[int]:
         return [len(self.layers(s)) for s in range(self.num_stages)]
 
 
-def _split_units(units: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
-    """(units before the first layer, layers, units after the last layer); layers must be contiguous."""
-    idx = [i for i, u in enumerate(units) if u.startswith(_LAYER_PREFIX)]
+def is_layer_unit(unit: str) -> bool:
+    """A repeated block (``layers.3``, ``encoder.blocks.0``): an entry of a ``ModuleDict`` keyed by its index.
+
+    Even splits and ``pipeline_layers`` count these; every other unit (embedding, norm, head, a bridge between two
+    towers) travels with its neighbours: before the first block to the first stage, after the last block to the last
+    stage, in between with the block before it.
+    """
+    parent, _, last = unit.rpartition(".")
+    return bool(parent) and last.isdigit()
+
+
+def _layer_positions(units: Sequence[str]) -> list[int]:
+    idx = [i for i, u in enumerate(units) if is_layer_unit(u)]
     if not idx:
-        raise ValueError(f"pipeline_units() has no 'layers.<i>' entries: {list(units)}.")
-    if idx != list(range(idx[0], idx[-1] + 1)):
-        raise ValueError(f"Decoder layers must be contiguous in pipeline_units(), got {list(units)}.")
-    return list(units[: idx[0]]), list(units[idx[0] : idx[-1] + 1]), list(units[idx[-1] + 1 :])
+        raise ValueError(
+            f"pipeline_units() has no repeated blocks ('<container>.<index>', e.g. 'layers.0'): {list(units)}."
+        )
+    return idx
+
+
+def _assemble(units: Sequence[str], counts: Sequence[int]) -> list[tuple[str, ...]]:
+    """Stages from per-stage block counts: other units join the block before them (or the first stage)."""
+    layer_idx = _layer_positions(units)
+    stage_of_layer = [s for s, n in enumerate(counts) for _ in range(n)]
+    out: list[list[str]] = [[] for _ in counts]
+    current, k = 0, 0
+    for i, unit in enumerate(units):
+        if is_layer_unit(unit):
+            current = stage_of_layer[k]
+            k += 1
+        elif i > layer_idx[-1]:
+            current = len(counts) - 1
+        out[current].append(unit)
+    return [tuple(stage) for stage in out]
 
 
 def _padding_order(num_stages: int) -> list[int]:
@@ -201,15 +228,15 @@ def plan_stages(
             f"pipeline_parallel_size x virtual_pipeline_parallel_size = {stages} stages exceed the {len(units)} "
             f"pipeline units of the model ({', '.join(units)}); lower the pipeline size."
         )
-    head, layers, tail = _split_units(units)
+    num_layers = len(_layer_positions(units))
     if pipeline_layers is not None:
         counts, padding = list(pipeline_layers), [0] * stages
         if len(counts) != stages:
             raise ValueError(f"pipeline_layers={counts} needs one entry per stage ({stages} stages).")
-        if sum(counts) != len(layers) or min(counts) < 0:
-            raise ValueError(f"pipeline_layers={counts} must be >= 0 and sum to the {len(layers)} decoder layers.")
+        if sum(counts) != num_layers or min(counts) < 0:
+            raise ValueError(f"pipeline_layers={counts} must be >= 0 and sum to the {num_layers} model blocks.")
     elif balance == "even":
-        counts, padding = _even_layer_counts(len(layers), pipeline_parallel_size, virtual_pipeline_parallel_size)
+        counts, padding = _even_layer_counts(num_layers, pipeline_parallel_size, virtual_pipeline_parallel_size)
     elif balance == "cost":
         if unit_costs is None:
             raise ValueError("balance='cost' needs unit_costs (e.g. unit_param_costs(model)).")
@@ -221,17 +248,10 @@ def plan_stages(
         return StagePlan(units=tuple(out), padding=(0,) * stages)
     else:
         raise ValueError(f"balance={balance!r} is unknown; use 'even' or 'cost'.")
-    out, start = [], 0
-    for s, n in enumerate(counts):
-        stage_units = layers[start : start + n]
-        start += n
-        if s == 0:
-            stage_units = head + stage_units
-        if s == stages - 1:
-            stage_units = stage_units + tail
+    out = _assemble(units, counts)
+    for s, stage_units in enumerate(out):
         if not stage_units:
-            raise ValueError(f"Stage {s} would run nothing (layers per stage {counts}); give every stage a layer.")
-        out.append(tuple(stage_units))
+            raise ValueError(f"Stage {s} would run nothing (blocks per stage {counts}); give every stage a block.")
     return StagePlan(units=tuple(out), padding=tuple(padding))
 
 
@@ -312,29 +332,73 @@ def validate_schedule(
 
 
 def build_stage_module(model: nn.Module, units: Sequence[str]) -> nn.Module:
-    """A copy of ``model`` that runs only ``units``: other layers deleted from ``layers``, absent parts set to None.
+    """A copy of ``model`` that runs only ``units``: other units removed, every kept FQN unchanged.
 
-    Kept layers keep their ModuleDict keys (FQNs such as ``layers.7.mlp.up_proj.weight``), so state dicts of all
-    stages together are exactly the full model's. Works on meta models; only the kept parts are copied.
+    A dropped unit inside a ``ModuleDict`` is deleted from it; any other dropped unit is set to ``None`` (the model's
+    forward skips absent parts, as the model protocol requires). Kept parameters keep their names (e.g.
+    ``layers.7.mlp.up_proj.weight``), so the state dicts of all stages together are exactly the full model's and
+    checkpoints reshard across pipeline sizes. Works on meta models; only the kept parts are copied.
     """
     keep = set(units)
     all_units = list(model.pipeline_units())
     unknown = keep - set(all_units)
     if unknown:
         raise ValueError(f"Units {sorted(unknown)} are not in the model's pipeline_units().")
-    full_layers = model.layers
-    dropped_parts = {u: getattr(model, u) for u in all_units if not u.startswith(_LAYER_PREFIX) and u not in keep}
-    # Temporarily strip what the stage does not run so deepcopy never touches it (no copy of unused weights).
-    model.layers = nn.ModuleDict({k: m for k, m in full_layers.items() if f"{_LAYER_PREFIX}{k}" in keep})
+    saved: dict[int, tuple[nn.Module, dict[str, nn.Module | None]]] = {}
     try:
-        for name in dropped_parts:
-            setattr(model, name, None)
+        for unit in all_units:
+            if unit in keep:
+                continue
+            parent_name, _, name = unit.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            if isinstance(parent, nn.ModuleList):
+                raise ValueError(
+                    f"Pipeline unit {unit!r} lives in an nn.ModuleList, whose indices would shift when a stage drops"
+                    " blocks; keep blocks in an nn.ModuleDict keyed by their index."
+                )
+            # Strip what the stage does not run so deepcopy never touches it; restore the exact order afterwards.
+            saved.setdefault(id(parent), (parent, dict(parent._modules)))
+            if isinstance(parent, nn.ModuleDict):
+                del parent[name]
+            else:
+                setattr(parent, name, None)
         stage = copy.deepcopy(model)
     finally:
-        model.layers = full_layers
-        for name, module in dropped_parts.items():
-            setattr(model, name, module)
+        for parent, modules in saved.values():
+            parent._modules.clear()
+            parent._modules.update(modules)
     return stage
+
+
+def check_units_cover_parameters(model: nn.Module, units: Sequence[str]) -> None:
+    """Every parameter must belong to a pipeline unit, or a stage split would silently lose it."""
+    covered = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}.pipeline_units() leaves parameters outside every unit: {missing[:5]}; list the"
+            " modules that hold them as units."
+        )
+
+
+def tied_parameters(model: nn.Module, units: Sequence[str]) -> tuple[str, str] | None:
+    """FQNs of one Parameter shared by two units (a tied embedding and LM head), or None.
+
+    Only a weight shared by the first and the last unit's stages can be kept in sync (their gradients are summed
+    across the two stages); other sharing patterns are rejected when the stages are built.
+    """
+    owners: dict[int, list[str]] = {}
+    for unit in units:
+        for name, p in model.get_submodule(unit).named_parameters(remove_duplicate=False):
+            fqn = f"{unit}.{name}"
+            if fqn not in owners.setdefault(id(p), []):
+                owners[id(p)].append(fqn)
+    shared = [names for names in owners.values() if len(names) > 1]
+    if not shared:
+        return None
+    if len(shared) > 1 or len(shared[0]) != 2:
+        raise ValueError(f"Pipeline parallelism supports one weight tied between two units; found {shared}.")
+    return shared[0][0], shared[0][1]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -372,7 +436,8 @@ class PipelineRunner:
     """The stages this rank holds, the training schedule and the forward-only path, behind two calls.
 
     Integration order for the strategy (PP outermost): ``build_pipeline`` -> TP/CP on each of ``stage_modules``
-    -> ZeRO/FSDP on each -> optimizer over their parameters. Per training step: ``loss = runner.step(batch)``
+    -> ZeRO/FSDP on each -> optimizer over their parameters. Per training step: ``loss = runner.step(args, kwargs,
+    labels, num_items)``
     (forward + backward of all micro-batches; grads left in ``.grad``, already averaged over micro-batches), then,
     once per optimizer step and before clipping / the DP reduction, ``runner.sync_tied_grads()``.
     """
@@ -389,11 +454,14 @@ class PipelineRunner:
         pp_mesh: DeviceMesh,
         schedule_name: str,
         micro_batch_size: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-        tied: bool,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        tied: tuple[str, str] | None,
         device: torch.device,
+        num_microbatches: int | None = None,
     ) -> None:
         self.plan = plan
+        self.num_microbatches = num_microbatches
+        self._num_items: torch.Tensor | int | None = None
         self.stage_ids = stage_ids
         self.stage_modules = stage_modules
         self.pp_mesh = pp_mesh
@@ -413,7 +481,7 @@ class PipelineRunner:
         self.has_last_stage = plan.num_stages - 1 in stage_ids
         self._tied_group: dist.ProcessGroup | None = None
         self._tied = tied
-        if tied:
+        if tied is not None:
             ends = {self._stage_to_rank[0], self._stage_to_rank[plan.num_stages - 1]}
             if len(ends) == 2 and self._rank in ends:
                 ranks = sorted(dist.get_global_rank(self._group, r) for r in ends)
@@ -421,16 +489,17 @@ class PipelineRunner:
                 self._tied_group = dist.new_group(ranks, use_local_synchronization=True)
 
     @property
-    def tied(self) -> bool:
-        """Whether the first stage's embedding and the last stage's LM head are copies of one tied weight."""
+    def tied(self) -> tuple[str, str] | None:
+        """FQNs of the first stage's and the last stage's copies of one tied weight (embedding and LM head)."""
         return self._tied
 
     # ---- loss ----
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._user_loss_fn is not None:
-            return self._user_loss_fn(output, target)
+            return self._user_loss_fn(output, target, self._num_items)
         # The last stage module's own loss: after TP it knows its vocab shard (vocab-parallel cross-entropy).
-        return self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)].loss_fn(output, target)
+        last = self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)]
+        return last.loss_fn(output, target, self._num_items)
 
     # ---- schedules ----
     def _schedule(self, n_microbatches: int, train: bool) -> Any:
@@ -443,81 +512,103 @@ class PipelineRunner:
             ]
             cls = SCHEDULES[self.schedule_name][0]
             if issubclass(cls, PipelineScheduleSingle):
-                sched = cls(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=True)
+                sched = cls(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=False)
             else:
                 assert issubclass(cls, PipelineScheduleMulti)
-                sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=True)
+                sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
             if not train and isinstance(sched, PipelineScheduleMulti):
                 _make_forward_only(sched)
             self._schedules[key] = sched
         return self._schedules[key]
 
-    def _split_batch(self, batch: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any, int]:
-        input_ids = batch["input_ids"]
-        size = input_ids.shape[0]
+    def _inputs(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: torch.Tensor | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any, int]:
+        """Place the batch on the device and count micro-batches; only the first stage takes ``args``."""
+        size = target.shape[0]
         if size % self.micro_batch_size:
             raise ValueError(
                 f"Batch size {size} per data-parallel rank is not a multiple of micro_batch_size="
                 f"{self.micro_batch_size}; make the DataLoader batch size a multiple of it."
             )
-        args = (input_ids.to(self.device),) if self.has_first_stage else ()
+        n = size // self.micro_batch_size
+        if self.num_microbatches is not None and n != self.num_microbatches:
+            raise ValueError(
+                f"This rank's batch of {size} gives {n} micro-batches of {self.micro_batch_size}, but every data-"
+                f"parallel rank must run {self.num_microbatches}; check hetero_dp_batch_sizes and micro_batch_size."
+            )
+        move = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        stage_args = tuple(move(a) for a in args) if self.has_first_stage else ()
         # Keyword inputs reach every stage, split into the same micro-batches as the tokens (module docstring).
-        kwargs = {k: batch[k].to(self.device) for k in ("position_ids", "segment_ids") if batch.get(k) is not None}
-        if "position_ids" not in kwargs:
-            # Always explicit: a later stage under sequence parallelism receives a sequence shard and could not
-            # derive the global positions from its input's length.
-            seq = input_ids.shape[1]
-            kwargs["position_ids"] = torch.arange(seq, device=self.device).expand(size, seq).contiguous()
-        target = batch["labels"].to(self.device) if self.has_last_stage else None
-        return args, kwargs, target, size // self.micro_batch_size
+        stage_kwargs = {k: move(v) for k, v in kwargs.items() if v is not None}
+        stage_target = move(target) if self.has_last_stage else None
+        return stage_args, stage_kwargs, stage_target, n
 
     def _reduce_losses(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
-        # Each micro-batch loss is a mean over its tokens and torch divides grads by the micro-batch count, so the
-        # step's loss is the mean over micro-batches; it lives on the last stage and is broadcast for logging.
+        # Each micro-batch loss is its token-loss sum over the step's normaliser (times the strategy's grad scale),
+        # so their sum is the step's loss; it lives on the last stage and is broadcast for logging.
         out = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.has_last_stage:
             assert losses
-            out = torch.stack([_local(x).detach().float() for x in losses]).mean().reshape(())
+            out = torch.stack([_local(x).detach().float() for x in losses]).sum().reshape(())
         src = self._stage_to_rank[self.plan.num_stages - 1]
         dist.broadcast(out, group=self._group, group_src=src)
         return out
 
-    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Forward + backward of every micro-batch of ``batch``; returns the mean loss (same on every PP rank).
+    def step(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        target: torch.Tensor,
+        num_items: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of every micro-batch; returns the sum of the micro-batch losses on every PP rank.
 
-        Reads ``input_ids`` (first stage), ``labels`` (last stage), optional ``position_ids`` / ``segment_ids``
-        (every stage); ``attention_mask`` is not used (padding is expressed by ``labels == -100``).
+        ``args`` feed the first stage (split into micro-batches along dim 0), ``kwargs`` reach every stage (split
+        alike), ``target`` the loss on the last stage (every rank passes it: it also gives the batch size). The loss
+        of a micro-batch is its token-loss sum over ``num_items`` (default: the label tokens of this whole batch,
+        so the step's loss is the batch's token mean); gradients are not divided by the micro-batch count.
         """
-        args, kwargs, target, n = self._split_batch(batch)
+        self._num_items = (target != -100).sum() if num_items is None else num_items
+        args, kwargs, target, n = self._inputs(args, kwargs, target)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         self._schedule(n, train=True).step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return self._reduce_losses(losses)
 
     @torch.no_grad()
-    def eval_step(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Forward-only pipeline over the micro-batches of ``batch``; returns the mean loss on every PP rank."""
-        args, kwargs, target, n = self._split_batch(batch)
+    def eval_step(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        target: torch.Tensor,
+        num_items: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Forward-only pipeline over the micro-batches; returns the sum of the micro-batch losses on every PP rank."""
+        self._num_items = (target != -100).sum() if num_items is None else num_items
+        args, kwargs, target, n = self._inputs(args, kwargs, target)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         self._schedule(n, train=False).eval(*args, target=target, losses=losses, **kwargs)
         return self._reduce_losses(losses)
 
     # ---- tied embeddings ----
     def _tied_params(self) -> list[nn.Parameter]:
+        assert self._tied is not None
         params = []
         if self.has_first_stage:
-            params.append(self.stage_modules[self.stage_ids.index(0)].embed_tokens.weight)
+            params.append(self.stage_modules[self.stage_ids.index(0)].get_parameter(self._tied[0]))
         if self.has_last_stage:
-            params.append(self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)].lm_head.weight)
+            last = self.stage_modules[self.stage_ids.index(self.plan.num_stages - 1)]
+            params.append(last.get_parameter(self._tied[1]))
         return params
 
     @torch.no_grad()
     def sync_tied_params(self) -> None:
         """Copy the first stage's embedding into the last stage's tied LM head (call once after materialising).
 
-        Per-FQN initialisation seeds ``lm_head.weight`` and ``embed_tokens.weight`` differently on split stages;
-        this makes the two copies the same tensor values, as in the unsplit (tied) model.
+        Per-FQN initialisation may seed the two names differently on split stages; this makes the two copies the
+        same tensor values, as in the unsplit (tied) model.
         """
-        if not self._tied:
+        if self._tied is None:
             return
         params = self._tied_params()
         if len(params) == 2:
@@ -534,7 +625,7 @@ class PipelineRunner:
         The two copies start identical and get identical gradients, so they stay identical. No-op when untied
         or on ranks that hold neither end.
         """
-        if not self._tied:
+        if self._tied is None:
             return
         params = [p for p in self._tied_params() if p.grad is not None]
         if not params:
@@ -554,11 +645,28 @@ class PipelineRunner:
             dist.all_reduce(_local(params[0].grad), group=self._tied_group)
 
 
+def _tied_across_stages(model: nn.Module, plan: StagePlan) -> tuple[str, str] | None:
+    pair = tied_parameters(model, [u for stage in plan.units for u in stage])
+    if pair is None:
+        return None
+    stage_of = {f"{u}.": s for s, stage in enumerate(plan.units) for u in stage}
+    stages = {fqn: next(s for prefix, s in stage_of.items() if fqn.startswith(prefix)) for fqn in pair}
+    first, last = sorted(pair, key=stages.__getitem__)
+    if stages[first] == stages[last]:
+        return None  # one stage holds both: the Parameter stays shared inside it
+    if (stages[first], stages[last]) != (0, plan.num_stages - 1):
+        raise ValueError(
+            f"{first} and {last} are one tied weight on stages {stages[first]} and {stages[last]}; only a weight tied"
+            " between the first and the last stage can be kept in sync. Untie it or change the split."
+        )
+    return first, last
+
+
 def build_pipeline(
     model: nn.Module,
     pp_mesh: DeviceMesh,
     config: ParallelConfig,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
     balance: str = "even",
     unit_costs: Mapping[str, float] | None = None,
@@ -566,15 +674,17 @@ def build_pipeline(
 ) -> PipelineRunner:
     """Split ``model`` into this rank's pipeline stages and return the runner the strategy drives.
 
-    ``model`` (usually on the meta device) implements ``pipeline_units()``, keeps its blocks in a ``layers``
-    ``nn.ModuleDict`` and accepts ``forward(x, position_ids=None, segment_ids=None)``. ``loss_fn`` defaults to the
-    last stage module's ``loss_fn``. Recompute from ``config.recompute`` is applied per stage here.
+    ``model`` (usually on the meta device) implements the pipeline part of the model protocol
+    (``models/protocol.py``): ``pipeline_units()`` covering every parameter, blocks in ``nn.ModuleDict``s, and a
+    ``forward(x, **kwargs)`` that skips absent units. ``loss_fn`` defaults to the last stage module's ``loss_fn``.
+    Recompute from ``config.recompute`` is applied per stage here.
     """
     p, v = config.pipeline_parallel_size, config.virtual_pipeline_parallel_size
     if pp_mesh.size() != p:
         raise ValueError(f"pp_mesh has {pp_mesh.size()} ranks but pipeline_parallel_size={p}.")
     validate_schedule(config.pipeline_schedule, p, v)
     units = list(model.pipeline_units())
+    check_units_cover_parameters(model, units)
     if balance == "cost" and unit_costs is None:
         unit_costs = unit_param_costs(model, units)
     plan = plan_stages(units, p, v, pipeline_layers=config.pipeline_layers, balance=balance, unit_costs=unit_costs)
@@ -585,10 +695,10 @@ def build_pipeline(
     modules = []
     for s in stage_ids:
         module = build_stage_module(model, plan.units[s])
-        apply_recompute(module, recompute[s], replayable=split_backward)
+        blocks = [module.get_submodule(u) for u in plan.units[s] if is_layer_unit(u)]
+        apply_recompute(module, recompute[s], replayable=split_backward, blocks=blocks)
         modules.append(module)
-    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-    tied = embed is not None and head is not None and head.weight is embed.weight
+    tied = _tied_across_stages(model, plan)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     return PipelineRunner(

@@ -21,7 +21,7 @@ allows one backward per region, so under those schedules ``selective`` uses a re
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -130,8 +130,10 @@ def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> C
     return run
 
 
-def apply_recompute(module: nn.Module, mode: str, *, replayable: bool = False) -> nn.Module:
-    """Recompute every block of ``module.layers`` in backward according to ``mode``; returns ``module``.
+def apply_recompute(
+    module: nn.Module, mode: str, *, replayable: bool = False, blocks: Iterable[nn.Module] | None = None
+) -> nn.Module:
+    """Recompute every block (default: ``module.layers``) in backward according to ``mode``; returns ``module``.
 
     ``replayable=True`` lets ``selective`` regions be backpropagated more than once (zero-bubble schedules run an
     input-gradient and a weight-gradient pass), at the cost of keeping the saved matmul outputs until the last one.
@@ -139,7 +141,7 @@ def apply_recompute(module: nn.Module, mode: str, *, replayable: bool = False) -
     resolve_recompute(mode, 1)
     if mode == "none":
         return module
-    for block in module.layers.values():
+    for block in module.layers.values() if blocks is None else blocks:
         if getattr(block, "_recompute_mode", None) is not None:
             raise ValueError(f"Block already has recompute={block._recompute_mode!r}; apply recompute once.")
         block.forward = _checkpointed(

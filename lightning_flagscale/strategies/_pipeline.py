@@ -1,16 +1,19 @@
 """Pipeline parallelism behind an unchanged ``training_step``.
 
-The strategy replaces ``LightningModule.model`` by a ``PipelinedModel``: it holds this rank's stage modules
-(sharing their sub-modules, so parameter names stay those of the unsplit model and checkpoints reshard across
-pipeline sizes) and speaks the model protocol lazily. ``model(input_ids, position_ids, segment_ids)`` only records
-the inputs; ``model.loss_fn(out, labels)`` runs the whole schedule for the batch (forward and backward of every
-micro-batch when training, forward only otherwise) and returns the mean loss, known on every pipeline rank. The
-strategy then skips Lightning's own backward for that step.
+The strategy replaces the LightningModule's model by a ``PipelinedModel``: it holds this rank's stage modules under
+the unsplit model's unit names (so parameter names are those of the unsplit model and checkpoints reshard across
+pipeline sizes) and speaks the model protocol lazily. ``model(*args, **kwargs)`` only records the call: the first
+argument of the model's ``forward`` feeds the first stage, every other argument reaches every stage as a keyword
+(token ids and positions for a decoder; ``pixel_values`` and ``image_grid_thw`` for a vision-language model), and
+only activations travel between stages. ``model.loss_fn(out, labels, num_items_in_batch)`` runs the whole schedule
+for the batch (forward and backward of every micro-batch when training, forward only otherwise) and returns the
+loss, known on every pipeline rank. The strategy then skips Lightning's own backward for that step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,31 +27,40 @@ __all__ = ["PipelinedModel", "build_pipelined_model", "deferred_zero_grad", "exc
 
 
 @dataclass
-class _PendingBatch:
+class _PendingCall:
     """What ``PipelinedModel.forward`` saw; consumed by ``loss_fn``."""
 
-    input_ids: Tensor
-    position_ids: Tensor | None
-    segment_ids: Tensor | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at dotted ``path`` under ``root``, creating empty containers on the way."""
+    *parents, name = path.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.ModuleDict()
+            node.add_module(part, child)
+        node = child
+    node.add_module(name, module)
 
 
 class PipelinedModel(nn.Module):
     """This rank's pipeline stages, addressable under the unsplit model's parameter names."""
 
-    def __init__(self, runner: PipelineRunner, config: Any) -> None:
+    def __init__(self, runner: PipelineRunner, model: nn.Module) -> None:
         super().__init__()
-        self.config = config
+        self.config = getattr(model, "config", None)
         self._runner = [runner]  # a list: the runner is not an nn.Module attribute (no double registration)
-        self.layers = nn.ModuleDict()
-        for stage in runner.stage_modules:
-            for name in ("embed_tokens", "norm", "lm_head"):
-                part = getattr(stage, name, None)
-                if part is not None:
-                    setattr(self, name, part)
-            for key, layer in stage.layers.items():
-                self.layers[key] = layer
-        # Multiplies every micro-batch loss inside the schedule (1 / gradient accumulation, x fp16 loss scale):
-        # Lightning's own scaling acts on the returned loss, whose backward the strategy skips.
+        self._signature = inspect.signature(model.forward)
+        self._prepare = getattr(model, "pipeline_inputs", None)
+        for stage_id, stage in zip(runner.stage_ids, runner.stage_modules):
+            for unit in runner.plan.units[stage_id]:
+                _attach(self, unit, stage.get_submodule(unit))
+        # Multiplies every micro-batch loss inside the schedule (token factor, fp16 loss scale): Lightning's own
+        # scaling acts on the returned loss, whose backward the strategy skips.
         self.grad_scale = 1.0
 
     @property
@@ -59,27 +71,28 @@ class PipelinedModel(nn.Module):
     def stage_modules(self) -> list[nn.Module]:
         return self.runner.stage_modules
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None):
-        return _PendingBatch(x, position_ids, segment_ids)
+    def forward(self, *args: Any, **kwargs: Any) -> _PendingCall:
+        bound = self._signature.bind(*args, **kwargs)
+        names = list(bound.arguments)
+        first, rest = bound.arguments[names[0]], {k: bound.arguments[k] for k in names[1:]}
+        if self._prepare is not None:  # the model may complete the inputs later stages need (e.g. positions)
+            first, rest = self._prepare(first, **rest)
+        return _PendingCall((first,), {k: v for k, v in rest.items() if v is not None})
 
-    def loss_fn(self, pending: _PendingBatch, labels: Tensor) -> Tensor:
-        if not isinstance(pending, _PendingBatch):
+    def loss_fn(self, pending: _PendingCall, labels: Tensor, num_items_in_batch: Tensor | int | None = None) -> Tensor:
+        if not isinstance(pending, _PendingCall):
             raise TypeError("Under pipeline parallelism, pass the output of `model(...)` straight to `model.loss_fn`.")
-        batch = {"input_ids": pending.input_ids, "labels": labels}
-        if pending.position_ids is not None:
-            batch["position_ids"] = pending.position_ids
-        if pending.segment_ids is not None:
-            batch["segment_ids"] = pending.segment_ids
+        # Without the step's normaliser the loss is this batch's token mean (not a mean of micro-batch means).
         if self.training and torch.is_grad_enabled():
-            loss = self.runner.step(batch)
-        else:
-            loss = self.runner.eval_step(batch)
-        return loss / self.grad_scale if self.training and torch.is_grad_enabled() else loss
+            loss = self.runner.step(pending.args, pending.kwargs, labels, num_items_in_batch)
+            return loss / self.grad_scale
+        return self.runner.eval_step(pending.args, pending.kwargs, labels, num_items_in_batch)
 
-    def scaled_stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """The loss each micro-batch backpropagates: the last stage's own loss times ``grad_scale``."""
+    def scaled_stage_loss(self, output: Tensor, target: Tensor, num_items: Tensor | int | None) -> Tensor:
+        """The loss each micro-batch backpropagates: the last stage's token-loss sum over the step's normaliser."""
         last = self.stage_modules[self.runner.stage_ids.index(self.runner.plan.num_stages - 1)]
-        return last.loss_fn(output, target) * self.grad_scale
+        scale = self.grad_scale if self.training and torch.is_grad_enabled() else 1.0
+        return last.loss_fn(output, target, num_items) * scale
 
     def moe_aux_losses(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -103,25 +116,28 @@ def deferred_zero_grad(set_to_none: bool = True) -> None:
 
 
 def build_pipelined_model(
-    module: nn.Module, inner: nn.Module, meshes: ParallelMeshes, config: ParallelConfig, device: torch.device
+    inner: nn.Module, meshes: ParallelMeshes, config: ParallelConfig, device: torch.device
 ) -> PipelinedModel:
-    """Cut ``inner`` into this rank's stages and put them in place of ``module.model``."""
+    """Cut ``inner`` into this rank's stages; the caller puts the result in place of the module's model."""
     holder: list[PipelinedModel] = []
     runner = build_pipeline(
-        inner, meshes["pp"], config, loss_fn=lambda out, target: holder[0].scaled_stage_loss(out, target),
+        inner, meshes["pp"], config, loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
         balance=config.pipeline_balance, device=device,
     )  # fmt: skip
-    pipelined = PipelinedModel(runner, inner.config)
+    pipelined = PipelinedModel(runner, inner)
     holder.append(pipelined)
-    module.model = pipelined
     return pipelined
 
 
 def exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:
-    """The last stage's LM head is a second copy of a tied embedding: count it once in the gradient norm."""
-    if not pipelined.runner.tied:
+    """The last stage's copy of a tied weight (LM head = embedding) counts once in the gradient norm."""
+    tied = pipelined.runner.tied
+    if tied is None:
         return
-    for stage in pipelined.stage_modules:
-        head, embed = stage.lm_head, stage.embed_tokens
-        if head is not None and (embed is None or head.weight is not embed.weight):
-            head.weight._fs_norm_scale = 0.0
+    runner = pipelined.runner
+    if runner.has_last_stage:
+        last = runner.stage_modules[runner.stage_ids.index(runner.plan.num_stages - 1)]
+        first = runner.stage_modules[runner.stage_ids.index(0)] if runner.has_first_stage else None
+        head = last.get_parameter(tied[1])
+        if first is None or head is not first.get_parameter(tied[0]):
+            head._fs_norm_scale = 0.0

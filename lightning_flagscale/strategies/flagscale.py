@@ -54,6 +54,7 @@ from lightning_flagscale.strategies._pipeline import (
     deferred_zero_grad,
     exclude_tied_copy_from_norm,
 )
+from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -284,7 +285,8 @@ class FlagScaleStrategy(ParallelStrategy):
         precision = self.precision_plugin
         parts: list[nn.Module] = []  # the modules each parallelism is applied to: the model, or its pipeline stages
         if inner is not None and p.pp_enabled:
-            self._pipeline = build_pipelined_model(module, inner, self.meshes, p, self.root_device)
+            self._pipeline = build_pipelined_model(inner, self.meshes, p, self.root_device)
+            module.model = self._pipeline
             inner = self._pipeline
             parts = list(self._pipeline.stage_modules)
         elif inner is not None:
@@ -324,8 +326,6 @@ class FlagScaleStrategy(ParallelStrategy):
             self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
-        if self.meshes.size(MeshDim.DP_CP) > 1 and hasattr(inner, "token_group"):
-            inner.token_group = self.meshes.group(MeshDim.DP_CP)  # global token-mean loss (CausalLM.loss_fn)
         self._apply_parallelisms(inner)
 
     def _apply_parallelisms(self, inner: nn.Module) -> None:
@@ -438,36 +438,42 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Heterogeneous DP: replace the even split of training batches by ``hetero_dp_batch_sizes`` shares."""
+        """Training loaders: heterogeneous-DP shares (``hetero_dp_batch_sizes``) and the step's token normaliser."""
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sizes = self.parallel.hetero_dp_batch_sizes
         sampler = getattr(dataloader, "sampler", None)
-        if sizes is None or not isinstance(dataloader, DataLoader) or not isinstance(sampler, DistributedSampler):
-            return dataloader
-        if not sampler.shuffle:  # evaluation loaders keep the even split
-            return dataloader
-        from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+            return dataloader  # evaluation loaders keep the even split and per-rank token means
+        sizes = self.parallel.hetero_dp_batch_sizes
+        if sizes is not None and isinstance(dataloader, DataLoader):
+            from lightning_flagscale.parallel.hetero import HeteroBatchSampler
 
-        batches = HeteroBatchSampler(
-            len(dataloader.dataset), sizes, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed
-        )
-        return DataLoader(
-            dataloader.dataset, batch_sampler=batches, collate_fn=dataloader.collate_fn,
-            num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
-        )  # fmt: skip
+            batches = HeteroBatchSampler(
+                len(dataloader.dataset), sizes, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed
+            )
+            dataloader = DataLoader(
+                dataloader.dataset, batch_sampler=batches, collate_fn=dataloader.collate_fn,
+                num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+            )  # fmt: skip
+        if not _uses_global_token_loss(self.lightning_module):
+            return dataloader
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        return TokenCountingLoader(dataloader, accumulate, self.meshes.group(MeshDim.DP))
 
     # ------------------------------------------------------------------ step
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
-        loss_factor = (
-            scaler.scale if scaler is not None else 1.0
-        ) / self.lightning_module.trainer.accumulate_grad_batches
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        loss_scale = scaler.scale if scaler is not None else 1.0
         for layer in self._moe_layers:
-            # Aux-loss gradients are attached inside the layers: give them the factor the main loss gets.
-            layer.aux_loss_scale = loss_factor
+            # Aux-loss gradients are attached inside the layers: a mean over micro-steps, times the loss scale.
+            layer.aux_loss_scale = loss_scale / accumulate
+        # The module's loss is this rank's share of the step's token mean (see _tokens.py): the gradient reduction
+        # averages over the data x context ranks and Lightning divides by the accumulation count; undo both.
+        normalised = bool(args) and isinstance(args[0], Mapping) and NUM_ITEMS_KEY in args[0]
+        token_factor = self.meshes.size(MeshDim.DP_CP) * accumulate if normalised else 1
         if self._pipeline is not None:
             if self._pp_zero_grad_pending:
                 # Under PP the schedule runs backward inside training_step, before the point where Lightning's loop
@@ -477,8 +483,11 @@ class FlagScaleStrategy(ParallelStrategy):
                 for param in self.lightning_module.parameters():
                     param.grad = None
                 self._pp_zero_grad_pending = False
-            self._pipeline.grad_scale = loss_factor
-        return super().training_step(*args, **kwargs)
+            # The schedule backpropagates each micro-batch itself: Lightning's division by the accumulation count
+            # never reaches it, so only the data x context factor (or, for a per-micro-batch mean, 1 / A) applies.
+            self._pipeline.grad_scale = loss_scale * (token_factor / accumulate if normalised else 1 / accumulate)
+        output = super().training_step(*args, **kwargs)
+        return _scale_loss(output, token_factor) if token_factor != 1 else output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -696,6 +705,19 @@ class FlagScaleStrategy(ParallelStrategy):
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
         meta.pop("parallel_config", None)
         return meta
+
+
+def _uses_global_token_loss(module: nn.Module) -> bool:
+    """Whether ``module`` divides its token-loss sum by ``batch["num_items_in_batch"]`` (the model protocol)."""
+    return bool(getattr(module, "global_token_loss", False))
+
+
+def _scale_loss(output: Any, factor: float) -> Any:
+    if isinstance(output, Tensor):
+        return output * factor
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return {**output, "loss": output["loss"] * factor}
+    return output
 
 
 def _transformer_config(module: nn.Module | None) -> TransformerConfig | None:

@@ -44,7 +44,7 @@ def _batch(n: int, seq: int = 8, vocab: int = 256, with_ids: bool = False) -> di
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, vocab, (n, seq), generator=gen)
     labels = torch.randint(0, vocab, (n, seq), generator=gen)
-    labels[0, :3] = -100  # unequal token counts per micro-batch: the loss is the mean over micro-batches
+    labels[0, :3] = -100  # unequal token counts per micro-batch: the loss is the token mean of the whole batch
     batch = {"input_ids": ids, "labels": labels}
     if with_ids:  # packed documents: two segments per row with restarted positions
         half = seq // 2
@@ -70,13 +70,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _mean_loss(model: CausalLM, batch, mbs: int) -> float:
-    """Forward-only loss: the mean over micro-batches of each micro-batch's token-mean loss."""
+    """Forward-only loss: the token mean over the whole batch, summed micro-batch by micro-batch."""
     mbatches = _micro(batch, mbs)
     ids = ("position_ids", "segment_ids")
+    total = (batch["labels"] != -100).sum()
     return sum(
-        model.loss_fn(model(mb["input_ids"], **{k: mb[k] for k in ids if k in mb}), mb["labels"]).item()
+        model.loss_fn(model(mb["input_ids"], **{k: mb[k] for k in ids if k in mb}), mb["labels"], total).item()
         for mb in mbatches
-    ) / len(mbatches)
+    )
 
 
 def _oracle(model: CausalLM, batch, mbs: int, steps: int, optim: str):
@@ -88,7 +89,7 @@ def _oracle(model: CausalLM, batch, mbs: int, steps: int, optim: str):
         total = 0.0
         for mb in mbatches:
             out = model(mb["input_ids"], position_ids=mb.get("position_ids"), segment_ids=mb.get("segment_ids"))
-            loss = model.loss_fn(out, mb["labels"]) / len(mbatches)
+            loss = model.loss_fn(out, mb["labels"], (batch["labels"] != -100).sum())  # one token mean per batch
             loss.backward()
             total += loss.item()
         losses.append(total)
@@ -102,6 +103,12 @@ def _oracle(model: CausalLM, batch, mbs: int, steps: int, optim: str):
     if model.config.tie_word_embeddings:
         grads["lm_head.weight"] = grads["embed_tokens.weight"]
     return losses, grads, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _stage_inputs(batch: dict) -> tuple:
+    """The runner's (first-stage args, every-stage kwargs, labels) for a decoder batch."""
+    kwargs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+    return (batch["input_ids"],), kwargs, batch["labels"]
 
 
 def _pipeline_parity(
@@ -155,17 +162,17 @@ def _pipeline_parity(
     opt = _opt(params, optim)
     first_eval = _mean_loss(model, batch, mbs)  # forward-only before any training step (validation-only runs)
     with torch.inference_mode():  # as in Lightning's validation loop
-        eval0_err = abs(runner.eval_step(batch).item() - first_eval) / first_eval
+        eval0_err = abs(runner.eval_step(*_stage_inputs(batch)).item() - first_eval) / first_eval
     losses, grad_err = [], 0.0
     for step in range(steps):
-        loss = runner.step(batch)
+        # One token mean over the whole global batch: every DP rank divides by the global label count, and the
+        # data-parallel reduction sums (the strategy averages and multiplies the loss by the DP size instead).
+        loss = runner.step(*_stage_inputs(batch), num_items=(full_batch["labels"] != -100).sum())
         runner.sync_tied_grads()
-        if dp > 1:  # the data-parallel reduction the strategy runs after the pipeline step
+        if dp > 1:
             for p in params:
                 torch.distributed.all_reduce(p.grad, group=dp_group)
-                p.grad /= dp
             torch.distributed.all_reduce(loss, group=dp_group)
-            loss /= dp
         losses.append(loss.item())
         if step == 0:
             for m in runner.stage_modules:
@@ -174,10 +181,9 @@ def _pipeline_parity(
         opt.step()
         opt.zero_grad()
     param_err = max(_rel(p.detach(), ref_params[n]) for m in runner.stage_modules for n, p in m.named_parameters())
-    eval_loss = runner.eval_step(batch)
+    eval_loss = runner.eval_step(*_stage_inputs(batch), num_items=(full_batch["labels"] != -100).sum())
     if dp > 1:
         torch.distributed.all_reduce(eval_loss, group=dp_group)
-        eval_loss /= dp
     eval_loss = eval_loss.item()
     ref_eval = ref_losses.pop()
     loss_err = max(abs(a - b) / abs(b) for a, b in zip([*losses, eval_loss], [*ref_losses, ref_eval]))
@@ -393,7 +399,7 @@ def _too_few_microbatches() -> None:
     cfg = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="1f1b", micro_batch_size=2)
     model = CausalLM(_tiny())
     runner = build_pipeline(model, init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), cfg)
-    runner.step(_batch(2))  # one micro-batch of 2 rows for a 2-stage 1F1B
+    runner.step(*_stage_inputs(_batch(2)))  # one micro-batch of 2 rows for a 2-stage 1F1B
 
 
 def test_too_few_microbatches_raise_on_every_rank(launcher):
@@ -443,7 +449,7 @@ def _pipeline_tp_parity(schedule: str, vpp: int, tie: bool) -> dict:
     opt = torch.optim.SGD([p for _, p in named], lr=0.5)
     losses, grad_err = [], 0.0
     for step in range(2):
-        losses.append(runner.step(batch).item())
+        losses.append(runner.step(*_stage_inputs(batch)).item())
         runner.sync_tied_grads()
         if step == 0:
             grad_err = max(_rel(_full(p.grad), ref_grads[n]) for n, p in named)

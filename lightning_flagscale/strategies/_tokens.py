@@ -1,0 +1,78 @@
+"""The loss normaliser of an optimizer step, known before its first backward.
+
+One token mean per optimizer step (issue 10): the cross-entropy of every micro-batch, accumulation step and data x
+context rank is summed and divided by one number, the global count of label tokens (``labels != -100``) of the
+whole step. Hugging Face calls it ``num_items_in_batch``; torchtitan ``global_valid_tokens``. The training
+dataloader is wrapped so that each window of ``accumulate_grad_batches`` batches is read ahead, its local label
+count all-reduced once over the data-parallel ranks, and every batch of the window handed to ``training_step`` with
+``batch["num_items_in_batch"]`` set (a Python int, so Lightning's batch-size inference and device moves ignore it).
+Context-parallel ranks of one replica read the same unsharded batch, so the data-parallel group suffices.
+
+The model divides its token-loss sum by it (``loss_fn(..., num_items_in_batch)``); the strategy multiplies the
+returned loss by ``R x A`` before Lightning's backward, where ``R`` is the number of data x context ranks the gradient
+reduction averages over and ``A`` the accumulation count Lightning divides by, so the reduced gradient is exactly the
+gradient of the global token mean. This is the per-token-loss approach of Megatron and Hugging Face
+(``average_tokens_across_devices``); it costs one scalar all-reduce per optimizer step, not one per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NUM_ITEMS_KEY", "TokenCountingLoader", "count_label_tokens"]
+
+NUM_ITEMS_KEY = "num_items_in_batch"
+
+
+def count_label_tokens(batch: Any) -> int:
+    """Label tokens (``labels != -100``) of a dict batch; 0 for batches without labels."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return int((labels != -100).sum()) if isinstance(labels, torch.Tensor) else 0
+
+
+class TokenCountingLoader:
+    """Wraps a training ``DataLoader``: yields its batches with the window's global label count attached.
+
+    Windows are ``accumulate`` consecutive batches from the start of each iteration (Lightning's accumulation
+    windows: it steps after every ``accumulate``-th batch and on the last one, which may close a shorter window).
+    Every rank must iterate the same number of batches, as Lightning's samplers guarantee. Attributes other than
+    iteration (``sampler``, ``batch_sampler``, ``dataset``, ``state_dict`` of stateful loaders ...) are the wrapped
+    loader's, so Lightning's epoch bookkeeping and loop state keep working.
+    """
+
+    def __init__(self, loader: Any, accumulate: int, group: dist.ProcessGroup | None) -> None:
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}.")
+        self.loader = loader
+        self.accumulate = accumulate
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not yet set (e.g. during unpickling): avoid infinite recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        while True:
+            window = []
+            for batch in it:
+                window.append(batch)
+                if len(window) == self.accumulate:
+                    break
+            if not window:
+                return
+            total = torch.tensor(sum(count_label_tokens(b) for b in window), dtype=torch.int64)
+            if self.group is not None and dist.get_world_size(self.group) > 1:
+                dist.all_reduce(total, group=self.group)
+            for batch in window:
+                yield {**batch, NUM_ITEMS_KEY: int(total)} if isinstance(batch, Mapping) else batch
+            if len(window) < self.accumulate:
+                return
