@@ -571,7 +571,9 @@ class ParallelConfig:
         if self.hetero_dp_batch_sizes is not None:
             from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
 
-            check_hetero_batch_sizes(self.hetero_dp_batch_sizes, self.dp)
+            check_hetero_batch_sizes(
+                self.hetero_dp_batch_sizes, self.dp, micro_batch_size=self.micro_batch_size, pipeline=self.pp_enabled
+            )
         folded = self.dp * self.context_parallel_size * self.tensor_parallel_size
         ep_etp = self.expert_parallel_size * self.expert_tensor_parallel_size
         if folded % ep_etp:

@@ -4,9 +4,10 @@ generation of heterogeneous training, SEEDS.md section 3).
 Every data-parallel rank draws its share of the same global batch from one seeded permutation per epoch: global
 batch ``k`` is ``perm[k*G : (k+1)*G]`` with ``G = sum(batch_sizes)``, and rank ``r`` takes the contiguous slice of
 ``batch_sizes[r]`` samples after those of ranks ``0..r-1``. Gradients are weighted correctly without any special
-reduction: ``CausalLM.loss_fn`` already weights each rank's loss by its share of the global token count (the
-``token_group`` the strategy sets), so the data-parallel average of the gradients is the gradient of the token mean
-over the whole global batch, exactly as in one process.
+reduction: every rank's loss is its token-loss sum over the global label count of the step
+(``num_items_in_batch``, see ``strategies/_tokens.py``), so the data-parallel reduction yields the gradient of the
+token mean over the whole global batch, exactly as in one process. Under pipeline parallelism every rank runs the same
+number of micro-batches, of proportionally different sizes (:func:`hetero_micro_batch_sizes`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,36 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["HeteroBatchSampler", "check_hetero_batch_sizes"]
+__all__ = ["HeteroBatchSampler", "check_hetero_batch_sizes", "hetero_micro_batch_sizes"]
 
 
-def check_hetero_batch_sizes(batch_sizes: Sequence[int], dp: int) -> None:
+def hetero_micro_batch_sizes(batch_sizes: Sequence[int], micro_batch_size: int) -> list[int]:
+    """Per-rank micro-batch sizes under pipeline parallelism: every rank runs the same number of micro-batches.
+
+    Pipeline schedules and the collectives inside them (expert all-to-all, the data-parallel reduction after the
+    last micro-batch) need every data-parallel rank to run the same number of micro-batches, so ``micro_batch_size``
+    applies to the smallest share and the other ranks take proportionally larger micro-batches (FlagScale rescales
+    the micro-batch size per mesh in the same way).
+    """
+    smallest = min(batch_sizes)
+    if smallest % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} must divide the smallest hetero_dp_batch_sizes entry ({smallest}):"
+            " under pipeline parallelism it is the micro-batch size of the rank with the smallest share."
+        )
+    n = smallest // micro_batch_size
+    uneven = [b for b in batch_sizes if b % n]
+    if uneven:
+        raise ValueError(
+            f"hetero_dp_batch_sizes={list(batch_sizes)} with micro_batch_size={micro_batch_size} gives {n} micro-batches"
+            f" per step, which do not split the shares {uneven} evenly; make every share a multiple of {n}."
+        )
+    return [b // n for b in batch_sizes]
+
+
+def check_hetero_batch_sizes(
+    batch_sizes: Sequence[int], dp: int, *, micro_batch_size: int = 1, pipeline: bool = False
+) -> None:
     """Raise a ``ValueError`` naming the fix when the per-rank batch sizes do not describe ``dp`` ranks."""
     if len(batch_sizes) != dp:
         raise ValueError(
@@ -28,6 +55,8 @@ def check_hetero_batch_sizes(batch_sizes: Sequence[int], dp: int) -> None:
         )
     if any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"hetero_dp_batch_sizes={list(batch_sizes)} must hold positive integers.")
+    if pipeline:
+        hetero_micro_batch_sizes(batch_sizes, micro_batch_size)
 
 
 class HeteroBatchSampler(Sampler[list[int]]):

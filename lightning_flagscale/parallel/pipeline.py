@@ -671,13 +671,16 @@ def build_pipeline(
     balance: str = "even",
     unit_costs: Mapping[str, float] | None = None,
     device: torch.device | str | None = None,
+    micro_batch_size: int | None = None,
+    num_microbatches: int | None = None,
 ) -> PipelineRunner:
     """Split ``model`` into this rank's pipeline stages and return the runner the strategy drives.
 
     ``model`` (usually on the meta device) implements the pipeline part of the model protocol
     (``models/protocol.py``): ``pipeline_units()`` covering every parameter, blocks in ``nn.ModuleDict``s, and a
     ``forward(x, **kwargs)`` that skips absent units. ``loss_fn`` defaults to the last stage module's ``loss_fn``.
-    Recompute from ``config.recompute`` is applied per stage here.
+    Recompute from ``config.recompute`` is applied per stage here. ``micro_batch_size`` overrides the config's for
+    this rank and ``num_microbatches`` pins the count every rank must run (heterogeneous data-parallel shares).
     """
     p, v = config.pipeline_parallel_size, config.virtual_pipeline_parallel_size
     if pp_mesh.size() != p:
@@ -707,8 +710,9 @@ def build_pipeline(
         stage_modules=modules,
         pp_mesh=pp_mesh,
         schedule_name=config.pipeline_schedule,
-        micro_batch_size=config.micro_batch_size,
+        micro_batch_size=micro_batch_size or config.micro_batch_size,
         loss_fn=loss_fn,
         tied=tied,
         device=torch.device(device),
+        num_microbatches=num_microbatches,
     )

@@ -1,18 +1,26 @@
-"""Checkpoint helpers of ``FlagScaleStrategy``: optimizer-state templates and per-rank RNG state."""
+"""Checkpoint I/O of ``FlagScaleStrategy``: model/optimizer shards in and out of DCP folders, per-rank RNG state."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_flagscale.checkpoint.sharded import checkpoint_keys
+from lightning_flagscale.checkpoint.sharded import checkpoint_keys, load_sharded
 from lightning_flagscale.parallel.data import DistributedOptimizer
 
-__all__ = ["optimizer_template", "rng_state", "set_rng_state"]
+__all__ = [
+    "load_training_state",
+    "model_state",
+    "optimizer_state",
+    "optimizer_template",
+    "rng_state",
+    "set_rng_state",
+]
 
 
 def optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> dict[str, Any]:
@@ -45,3 +53,66 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def model_state(model: torch.nn.Module, dist_optimizers: Iterable[DistributedOptimizer]) -> dict[str, Any]:
+    """This rank's shard of the model state; under mixed precision the fp32 master weights are the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    for dopt in dist_optimizers:
+        state.update(dopt.master_state_dict())
+    return state
+
+
+def optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dopt: DistributedOptimizer | None
+) -> dict[str, Any]:
+    """This rank's shard of an optimizer's state: our ZeRO optimizer's, or DCP's view of a plain/FSDP2 one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if dopt is not None:
+        return dopt.state_dict()
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
+
+
+def load_training_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    *,
+    strict: bool,
+) -> None:
+    """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _init_optim_state,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dopts = [d for d in (dist_opt(o) for o in optimizers) if d is not None]
+    state: dict[str, Any] = {"state_dict": model_state(model, dopts)}  # fp32 templates where masters exist
+    for i, opt in enumerate(optimizers):
+        dopt = dist_opt(opt)
+        if dopt is not None:
+            state[f"optimizer_{i}"] = optimizer_template(dopt, path, i)
+        else:
+            _init_optim_state(opt)
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(
+                model, opt, options=StateDictOptions(full_state_dict=False)
+            )
+    load_sharded(path, state)
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for i, opt in enumerate(optimizers):
+        dopt = dist_opt(opt)
+        if dopt is not None:
+            dopt.load_master_state_dict(state["state_dict"])
+            dopt.load_state_dict(state[f"optimizer_{i}"])
+            dopt.sync_params()
+        else:
+            set_optimizer_state_dict(
+                model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
+            )

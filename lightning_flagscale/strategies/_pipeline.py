@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.hetero import hetero_micro_batch_sizes
 from lightning_flagscale.parallel.mesh import ParallelMeshes
 from lightning_flagscale.parallel.pipeline import PipelineRunner, build_pipeline
 
@@ -120,9 +121,14 @@ def build_pipelined_model(
 ) -> PipelinedModel:
     """Cut ``inner`` into this rank's stages; the caller puts the result in place of the module's model."""
     holder: list[PipelinedModel] = []
+    mbs = n_micro = None
+    if config.hetero_dp_batch_sizes is not None:  # equal micro-batch counts, per-rank micro-batch sizes
+        shares = config.hetero_dp_batch_sizes
+        mbs = hetero_micro_batch_sizes(shares, config.micro_batch_size)[meshes.local_rank("dp")]
+        n_micro = min(shares) // config.micro_batch_size
     runner = build_pipeline(
         inner, meshes["pp"], config, loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
-        balance=config.pipeline_balance, device=device,
+        balance=config.pipeline_balance, device=device, micro_batch_size=mbs, num_microbatches=n_micro,
     )  # fmt: skip
     pipelined = PipelinedModel(runner, inner)
     holder.append(pipelined)

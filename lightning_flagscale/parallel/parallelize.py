@@ -1,0 +1,156 @@
+"""The parallelize plan: every parallelism applied to a protocol model, in one documented order, for one rank.
+
+``parallelize(module, model, layout)`` takes the LightningModule, the protocol model it holds (see
+``models/protocol.py``) and this rank's :class:`RankLayout` (its config, meshes, device and dtypes). Nothing here
+reads global state, so different ranks may be given different layouts (heterogeneous meshes) without the strategy
+knowing. The order, and why:
+
+1. **Pipeline split** (outermost): each later step then works on this rank's stage modules only, so no rank ever
+   parallelises (or materialises) layers it does not run.
+2. **TP** on each stage: DTensor styles shard the full-size modules; everything after sees TP-local shapes.
+3. **CP** swaps each core attention for ring / Ulysses attention over the TP-local heads (needs TP's head split).
+4. **EP** shards experts over the expert mesh (after TP: experts are not tensor-parallel, the rest of the block is).
+5. **Recompute** wraps whole blocks, after TP/CP/EP changed what runs inside them (under PP the pipeline builder
+   applies it per stage, with the replayable variant split-backward schedules need).
+6. **ZeRO-3** (FSDP2) last: it shards whatever TP/EP left local (experts first, over the expert data-parallel
+   ranks, each in its own unit inside its block's), and wraps the recompute-wrapped blocks.
+7. **Materialise and initialise**: parameters were on the meta device until now; each rank allocates only its
+   shards and fills them from per-parameter seeds (or streams HF weights via the module's ``initialize_weights``),
+   so the result does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.data import apply_fsdp
+from lightning_flagscale.parallel.mesh import ParallelMeshes
+from lightning_flagscale.parallel.pipeline_model import PipelinedModel, build_pipelined_model
+
+__all__ = ["Parallelized", "RankLayout", "parallelize"]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one rank applies: its parallel config, its meshes, its device and the ZeRO-3 dtypes."""
+
+    config: ParallelConfig
+    meshes: ParallelMeshes
+    device: torch.device
+    param_dtype: torch.dtype | None = None
+    """FSDP2 compute dtype (None: the parameters' own)."""
+    reduce_dtype: torch.dtype | None = None
+    """FSDP2 gradient reduction dtype."""
+
+
+@dataclass
+class Parallelized:
+    """The result: the modules each later step (optimizer, checkpoint, clipping) must know about."""
+
+    parts: list[nn.Module]
+    """The model, or this rank's pipeline stage modules."""
+    pipeline: PipelinedModel | None = None
+    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    expert_grad_scale: float = 1.0
+    """Factor for expert gradients after FSDP2's edp average (see ``_shard_experts``)."""
+
+
+def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:
+    """Apply the plan (module docstring) to ``model`` (the protocol model of ``module``, or None for DP-only)."""
+    p = layout.config
+    result = Parallelized(parts=[] if model is None else [model])
+    if model is not None and p.pp_enabled:
+        result.pipeline = build_pipelined_model(model, layout.meshes, p, layout.device)
+        module.model = result.pipeline
+        result.parts = list(result.pipeline.stage_modules)
+    for part in result.parts:
+        _apply_model_parallelisms(part, layout)
+    if p.zero_stage == 3:
+        targets = result.parts or [module]
+        if p.ep_enabled:
+            for target in targets:
+                result.fsdp_roots.extend(_shard_experts(target, layout))
+            # FSDP2 averages over edp; the expert owners already summed their EP group's tokens, so the mean over
+            # all dp x cp x tp token shards needs a further 1/ep. Not `set_gradient_divide_factor`: it reduces with
+            # PREMUL_SUM, which gloo lacks.
+            result.expert_grad_scale = 1.0 / p.expert_parallel_size
+        for target in targets:
+            apply_fsdp(target, layout.meshes.dp_cp, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
+        result.fsdp_roots.extend(targets)
+    materialize(module, module.model if result.pipeline is not None else model, layout.device)
+    return result
+
+
+def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
+    """TP -> CP -> EP -> recompute on one model or stage module (steps 2-5 of the module docstring)."""
+    p, meshes = layout.config, layout.meshes
+    if p.tp_enabled:
+        from lightning_flagscale.parallel.tensor import apply_tp
+
+        apply_tp(part, meshes["tp"], sequence_parallel=p.sequence_parallel)
+    if p.cp_enabled:
+        from lightning_flagscale.parallel.context import apply_cp
+
+        apply_cp(
+            part, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
+            tp_size=p.tensor_parallel_size,
+        )  # fmt: skip
+    if p.ep_enabled:
+        from lightning_flagscale.parallel.expert import apply_ep
+
+        apply_ep(part, meshes["ep"])
+    if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
+        from lightning_flagscale.parallel.pipeline import is_layer_unit
+        from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+
+        blocks = _recompute_blocks(part, is_layer_unit)
+        apply_recompute(part, resolve_recompute(p.recompute, 1)[0], blocks=blocks)
+
+
+def _recompute_blocks(model: nn.Module, is_layer_unit) -> list[nn.Module] | None:
+    if hasattr(model, "recompute_units"):
+        return [model.get_submodule(u) for u in model.recompute_units()]
+    if hasattr(model, "pipeline_units"):
+        return [model.get_submodule(u) for u in model.pipeline_units() if is_layer_unit(u)]
+    return None  # apply_recompute's default: ``model.layers``
+
+
+def _shard_experts(model: nn.Module, layout: RankLayout) -> list[nn.Module]:
+    """ZeRO-3 for expert weights: FSDP2 over the expert-data-parallel ranks of the expert mesh (the experts are
+    already ``Shard(0)`` over ep on that mesh), each expert group its own FSDP unit inside its block's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lightning_flagscale.moe.balance import moe_layers
+
+    mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
+    return [fully_shard(layer.experts, mesh=layout.meshes["edp"], mp_policy=mp) for _, layer in moe_layers(model)]
+
+
+def materialize(module: nn.Module, model: nn.Module | None, device: torch.device) -> None:
+    """Allocate what is still on the meta device and initialise it (step 7 of the module docstring)."""
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return
+    # Only what is on the meta device: `to_empty` on the whole LightningModule would also wipe state that was
+    # built for real in `__init__` (e.g. torchmetrics accumulators). The model goes first, as a whole, so its
+    # own `_apply` can keep tied weights tied.
+    if model is not None:
+        model.to_empty(device=device)
+    for sub in module.modules():
+        own = itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            sub.to_empty(device=device, recurse=False)
+    target = model if model is not None else module
+    if hasattr(module, "initialize_weights"):
+        module.initialize_weights()
+    elif hasattr(target, "init_weights"):
+        target.init_weights(seed=int(getattr(module, "init_seed", 0)))
+    else:
+        raise TypeError(
+            f"{type(target).__name__} was built on the meta device but has no `init_weights(seed)`; add one, or"
+            " build the model in `__init__` instead of `configure_model`."
+        )
