@@ -2,8 +2,8 @@
 
 Module names mirror ``transformers`` (``embed_tokens``, ``layers.N.self_attn.q_proj``, ``mlp.gate_proj``,
 ``norm``, ``lm_head``) so HF conversion is a near-identity rename. The model is parallel-aware only through
-data it exposes (``tp_plan``, ``pipeline_units``) and through what ``parallel.tensor.apply_tp`` records on it
-(``tp_mesh``, ``vocab_start``) for the vocab-parallel loss; it imports nothing from ``parallel/`` at module level.
+data it exposes (the model protocol of ``models/protocol.py``: ``tp_plan``, ``pipeline_units``, ...) and through
+what ``on_tensor_parallel`` records (``tp_mesh``, ``vocab_start``) for the vocab-parallel loss.
 
 Pipeline stages are built by deep-copying the model and setting ``embed_tokens`` / ``norm`` / ``lm_head`` to
 ``None`` and deleting entries of ``layers``; ``forward`` runs whatever parts are present.
@@ -11,7 +11,6 @@ Pipeline stages are built by deep-copying the model and setting ``embed_tokens``
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -20,13 +19,10 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models.attention import Attention
+from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
 from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
 
 __all__ = ["CausalLM", "DecoderBlock", "token_mean"]
-
-# Prefixes that activation checkpointing / torch.compile / FSDP1 insert into FQNs: stripped so that the init seed of
-# a parameter does not depend on which wrappers were applied.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 class DecoderBlock(nn.Module):
@@ -72,7 +68,7 @@ class CausalLM(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.padded_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        # Set by parallel.tensor.apply_tp: the TP mesh, whether activations between blocks are sequence-sharded,
+        # Set by on_tensor_parallel (called by parallel.tensor.apply_tp): the TP mesh, whether activations between blocks are sequence-sharded,
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
         self.sequence_parallel = False
@@ -110,10 +106,23 @@ class CausalLM(nn.Module):
         return x, {"position_ids": position_ids, "segment_ids": segment_ids}
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
-        """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``parallel.tensor``)."""
-        from lightning_flagscale.parallel.tensor import decoder_tp_plan
+        """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``models/decoder_plan.py``)."""
+        from lightning_flagscale.models.decoder_plan import decoder_tp_plan
 
         return decoder_tp_plan(self, sequence_parallel)
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise naming the size that ``tp`` does not divide (heads, widths, padded vocab)."""
+        from lightning_flagscale.models.decoder_plan import check_decoder_tp
+
+        check_decoder_tp(self, tp)
+
+    def on_tensor_parallel(self, tp_mesh, sequence_parallel: bool) -> None:
+        """Record what the vocab-parallel loss and ``logits`` need; keep a tied embedding one Parameter."""
+        self.tie_weights()  # parallelize_module distributed embed_tokens and lm_head into two separate Parameters
+        self.tp_mesh = tp_mesh
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = tp_mesh.get_local_rank() * (self.padded_vocab_size // tp_mesh.size())
 
     # ---- compute ------------------------------------------------------------------------------------------------
     def forward(self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
@@ -201,7 +210,7 @@ class CausalLM(nn.Module):
         tied = self.config.tie_word_embeddings
         owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
         for fqn, param in self.named_parameters():
-            name = _canonical_fqn(fqn)
+            name = canonical_fqn(fqn)
             full_shape = tuple(param.shape)  # global shape for DTensors
             if isinstance(owners[id(param)], RMSNorm):
                 full = torch.ones(full_shape)
@@ -210,11 +219,11 @@ class CausalLM(nn.Module):
             else:
                 # A tied head alone on the last pipeline stage must start equal to the first stage's embedding.
                 seed_name = "embed_tokens.weight" if tied and name == "lm_head.weight" else name
-                gen = torch.Generator().manual_seed(_seed_for(seed, seed_name))
+                gen = torch.Generator().manual_seed(seed_for(seed, seed_name))
                 real_shape = (min(full_shape[0], self.vocab_size), *full_shape[1:]) if _is_vocab(name) else full_shape
                 full = torch.zeros(full_shape)
                 full[: real_shape[0]] = torch.randn(real_shape, generator=gen) * std
-            _copy_into(param, full)
+            copy_global_into(param, full)
         for module in self.modules():
             for buf in module.buffers(recurse=False):
                 buf.zero_()
@@ -231,31 +240,5 @@ def token_mean(losses: Tensor, labels: Tensor, num_items_in_batch: Tensor | int 
     return losses.sum() / max(int(num_items_in_batch), 1)
 
 
-def _canonical_fqn(fqn: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
-
-
 def _is_vocab(name: str) -> bool:
     return name.startswith(("embed_tokens.", "lm_head."))
-
-
-def _seed_for(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def _copy_into(param: Tensor, full: Tensor) -> None:
-    """Copy the part of ``full`` (global values) that ``param`` holds: all of it, or its DTensor shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        # Slice locally instead of distribute_tensor: no communication, and every rank computes the same full
-        # tensor from the same seed anyway.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        param.to_local().copy_(full[index])
-    else:
-        param.copy_(full)

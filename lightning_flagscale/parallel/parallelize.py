@@ -80,7 +80,10 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
             # PREMUL_SUM, which gloo lacks.
             result.expert_grad_scale = 1.0 / p.expert_parallel_size
         for target in targets:
-            apply_fsdp(target, layout.meshes.dp_cp, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
+            apply_fsdp(
+                target, layout.meshes.dp_cp, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
+                blocks=None if target is module else _blocks(target),
+            )  # fmt: skip
         result.fsdp_roots.extend(targets)
     materialize(module, module.model if result.pipeline is not None else model, layout.device)
     return result
@@ -105,19 +108,20 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
 
         apply_ep(part, meshes["ep"])
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
-        from lightning_flagscale.parallel.pipeline import is_layer_unit
         from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
 
-        blocks = _recompute_blocks(part, is_layer_unit)
-        apply_recompute(part, resolve_recompute(p.recompute, 1)[0], blocks=blocks)
+        apply_recompute(part, resolve_recompute(p.recompute, 1)[0], blocks=_blocks(part))
 
 
-def _recompute_blocks(model: nn.Module, is_layer_unit) -> list[nn.Module] | None:
+def _blocks(model: nn.Module) -> list[nn.Module] | None:
+    """The repeated blocks of a protocol model present in ``model`` (recompute and FSDP units), None if unknown."""
+    from lightning_flagscale.parallel.pipeline import is_layer_unit
+
     if hasattr(model, "recompute_units"):
         return [model.get_submodule(u) for u in model.recompute_units()]
     if hasattr(model, "pipeline_units"):
         return [model.get_submodule(u) for u in model.pipeline_units() if is_layer_unit(u)]
-    return None  # apply_recompute's default: ``model.layers``
+    return None  # the callee's default: ``model.layers``
 
 
 def _shard_experts(model: nn.Module, layout: RankLayout) -> list[nn.Module]:

@@ -16,46 +16,27 @@ all-reduces: max, target logit, sum-exp).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-if TYPE_CHECKING:
-    from lightning_flagscale.models.decoder import CausalLM
-
-__all__ = ["ReplicateParallel", "apply_tp", "check_tp_divisible", "decoder_tp_plan", "vocab_parallel_cross_entropy"]
+__all__ = ["ReplicateParallel", "apply_tp", "check_tp_divisible", "vocab_parallel_cross_entropy"]
 
 
-def check_tp_divisible(model: CausalLM, tp: int) -> None:
-    """Raise ``ValueError`` naming the offending size when the model cannot be split ``tp`` ways."""
-    cfg = model.config
-    sizes = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "padded vocab size": model.padded_vocab_size,
-    }
-    for name, value in sizes.items():
-        if value % tp:
-            hint = (
-                " build the model with CausalLM(config, vocab_multiple=tp)"
-                if name.startswith("padded")
-                else " choose a tensor_parallel_size that divides it"
-            )
-            raise ValueError(f"{name}={value} is not divisible by tensor_parallel_size={tp};{hint}.")
+def check_tp_divisible(model: nn.Module, tp: int) -> None:
+    """Raise ``ValueError`` naming the offending size when ``model`` cannot be split ``tp`` ways.
+
+    The model knows its own constraints (heads, widths, padded vocab): it states them in ``check_tensor_parallel``.
+    """
+    check = getattr(model, "check_tensor_parallel", None)
+    if check is not None:
+        check(tp)
 
 
 class ReplicateParallel(ParallelStyle):
@@ -83,76 +64,31 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
-def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The TP plan of ``CausalLM`` for the parts present (pipeline stages may lack embedding / norm / head).
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` with its own ``tp_plan`` (Megatron TP, optionally SP).
 
-    MoE ``mlp`` entries are left to the MoE package (experts are sharded by expert parallelism).
-    """
-    seq = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
-    plan: dict[str, ParallelStyle] = {}
-    if model.embed_tokens is not None:
-        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None:
-        plan["norm"] = norm_style()
-    if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
-    for name, block in model.layers.items():
-        p = f"layers.{name}."
-        plan[p + "self_attn.q_proj"] = ColwiseParallel()
-        plan[p + "self_attn.k_proj"] = ColwiseParallel()
-        plan[p + "self_attn.v_proj"] = ColwiseParallel()
-        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
-        if block.self_attn.q_norm is not None:
-            # QK-norm runs on the TP-local heads [B, S, H/tp, D]: as a head-sharded DTensor its weight gradient
-            # (a partial sum over local heads) is all-reduced over TP like any replicated parameter's.
-            plan[p + "self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan[p + "self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if not block.is_moe:
-            plan[p + "mlp.gate_proj"] = ColwiseParallel()
-            plan[p + "mlp.up_proj"] = ColwiseParallel()
-            plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        plan[p + "input_layernorm"] = norm_style()
-        plan[p + "post_attention_layernorm"] = norm_style()
-        if sequence_parallel:
-            # Attention takes (x, cos, sin, segment_ids): only x is sequence-sharded and must be all-gathered.
-            plan[p + "self_attn"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            )
-            if not block.is_moe:
-                plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            else:
-                # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
-                # without SP: its parameters then get identical full gradients on every TP rank. Only its output
-                # is re-sharded (a local slice, no communication).
-                plan[p + "mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-                )  # fmt: skip
-    return plan
-
-
-def apply_tp(model: CausalLM, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> CausalLM:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` (Megatron TP, optionally with SP); returns it.
-
-    Records on the model what its loss and logits need (``tp_mesh``, ``vocab_start``) and keeps tied embeddings
-    as one Parameter (embedding rows and LM-head rows are both ``Shard(0)`` over the vocab, so one DTensor serves
-    both).
+    The model states its divisibility constraints (``check_tensor_parallel(tp)``) and records what its loss and
+    logits need afterwards (``on_tensor_parallel(tp_mesh, sequence_parallel)``, e.g. the vocab shard it holds and
+    re-tying a shared embedding). Both are optional parts of the model protocol.
 
     Order (torchtitan's): TP first, then CP (swaps core attention on the TP-local heads), recompute, compile and
     ZeRO/FSDP last (it shards the TP-local DTensors further); pipeline splitting happens before all of them.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim} dims ({tp_mesh.mesh_dim_names}).")
-    if getattr(model, "tp_mesh", None) is not None:
+    if not hasattr(model, "tp_plan"):
+        raise ValueError(
+            f"{type(model).__name__} has no tp_plan(sequence_parallel); tensor parallelism needs one (see"
+            " lightning_flagscale/models/protocol.py)."
+        )
+    if getattr(model, "_fs_tp_applied", False):
         raise ValueError("apply_tp was already applied to this model; apply it once, to the unparallelised model.")
-    tp = tp_mesh.size()
-    check_tp_divisible(model, tp)
+    check_tp_divisible(model, tp_mesh.size())
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
-    model.tie_weights()  # parallelize_module distributed embed_tokens and lm_head into two separate Parameters
-    model.tp_mesh = tp_mesh
-    model.sequence_parallel = sequence_parallel
-    model.vocab_start = tp_mesh.get_local_rank() * (model.padded_vocab_size // tp)
+    model._fs_tp_applied = True
+    hook = getattr(model, "on_tensor_parallel", None)
+    if hook is not None:
+        hook(tp_mesh, sequence_parallel)
     return model
 
 

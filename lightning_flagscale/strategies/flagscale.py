@@ -11,7 +11,6 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -42,17 +41,20 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.sharded import PendingSave, load_sharded, read_meta, save_sharded
+from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_sharded
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.data import DistributedOptimizer, apply_fsdp, clip_grad_norm_
+from lightning_flagscale.models.protocol import find_protocol_model, missing_protocol_parts
+from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
+from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
+from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
-from lightning_flagscale.strategies._checkpoint import optimizer_template, rng_state, set_rng_state
-from lightning_flagscale.strategies._pipeline import (
-    PipelinedModel,
-    build_pipelined_model,
-    deferred_zero_grad,
-    exclude_tied_copy_from_norm,
+from lightning_flagscale.strategies._checkpoint import (
+    load_training_state,
+    model_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
 )
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 
@@ -223,15 +225,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._set_world_ranks()
         # Validate before any process group exists: a wrong layout fails in milliseconds, not after a rendezvous.
         self.parallel.resolve(self.world_size)
-        config = _transformer_config(self.lightning_module)
-        if config is not None:
-            self.parallel.validate_model(config)
-        elif self._needs_model_protocol():
-            raise ValueError(
-                f"{type(self.lightning_module).__name__} has no `config: TransformerConfig`, so it cannot be split for"
-                " tensor/pipeline/context/expert parallelism; use a model that implements the model protocol"
-                " (e.g. lightning_flagscale.models.CausalLMModule) or set those sizes to 1."
-            )
+        _validate_model(self.parallel, self.lightning_module)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -244,10 +238,6 @@ class FlagScaleStrategy(ParallelStrategy):
             # The background writer's collectives get their own group, never interleaved with training's.
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
-
-    def _needs_model_protocol(self) -> bool:
-        p = self.parallel
-        return p.tp_enabled or p.pp_enabled or p.cp_enabled or p.ep_enabled
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -276,33 +266,17 @@ class FlagScaleStrategy(ParallelStrategy):
                 )
             trainer.accumulate_grad_batches = p.gradient_accumulation_steps
         module = self.lightning_module
-        inner = _protocol_model(module)
-        if self._needs_model_protocol() and inner is None:
-            raise ValueError(
-                f"{type(module).__name__} exposes no model with a `tp_plan` (the model protocol); tensor/pipeline/"
-                "context/expert parallelism cannot be applied. Set those sizes to 1."
-            )
+        inner = find_protocol_model(module)
         precision = self.precision_plugin
-        parts: list[nn.Module] = []  # the modules each parallelism is applied to: the model, or its pipeline stages
-        if inner is not None and p.pp_enabled:
-            self._pipeline = build_pipelined_model(inner, self.meshes, p, self.root_device)
-            module.model = self._pipeline
-            inner = self._pipeline
-            parts = list(self._pipeline.stage_modules)
-        elif inner is not None:
-            parts = [inner]
-        for part in parts:
-            self._parallelize(part)
-        if p.zero_stage == 3:
-            targets = parts or [module]
-            param_dtype = None if precision.param_dtype == torch.float32 else precision.param_dtype
-            if p.ep_enabled:
-                for target in targets:
-                    self._shard_experts(target, param_dtype, precision.reduce_dtype)
-            for target in targets:
-                apply_fsdp(target, self.meshes.dp_cp, param_dtype=param_dtype, reduce_dtype=precision.reduce_dtype)
-            self._fsdp_roots.extend(targets)
-        self._materialize(module, inner)
+        layout = RankLayout(
+            config=p, meshes=self.meshes, device=self.root_device,
+            param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
+            reduce_dtype=precision.reduce_dtype,
+        )  # fmt: skip
+        result = parallelize(module, inner, layout)
+        self._pipeline = result.pipeline
+        self._fsdp_roots = result.fsdp_roots
+        self._expert_grad_scale = result.expert_grad_scale
         if p.zero_stage < 3:
             self.model = precision.convert_module(self.model)
         self.model_to_device()
@@ -312,84 +286,19 @@ class FlagScaleStrategy(ParallelStrategy):
         if p.ep_enabled:
             from lightning_flagscale.parallel.expert import tag_expert_params
 
-            tag_expert_params(inner)
+            tag_expert_params(module.model if self._pipeline is not None else inner)
         precision.grad_norm_fn = partial(clip_grad_norm_, pp_size=p.pipeline_parallel_size)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if (config := _transformer_config(module)) and config.is_moe:
-            from lightning_flagscale.callbacks.moe import MoETelemetry
-            from lightning_flagscale.moe.balance import moe_layers
-
-            self._moe_layers = [layer for _, layer in moe_layers(module)]
-            self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
-
-    def _parallelize(self, inner: nn.Module) -> None:
-        self._apply_parallelisms(inner)
-
-    def _apply_parallelisms(self, inner: nn.Module) -> None:
-        """Apply TP -> CP -> EP -> recompute (ZeRO-3 comes after, so FSDP2 shards the TP/EP-local DTensors and wraps
-        the checkpointed blocks)."""
-        p = self.parallel
-        meshes = self.meshes
-        if p.tp_enabled:
-            from lightning_flagscale.parallel.tensor import apply_tp
-
-            apply_tp(inner, meshes["tp"], sequence_parallel=p.sequence_parallel)
-        if p.cp_enabled:
-            from lightning_flagscale.parallel.context import apply_cp
-
-            apply_cp(
-                inner, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
-                tp_size=p.tensor_parallel_size,
-            )  # fmt: skip
-        if p.ep_enabled:
-            from lightning_flagscale.parallel.expert import apply_ep
-
-            apply_ep(inner, meshes["ep"])
-        if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
-            from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
-
-            apply_recompute(inner, resolve_recompute(p.recompute, 1)[0])
-
-    def _shard_experts(self, model: nn.Module, param_dtype, reduce_dtype) -> None:
-        """ZeRO-3 for expert weights: FSDP2 over the expert-data-parallel ranks of the expert mesh (the experts are
-        already ``Shard(0)`` over ep on that mesh), each expert group its own FSDP unit inside its block's."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         from lightning_flagscale.moe.balance import moe_layers
 
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for _, layer in moe_layers(model):
-            self._fsdp_roots.append(fully_shard(layer.experts, mesh=self.meshes["edp"], mp_policy=mp))
-        # FSDP2 averages over edp; the expert owners already summed their EP group's tokens, so the mean over all
-        # dp x cp x tp token shards needs a further 1/ep (optimizer_step). Not `set_gradient_divide_factor`: it
-        # reduces with PREMUL_SUM, which gloo lacks.
-        self._expert_grad_scale = 1.0 / self.parallel.expert_parallel_size
+        self._moe_layers = [layer for _, layer in moe_layers(module)]
+        if self._moe_layers:
+            from lightning_flagscale.callbacks.moe import MoETelemetry
 
-    def _materialize(self, module: nn.Module, inner: nn.Module | None) -> None:
-        if not any(t.is_meta for t in module.parameters()) and not any(t.is_meta for t in module.buffers()):
-            return
-        # Only what is on the meta device: `to_empty` on the whole LightningModule would also wipe state that was
-        # built for real in `__init__` (e.g. torchmetrics accumulators). The model goes first, as a whole, so its
-        # own `_apply` can keep tied weights tied.
-        if inner is not None:
-            inner.to_empty(device=self.root_device)
-        for sub in module.modules():
-            own = itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))
-            if any(t.is_meta for t in own):
-                sub.to_empty(device=self.root_device, recurse=False)
-        target = inner if inner is not None else module
-        if hasattr(module, "initialize_weights"):
-            module.initialize_weights()
-        elif hasattr(target, "init_weights"):
-            target.init_weights(seed=int(getattr(module, "init_seed", 0)))
-        else:
-            raise TypeError(
-                f"{type(target).__name__} was built on the meta device but has no `init_weights(seed)`; add one, or"
-                " build the model in `__init__` instead of `configure_model`."
-            )
+            self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     @override
     def setup_optimizers(self, trainer) -> None:
@@ -598,13 +507,7 @@ class FlagScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
-        # Under mixed precision the fp32 master weights are the model: save them, not the bf16 copies.
-        for dopt in self._dist_optimizers.values():
-            state.update(dopt.master_state_dict())
-        return state
+        return model_state(self.model, self._dist_optimizers.values())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -612,13 +515,8 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        dopt = self._dist_opt(opt)
-        if dopt is not None:
-            return dopt.state_dict()
-        return get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=False))
+        return optimizer_state(self.model, opt, self._dist_opt(opt))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -659,45 +557,11 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = read_meta(path)
-        model_sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
-        for dopt in self._dist_optimizers.values():
-            model_sd.update(dopt.master_state_dict())  # fp32 templates where masters exist
-        state: dict[str, Any] = {"state_dict": model_sd}
-        from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-        for i, opt in enumerate(self.optimizers):
-            dopt = self._dist_opt(opt)
-            if dopt is not None:
-                state[f"optimizer_{i}"] = optimizer_template(dopt, path, i)
-            else:
-                _init_optim_state(opt)
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(
-                    self.model, opt, options=StateDictOptions(full_state_dict=False)
-                )
-        load_sharded(path, state)
         strict = getattr(self.lightning_module, "strict_loading", True)
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for i, opt in enumerate(self.optimizers):
-            dopt = self._dist_opt(opt)
-            if dopt is not None:
-                dopt.load_master_state_dict(state["state_dict"])
-                dopt.load_state_dict(state[f"optimizer_{i}"])
-                dopt.sync_params()
-            else:
-                set_optimizer_state_dict(
-                    self.model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
-                )
+        load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
         rngs = meta.pop("rng_states_per_rank", None)
         if rngs is not None and len(rngs) == self.world_size:
             set_rng_state(rngs[self.global_rank])
@@ -720,14 +584,21 @@ def _scale_loss(output: Any, factor: float) -> Any:
     return output
 
 
-def _transformer_config(module: nn.Module | None) -> TransformerConfig | None:
+def _validate_model(parallel: ParallelConfig, module: nn.Module) -> None:
+    """Check the layout against the model before any process group exists (sizes, then protocol parts)."""
     config = getattr(module, "config", None)
-    return config if isinstance(config, TransformerConfig) else None
-
-
-def _protocol_model(module: nn.Module) -> nn.Module | None:
-    """The sub-module that implements the model protocol (``tp_plan``): the module itself or its ``model``."""
-    if hasattr(module, "tp_plan"):
-        return module
-    inner = getattr(module, "model", None)
-    return inner if inner is not None and hasattr(inner, "tp_plan") else None
+    if isinstance(config, TransformerConfig):
+        parallel.validate_model(config)
+    p = parallel
+    if not (p.tp_enabled or p.pp_enabled or p.cp_enabled or p.ep_enabled):
+        return
+    model = find_protocol_model(module)
+    if model is None and getattr(module, "model", None) is None and hasattr(module, "configure_model"):
+        # `configure_model` builds the model later; its protocol parts are checked when the plan is applied.
+        return
+    missing = missing_protocol_parts(model, tp=p.tp_enabled, pp=p.pp_enabled, cp=p.cp_enabled, ep=p.ep_enabled)
+    if missing:
+        raise ValueError(
+            f"{type(module).__name__} cannot run this layout: its model lacks {'; '.join(missing)} (see"
+            " lightning_flagscale/models/protocol.py). Add them or set those parallel sizes to 1."
+        )
