@@ -26,7 +26,9 @@ def test_heads_and_kv_heads_must_split_over_tp():
 def test_layers_must_cover_pipeline_stages():
     model = TransformerConfig.from_preset("llama-tiny")  # 4 layers
     with pytest.raises(ValueError, match=r"num_layers=4 is smaller than pipeline x virtual stages = 8"):
-        ParallelConfig(pipeline_parallel_size=4, virtual_pipeline_parallel_size=2).validate_model(model)
+        ParallelConfig(
+            pipeline_parallel_size=4, virtual_pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"
+        ).validate_model(model)
     with pytest.raises(ValueError, match=r"pipeline_layers=\[3, 3\] sums to 6"):
         ParallelConfig(pipeline_parallel_size=2, pipeline_layers=[3, 3]).validate_model(model)
     with pytest.raises(ValueError, match=r"virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1"):

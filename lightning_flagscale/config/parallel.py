@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
+
 if TYPE_CHECKING:
     from lightning_flagscale.config.transformer import TransformerConfig
 
@@ -30,8 +32,9 @@ class ParallelConfig:
     """Megatron tensor parallel degree (heads, MLP columns/rows, vocab)."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages groups (ranks along the pipeline)."""
-    virtual_pipeline_parallel_size: int = 1
-    """Model chunks per pipeline rank (interleaved / V schedules)."""
+    virtual_pipeline_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved / V schedules); ``None`` (auto) means 2 for the V-shaped schedules
+    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise."""
     context_parallel_size: int = 1
     """Sequence split for attention (ring, Ulysses or both)."""
     context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
@@ -52,8 +55,8 @@ class ParallelConfig:
     """Samples per micro-batch fed through a pipeline schedule."""
     gradient_accumulation_steps: int = 1
     """Batches accumulated per optimizer step (sets the Trainer's ``accumulate_grad_batches``)."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b"
-    """Pipeline schedule name."""
+    pipeline_schedule: ScheduleName = "1f1b"
+    """Pipeline schedule name (see ``parallel/schedules.py``)."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
     hetero_dp_batch_sizes: list[int] | None = None
@@ -72,8 +75,13 @@ class ParallelConfig:
             "gradient_accumulation_steps",
         ):  # fmt: skip
             value = getattr(self, name)
+            if value is None and name == "virtual_pipeline_parallel_size":
+                continue  # auto, resolved below
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
+        auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
+        if self.virtual_pipeline_parallel_size is None:
+            self.virtual_pipeline_parallel_size = auto_vpp
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -97,6 +105,10 @@ class ParallelConfig:
                 "virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1; raise the pipeline size or set"
                 " virtual_pipeline_parallel_size=1."
             )
+        if self.pp_enabled:
+            # Every schedule rule that needs only the layout (chunks per rank, V placement); the micro-batch count is
+            # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
+            validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         if any(m not in ("none", "selective", "full") for m in modes) or not modes:
             raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")

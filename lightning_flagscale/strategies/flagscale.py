@@ -46,6 +46,7 @@ from lightning_flagscale.checkpoint.sharded import PendingSave, load_sharded, re
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data import DistributedOptimizer, apply_fsdp, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
+from lightning_flagscale.parallel.schedules import ScheduleName
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
 from lightning_flagscale.strategies._checkpoint import optimizer_template, rng_state, set_rng_state
 from lightning_flagscale.strategies._pipeline import (
@@ -75,7 +76,7 @@ class FlagScaleStrategy(ParallelStrategy):
         *,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        virtual_pipeline_parallel_size: int = 1,
+        virtual_pipeline_parallel_size: int | None = None,
         context_parallel_size: int = 1,
         context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring",
         ulysses_size: int | None = None,
@@ -86,7 +87,7 @@ class FlagScaleStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
         gradient_accumulation_steps: int = 1,
-        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b",
+        pipeline_schedule: ScheduleName = "1f1b",
         pipeline_layers: list[int] | None = None,
         pipeline_balance: Literal["even", "cost"] = "even",
         recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
