@@ -140,8 +140,12 @@ class TransformerConfig:
         """Vocabulary rounded up to a multiple of ``multiple`` (the TP size): rows past ``vocab_size`` are padding."""
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count of the dense/MoE decoder (no padding), for planning and reports."""
+    def num_params(self, include_embedding: bool = True, *, active: bool = False) -> int:
+        """Parameter count of the dense/MoE decoder (no padding), for planning and reports.
+
+        ``active=True`` counts only what one token runs through: ``num_experts_per_tok`` routed experts per MoE
+        layer (plus shared experts and the router), the FLOP-relevant count (6 x active params x tokens).
+        """
         h, q, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         attn = h * q * d + 2 * h * kv * d + q * d * h
         if self.attention_bias:
@@ -153,7 +157,8 @@ class TransformerConfig:
         for i in range(self.num_layers):
             total += attn + 2 * h
             if self.is_moe_layer(i):
-                total += self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+                routed = self.num_experts_per_tok if active else self.num_experts
+                total += routed * 3 * h * self.moe_intermediate_size + h * self.num_experts
                 if self.num_shared_experts:
                     shared = (
                         self.shared_expert_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
