@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.parallel.pipeline import build_pipeline
+from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, default_virtual_size
 
 P, M, LAYERS, HIDDEN = 4, 8, 8, 16
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)]
+# Every schedule at its default virtual size, except interleaved 1F1B, which is shown with 2 chunks per rank.
+SCHEDULES = [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
 
 
 # ---- a model of known cost ------------------------------------------------------------------------------------------

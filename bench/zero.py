@@ -30,22 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MEASURED_STEP = 2  # 0-based: the third optimizer step
 
 
-def _ours_state_bytes(psi: int, n: int, stage: int, precision: str) -> dict[str, float]:
-    """State bytes per rank of this package's layout at the optimizer step (after the gradient reduction)."""
-    if precision == "32-true":
-        if stage == 0:
-            return {"params": 4 * psi, "grads": 4 * psi, "master": 0, "optimizer": 8 * psi}
-        if stage in (1, 2):  # fp32 main shard = a sharded master copy
-            return {"params": 4 * psi, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer": 8 * psi / n}
-        return {"params": 4 * psi / n, "grads": 4 * psi / n, "master": 0, "optimizer": 8 * psi / n}
-    # bf16-mixed / 16-mixed: half-precision params, fp32 main grads, fp32 masters + Adam
-    if stage == 0:
-        return {"params": 2 * psi, "grads": 4 * psi, "master": 4 * psi, "optimizer": 8 * psi}
-    if stage in (1, 2):
-        return {"params": 2 * psi, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer": 8 * psi / n}
-    return {"params": 4 * psi / n, "grads": 4 * psi / n, "master": 0, "optimizer": 8 * psi / n}
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
@@ -120,7 +104,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/zero.json")
     args = parser.parse_args()
 
-    from lightning_flagscale.parallel.memory import comm_theory_bytes, zero_theory_bytes
+    from lightning_flagscale.parallel.memory import comm_theory_bytes, expected_state_bytes, zero_theory_bytes
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,7 +128,8 @@ def main() -> None:
     for r in results:
         stage, psi = r["stage"], r["psi"]
         comm = comm_theory_bytes(param_b * psi, n, stage, grad_bytes=4 * psi).total
-        ours = _ours_state_bytes(psi, n, stage, args.precision)
+        t = expected_state_bytes(psi, n, stage, args.precision)  # at the optimizer step, this package's layout
+        ours = {"params": t.params, "grads": t.grads, "master": t.master_params, "optimizer": t.optimizer_states}
         paper = zero_theory_bytes(psi, n, stage, "bf16-master" if half else "fp32").total
         state = sum(r["state"].values())
         name = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][stage]

@@ -4,7 +4,7 @@
     lightning-flagscale validate --config recipes/llama_tiny.yaml --ckpt_path ckpt/
     lightning-flagscale convert hf-to-ckpt HF_DIR OUT | ckpt-to-hf CKPT OUT
     lightning-flagscale tune --preset llama3-8b --devices 64   best layouts by a memory + cost model
-    lightning-flagscale bench [--quick]    FlagScale layouts next to Lightning's strategies (bench/results/)
+    lightning-flagscale bench [--quick]    FlagScale layouts next to Lightning's strategies (repository checkout)
 
 A recipe is a plain LightningCLI YAML file: ``trainer`` (with ``strategy: class_path: ...FlagScaleStrategy``),
 ``model`` (``CausalLMModule`` arguments) and ``data`` (``LMDataModule`` arguments). Recipes shipped with the

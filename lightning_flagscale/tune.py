@@ -5,13 +5,16 @@
 The search space is every ``ParallelConfig`` (tp, pp, cp, dp, ZeRO stage, micro-batch size) that validates for the
 model and the world size. Each candidate gets
 
-- a memory estimate per rank: model states in the bf16-master layout (2 + 4 + 12 bytes per parameter, divided as
-  ZeRO divides them) for the parameters of the busiest pipeline stage (embedding and head counted on the end
-  stages) plus activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models":
-  ``s*b*h*(34 + 5*a*s/h)`` bytes per layer per micro-batch, with the TP/SP and CP divisions, times the micro-batches
-  a 1F1B stage keeps alive);
-- a step-time estimate: compute ``6 * params * tokens / (devices * flops)`` inflated by the pipeline bubble
-  ``(p-1)/(m+p-1)``, plus data-parallel gradient traffic (ZeRO paper: 2Ψ(N-1)/N, 3Ψ for ZeRO-3), tensor-parallel
+- a memory estimate per rank: model states as this package holds them under ``bf16-mixed`` at the backward peak
+  (``parallel.memory.expected_state_bytes``: bf16 params, full bf16 gradients until the reduction below ZeRO-3,
+  fp32 main gradients, masters and Adam states, divided as each ZeRO stage divides them) for the parameters of the
+  busiest pipeline stage (embedding and head counted on the end stages) plus activations (Korthikanti et al.,
+  "Reducing Activation Recomputation in Large Transformer Models": ``s*b*h*(34 + 5*a*s/h)`` bytes per layer per
+  micro-batch, with the TP/SP and CP divisions, times the micro-batches a 1F1B stage keeps alive, or without PP
+  all micro-batches of the per-rank batch, which run as one);
+- a step-time estimate: compute ``6 * active params * tokens / (devices * flops)`` (MoE: routed top-k experts
+  only) inflated by the pipeline bubble ``(p-1)/(m+p-1)``, plus data-parallel traffic
+  (``parallel.memory.comm_theory_bytes``: bf16 parameters gathered, fp32 gradients reduced), tensor-parallel
   all-reduces (4 per layer per micro-batch of ``s*b*h`` activations) and ring-CP K/V traffic, each over its link.
 
 Candidates over the memory budget are pruned; the rest are ranked by predicted tokens per second. The model is
@@ -26,6 +29,7 @@ import itertools
 from dataclasses import dataclass
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.memory import comm_theory_bytes, expected_state_bytes
 
 __all__ = ["Candidate", "Hardware", "search", "tune_main"]
 
@@ -77,21 +81,24 @@ def _stage_params(model: TransformerConfig, pp: int) -> float:
 
 
 def estimate_memory(model: TransformerConfig, c: ParallelConfig, seq_len: int, num_microbatches: int) -> float:
-    """Bytes per rank: model states (bf16-master layout, ZeRO-divided) + live activations of a 1F1B stage."""
+    """Bytes per rank at the backward peak: model states as this package holds them under ``bf16-mixed``
+    (``expected_state_bytes``) + live activations (a 1F1B stage's in-flight micro-batches, or without PP the
+    whole per-rank batch of one accumulation step)."""
     tp, pp, cp, dp = c.tensor_parallel_size, c.pipeline_parallel_size, c.context_parallel_size, c.dp
     psi = _stage_params(model, pp) / tp
-    shards = dp * cp  # ZeRO shards over data x context ranks
-    params = 2 * psi / (shards if c.zero_stage >= 3 else 1)
-    grads = 4 * psi / (shards if c.zero_stage >= 2 else 1)
-    optimizer = 12 * psi / (shards if c.zero_stage >= 1 else 1)
+    # ZeRO shards over data x context ranks; during backward stages 1 and 2 both hold the full bf16 gradients.
+    states = expected_state_bytes(psi, dp * cp, c.zero_stage, "bf16-mixed", when="backward_peak").total
     s, b, h, a = seq_len / cp, c.micro_batch_size, model.hidden_size, model.num_attention_heads
     if c.sequence_parallel:  # everything is split over TP
         per_layer = s * b * h * (34 + 5 * a * s / h) / tp
     else:  # TP splits attention/MLP insides only; norms and dropouts stay whole (the "10" term)
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    live = min(pp, num_microbatches)  # 1F1B keeps at most p micro-batches alive on stage 0
+    if pp > 1:
+        live = min(pp, num_microbatches)  # 1F1B keeps at most p micro-batches alive on stage 0
+    else:  # no schedule: one forward/backward over the whole per-rank batch of an accumulation step
+        live = max(1, num_microbatches // c.gradient_accumulation_steps)
     activations = per_layer * -(-model.num_layers // pp) * live
-    return params + grads + optimizer + activations
+    return states + activations
 
 
 def estimate_step_seconds(
@@ -102,12 +109,13 @@ def estimate_step_seconds(
     world = tp * pp * cp * dp
     tokens = global_batch * seq_len
     m = global_batch // (dp * c.micro_batch_size)
-    compute = 6 * model.num_params() * tokens / (world * hw.flops)
+    compute = 6 * model.num_params(active=True) * tokens / (world * hw.flops)  # MoE: only routed experts run
     compute *= 1 + (pp - 1) / m  # bubble: (p-1)/(m+p-1) of the time is idle
     fast = hw.intra_node_bandwidth
     dp_link = fast if tp * cp * dp <= hw.devices_per_node else hw.inter_node_bandwidth
-    psi_bytes = 2 * _stage_params(model, pp) / tp
-    dp_traffic = (3 if c.zero_stage == 3 else 2) * psi_bytes * (dp * cp - 1) / (dp * cp)
+    psi = _stage_params(model, pp) / tp
+    # ZeRO shards over data x context; bf16 parameters are gathered, gradients are reduced in fp32.
+    dp_traffic = comm_theory_bytes(2 * psi, dp * cp, c.zero_stage, grad_bytes=4 * psi).total
     s, b, h = seq_len / cp, c.micro_batch_size, model.hidden_size
     layers = -(-model.num_layers // pp)
     tp_traffic = 4 * layers * m * 2 * s * b * h * 2 * (tp - 1) / tp if tp > 1 else 0.0

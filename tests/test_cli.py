@@ -38,3 +38,23 @@ def test_command_line_overrides_any_field(capsys):
 def test_unknown_recipe_names_the_shipped_ones():
     with pytest.raises(SystemExit, match="llama_tiny"):
         recipe_path("no_such_recipe")
+
+
+def test_bench_runs_the_repository_script(capfd):
+    """``lightning-flagscale bench`` runs ``bench/compare_strategies.py`` of this checkout (here: its ``--help``)."""
+    from lightning_flagscale.bench_cli import find_bench_script
+
+    assert find_bench_script() is not None and find_bench_script().name == "compare_strategies.py"
+    main(["bench", "--help"])
+    out = capfd.readouterr().out
+    assert "lightning-flagscale bench" in out and "--quick" in out
+
+
+def test_bench_outside_a_checkout_says_it_is_a_repository_tool(monkeypatch, tmp_path):
+    import lightning_flagscale.bench_cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "__file__", str(tmp_path / "site-packages" / "lightning_flagscale" / "bench_cli.py"))
+    monkeypatch.chdir(tmp_path)
+    assert bench_cli.find_bench_script() is None
+    with pytest.raises(SystemExit, match=r"repository tool.*python bench/compare_strategies\.py"):
+        main(["bench", "--quick"])

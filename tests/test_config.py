@@ -26,7 +26,9 @@ def test_heads_and_kv_heads_must_split_over_tp():
 def test_layers_must_cover_pipeline_stages():
     model = TransformerConfig.from_preset("llama-tiny")  # 4 layers
     with pytest.raises(ValueError, match=r"num_layers=4 is smaller than pipeline x virtual stages = 8"):
-        ParallelConfig(pipeline_parallel_size=4, virtual_pipeline_parallel_size=2).validate_model(model)
+        ParallelConfig(
+            pipeline_parallel_size=4, virtual_pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"
+        ).validate_model(model)
     with pytest.raises(ValueError, match=r"pipeline_layers=\[3, 3\] sums to 6"):
         ParallelConfig(pipeline_parallel_size=2, pipeline_layers=[3, 3]).validate_model(model)
     with pytest.raises(ValueError, match=r"virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1"):
@@ -80,3 +82,27 @@ def test_strategy_validates_before_any_process_group(monkeypatch):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"World size 1 is not divisible"):
         trainer.fit(CausalLMModule("llama-tiny"))
+
+
+def test_every_preset_builds_and_names_its_source():
+    from lightning_flagscale.config import PRESETS
+
+    for name in PRESETS:
+        config = TransformerConfig.from_preset(name)
+        assert config.name == name and config.hf_source, name
+        assert config.num_params() > 0
+
+
+def test_config_package_imports_no_model_and_no_torch():
+    """Presets and configs are data: ``lightning_flagscale.config`` never imports models (no cycle) or torch."""
+    import ast
+    from pathlib import Path
+
+    import lightning_flagscale.config as config_pkg
+
+    for path in Path(config_pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith(("torch", "lightning_flagscale.models")), (path.name, name)

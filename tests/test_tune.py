@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.tune import Hardware, estimate_memory, search
+from lightning_flagscale.parallel.memory import comm_theory_bytes
+from lightning_flagscale.tune import Hardware, estimate_memory, estimate_step_seconds, search
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 
@@ -12,16 +13,59 @@ def _layout(**kwargs) -> ParallelConfig:
     return ParallelConfig(**kwargs).resolve(64)
 
 
-def test_zero_stages_and_sequence_parallel_lower_memory_as_theory_says():
+def test_zero_stages_and_sequence_parallel_lower_memory_as_our_code_holds_them():
     by_stage = [estimate_memory(MODEL, _layout(tensor_parallel_size=4, zero_stage=z), 4096, 8) for z in range(4)]
-    assert by_stage == sorted(by_stage, reverse=True) and len(set(by_stage)) == 4
+    # Stages 1 and 2 both reduce-scatter after the backward pass, so at its peak ZeRO-2 holds the full bf16
+    # gradients just like ZeRO-1 (issue 16: the tuner used to assume they were sharded during backward).
+    assert by_stage[0] > by_stage[1] == by_stage[2] > by_stage[3]
     psi = MODEL.num_params() / 4  # TP=4 splits every parameter (embeddings included, vocab-parallel)
     dp = 16
+    # DDP: fp32 main grads + masters + Adam = 16Ψ; ZeRO-1: bf16 grads 2Ψ + the same 16Ψ sharded over dp.
     saved_by_zero1 = by_stage[0] - by_stage[1]
-    assert abs(saved_by_zero1 - 12 * psi * (1 - 1 / dp)) / (12 * psi) < 0.05  # optimizer states (12 bytes/param)
+    assert abs(saved_by_zero1 - (14 * psi - 16 * psi / dp)) / (14 * psi) < 0.01
+    # ZeRO-3 also shards the bf16 parameters and keeps no full gradient (FSDP2 reduce-scatters per block).
+    saved_by_zero3 = by_stage[2] - by_stage[3]
+    assert abs(saved_by_zero3 - 4 * psi) / (4 * psi) < 0.01
     no_sp = estimate_memory(MODEL, _layout(tensor_parallel_size=4), 4096, 8)
     with_sp = estimate_memory(MODEL, _layout(tensor_parallel_size=4, sequence_parallel=True), 4096, 8)
     assert with_sp < no_sp
+
+
+def test_activations_of_the_whole_per_rank_batch_without_pipeline():
+    """Without PP the per-rank batch runs as one forward/backward: activations grow with every micro-batch of it.
+    Under 1F1B at most pp micro-batches are alive on a stage."""
+    no_pp = [estimate_memory(MODEL, _layout(tensor_parallel_size=4), 4096, m) for m in (1, 2, 4, 8)]
+    per_microbatch = no_pp[1] - no_pp[0]
+    assert per_microbatch > 0
+    assert no_pp[3] - no_pp[2] == 4 * per_microbatch and no_pp[2] - no_pp[1] == 2 * per_microbatch
+    accumulated = _layout(tensor_parallel_size=4, gradient_accumulation_steps=4)
+    assert estimate_memory(MODEL, accumulated, 4096, 8) == no_pp[1]  # 8 micro-batches in 4 steps: 2 at a time
+    pp4 = [estimate_memory(MODEL, _layout(pipeline_parallel_size=4), 4096, m) for m in (4, 8)]
+    assert pp4[0] == pp4[1]
+
+
+def _compute_only() -> Hardware:
+    return Hardware(intra_node_bandwidth=float("inf"), inter_node_bandwidth=float("inf"))
+
+
+def test_moe_compute_counts_active_parameters():
+    mixtral = TransformerConfig.from_preset("mixtral-8x7b")
+    # Mistral's published sizes: 46.7B parameters, 12.9B active per token.
+    assert abs(mixtral.num_params() / 1e9 - 46.7) < 0.1
+    assert abs(mixtral.num_params(active=True) / 1e9 - 12.9) < 0.1
+    assert MODEL.num_params(active=True) == MODEL.num_params()  # dense: every parameter is active
+    c = ParallelConfig(expert_parallel_size=8).resolve(64)
+    seconds = estimate_step_seconds(mixtral, c, 4096, 64, _compute_only())
+    assert seconds == 6 * mixtral.num_params(active=True) * 64 * 4096 / (64 * Hardware().flops)
+
+
+def test_data_parallel_traffic_gathers_bf16_and_reduces_fp32():
+    hw = Hardware(flops=float("inf"), intra_node_bandwidth=1e9, inter_node_bandwidth=1e9)
+    for stage in (0, 1, 3):
+        c = _layout(zero_stage=stage)
+        psi = MODEL.num_params()  # PP = 1: embedding and head on the one stage
+        want = comm_theory_bytes(2 * psi, 64, stage, grad_bytes=4 * psi).total / 1e9
+        assert abs(estimate_step_seconds(MODEL, c, 4096, 64, hw) - want) / want < 1e-3
 
 
 def test_search_returns_valid_layouts_within_the_memory_budget():

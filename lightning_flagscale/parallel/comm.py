@@ -55,6 +55,7 @@ __all__ = [
     "format_table",
     "gather_summaries",
     "merge_summaries",
+    "traffic_class",
 ]
 
 
@@ -373,6 +374,17 @@ class CommTracker:
         if isinstance(group, str):
             return [n for n in self._stats if group in (n, self._groups[n].desc)]
         return [n for n in self._stats if n == _group_key(group)]
+
+
+def traffic_class(desc: str, op: str) -> str:
+    """``"dp"``, ``"tp"`` or ``"pp"``: which parallelism a group's traffic belongs to, from its description (the mesh
+    dim name, ours or Lightning's); point-to-point ops are pipeline traffic on any group."""
+    d = desc.lower()
+    if op in ("send", "recv") or "pp" in d.split("_") or "pipe" in d:
+        return "pp"
+    if "tp" in d.split("_") or "tensor" in d:
+        return "tp"
+    return "dp"
 
 
 def _group_key(pg: dist.ProcessGroup) -> str:

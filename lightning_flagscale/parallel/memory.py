@@ -3,7 +3,9 @@
 ``state_bytes`` measures what this rank really holds (local shards of DTensor parameters, gradients, optimizer
 master copies and states), so ZeRO and every other layout can be checked against ``zero_theory_bytes``
 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, Fig. 1 and
-Sec. 5) and their traffic against ``comm_theory_bytes`` (Sec. 7).
+Sec. 5), against ``expected_state_bytes`` (the layout this package really uses) and their traffic against
+``comm_theory_bytes`` (Sec. 7). These are the only copies of the formulas: ``tune``, ``bench/`` and the tests
+import them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "ZeroTheory",
     "comm_theory_bytes",
     "current_rss_bytes",
+    "expected_state_bytes",
+    "model_parallel_numel",
     "peak_rss_bytes",
     "state_bytes",
     "zero_theory_bytes",
@@ -39,24 +43,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes of training state held by this rank, each storage counted once (in the first category it appears)."""
+    """Bytes of training state held by this rank, each storage counted once (in the first category it appears).
 
-    params: int
+    Measured by :func:`state_bytes` (whole numbers) or predicted by :func:`expected_state_bytes`.
+    """
+
+    params: float
     """Model parameters (local shards of DTensors)."""
-    grads: int
+    grads: float
     """Gradients of model parameters and of optimizer-owned parameter copies."""
-    master_params: int
+    master_params: float
     """Parameters the optimizers own that are not model parameters (fp32 master weights, ZeRO shard params)."""
-    optimizer_states: int
+    optimizer_states: float
     """Every tensor in ``optimizer.state`` (Adam moments, step counters, ...)."""
 
     @property
-    def optimizer(self) -> int:
+    def optimizer(self) -> float:
         """Master copies + optimizer states: the ZeRO paper's "optimizer states" term (K x Ψ)."""
         return self.master_params + self.optimizer_states
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_states
 
 
@@ -109,6 +116,30 @@ def state_bytes(model: nn.Module, optimizers: Sequence[Optimizer] = ()) -> State
     grads = count(p.grad for p in [*model_params, *opt_params])
     states = count(t for opt in optimizers for t in _state_tensors(opt))
     return StateBytes(params=params, grads=grads, master_params=master, optimizer_states=states)
+
+
+def model_parallel_numel(model: nn.Module) -> int:
+    """Parameters of this rank's model-parallel part (TP shard / pipeline stage), before any data-parallel sharding.
+
+    The Ψ of the ZeRO formulas for one rank: a DTensor's global numel is divided by the sizes of the mesh dims it is
+    sharded over, except data-parallel ones (mesh dims whose name contains ``dp`` or ``data``). Tied weights count once.
+    """
+    total, seen = 0, set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if not isinstance(p, DTensor):
+            total += p.numel()
+            continue
+        n = p.shape.numel()
+        names = p.device_mesh.mesh_dim_names or ()
+        for i, placement in enumerate(p.placements):
+            name = names[i] if i < len(names) else ""
+            if isinstance(placement, Shard) and "dp" not in name and "data" not in name:
+                n //= p.device_mesh.size(i)
+        total += n
+    return total
 
 
 def peak_rss_bytes() -> int:
@@ -178,6 +209,46 @@ def zero_theory_bytes(
     )
 
 
+_MODEL_DTYPE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
+
+
+def expected_state_bytes(
+    num_params: float,
+    dp: int,
+    stage: Literal[0, 1, 2, 3],
+    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = "32-true",
+    *,
+    when: Literal["optimizer_step", "backward_peak"] = "optimizer_step",
+) -> StateBytes:
+    """Model-state bytes per rank that this package holds for Ψ = ``num_params`` parameters over ``dp`` ranks (Adam).
+
+    The same categories as :func:`state_bytes` measures, so a run can be compared field by field. Differences from
+    the paper's layout (:func:`zero_theory_bytes`): gradients are reduced into fp32 "main" gradients (4 bytes
+    whatever the parameter dtype); stages 1-2 keep an fp32 main copy of their 1/N slice even in fp32 training;
+    ZeRO-3 (FSDP2) stores fp32 sharded parameters and casts them per block. At ``"optimizer_step"`` (after the
+    reduction) stages 1 and 2 hold the same 4Ψ/N of gradients. During backward (``"backward_peak"``) every stage
+    below 3 holds the full model-dtype gradients, because stages 1 and 2 both reduce-scatter after the backward pass
+    (stage 2 after every one, so that accumulation keeps only the fp32 shard between micro-steps); the reduced fp32
+    shard exists alongside them at the peak.
+    """
+    if precision not in _MODEL_DTYPE_BYTES:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(_MODEL_DTYPE_BYTES)}.")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} must be 0 (DDP), 1, 2 or 3.")
+    if when not in ("optimizer_step", "backward_peak"):
+        raise ValueError(f"when={when!r}: use 'optimizer_step' or 'backward_peak'.")
+    if dp < 1 or num_params < 0:
+        raise ValueError(f"Need dp >= 1 and num_params >= 0, got dp={dp}, num_params={num_params}.")
+    psi, n, model = num_params, dp, _MODEL_DTYPE_BYTES[precision]
+    if stage == 3:
+        return StateBytes(params=4 * psi / n, grads=4 * psi / n, master_params=0, optimizer_states=8 * psi / n)
+    if stage == 0:
+        master = 4 * psi if model != 4 else 0  # mixed precision: fp32 master weights (whole, unsharded)
+        return StateBytes(params=model * psi, grads=4 * psi, master_params=master, optimizer_states=8 * psi)
+    grads = 4 * psi / n + (model * psi if when == "backward_peak" else 0)
+    return StateBytes(params=model * psi, grads=grads, master_params=4 * psi / n, optimizer_states=8 * psi / n)
+
+
 @dataclass(frozen=True)
 class CommTheory:
     """Wire bytes per rank per step predicted by the ZeRO paper, per op (names as in ``CommTracker``)."""
@@ -190,7 +261,7 @@ class CommTheory:
 
 
 def comm_theory_bytes(
-    num_params_bytes: int, dp: int, stage: Literal[0, 1, 2, 3], *, grad_bytes: int | None = None
+    num_params_bytes: float, dp: int, stage: Literal[0, 1, 2, 3], *, grad_bytes: float | None = None
 ) -> CommTheory:
     """Data-parallel wire bytes per rank per step for parameters of ``num_params_bytes`` (Ψ) bytes.
 

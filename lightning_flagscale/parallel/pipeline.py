@@ -35,15 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
     _add_send_recv,
     _add_unshard_reshard,
     _ComputationType,
@@ -52,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
 
 __all__ = [
     "SCHEDULES",
@@ -69,19 +65,12 @@ __all__ = [
     "validate_schedule",
 ]
 
-# name -> (torch schedule class, stage placement). V placement: rank i holds stages i and 2p-1-i.
+# name -> (torch schedule class, stage placement), from the one list of names in ``schedules.py``.
 SCHEDULES: dict[str, tuple[type, str]] = {
-    "gpipe": (ScheduleGPipe, "loop"),
-    "1f1b": (Schedule1F1B, "loop"),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop"),
-    "zero_bubble": (ScheduleInterleavedZeroBubble, "loop"),
-    "zbv": (ScheduleZBVZeroBubble, "v"),
-    "dualpipev": (ScheduleDualPipeV, "v"),
+    name: (getattr(_torch_schedules, spec.torch_class), spec.placement) for name, spec in SCHEDULE_SPECS.items()
 }
-_V_SCHEDULES = ("zbv", "dualpipev")
-_SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 # Run input- and weight-gradients as two autograd passes (the first stage does one full pass in the W step).
-_SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+_SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.split_backward)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -275,55 +264,6 @@ def stage_ids_for_rank(rank: int, pipeline_parallel_size: int, num_stages: int, 
             raise ValueError(f"V-shaped placement needs exactly 2 stages per rank ({2 * p}), got {num_stages}.")
         return [rank, 2 * p - 1 - rank]
     return list(range(rank, num_stages, p))
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Schedule checks (pure)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def min_microbatches(schedule: str, pipeline_parallel_size: int, virtual_pipeline_parallel_size: int = 1) -> int:
-    """Fewest micro-batches ``schedule`` accepts at this layout (fewer would leave stages without work or deadlock)."""
-    if schedule == "gpipe":
-        return 1
-    if schedule == "dualpipev":
-        return 2 * pipeline_parallel_size  # torch: at least as many micro-batches as stages
-    return pipeline_parallel_size
-
-
-def validate_schedule(
-    schedule: str, pipeline_parallel_size: int, virtual_pipeline_parallel_size: int, n_microbatches: int | None = None
-) -> None:
-    """Raise ``ValueError`` naming the fix when ``schedule`` cannot run this layout (before any stage is built)."""
-    p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is unknown; use one of {sorted(SCHEDULES)}.")
-    if schedule in _SINGLE_STAGE_SCHEDULES and v != 1:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} runs one stage per rank but virtual_pipeline_parallel_size={v}; use"
-            " 'interleaved_1f1b' or 'zero_bubble' for virtual stages, or set virtual_pipeline_parallel_size=1."
-        )
-    if schedule in _V_SCHEDULES and v != 2:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} is V-shaped: every rank holds exactly 2 stages (i and 2p-1-i), so it "
-            f"needs virtual_pipeline_parallel_size=2, got {v} ({p * v} stages for {p} ranks)."
-        )
-    if n_microbatches is None:
-        return
-    need = min_microbatches(schedule, p, v)
-    if n_microbatches < need:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} with pipeline_parallel_size={p} needs at least {need} micro-batches, "
-            f"got {n_microbatches}; raise the batch size or lower micro_batch_size "
-            "(micro-batches = batch per data-parallel rank / micro_batch_size)."
-        )
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
-        rounds = max(1, n_microbatches // p)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"pipeline_schedule={schedule!r} needs the micro-batch count to be a multiple of the number of "
-                f"rounds (micro-batches // pipeline size = {rounds}), got {n_microbatches}; use a multiple of {p}."
-            )
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_no
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
+from lightning_flagscale.parallel.schedules import ScheduleName
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
 from lightning_flagscale.strategies._checkpoint import (
     load_training_state,
@@ -78,7 +79,7 @@ class FlagScaleStrategy(ParallelStrategy):
         *,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        virtual_pipeline_parallel_size: int = 1,
+        virtual_pipeline_parallel_size: int | None = None,
         context_parallel_size: int = 1,
         context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring",
         ulysses_size: int | None = None,
@@ -89,7 +90,7 @@ class FlagScaleStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
         gradient_accumulation_steps: int = 1,
-        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b",
+        pipeline_schedule: ScheduleName = "1f1b",
         pipeline_layers: list[int] | None = None,
         pipeline_balance: Literal["even", "cost"] = "even",
         recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",

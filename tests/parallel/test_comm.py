@@ -281,3 +281,15 @@ def test_comm_theory(dp):
     # bf16 parameters with an fp32 gradient reduction: the reduce side doubles, the gather side does not.
     mixed = comm_theory_bytes(psi, dp, 1, grad_bytes=2 * psi).by_op
     assert mixed == {"reduce_scatter": 2 * psi * (dp - 1) / dp, "all_gather": psi * (dp - 1) / dp}
+
+
+def test_traffic_classes():
+    from lightning_flagscale.parallel.comm import traffic_class
+
+    assert traffic_class("mesh_tp", "all_reduce") == "tp"
+    assert traffic_class("mesh_tensor_parallel", "all_gather") == "tp"
+    assert traffic_class("mesh_pp", "send") == "pp"
+    assert traffic_class("default_pg", "recv") == "pp"  # P2P is pipeline traffic on any group
+    assert traffic_class("mesh_dp_cp", "reduce_scatter") == "dp"
+    assert traffic_class("mesh_data_parallel", "all_gather") == "dp"
+    assert traffic_class("default_pg", "all_reduce") == "dp"

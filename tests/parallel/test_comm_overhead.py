@@ -1,10 +1,11 @@
-"""Accounting the strategy comparison (``lightning-flagscale bench``) relies on, beyond ``test_comm.py``.
+"""Accounting the strategy comparison (``bench/compare_strategies.py``) relies on, beyond ``test_comm.py``.
 
 - the C++ ``Reducer`` of torch DDP (what Lightning's ``DDPStrategy`` wraps) and FSDP1 (``FSDPStrategy``) issue their
-  collectives outside Python, yet ``CommTracker`` must see every byte of them;
-- no dispatch mode stays on the stack once the window closes (the zero-overhead path), and nothing is counted then;
-- the bench's own bookkeeping: traffic classes from group descriptions, the model-parallel parameter count of
-  DTensor parameters, and the theory it compares against.
+  collectives outside Python, yet ``CommTracker`` must see every byte of them, matching ``comm_theory_bytes``;
+- no dispatch mode stays on the stack once the window closes (the zero-overhead path), and nothing is counted then.
+
+The formulas themselves and the model-parallel parameter count are tested in ``test_memory.py``, traffic classes
+in ``test_comm.py``.
 
 Never timing.
 """
@@ -17,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lightning_flagscale.bench_cli import RunSpec, _dp_comm_theory, _mp_local_numel, _state_theory, _traffic_class
 from lightning_flagscale.parallel.comm import CommTracker
+from lightning_flagscale.parallel.memory import comm_theory_bytes
 
 
 def _ddp_reducer() -> dict:
@@ -65,6 +66,7 @@ def test_ddp_reducer_all_reduce_is_counted(launcher):
         assert r["calls"] == 1
         assert r["payload"] == psi_bytes
         assert r["wire"] == pytest.approx(2 * psi_bytes * (2 - 1) / 2, rel=0, abs=0)
+        assert r["wire"] == comm_theory_bytes(psi_bytes, 2, stage=0).total
         assert r["other"] == r["wire"]  # nothing else moved
 
 
@@ -74,8 +76,7 @@ def test_fsdp1_full_shard_matches_zero3_theory(launcher):
         assert r["all_gather"] == 2 * psi_bytes / 2
         assert r["reduce_scatter"] == psi_bytes / 2
         assert r["all_reduce"] == 0
-        assert r["all_gather"] + r["reduce_scatter"] == _dp_comm_theory(RunSpec(name="z3", family="x", kind="x",
-                                                                                zero_stage=3), 192, 2)  # fmt: skip
+        assert r["all_gather"] + r["reduce_scatter"] == comm_theory_bytes(psi_bytes, 2, stage=3).total
 
 
 def _disabled_path() -> dict:
@@ -91,44 +92,3 @@ def _disabled_path() -> dict:
 def test_no_mode_and_no_counting_outside_the_window(launcher):
     for r in launcher(2, _disabled_path):
         assert r == {"inside": True, "after_none": True, "calls": 1}
-
-
-def _tp_dp_local_numel() -> dict:
-    """2 x 2 mesh: a weight sharded over tp and dp counts Ψ/tp (its model-parallel part), a tp-replicated bias Ψ."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = nn.Module()
-    model.w = nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1), Shard(0)]))
-    model.b = nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0), Replicate()]))
-    model.plain = nn.Parameter(torch.zeros(5))
-    lightning_names = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    model2 = nn.Module()
-    model2.w = nn.Parameter(distribute_tensor(torch.zeros(8, 6), lightning_names, [Shard(1), Shard(0)]))
-    return {"ours": _mp_local_numel(model), "lightning": _mp_local_numel(model2)}
-
-
-def test_model_parallel_numel_of_dtensors(launcher):
-    for r in launcher(4, _tp_dp_local_numel):
-        assert r == {"ours": 48 // 2 + 8 + 5, "lightning": 48 // 2}
-
-
-def test_traffic_classes():
-    assert _traffic_class("mesh_tp", "all_reduce") == "tp"
-    assert _traffic_class("mesh_tensor_parallel", "all_gather") == "tp"
-    assert _traffic_class("mesh_pp", "send") == "pp"
-    assert _traffic_class("default_pg", "recv") == "pp"  # P2P is pipeline traffic on any group
-    assert _traffic_class("mesh_dp_cp", "reduce_scatter") == "dp"
-    assert _traffic_class("mesh_data_parallel", "all_gather") == "dp"
-    assert _traffic_class("default_pg", "all_reduce") == "dp"
-
-
-@pytest.mark.parametrize(
-    ("stage", "expected"),
-    [(0, (16 * 100, 16 * 100)), (1, (4 * 100 + 16 * 100 / 4, 8 * 100 + 8 * 100 / 4)), (3, (400, 400))],
-)
-def test_state_and_comm_theory(stage, expected):
-    spec = RunSpec(name="x", family="flagscale", kind="flagscale", zero_stage=stage)
-    assert _state_theory(spec, 100, 4) == expected
-    assert _dp_comm_theory(spec, 100, 4) == (3 if stage == 3 else 2) * 400 * 3 / 4

@@ -1,4 +1,6 @@
-"""state_bytes on tiny models + AdamW (plain, tied, bf16 master copies, FSDP2 shards) and the ZeRO formulas."""
+"""state_bytes on tiny models + AdamW (plain, tied, bf16 master copies, FSDP2 shards), the model-parallel parameter
+count, and the one copy of each formula (ZeRO paper, this package's layout, data-parallel traffic) that ``tune``,
+``bench/`` and the tests share."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from torch import nn
 
 from lightning_flagscale.parallel.memory import (
     StateBytes,
+    comm_theory_bytes,
     current_rss_bytes,
+    expected_state_bytes,
+    model_parallel_numel,
     peak_rss_bytes,
     state_bytes,
     zero_theory_bytes,
@@ -106,3 +111,73 @@ def test_zero_theory_fp32_and_validation():
         zero_theory_bytes(10, dp=2, stage=1, layout="fp16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stage"):
         zero_theory_bytes(10, dp=2, stage=4)  # type: ignore[arg-type]
+
+
+def _tp_dp_local_numel() -> dict:
+    """2 x 2 mesh: a weight sharded over tp and dp counts Ψ/tp (its model-parallel part), a tp-replicated bias Ψ."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1), Shard(0)]))
+    model.b = nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0), Replicate()]))
+    model.plain = nn.Parameter(torch.zeros(5))
+    lightning_names = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model2 = nn.Module()
+    model2.w = nn.Parameter(distribute_tensor(torch.zeros(8, 6), lightning_names, [Shard(1), Shard(0)]))
+    return {"ours": model_parallel_numel(model), "lightning": model_parallel_numel(model2)}
+
+
+def test_model_parallel_numel_of_dtensors(launcher):
+    for r in launcher(4, _tp_dp_local_numel):
+        assert r == {"ours": 48 // 2 + 8 + 5, "lightning": 48 // 2}
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [(0, (16 * 100, 16 * 100)), (1, (4 * 100 + 16 * 100 / 4, 8 * 100 + 8 * 100 / 4)), (3, (400, 400))],
+)
+def test_fp32_state_theory_ours_and_paper(stage, expected):
+    """fp32 Adam: our ZeRO-1 frees the full gradient once reduce-scattered into its fp32 main shard (4Ψ + 16Ψ/N at
+    the optimizer step), where the paper's ZeRO-1 keeps it (8Ψ + 8Ψ/N)."""
+    ours = expected_state_bytes(100, 4, stage, "32-true").total
+    paper = zero_theory_bytes(100, 4, stage, layout="fp32").total
+    assert (ours, paper) == expected
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dp_comm_theory_fp32(stage):
+    assert comm_theory_bytes(4 * 100, 4, stage).total == (3 if stage == 3 else 2) * 400 * 3 / 4
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage", "expected"),
+    [
+        ("32-true", 0, (4, 4, 0, 8)),
+        ("32-true", 2, (4, 4 / 4, 4 / 4, 8 / 4)),
+        ("32-true", 3, (4 / 4, 4 / 4, 0, 8 / 4)),
+        ("bf16-mixed", 0, (2, 4, 4, 8)),
+        ("bf16-mixed", 1, (2, 4 / 4, 4 / 4, 8 / 4)),
+        ("bf16-mixed", 2, (2, 4 / 4, 4 / 4, 8 / 4)),
+        ("bf16-mixed", 3, (4 / 4, 4 / 4, 0, 8 / 4)),
+    ],
+)
+def test_expected_state_bytes_at_the_optimizer_step(precision, stage, expected):
+    """Per category, bytes per parameter of this package's layout (the README's "Mixed precision layout")."""
+    got = expected_state_bytes(1000, 4, stage, precision)
+    assert (got.params, got.grads, got.master_params, got.optimizer_states) == tuple(1000 * e for e in expected)
+
+
+def test_backward_peak_holds_the_full_gradients_below_zero3():
+    """Stages 1 and 2 reduce-scatter after the backward pass: until then every rank holds the full model-dtype
+    gradients, so ZeRO-2 saves no gradient memory at the peak (issue 16: the tuner assumed it did)."""
+    for stage in (1, 2):
+        peak = expected_state_bytes(1000, 4, stage, "bf16-mixed", when="backward_peak")
+        assert peak.grads == 2 * 1000 + 4 * 1000 / 4
+    assert expected_state_bytes(1000, 4, 3, "bf16-mixed", when="backward_peak").grads == 4 * 1000 / 4
+    assert expected_state_bytes(1000, 4, 0, "bf16-mixed", when="backward_peak").grads == 4 * 1000
+    with pytest.raises(ValueError, match="precision"):
+        expected_state_bytes(10, 2, 1, "fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stage"):
+        expected_state_bytes(10, 2, 4)  # type: ignore[arg-type]

@@ -19,13 +19,12 @@ from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.parallel.pipeline import (
     build_pipeline,
     build_stage_module,
-    min_microbatches,
     plan_stages,
     stage_ids_for_rank,
     unit_param_costs,
-    validate_schedule,
 )
 from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+from lightning_flagscale.parallel.schedules import min_microbatches
 from lightning_flagscale.parallel.tensor import apply_tp
 
 TOL = 1e-5
@@ -271,12 +270,6 @@ def test_v_placement():
     [
         (lambda: plan_stages(_units(2), 3, 2), "exceed the 5 pipeline units"),
         (lambda: plan_stages(_units(10), 2, 4), "does not divide the 5 layer slots"),
-        (lambda: validate_schedule("1f1b", 4, 1, 3), "at least 4 micro-batches"),
-        (lambda: validate_schedule("dualpipev", 2, 2, 3), "at least 4 micro-batches"),
-        (lambda: validate_schedule("zbv", 2, 1), "needs virtual_pipeline_parallel_size=2"),
-        (lambda: validate_schedule("dualpipev", 2, 3), "exactly 2 stages"),
-        (lambda: validate_schedule("1f1b", 2, 2), "one stage per rank"),
-        (lambda: validate_schedule("pipedream", 2, 1), "unknown"),
         (lambda: plan_stages(_units(4), 2, pipeline_layers=[1, 2]), "sum to the 4"),
         (lambda: resolve_recompute(["full"], 2), "one mode per pipeline stage"),
         (lambda: resolve_recompute("most", 1), "unknown"),
@@ -286,12 +279,6 @@ def test_v_placement():
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_min_microbatches():
-    assert min_microbatches("gpipe", 4) == 1
-    assert min_microbatches("1f1b", 4) == 4
-    assert min_microbatches("dualpipev", 4, 2) == 8
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

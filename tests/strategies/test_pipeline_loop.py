@@ -25,7 +25,8 @@ def tied_reference():
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"])
 def test_schedules_in_the_lightning_loop(launcher, reference, schedule):
-    vpp = 1 if schedule in ("gpipe", "1f1b") else 2
+    # zbv and dualpipev get no virtual size: V-shaped schedules pick 2 chunks per rank by themselves (issue 10).
+    vpp = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}.get(schedule)
     kwargs = dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=vpp, pipeline_schedule=schedule,
                   micro_batch_size=1)  # fmt: skip
     _check(launcher(2, trainer_run, kwargs, tiny_config(num_layers=4), STEPS, clip=1.0), reference, schedule)

@@ -1,0 +1,255 @@
+"""``ParallelConfig``: the one topology object (degrees of every parallelism and the micro-batching around them).
+
+It validates itself where it lives, before any process group exists, and every user mistake raises
+``ValueError``/``TypeError`` naming the value and the fix. Nothing here touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
+
+if TYPE_CHECKING:
+    from lightning_flagscale.config.transformer import TransformerConfig
+
+__all__ = ["ParallelConfig", "RecomputeMode"]
+
+
+RecomputeMode = Literal["none", "selective", "full"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Degrees of every parallelism and the micro-batching around them.
+
+    World = pp x dp x cp x tp, with tp fastest-varying in rank order (see ``parallel/mesh.py``). Experts fold
+    over the dp x cp x tp ranks of a stage as edp x ep x etp (Megatron's MoE parallel folding).
+    """
+
+    tensor_parallel_size: int = 1
+    """Megatron tensor parallel degree (heads, MLP columns/rows, vocab)."""
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages groups (ranks along the pipeline)."""
+    virtual_pipeline_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved / V schedules); ``None`` (auto) means 2 for the V-shaped schedules
+    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise."""
+    context_parallel_size: int = 1
+    """Sequence split for attention (ring, Ulysses or both)."""
+    context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    """How attention is computed across the CP group."""
+    ulysses_size: int | None = None
+    """Ulysses degree inside CP for ``hybrid``; ``None`` means all of CP for ``ulysses`` and 1 for ``ring``."""
+    expert_parallel_size: int = 1
+    """Ranks the routed experts are split over."""
+    expert_tensor_parallel_size: int = 1
+    """Tensor parallel degree inside each expert."""
+    data_parallel_size: int | None = None
+    """Data-parallel replicas; ``None`` derives it from the world size."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch fed through a pipeline schedule."""
+    gradient_accumulation_steps: int = 1
+    """Batches accumulated per optimizer step (sets the Trainer's ``accumulate_grad_batches``)."""
+    pipeline_schedule: ScheduleName = "1f1b"
+    """Pipeline schedule name (see ``parallel/schedules.py``)."""
+    pipeline_layers: list[int] | None = None
+    """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
+    hetero_dp_batch_sizes: list[int] | None = None
+    """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
+    e.g. ``[6, 2]``; ``None`` splits every batch evenly."""
+    pipeline_balance: Literal["even", "cost"] = "even"
+    """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
+    (embedding and LM head included)."""
+    recompute: RecomputeMode | list[RecomputeMode] = "none"
+    """Activation recompute per block: ``none``, ``selective`` (norms, activations) or ``full``; or one per stage."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
+            "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
+            "gradient_accumulation_steps",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name == "virtual_pipeline_parallel_size":
+                continue  # auto, resolved below
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
+        auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
+        if self.virtual_pipeline_parallel_size is None:
+            self.virtual_pipeline_parallel_size = auto_vpp
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
+                " set tensor_parallel_size >= 2 or sequence_parallel=False."
+            )
+        if self.context_parallel_mode not in ("ring", "ulysses", "hybrid"):
+            raise ValueError(
+                f"context_parallel_mode={self.context_parallel_mode!r}; use 'ring', 'ulysses' or 'hybrid'."
+            )
+        if self.context_parallel_size % self.resolved_ulysses_size:
+            raise ValueError(
+                f"ulysses_size={self.resolved_ulysses_size} must divide context_parallel_size="
+                f"{self.context_parallel_size} (hybrid CP = ring x ulysses)."
+            )
+        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                "virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1; raise the pipeline size or set"
+                " virtual_pipeline_parallel_size=1."
+            )
+        if self.pp_enabled:
+            # Every schedule rule that needs only the layout (chunks per rank, V placement); the micro-batch count is
+            # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
+            validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
+        modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
+        if any(m not in ("none", "selective", "full") for m in modes) or not modes:
+            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")
+        if not isinstance(self.recompute, str) and len(modes) != self.num_stages:
+            raise ValueError(
+                f"recompute has {len(modes)} entries but there are {self.num_stages} pipeline stages; give one mode"
+                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size) or a single mode."
+            )
+        if self.pipeline_balance not in ("even", "cost"):
+            raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
+        if self.pipeline_layers is not None and len(self.pipeline_layers) != self.num_stages:
+            raise ValueError(
+                f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"
+                f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
+            )
+
+    # ---- derived sizes ----
+    @property
+    def resolved_ulysses_size(self) -> int:
+        if self.ulysses_size is not None:
+            return self.ulysses_size
+        return self.context_parallel_size if self.context_parallel_mode == "ulysses" else 1
+
+    @property
+    def ring_size(self) -> int:
+        return self.context_parallel_size // self.resolved_ulysses_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.virtual_pipeline_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one data replica: pp x cp x tp."""
+        return self.pipeline_parallel_size * self.context_parallel_size * self.tensor_parallel_size
+
+    @property
+    def dp(self) -> int:
+        if self.data_parallel_size is None:
+            raise RuntimeError("data_parallel_size is not resolved yet; call resolve(world_size) first.")
+        return self.data_parallel_size
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pipeline_parallel_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.context_parallel_size > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.expert_parallel_size > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.model_parallel_size
+
+    # ---- validation against the outside world ----
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """Derive ``data_parallel_size`` from ``world_size`` and check the product; returns ``self``."""
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"World size {world_size} is not divisible by pipeline x context x tensor = "
+                f"{self.pipeline_parallel_size} x {self.context_parallel_size} x {self.tensor_parallel_size} = {mp};"
+                " change the parallel sizes or the number of devices/nodes."
+            )
+        if self.data_parallel_size is None:
+            self.data_parallel_size = world_size // mp
+        elif self.data_parallel_size * mp != world_size:
+            raise ValueError(
+                f"data_parallel_size x pipeline x context x tensor = {self.data_parallel_size} x "
+                f"{self.pipeline_parallel_size} x {self.context_parallel_size} x {self.tensor_parallel_size} = "
+                f"{self.data_parallel_size * mp} does not match the world size {world_size}; set "
+                f"data_parallel_size={world_size // mp} or leave it None (auto)."
+            )
+        if self.hetero_dp_batch_sizes is not None:
+            from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
+
+            check_hetero_batch_sizes(
+                self.hetero_dp_batch_sizes, self.dp, micro_batch_size=self.micro_batch_size, pipeline=self.pp_enabled
+            )
+        folded = self.dp * self.context_parallel_size * self.tensor_parallel_size
+        ep_etp = self.expert_parallel_size * self.expert_tensor_parallel_size
+        if folded % ep_etp:
+            raise ValueError(
+                f"expert_parallel_size x expert_tensor_parallel_size = {ep_etp} must divide data x context x tensor"
+                f" = {folded} (experts fold over the ranks of one pipeline stage); change expert_parallel_size."
+            )
+        return self
+
+    def validate_model(self, config: TransformerConfig) -> None:
+        """Check that ``config`` can be split the way this layout asks."""
+        tp = self.tensor_parallel_size
+        if config.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={config.num_attention_heads} is not divisible by tensor_parallel_size={tp};"
+                " choose a TP size that divides the head count."
+            )
+        if config.num_key_value_heads % tp:
+            raise ValueError(
+                f"num_key_value_heads={config.num_key_value_heads} is not divisible by tensor_parallel_size={tp};"
+                " choose a TP size that divides the KV head count."
+            )
+        if config.intermediate_size % tp:
+            raise ValueError(
+                f"intermediate_size={config.intermediate_size} is not divisible by tensor_parallel_size={tp}."
+            )
+        if self.pp_enabled and self.pipeline_layers is None and config.num_layers < self.num_stages:
+            raise ValueError(
+                f"num_layers={config.num_layers} is smaller than pipeline x virtual stages = {self.num_stages};"
+                " lower pipeline_parallel_size/virtual_pipeline_parallel_size."
+            )
+        if self.pipeline_layers is not None and sum(self.pipeline_layers) != config.num_layers:
+            raise ValueError(
+                f"pipeline_layers={self.pipeline_layers} sums to {sum(self.pipeline_layers)} but the model has "
+                f"num_layers={config.num_layers}."
+            )
+        if self.cp_enabled:
+            u = self.resolved_ulysses_size
+            local_heads = config.num_attention_heads // tp
+            if local_heads % u:
+                raise ValueError(
+                    f"Ulysses degree {u} does not divide the TP-local head count {local_heads}"
+                    f" (num_attention_heads={config.num_attention_heads} / tensor_parallel_size={tp});"
+                    " lower ulysses_size or use context_parallel_mode='ring'."
+                )
+        if self.ep_enabled:
+            if not config.is_moe:
+                raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts > 0).")
+            if config.num_experts % self.expert_parallel_size:
+                raise ValueError(
+                    f"num_experts={config.num_experts} is not divisible by expert_parallel_size="
+                    f"{self.expert_parallel_size}."
+                )

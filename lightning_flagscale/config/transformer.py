@@ -1,0 +1,185 @@
+"""``TransformerConfig``: shape and numerics of a decoder-only transformer (dense or MoE), validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_flagscale.config.fields import check_known_fields
+from lightning_flagscale.config.presets import PRESETS
+
+__all__ = ["TransformerConfig"]
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Shape and numerics of a decoder-only transformer (dense or MoE)."""
+
+    name: str = "custom"
+    """Preset name or free label."""
+    hf_source: str | None = None
+    """Hugging Face model this shape mirrors, for reference."""
+    vocab_size: int = 256
+    """Number of real tokens; the embedding is padded to ``padded_vocab_size`` for TP."""
+    hidden_size: int = 64
+    """Model width."""
+    intermediate_size: int = 128
+    """SwiGLU inner width of dense MLPs."""
+    num_layers: int = 2
+    """Number of decoder blocks."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (GQA); ``None`` means equal to ``num_attention_heads``."""
+    head_dim: int | None = None
+    """Per-head width; ``None`` means ``hidden_size // num_attention_heads``."""
+    max_seq_len: int = 256
+    """Longest sequence the RoPE tables are built for."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None = None
+    """``None`` or the Llama-3 variant: ``{"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}``."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and the LM head."""
+    initializer_range: float = 0.02
+    """Std of the normal init of weights."""
+    attn_backend: Literal["torch", "flash_attn", "transformer_engine"] = "torch"
+    """Core-attention kernel: ``torch`` runs anywhere; the others need their package and a GPU."""
+    # ---- MoE (num_experts == 0 means dense) ----
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 2
+    """Top-k experts per token."""
+    moe_intermediate_size: int | None = None
+    """Inner width of each routed expert; ``None`` means ``intermediate_size``."""
+    num_shared_experts: int = 0
+    """Always-active shared experts (DeepSeek / Qwen2-MoE)."""
+    shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert block; ``None`` means ``moe_intermediate_size * num_shared_experts``."""
+    shared_expert_gate: bool = False
+    """Sigmoid gate on the shared expert output (Qwen2-MoE)."""
+    router_type: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scoring function."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to one."""
+    first_k_dense_layers: int = 0
+    """Leading blocks that keep a dense MLP (DeepSeek-V3)."""
+    moe_layer_freq: int = 1
+    """Every n-th block (after the dense ones) is MoE."""
+    moe_aux_loss_coeff: float = 0.0
+    """Switch-style load-balancing loss coefficient."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient."""
+    moe_router_bias_update_rate: float = 0.0
+    """DeepSeek-V3 aux-loss-free balancing: bias update speed (0 disables)."""
+    moe_capacity_factor: float | None = None
+    """``None`` for dropless routing; otherwise tokens over capacity are dropped."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: number of expert groups each token may use."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: number of expert groups."""
+    moe_router_scaling_factor: float = 1.0
+    """Multiplier on routing weights (DeepSeek-V3 ``routed_scaling_factor``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly or change one of them."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads="
+                f"{self.num_key_value_heads} (grouped-query attention)."
+            )
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") not in ("llama3", "default"):
+            raise ValueError(
+                f"rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported; use 'llama3' or None."
+            )
+        if self.num_experts:
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} is larger than num_experts={self.num_experts};"
+                    " lower the top-k or add experts."
+                )
+            if self.moe_intermediate_size is None:
+                self.moe_intermediate_size = self.intermediate_size
+        if self.attn_backend not in ("torch", "flash_attn", "transformer_engine"):
+            raise ValueError(
+                f"attn_backend={self.attn_backend!r} is unknown; use 'torch', 'flash_attn' or 'transformer_engine'."
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` uses a routed-expert MLP."""
+        if not self.is_moe or index < self.first_k_dense_layers:
+            return False
+        return (index - self.first_k_dense_layers) % self.moe_layer_freq == 0
+
+    def padded_vocab_size(self, multiple: int = 1) -> int:
+        """Vocabulary rounded up to a multiple of ``multiple`` (the TP size): rows past ``vocab_size`` are padding."""
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def num_params(self, include_embedding: bool = True, *, active: bool = False) -> int:
+        """Parameter count of the dense/MoE decoder (no padding), for planning and reports.
+
+        ``active=True`` counts only what one token runs through: ``num_experts_per_tok`` routed experts per MoE
+        layer (plus shared experts and the router), the FLOP-relevant count (6 x active params x tokens).
+        """
+        h, q, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = h * q * d + 2 * h * kv * d + q * d * h
+        if self.attention_bias:
+            attn += q * d + 2 * kv * d
+        if self.qk_norm:
+            attn += 2 * d
+        dense_mlp = 3 * h * self.intermediate_size
+        total = 0
+        for i in range(self.num_layers):
+            total += attn + 2 * h
+            if self.is_moe_layer(i):
+                routed = self.num_experts_per_tok if active else self.num_experts
+                total += routed * 3 * h * self.moe_intermediate_size + h * self.num_experts
+                if self.num_shared_experts:
+                    shared = (
+                        self.shared_expert_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
+                    )
+                    total += 3 * h * shared + (h if self.shared_expert_gate else 0)
+            else:
+                total += dense_mlp
+        total += h  # final norm
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """Build a config from a registered preset name, with optional field overrides."""
+        if name not in PRESETS:
+            close = difflib.get_close_matches(name, list(PRESETS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Unknown preset {name!r}.{hint} Available: {', '.join(sorted(PRESETS))}.")
+        check_known_fields(cls, overrides)
+        return cls(**{**PRESETS[name], "name": name, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,93 @@
+"""Pipeline schedules by name (``parallel/schedules.py``): one list of names, every layout rule checked when the
+``ParallelConfig`` (or the strategy) is created, before any process exists; V-shaped schedules pick 2 chunks."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from lightning_flagscale import FlagScaleStrategy, ParallelConfig
+from lightning_flagscale.parallel.schedules import (
+    SCHEDULE_NAMES,
+    SCHEDULE_SPECS,
+    ScheduleName,
+    default_virtual_size,
+    min_microbatches,
+    validate_schedule,
+)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: validate_schedule("1f1b", 4, 1, 3), "at least 4 micro-batches"),
+        (lambda: validate_schedule("dualpipev", 2, 2, 3), "at least 4 micro-batches"),
+        (lambda: validate_schedule("interleaved_1f1b", 2, 2, 5), "multiple of 2"),
+        (lambda: validate_schedule("zbv", 2, 1), "needs virtual_pipeline_parallel_size=2"),
+        (lambda: validate_schedule("dualpipev", 2, 3), "exactly 2 stages"),
+        (lambda: validate_schedule("1f1b", 2, 2), "one stage per rank"),
+        (lambda: validate_schedule("pipedream", 2, 1), "unknown"),
+    ],
+)
+def test_validate_schedule_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_min_microbatches():
+    assert min_microbatches("gpipe", 4) == 1
+    assert min_microbatches("1f1b", 4) == 4
+    assert min_microbatches("dualpipev", 4, 2) == 8
+
+
+def test_one_list_of_names_for_config_strategy_and_torch():
+    from lightning_flagscale.config.parallel import ParallelConfig as _Config
+    from lightning_flagscale.parallel.pipeline import SCHEDULES
+
+    assert tuple(SCHEDULE_SPECS) == SCHEDULE_NAMES == typing.get_args(ScheduleName)
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES  # every name maps to a torch schedule class
+    hints = typing.get_type_hints(_Config)
+    assert hints["pipeline_schedule"] == ScheduleName
+    assert typing.get_type_hints(FlagScaleStrategy.__init__)["pipeline_schedule"] == ScheduleName
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "want"),
+    [("zbv", 2, 2), ("dualpipev", 4, 2), ("1f1b", 2, 1), ("gpipe", 2, 1), ("interleaved_1f1b", 2, 1),
+     ("zero_bubble", 2, 1), ("zbv", 1, 1)],
+)  # fmt: skip
+def test_virtual_size_is_auto_when_unset(schedule, pp, want):
+    assert default_virtual_size(schedule, pp) == want
+    assert ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule=schedule).virtual_pipeline_parallel_size == want
+    strategy = FlagScaleStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule)
+    assert strategy.parallel.virtual_pipeline_parallel_size == want
+    assert strategy.parallel.num_stages == pp * want
+
+
+def test_explicit_virtual_size_is_kept():
+    cfg = ParallelConfig(pipeline_parallel_size=2, virtual_pipeline_parallel_size=3, pipeline_schedule="zero_bubble")
+    assert cfg.num_stages == 6
+    # Auto resolves before the per-stage lists are checked against the stage count.
+    ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="zbv", recompute=["none", "full", "full", "none"])
+    with pytest.raises(ValueError, match="2 pipeline stages"):
+        ParallelConfig(pipeline_parallel_size=2, recompute=["none", "full", "full", "none"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(pipeline_parallel_size=2, pipeline_schedule="pipedream"), "pipeline_schedule='pipedream' is unknown"),
+        (dict(pipeline_schedule="pipedream"), "is unknown"),  # a typo is reported even without PP
+        (dict(pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_parallel_size=1), "needs virtual"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", virtual_pipeline_parallel_size=3), "exactly 2"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", virtual_pipeline_parallel_size=2), "one stage per"),
+        (dict(pipeline_schedule="zbv", virtual_pipeline_parallel_size=2), "needs pipeline_parallel_size > 1"),
+        (dict(pipeline_parallel_size=2, virtual_pipeline_parallel_size=0), "must be a positive integer"),
+    ],
+)
+def test_schedule_errors_at_creation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):  # the strategy fails in its constructor, not in setup
+        FlagScaleStrategy(**kwargs)
