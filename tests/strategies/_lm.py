@@ -43,9 +43,12 @@ class TokenDataset(Dataset):
         return {"input_ids": self.tokens[indices, :-1], "labels": self.labels[indices]}
 
 
-def make_module(config: TransformerConfig) -> CausalLMModule:
+def make_module(config: TransformerConfig, optimizer: str = "sgd") -> CausalLMModule:
     # Constant LR (no warmup, no decay) so runs of different lengths see the same schedule.
-    return CausalLMModule(config, learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1, optimizer="sgd")
+    lr = LR if optimizer == "sgd" else 1e-3
+    return CausalLMModule(
+        config, learning_rate=lr, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1, optimizer=optimizer
+    )
 
 
 def reference_run(
@@ -102,6 +105,7 @@ def trainer_run(
     callbacks: list | None = None,
     ragged: bool = True,
     accumulate: int = 1,
+    optimizer: str = "sgd",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
@@ -125,7 +129,7 @@ def trainer_run(
                 recorder.norms.append(float(norm))
 
     torch.manual_seed(0)
-    module = make_module(config)
+    module = make_module(config, optimizer)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
         max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
