@@ -18,6 +18,10 @@ from lightning_flagscale.convert.registry import (
     supported_model_types,
 )
 from lightning_flagscale.convert.safetensors_io import CheckpointFormatError
+from lightning_flagscale.models.weights import WeightSource, register_weight_source
+
+# Model code never imports converters: it finds them here, registered (see models/weights.py).
+register_weight_source("hf", WeightSource(build_module=module_from_hf, load_weights=load_hf_weights))
 
 __all__ = [
     "CheckpointFormatError",

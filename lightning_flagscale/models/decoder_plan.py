@@ -45,7 +45,8 @@ def check_decoder_tp(model: CausalLM, tp: int) -> None:
     for name, value in sizes.items():
         if value % tp:
             hint = (
-                " build the model with CausalLM(config, vocab_multiple=tp)"
+                " pad the vocabulary to a multiple of it (CausalLMModule(vocab_multiple=...) or"
+                " CausalLM(config, vocab_multiple=...))"
                 if name.startswith("padded")
                 else " choose a tensor_parallel_size that divides it"
             )

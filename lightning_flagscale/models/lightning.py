@@ -20,6 +20,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightning_flagscale.config import TransformerConfig, check_known_fields
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
+from lightning_flagscale.models.weights import weight_source
 
 __all__ = ["CausalLMModule", "param_groups", "warmup_cosine_lambda"]
 
@@ -110,6 +111,7 @@ class CausalLMModule(L.LightningModule):
         init_seed: int = 0,
         hf_dir: str | None = None,
         optimizer: Literal["adamw", "sgd"] = "adamw",
+        vocab_multiple: int = 64,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -135,8 +137,12 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def vocab_multiple(self) -> int:
-        trainer = self._trainer
-        return int(getattr(trainer.strategy, "vocab_multiple", 1)) if trainer is not None else 1
+        """Rows of the embedding / LM head are padded to a multiple of this (``vocab_multiple`` argument).
+
+        Tensor parallelism needs its size to divide the padded vocabulary; the default 64 serves every TP size
+        dividing 64, so a checkpoint reshards across them. Padded rows are zero and never reach the loss or logits.
+        """
+        return int(self.hparams.get("vocab_multiple", 64))
 
     def configure_model(self) -> None:
         """Build ``self.model`` once; initialise it here unless it was created on the meta device.
@@ -156,19 +162,16 @@ class CausalLMModule(L.LightningModule):
         Weights stream in after the strategy has parallelised and materialised the model, each rank reading only
         its shard. ``config_overrides={...}`` changes config fields (e.g. ``max_seq_len``).
         """
-        from lightning_flagscale.convert import module_from_hf  # lazy: model code does not depend on converters
-
-        return module_from_hf(cls, hf_dir, **kwargs)
+        return weight_source("hf").build_module(cls, hf_dir, **kwargs)
 
     def initialize_weights(self) -> None:
         """Called by the strategy once the (parallelised) model is materialised: HF weights or ``init_weights``."""
         if not self.hf_dir:
             self.init_weights()
             return
-        from lightning_flagscale.convert import load_hf_weights
-
+        load = weight_source("hf").load_weights
         for part in getattr(self.model, "stage_modules", None) or [self.model]:
-            load_hf_weights(part, self.hf_dir)
+            load(part, self.hf_dir)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Layout-independent deterministic init of the (possibly parallelised) model; default seed ``init_seed``."""

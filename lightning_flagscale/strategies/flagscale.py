@@ -18,7 +18,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -60,8 +59,6 @@ from lightning_flagscale.strategies._checkpoint import (
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 
 __all__ = ["FlagScaleStrategy"]
-
-_VOCAB_PAD = 64  # vocab padded to lcm(64, tp): identical padding for every TP size dividing 64, so checkpoints reshard
 
 
 class FlagScaleStrategy(ParallelStrategy):
@@ -154,10 +151,6 @@ class FlagScaleStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         """Read by Lightning to inject a DistributedSampler built from ``distributed_sampler_kwargs``."""
         return True
-
-    @property
-    def vocab_multiple(self) -> int:
-        return int(np.lcm(_VOCAB_PAD, self.parallel.tensor_parallel_size))
 
     @property
     @override
