@@ -132,7 +132,6 @@ class FlagScaleStrategy(ParallelStrategy):
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
         self._expert_grad_scale = 1.0
-        self._moe_callback = False
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -170,11 +169,6 @@ class FlagScaleStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only data-parallel replicas see different samples; TP/CP/PP ranks of one replica share a batch.
         return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
-
-    @property
-    def moe_state_group(self) -> dist.ProcessGroup:
-        """Every rank of this rank's pipeline stage: where MoE routers' load statistics are summed."""
-        return self.meshes.group(MeshDim.STAGE)
 
     def global_tokens(self, local_tokens: int) -> int:
         """Tokens of the whole step given this rank's share (for tokens/s): data x context ranks hold disjoint
@@ -317,15 +311,17 @@ class FlagScaleStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if (config := _transformer_config(module)) and config.is_moe:
-            from lightning_flagscale.callbacks.moe import MoETelemetry
             from lightning_flagscale.moe.balance import moe_layers
 
             self._moe_layers = [layer for _, layer in moe_layers(module)]
-            self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     def _parallelize(self, inner: nn.Module) -> None:
         if self.meshes.size(MeshDim.DP_CP) > 1 and hasattr(inner, "token_group"):
             inner.token_group = self.meshes.group(MeshDim.DP_CP)  # global token-mean loss (CausalLM.loss_fn)
+        # MoE (issue 10 item 5): global aux/z losses and bias-balancing counts over the ranks sharing the tokens.
+        from lightning_flagscale.parallel.expert import set_moe_token_group
+
+        set_moe_token_group(inner, self.meshes.group(MeshDim.DP_CP))
         self._apply_parallelisms(inner)
 
     def _apply_parallelisms(self, inner: nn.Module) -> None:
@@ -547,10 +543,6 @@ class FlagScaleStrategy(ParallelStrategy):
         if dopt is not None:
             dopt.sync_params()
         self._pp_zero_grad_pending = True
-        if self._moe_layers and not self._moe_callback:
-            from lightning_flagscale.moe.balance import update_moe_state
-
-            update_moe_state(self.lightning_module, self.moe_state_group)  # bias balancing, hot-expert choice
         return closure_result
 
     # ------------------------------------------------------------------ collectives
