@@ -202,9 +202,11 @@ class MoELayer(nn.Module):
         self.hot_expert_config: HotExpertReplication | None = None
         """When set, ``moe.balance.update_moe_state`` picks the replicated experts (used under EP only)."""
         self.register_buffer("load_accum", torch.zeros(num_experts), persistent=False)
-        self.tokens_per_expert = torch.zeros(num_experts)
-        self.tokens_per_ep_rank = torch.zeros(1)
-        self.imbalance = torch.tensor(1.0)
+        # Host tensors even when the model is built on the meta device: telemetry is read (".max()") before the
+        # first dispatch replaces it, e.g. by the adaptive "full" recompute decision.
+        self.tokens_per_expert = torch.zeros(num_experts, device="cpu")
+        self.tokens_per_ep_rank = torch.zeros(1, device="cpu")
+        self.imbalance = torch.tensor(1.0, device="cpu")
         self.dropped_fraction = 0.0
         self.a2a_bytes = 0
         self.last_aux_losses: dict[str, Tensor] = {}

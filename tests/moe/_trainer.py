@@ -77,13 +77,16 @@ def sgd_trainer_run(strategy_kwargs: dict[str, Any], config: TransformerConfig, 
     strategy = FlagScaleStrategy(**strategy_kwargs)
     losses: list[float] = []
     replicated: list[tuple[int, ...]] = []
+    replica_bytes: list[int] = []
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-            replicated.extend(layer.replicated_experts for _, layer in moe_layers(pl_module))
+            for _, layer in moe_layers(pl_module):
+                replicated.append(layer.replicated_experts)
+                replica_bytes.append(getattr(layer.dispatcher, "replica_bytes", 0))
 
     torch.manual_seed(0)
     module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
@@ -99,7 +102,13 @@ def sgd_trainer_run(strategy_kwargs: dict[str, Any], config: TransformerConfig, 
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().float().clone()
-    return {"losses": losses, "params": params, "buffers": _buffers(module.model), "replicated": replicated}
+    return {
+        "losses": losses,
+        "params": params,
+        "buffers": _buffers(module.model),
+        "replicated": replicated,
+        "replica_bytes": replica_bytes,
+    }
 
 
 def assert_sgd_parity(results: list[dict[str, Any]], ref: dict[str, Any], what: str, rel: float = 1e-5) -> None:

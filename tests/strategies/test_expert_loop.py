@@ -108,3 +108,33 @@ def test_local_aux_loss_depends_on_the_layout(launcher, sgd_references):
     err = (results[0]["params"]["layers.0.mlp.gate.weight"] - ref["params"]["layers.0.mlp.gate.weight"]).norm()
     update = (ref["params"]["layers.0.mlp.gate.weight"] - ref["init"]["layers.0.mlp.gate.weight"]).norm()
     assert err / update > 1e-3
+
+
+# ---- hot-expert replication and MoE recompute from the config (issue 11 item 5) ----
+DEEPSEEK_BALANCED = dict(
+    moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-3,  # aux loss on top of the preset's bias balancing
+    moe_hot_expert_replicas=2, moe_hot_expert_enable_imbalance=1.0, moe_hot_expert_disable_imbalance=1.0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world,kwargs,recompute",
+    [
+        (2, dict(expert_parallel_size=2, zero_stage=1), dict(moe_recompute="full")),
+        (
+            4,
+            dict(expert_parallel_size=2, tensor_parallel_size=2),
+            dict(moe_recompute="medium", moe_recompute_token_threshold=0),
+        ),
+    ],
+    ids=["ep2-zero1-full", "ep2xtp2-medium"],
+)
+def test_deepseek_hot_experts_and_recompute_match_single_process(launcher, sgd_references, world, kwargs, recompute):
+    # Sigmoid, group-limited routing, shared expert, aux + z loss, bias balancing; replicas of the two busiest
+    # experts on every EP rank from the second step on (imbalance threshold 1.0), and MoE recompute.
+    overrides = {**DEEPSEEK_BALANCED, **recompute}
+    results = launcher(world, sgd_trainer_run, kwargs, shrink("deepseek-v3-tiny", **overrides), STEPS)
+    assert_sgd_parity(results, sgd_references("deepseek-v3-tiny", **overrides), f"deepseek {kwargs} {recompute}")
+    for res in results:
+        assert all(len(r) == 2 for r in res["replicated"]), res["replicated"]  # chosen after every step
+        assert sum(res["replica_bytes"]) > 0  # and used by the dispatcher's forwards
