@@ -14,6 +14,9 @@ expert-parallel layer:
   all-to-all and run on a local replica whose weights are all-reduced from the owner (a sum where only the owner
   contributes); the backward of that all-reduce sums every replica's gradient into the owner's shard.
 
+Token group (``set_moe_token_group``): the strategy tells the MoE layers which ranks hold the step's tokens (the
+data x context ranks of their stage); global aux/z losses and the bias-balancing counts are summed over it.
+
 MoE parallel folding (Megatron): the EP group is cut out of a pipeline stage's dp x cp x tp ranks, on a second mesh
 ("edp", "ep") over the same ranks (``parallel/mesh.py`` builds it). Each rank of the EP group must feed *different*
 tokens to its MoE layers (distinct data/context shards, or TP ranks under sequence parallelism).
