@@ -21,9 +21,10 @@ class MoETelemetry(Callback):
 
     Args:
         update_state: call :func:`~lightning_flagscale.moe.balance.update_moe_state` after each optimizer step
-            (DeepSeek-V3 bias balancing, hot-expert selection). Needs every rank that holds these routers.
-        process_group: the group over which the per-expert load is summed; ``None`` uses the strategy's
-            ``moe_state_group`` attribute if it has one (a pipeline stage's ranks), else the default group.
+            (DeepSeek-V3 bias balancing, hot-expert selection), for modules that do not do it themselves
+            (``CausalLMModule`` does; the update consumes the step's load, so a second call changes nothing).
+        process_group: the group over which the per-expert load is summed; ``None`` uses each layer's token group
+            (``parallel.expert.set_moe_token_group``; the default process group unless a strategy set one).
         per_expert: also log the token count of every expert.
     """
 
@@ -57,5 +58,7 @@ class MoETelemetry(Callback):
         # global_step counts optimizer steps: update only when one happened (gradient accumulation safe).
         if self.update_state and trainer.global_step != self._last_step:
             self._last_step = trainer.global_step
-            group = self.process_group or getattr(trainer.strategy, "moe_state_group", None)
-            update_moe_state(pl_module, group)
+            if self.process_group is None:
+                update_moe_state(pl_module)
+            else:
+                update_moe_state(pl_module, self.process_group)

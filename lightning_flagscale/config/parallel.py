@@ -44,7 +44,7 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """Ranks the routed experts are split over."""
     expert_tensor_parallel_size: int = 1
-    """Tensor parallel degree inside each expert."""
+    """Tensor parallel degree inside each expert; only 1 is supported (values > 1 are rejected)."""
     data_parallel_size: int | None = None
     """Data-parallel replicas; ``None`` derives it from the world size."""
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -79,6 +79,13 @@ class ParallelConfig:
                 continue  # auto, resolved below
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
+        if self.expert_tensor_parallel_size > 1:
+            # Refused rather than ignored: nothing splits an expert's weights inside an EP rank (issue 11 item 5).
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} is not supported: experts are"
+                " sharded across ranks by expert_parallel_size only, never split inside one. Set"
+                " expert_tensor_parallel_size=1 (use expert_parallel_size to spread the experts)."
+            )
         auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
         if self.virtual_pipeline_parallel_size is None:
             self.virtual_pipeline_parallel_size = auto_vpp

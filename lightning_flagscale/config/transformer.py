@@ -90,6 +90,20 @@ class TransformerConfig:
     """Group-limited routing: number of expert groups."""
     moe_router_scaling_factor: float = 1.0
     """Multiplier on routing weights (DeepSeek-V3 ``routed_scaling_factor``)."""
+    moe_aux_loss_scope: Literal["global", "local"] = "global"
+    """Token statistics of the aux and z losses: ``global`` sums them over every rank holding the micro-batch's
+    tokens (Megatron-Core's global aux loss; training does not depend on the layout), ``local`` uses each rank's."""
+    moe_recompute: Literal["light", "medium", "full"] | None = None
+    """MoE activation recompute: ``light`` (activation, permute, router), ``medium`` (+ shared expert, expert FC1),
+    ``full`` (whole block, all-to-alls included) or ``None``."""
+    moe_recompute_token_threshold: int | None = None
+    """Adaptive MoE recompute: only when the busiest expert-parallel rank holds more rows than this."""
+    moe_hot_expert_replicas: int = 0
+    """Under expert parallelism, replicate this many of the most-loaded experts on every EP rank (0 = off)."""
+    moe_hot_expert_enable_imbalance: float = 1.5
+    """Hot-expert replication starts when max/mean tokens per expert reaches this."""
+    moe_hot_expert_disable_imbalance: float = 1.2
+    """Hot-expert replication stops when max/mean tokens per expert falls to this."""
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -121,6 +135,15 @@ class TransformerConfig:
                 )
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
+            if self.moe_aux_loss_scope not in ("global", "local"):
+                raise ValueError(f"moe_aux_loss_scope={self.moe_aux_loss_scope!r}; use 'global' or 'local'.")
+            if self.moe_recompute not in (None, "light", "medium", "full"):
+                raise ValueError(f"moe_recompute={self.moe_recompute!r}; use 'light', 'medium', 'full' or None.")
+            if self.moe_hot_expert_replicas < 0 or self.moe_hot_expert_replicas > self.num_experts:
+                raise ValueError(
+                    f"moe_hot_expert_replicas={self.moe_hot_expert_replicas} must be in [0, num_experts="
+                    f"{self.num_experts}]."
+                )
         if self.attn_backend not in ("torch", "flash_attn", "transformer_engine"):
             raise ValueError(
                 f"attn_backend={self.attn_backend!r} is unknown; use 'torch', 'flash_attn' or 'transformer_engine'."

@@ -243,6 +243,14 @@ class CausalLMModule(L.LightningModule):
         self.log("val_ppl", torch.exp(mean), sync_dist=False)
 
     # ---- optimisation --------------------------------------------------------------------------------------------
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.config.is_moe:
+            # DeepSeek-V3 bias balancing and hot-expert choice, once per optimizer step, under any strategy.
+            from lightning_flagscale.moe.balance import update_moe_state
+
+            update_moe_state(self)
+
     def configure_optimizers(self):
         hp = self.hparams
         groups = param_groups(self._require_model(), hp.weight_decay)

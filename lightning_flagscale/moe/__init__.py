@@ -25,6 +25,7 @@ Under expert parallelism ``experts.*`` are DTensors ``Shard(0)`` with the same g
 
 from lightning_flagscale.moe.balance import (
     HotExpertReplication,
+    balance_after_step,
     moe_layers,
     select_hot_experts,
     set_moe_aux_loss_scale,
@@ -45,6 +46,7 @@ __all__ = [
     "SwiGLUMLP",
     "TopKRouter",
     "apply_moe_recompute",
+    "balance_after_step",
     "build_moe",
     "grouped_linear",
     "moe_layers",

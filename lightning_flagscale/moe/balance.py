@@ -1,42 +1,29 @@
 """Between-step load balancing: DeepSeek-V3 router-bias updates and hot-expert replica selection.
 
 Both act on the per-expert load a layer accumulated over the step's forwards (``MoELayer.load_accum``), summed
-over every rank that holds a replica of the router so the decision is identical everywhere. Call
-:func:`update_moe_state` once per optimizer step, after ``optimizer.step()`` (the telemetry callback in
-``callbacks/moe.py`` does it), outside autograd.
+over the layer's token group so the decision is identical on every rank and equal to one process's on the whole
+batch. :func:`update_moe_state` runs once per optimizer step, after ``optimizer.step()``, outside autograd: the model
+triggers it itself (``CausalLMModule.optimizer_step``, or :func:`balance_after_step` in a plain loop), so balancing
+works under any strategy and in one process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_flagscale.moe.layer import MoELayer
+from lightning_flagscale.moe.layer import DEFAULT_GROUP, HotExpertReplication, MoELayer
 
-__all__ = ["HotExpertReplication", "moe_layers", "select_hot_experts", "set_moe_aux_loss_scale", "update_moe_state"]
-
-
-@dataclass(kw_only=True)
-class HotExpertReplication:
-    """When routing is skewed, give the most-loaded experts a replica on every EP rank (MXMACA seed, +8%)."""
-
-    num_replicas: int = 1
-    """How many of the most-loaded experts to replicate."""
-    enable_imbalance: float = 1.5
-    """Replicate when max/mean tokens per expert reaches this."""
-    disable_imbalance: float = 1.2
-    """Drop the replicas once max/mean falls to this (hysteresis below ``enable_imbalance``)."""
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas={self.num_replicas} must be >= 1.")
-        if not 1.0 <= self.disable_imbalance <= self.enable_imbalance:
-            raise ValueError(
-                f"Need 1 <= disable_imbalance ({self.disable_imbalance}) <= enable_imbalance ({self.enable_imbalance})."
-            )
+__all__ = [
+    "HotExpertReplication",
+    "balance_after_step",
+    "moe_layers",
+    "select_hot_experts",
+    "set_moe_aux_loss_scale",
+    "update_moe_state",
+]
 
 
 def select_hot_experts(load: Tensor, cfg: HotExpertReplication, current: tuple[int, ...]) -> tuple[int, ...]:
@@ -62,23 +49,41 @@ def set_moe_aux_loss_scale(model: nn.Module, scale: float) -> None:
 
 
 @torch.no_grad()
-def update_moe_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def update_moe_state(model: nn.Module, group: dist.ProcessGroup | str | None = DEFAULT_GROUP) -> None:
     """Consume the step's load: update router biases and hot-expert sets, then reset the accumulators.
 
-    ``group`` must span every rank that holds a copy of these layers' routers (a pipeline stage's dp x cp x tp
-    ranks; ``None`` = the default group, right without pipeline parallelism). Every rank of the group must call it.
+    The load is summed over each layer's token group (``MoELayer.token_group``, set by
+    ``parallel.expert.set_moe_token_group``) unless ``group`` is given; every rank of that group must call this, once
+    per optimizer step. Summing over ranks that hold the same tokens (TP replicas) scales every count alike and
+    changes no decision. ``CausalLMModule`` calls it after each optimizer step; :func:`balance_after_step` does it
+    for plain PyTorch loops.
     """
-    layers = moe_layers(model)
-    if not layers:
-        return
-    loads = torch.stack([layer.load_accum for _, layer in layers])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loads, group=group)  # one collective for all layers
-    for (_, layer), load in zip(layers, loads):
-        bias = layer.gate.e_score_correction_bias
-        if layer.bias_update_rate > 0 and bias is not None and load.sum() > 0:
-            # DeepSeek-V3: raise the bias of under-loaded experts, lower it for over-loaded ones.
-            bias += layer.bias_update_rate * torch.sign(load.mean() - load).to(bias)
-        if layer.hot_expert_config is not None and load.sum() > 0:
-            layer.replicated_experts = select_hot_experts(load, layer.hot_expert_config, layer.replicated_experts)
-        layer.load_accum.zero_()
+    layers = [layer for _, layer in moe_layers(model)]
+    batches: dict[int, tuple[dist.ProcessGroup | None, list[MoELayer]]] = {}
+    for layer in layers:  # module order: the same collective sequence on every rank
+        g = layer.resolved_token_group() if isinstance(group, str) else group
+        batches.setdefault(id(g), (g, []))[1].append(layer)
+    for g, members in batches.values():
+        loads = torch.stack([layer.load_accum for layer in members])
+        if g is not None:
+            dist.all_reduce(loads, group=g)  # one collective for all layers of the group
+        for layer, load in zip(members, loads):
+            _apply_load(layer, load)
+
+
+def _apply_load(layer: MoELayer, load: Tensor) -> None:
+    bias = layer.gate.e_score_correction_bias
+    if layer.bias_update_rate > 0 and bias is not None and load.sum() > 0:
+        # DeepSeek-V3: raise the bias of under-loaded experts, lower it for over-loaded ones.
+        bias += layer.bias_update_rate * torch.sign(load.mean() - load).to(bias)
+    if layer.hot_expert_config is not None and load.sum() > 0:
+        layer.replicated_experts = select_hot_experts(load, layer.hot_expert_config, layer.replicated_experts)
+    layer.load_accum.zero_()
+
+
+def balance_after_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> RemovableHandle:
+    """Run :func:`update_moe_state` on ``model`` after every ``optimizer.step()`` (plain loops, manual optimization).
+
+    Returns the hook handle (``.remove()`` to detach). Lightning modules built on ``CausalLMModule`` need not call it.
+    """
+    return optimizer.register_step_post_hook(lambda *_: update_moe_state(model))

@@ -9,6 +9,11 @@ Telemetry, refreshed by every forward (detached, never part of the graph):
 (max / mean tokens per expert), ``dropped_fraction`` (capacity path), ``last_aux_losses`` (name -> value, coefficients
 applied), ``a2a_bytes`` (bytes this rank sent in dispatch + combine). ``load_accum`` [E] sums the per-expert load
 over forwards until ``moe.balance.update_moe_state`` consumes it after the optimizer step.
+
+Token group: the ranks whose tokens together form the step's micro-batch (data x context ranks of a pipeline stage).
+Global aux/z losses and the bias-balancing counts are summed over it. ``parallel.expert.set_moe_token_group`` sets
+it; by default it is the default process group when one is initialised (right for Lightning's DDP/FSDP) and nothing
+in a single process.
 """
 
 from __future__ import annotations
@@ -18,15 +23,18 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, maybe_checkpoint
-from lightning_flagscale.moe.router import AttachAuxLoss, TopKRouter, switch_aux_loss, z_loss
+from lightning_flagscale.moe.router import AttachAuxLoss, TopKRouter, global_balance_losses, switch_aux_loss, z_loss
 
 __all__ = [
+    "DEFAULT_GROUP",
     "RECOMPUTE_LEVELS",
     "Dispatcher",
+    "HotExpertReplication",
     "LocalDispatcher",
     "MoELayer",
     "RoutingPlan",
@@ -35,6 +43,9 @@ __all__ = [
 ]
 
 RecomputeLevel = Literal["light", "medium", "full"]
+AuxLossScope = Literal["global", "local"]
+DEFAULT_GROUP = "default"
+"""``MoELayer.token_group`` value meaning: the default process group if one is initialised, else no reduction."""
 # MXMACA's multi-level MoE recompute: light = activation, permute, router; medium = + shared expert and expert FC1;
 # full = the whole layer (including its all-to-alls, re-run in backward).
 RECOMPUTE_LEVELS: dict[str, frozenset[str]] = {
@@ -42,6 +53,26 @@ RECOMPUTE_LEVELS: dict[str, frozenset[str]] = {
     "medium": frozenset({"act", "permute", "router", "shared", "fc1"}),
     "full": frozenset({"layer"}),
 }
+
+
+@dataclass(kw_only=True)
+class HotExpertReplication:
+    """When routing is skewed, give the most-loaded experts a replica on every EP rank (MXMACA seed, +8%)."""
+
+    num_replicas: int = 1
+    """How many of the most-loaded experts to replicate."""
+    enable_imbalance: float = 1.5
+    """Replicate when max/mean tokens per expert reaches this."""
+    disable_imbalance: float = 1.2
+    """Drop the replicas once max/mean falls to this (hysteresis below ``enable_imbalance``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas={self.num_replicas} must be >= 1.")
+        if not 1.0 <= self.disable_imbalance <= self.enable_imbalance:
+            raise ValueError(
+                f"Need 1 <= disable_imbalance ({self.disable_imbalance}) <= enable_imbalance ({self.enable_imbalance})."
+            )
 
 
 def _in_backward() -> bool:
@@ -137,10 +168,13 @@ class MoELayer(nn.Module):
         bias_update_rate: float = 0.0,
         capacity_factor: float | None = None,
         drop_policy: Literal["position", "probs"] = "position",
+        aux_loss_scope: AuxLossScope = "global",
     ) -> None:
         super().__init__()
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless routing).")
+        if aux_loss_scope not in ("global", "local"):
+            raise ValueError(f"aux_loss_scope={aux_loss_scope!r} is unknown; use 'global' or 'local'.")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.gate = router
         self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
@@ -150,21 +184,29 @@ class MoELayer(nn.Module):
         elif shared_intermediate_size:
             self.shared_experts = SwiGLUMLP(hidden_size, shared_intermediate_size)
         self.aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate = aux_loss_coeff, z_loss_coeff, bias_update_rate
-        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.capacity_factor, self.drop_policy, self.aux_loss_scope = capacity_factor, drop_policy, aux_loss_scope
         # Knobs set by apply_* functions / the strategy (plain attributes: not part of the state dict).
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
         """Gradient scale of the aux losses: the factor the main loss is multiplied by (1/num_microbatches)."""
+        self.token_group: dist.ProcessGroup | str | None = DEFAULT_GROUP
+        """Ranks sharing the step's tokens (see module docstring); ``None``: this process only."""
+        self.token_grad_scale: float | None = None
+        """Factor on this rank's share of a global loss so the gradient reduction yields the global gradient;
+        ``None``: the token group's size (gradients averaged over the group, as DDP and ZeRO do)."""
         self.recompute_level: RecomputeLevel | None = None
         self.recompute_token_threshold: int | None = None
         """Adaptive recompute: recompute only when the busiest EP rank holds more rows than this."""
         self.replicated_experts: tuple[int, ...] = ()
         """Hot experts with a replica on every EP rank (used by the EP dispatcher; see ``moe.balance``)."""
-        self.hot_expert_config = None
+        self.hot_expert_config: HotExpertReplication | None = None
+        """When set, ``moe.balance.update_moe_state`` picks the replicated experts (used under EP only)."""
         self.register_buffer("load_accum", torch.zeros(num_experts), persistent=False)
-        self.tokens_per_expert = torch.zeros(num_experts)
-        self.tokens_per_ep_rank = torch.zeros(1)
-        self.imbalance = torch.tensor(1.0)
+        # Host tensors even when the model is built on the meta device: telemetry is read (".max()") before the
+        # first dispatch replaces it, e.g. by the adaptive "full" recompute decision.
+        self.tokens_per_expert = torch.zeros(num_experts, device="cpu")
+        self.tokens_per_ep_rank = torch.zeros(1, device="cpu")
+        self.imbalance = torch.tensor(1.0, device="cpu")
         self.dropped_fraction = 0.0
         self.a2a_bytes = 0
         self.last_aux_losses: dict[str, Tensor] = {}
@@ -250,17 +292,37 @@ class MoELayer(nn.Module):
             return self.shared_experts(x)
         return torch.zeros_like(x)
 
+    def resolved_token_group(self) -> dist.ProcessGroup | None:
+        """The process group of :attr:`token_group` (``None``: no reduction)."""
+        if isinstance(self.token_group, str):
+            return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        return self.token_group
+
     def _attach_aux_losses(self, out: Tensor, logits: Tensor, scores: Tensor, topk_idx: Tensor) -> Tensor:
-        losses: dict[str, Tensor] = {}
-        if self.aux_loss_coeff > 0:
-            normalize = self.gate.score_func == "sigmoid"
-            losses["aux_loss"] = self.aux_loss_coeff * switch_aux_loss(scores, topk_idx, self.num_experts, normalize)
-        if self.z_loss_coeff > 0:
-            losses["z_loss"] = self.z_loss_coeff * z_loss(logits)
+        if self.aux_loss_coeff <= 0 and self.z_loss_coeff <= 0:
+            return out
+        normalize = self.gate.score_func == "sigmoid"
+        group = self.resolved_token_group()
+        if self.aux_loss_scope == "global" and self.training and group is not None:
+            # Only in training: inference (e.g. generation on one rank) must never wait for a collective.
+            values, share = global_balance_losses(
+                logits, scores, topk_idx, aux_coeff=self.aux_loss_coeff, z_coeff=self.z_loss_coeff,
+                normalize=normalize, group=group,
+            )  # fmt: skip
+            scale = self.token_grad_scale if self.token_grad_scale is not None else dist.get_world_size(group)
+            attached = share * scale
+        else:
+            values = {}
+            if self.aux_loss_coeff > 0:
+                aux = switch_aux_loss(scores, topk_idx, self.num_experts, normalize)
+                values["aux_loss"] = self.aux_loss_coeff * aux
+            if self.z_loss_coeff > 0:
+                values["z_loss"] = self.z_loss_coeff * z_loss(logits)
+            attached = sum(values.values())
         if not _in_backward():
-            self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
-        if losses and torch.is_grad_enabled() and self.training:
-            out = AttachAuxLoss.apply(out, sum(losses.values()), self.aux_loss_scale)
+            self.last_aux_losses = {k: v.detach() for k, v in values.items()}
+        if torch.is_grad_enabled() and self.training:
+            out = AttachAuxLoss.apply(out, attached, self.aux_loss_scale)
         return out
 
 
@@ -284,7 +346,7 @@ def build_moe(config: TransformerConfig, layer_idx: int) -> MoELayer:
         # DeepSeek-V3 checkpoints always carry the bias; keep it for sigmoid routers so HF import is lossless.
         use_bias=config.router_type == "sigmoid" or config.moe_router_bias_update_rate > 0,
     )
-    return MoELayer(
+    layer = MoELayer(
         config.hidden_size,
         config.num_experts,
         config.num_experts_per_tok,
@@ -296,7 +358,16 @@ def build_moe(config: TransformerConfig, layer_idx: int) -> MoELayer:
         z_loss_coeff=config.moe_z_loss_coeff,
         bias_update_rate=config.moe_router_bias_update_rate,
         capacity_factor=config.moe_capacity_factor,
+        aux_loss_scope=config.moe_aux_loss_scope,
     )
+    apply_moe_recompute(layer, config.moe_recompute, token_threshold=config.moe_recompute_token_threshold)
+    if config.moe_hot_expert_replicas:
+        layer.hot_expert_config = HotExpertReplication(
+            num_replicas=config.moe_hot_expert_replicas,
+            enable_imbalance=config.moe_hot_expert_enable_imbalance,
+            disable_imbalance=config.moe_hot_expert_disable_imbalance,
+        )
+    return layer
 
 
 def apply_moe_recompute(

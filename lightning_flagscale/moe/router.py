@@ -8,6 +8,11 @@ outputs are mixed with. Load-balancing terms:
 - DeepSeek-V3 aux-loss-free balancing: a per-expert bias (buffer ``e_score_correction_bias``) added to the scores
   only for the *selection*, nudged after each step towards the under-loaded experts (see ``moe.balance``).
 
+Scope of the statistics (``TransformerConfig.moe_aux_loss_scope``): ``"global"`` (default) computes ``f`` and ``P``
+(and the z-loss token mean) over every token of the step's micro-batch held by the ranks of the layer's token group
+(Megatron-Core's "global" aux loss; :func:`global_balance_losses`), so the model trained does not depend on the
+data/context-parallel layout; ``"local"`` uses this rank's tokens only (per-micro-batch, per-rank statistics).
+
 Aux losses reach the total loss through :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler`` trick): the
 layer output passes through an identity whose backward also emits the gradient of the aux loss, so the loss term
 works under pipeline parallelism where the last stage never sees the layer's aux value.
@@ -19,10 +24,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AttachAuxLoss", "RouterOutput", "TopKRouter", "switch_aux_loss", "z_loss"]
+__all__ = ["AttachAuxLoss", "RouterOutput", "TopKRouter", "global_balance_losses", "switch_aux_loss", "z_loss"]
 
 
 @dataclass
@@ -52,6 +58,47 @@ def switch_aux_loss(scores: Tensor, topk_idx: Tensor, num_experts: int, normaliz
 def z_loss(logits: Tensor) -> Tensor:
     """ST-MoE router z-loss without the coefficient: ``mean_t logsumexp(logits_t) ** 2``."""
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def global_balance_losses(
+    logits: Tensor,
+    scores: Tensor,
+    topk_idx: Tensor,
+    *,
+    aux_coeff: float,
+    z_coeff: float,
+    normalize: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Balance and z losses over the tokens of every rank of ``group``: (global values, this rank's share).
+
+    With ``T`` the group's token count, ``f_e`` the group's fraction of assignments to e and ``p_te`` this rank's
+    (normalised) routing probabilities, this rank's share is ``aux_coeff * E * sum_e f_e * sum_t p_te / T`` plus
+    ``z_coeff * sum_t lse_t^2 / T``; the shares of the group's ranks sum to the single-process losses on all their
+    tokens, value and gradient. Only detached statistics cross ranks (one all-reduce): the counts are not
+    differentiable anyway, and the probabilities of other ranks' tokens get their gradient on those ranks, so no
+    collective is needed in backward. The caller scales the share for the gradient reduction (see ``MoELayer``).
+    """
+    num_experts = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True) if normalize else scores
+    lse_sq = torch.logsumexp(logits, dim=-1).square() if z_coeff > 0 else logits.new_zeros(0)
+    counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts).to(probs.dtype)
+    # [counts (E) | sum of probabilities (E) | tokens | sum of lse^2]: one collective for every statistic.
+    stats = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([topk_idx.shape[0], lse_sq.detach().sum()])])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    g_counts, g_prob_sum, (g_tokens, g_lse_sq) = stats[:num_experts], stats[num_experts:-2], stats[-2:]
+    tokens = g_tokens.clamp_min(1)
+    values: dict[str, Tensor] = {}
+    share = probs.new_zeros(())
+    if aux_coeff > 0:
+        f = g_counts / (tokens * topk_idx.shape[1])
+        values["aux_loss"] = aux_coeff * num_experts * torch.sum(f * g_prob_sum) / tokens
+        share = share + aux_coeff * num_experts * torch.sum(f * probs.sum(0)) / tokens
+    if z_coeff > 0:
+        values["z_loss"] = z_coeff * g_lse_sq / tokens
+        share = share + z_coeff * lse_sq.sum() / tokens
+    return values, share
 
 
 class AttachAuxLoss(torch.autograd.Function):

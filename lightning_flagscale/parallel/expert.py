@@ -14,6 +14,9 @@ expert-parallel layer:
   all-to-all and run on a local replica whose weights are all-reduced from the owner (a sum where only the owner
   contributes); the backward of that all-reduce sums every replica's gradient into the owner's shard.
 
+Token group (``set_moe_token_group``): the strategy tells the MoE layers which ranks hold the step's tokens (the
+data x context ranks of their stage); global aux/z losses and the bias-balancing counts are summed over it.
+
 MoE parallel folding (Megatron): the EP group is cut out of a pipeline stage's dp x cp x tp ranks, on a second mesh
 ("edp", "ep") over the same ranks (``parallel/mesh.py`` builds it). Each rank of the EP group must feed *different*
 tokens to its MoE layers (distinct data/context shards, or TP ranks under sequence parallelism).
@@ -43,6 +46,7 @@ __all__ = [
     "all_to_all",
     "apply_ep",
     "is_expert_param",
+    "set_moe_token_group",
     "tag_expert_params",
 ]
 
@@ -177,7 +181,10 @@ class AllToAllDispatcher:
 def _ep_submesh(ep_mesh: DeviceMesh) -> DeviceMesh:
     names = ep_mesh.mesh_dim_names or ()
     if "etp" in names and ep_mesh["etp"].size() > 1:
-        raise ValueError("apply_ep does not implement expert tensor parallelism; use expert_tensor_parallel_size=1.")
+        raise ValueError(
+            "apply_ep does not implement expert tensor parallelism (experts are never split inside an EP rank);"
+            " use expert_tensor_parallel_size=1."
+        )
     if ep_mesh.ndim == 1:
         return ep_mesh
     if "ep" not in names:
@@ -217,7 +224,25 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, hot_experts: HotExpertRep
         for pname in ("gate_up_proj", "down_proj"):
             setattr(layer.experts, pname, _shard_param(getattr(layer.experts, pname), mesh))
         layer.dispatcher = AllToAllDispatcher(mesh.get_group(), ep, mesh.get_local_rank())
-        layer.hot_expert_config = hot_experts
+        if hot_experts is not None:  # else keep what the config asked for (``moe_hot_expert_replicas``)
+            layer.hot_expert_config = hot_experts
+    return model
+
+
+def set_moe_token_group(
+    model: nn.Module, group: dist.ProcessGroup | None, *, grad_scale: float | None = None
+) -> nn.Module:
+    """Tell every MoE layer of ``model`` which ranks hold the step's tokens: the data x context ranks of its stage.
+
+    Global aux/z losses and the bias-balancing counts are summed over ``group`` (``None``: this process only).
+    Under EP the expert group folds inside the stage's dp x cp x tp ranks, so it adds no tokens beyond those of the
+    dp x cp ranks (its TP members hold copies, which would scale numerator and denominator alike). ``grad_scale``
+    multiplies each rank's share of a global loss so that the gradient reduction yields the single-process
+    gradient: ``None`` means the group's size, right when gradients are averaged over the group (DDP, ZeRO,
+    ``FlagScaleStrategy``); pass 1.0 if they are summed. Returns ``model``.
+    """
+    for _, layer in moe_layers(model):
+        layer.token_group, layer.token_grad_scale = group, grad_scale
     return model
 
 

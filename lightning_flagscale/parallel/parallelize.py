@@ -92,6 +92,10 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
 def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
     """TP -> CP -> EP -> recompute on one model or stage module (steps 2-5 of the module docstring)."""
     p, meshes = layout.config, layout.meshes
+    from lightning_flagscale.parallel.expert import set_moe_token_group
+
+    # MoE (issue 10): global aux/z losses and bias-balancing counts over the ranks that share the step's tokens.
+    set_moe_token_group(part, meshes.group("dp_cp"))
     if p.tp_enabled:
         from lightning_flagscale.parallel.tensor import apply_tp
 

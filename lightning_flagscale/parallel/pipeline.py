@@ -461,6 +461,10 @@ class PipelineRunner:
             self._schedules[key] = sched
         return self._schedules[key]
 
+    def count_microbatches(self, batch_size: int) -> int:
+        """Micro-batches a batch of ``batch_size`` rows is split into on this rank."""
+        return self.num_microbatches or max(batch_size // self.micro_batch_size, 1)
+
     def _inputs(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: torch.Tensor | None
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any, int]:

@@ -133,7 +133,6 @@ class FlagScaleStrategy(ParallelStrategy):
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
         self._expert_grad_scale = 1.0
-        self._moe_callback = False
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ properties
@@ -167,11 +166,6 @@ class FlagScaleStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only data-parallel replicas see different samples; TP/CP/PP ranks of one replica share a batch.
         return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
-
-    @property
-    def moe_state_group(self) -> dist.ProcessGroup:
-        """Every rank of this rank's pipeline stage: where MoE routers' load statistics are summed."""
-        return self.meshes.group(MeshDim.STAGE)
 
     def global_tokens(self, local_tokens: int) -> int:
         """Tokens of the whole step given this rank's share (for tokens/s): data x context ranks hold disjoint
@@ -289,10 +283,6 @@ class FlagScaleStrategy(ParallelStrategy):
         from lightning_flagscale.moe.balance import moe_layers
 
         self._moe_layers = [layer for _, layer in moe_layers(module)]
-        if self._moe_layers:
-            from lightning_flagscale.callbacks.moe import MoETelemetry
-
-            self._moe_callback = any(isinstance(cb, MoETelemetry) and cb.update_state for cb in trainer.callbacks)
 
     @override
     def setup_optimizers(self, trainer) -> None:
@@ -370,9 +360,11 @@ class FlagScaleStrategy(ParallelStrategy):
         scaler = self.precision_plugin.scaler
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         loss_scale = scaler.scale if scaler is not None else 1.0
+        # Aux-loss gradients are attached inside the layers: a mean over accumulation steps and, under PP, over the
+        # schedule's micro-batches (their gradients are summed, not averaged), times the loss scale.
+        micro = self._pipeline.runner.count_microbatches(_batch_size(args)) if self._pipeline is not None else 1
         for layer in self._moe_layers:
-            # Aux-loss gradients are attached inside the layers: a mean over micro-steps, times the loss scale.
-            layer.aux_loss_scale = loss_scale / accumulate
+            layer.aux_loss_scale = loss_scale / (accumulate * micro)
         # The module's loss is this rank's share of the step's token mean (see _tokens.py): the gradient reduction
         # averages over the data x context ranks and Lightning divides by the accumulation count; undo both.
         normalised = bool(args) and isinstance(args[0], Mapping) and NUM_ITEMS_KEY in args[0]
@@ -459,10 +451,6 @@ class FlagScaleStrategy(ParallelStrategy):
         if dopt is not None:
             dopt.sync_params()
         self._pp_zero_grad_pending = True
-        if self._moe_layers and not self._moe_callback:
-            from lightning_flagscale.moe.balance import update_moe_state
-
-            update_moe_state(self.lightning_module, self.moe_state_group)  # bias balancing, hot-expert choice
         return closure_result
 
     # ------------------------------------------------------------------ collectives
@@ -568,6 +556,14 @@ class FlagScaleStrategy(ParallelStrategy):
 def _uses_global_token_loss(module: nn.Module) -> bool:
     """Whether ``module`` divides its token-loss sum by ``batch["num_items_in_batch"]`` (the model protocol)."""
     return bool(getattr(module, "global_token_loss", False))
+
+
+def _batch_size(args: tuple) -> int:
+    batch = args[0] if args else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor):
+        raise TypeError("Under pipeline parallelism training batches must be dicts with `labels` (HF key names).")
+    return labels.shape[0]
 
 
 def _scale_loss(output: Any, factor: float) -> Any:

@@ -177,3 +177,36 @@ def test_errors():
         apply_moe_recompute(make_layer("mixtral-tiny"), "heavy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an MoE layer"):
         build_moe(TransformerConfig.from_preset("deepseek-v3-tiny"), 0)
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-v3-tiny"])
+def test_global_losses_in_one_process_equal_local(preset):
+    # Without a token group the global statistics are this process's: value and gradient equal the local formulas.
+    x = torch.randn(2, 6, 64)
+    grads, values = [], []
+    for scope in ("global", "local"):
+        layer = make_layer(preset, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_aux_loss_scope=scope)
+        layer.token_group = None
+        layer(x).square().sum().backward()
+        grads.append(layer.gate.weight.grad)
+        values.append(layer.last_aux_losses)
+    assert rel_err(grads[0], grads[1]) <= 1e-6
+    assert values[0].keys() == values[1].keys() == {"aux_loss", "z_loss"}
+    for key in values[0]:
+        assert values[0][key].item() == pytest.approx(values[1][key].item(), rel=1e-6)
+
+
+def test_moe_config_knobs_reach_the_layer():
+    layer = make_layer("deepseek-v3-tiny", moe_recompute="medium", moe_recompute_token_threshold=8,
+                       moe_hot_expert_replicas=2, moe_hot_expert_enable_imbalance=1.3)  # fmt: skip
+    assert (layer.recompute_level, layer.recompute_token_threshold) == ("medium", 8)
+    assert layer.hot_expert_config == HotExpertReplication(num_replicas=2, enable_imbalance=1.3)
+    assert make_layer("mixtral-tiny").aux_loss_scope == "global"
+    with pytest.raises(ValueError, match="moe_aux_loss_scope='batch'"):
+        TransformerConfig.from_preset("mixtral-tiny", moe_aux_loss_scope="batch")
+    with pytest.raises(ValueError, match="moe_recompute='heavy'"):
+        TransformerConfig.from_preset("mixtral-tiny", moe_recompute="heavy")
+    with pytest.raises(ValueError, match="moe_hot_expert_replicas=9"):
+        TransformerConfig.from_preset("mixtral-tiny", moe_hot_expert_replicas=9)
+    with pytest.raises(ValueError, match="disable_imbalance"):
+        make_layer("mixtral-tiny", moe_hot_expert_replicas=1, moe_hot_expert_disable_imbalance=2.0)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.moe import build_moe
-from lightning_flagscale.parallel.expert import apply_ep, is_expert_param
+from lightning_flagscale.parallel.expert import apply_ep, is_expert_param, set_moe_token_group
 from tests.moe._reference import init_moe, rel_err
 
 
@@ -27,22 +27,30 @@ def _ep_parity(
     names = ("edp", "ep") if len(mesh_shape) == 2 else ("ep",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     cfg = TransformerConfig.from_preset(preset, **overrides)
-    ref = init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0)
+    ref = set_moe_token_group(init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0), None)
     layer = apply_ep(copy.deepcopy(ref), mesh)
+    # Every rank holds different tokens; this test sums (not averages) gradients over ranks, hence grad_scale 1.
+    set_moe_token_group(layer, dist.group.WORLD, grad_scale=1.0)
     layer.replicated_experts = replicate
     layer.recompute_level, layer.recompute_token_threshold = recompute
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
     gs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
-    # Oracle: the single-process layer on every rank's tokens, losses summed (aux losses per shard, like EP).
     ref_x = xs.clone().requires_grad_()
-    ref_out = torch.stack([ref(ref_x[r]) for r in range(world)])
+    if cfg.moe_aux_loss_scope == "global":
+        # Oracle: the single-process layer on all ranks' tokens at once (global aux/z statistics).
+        ref_out = ref(ref_x.view(world * 2, 5, -1)).view(xs.shape)
+    else:  # per-shard aux losses (and per-shard capacity), summed
+        ref_out = torch.stack([ref(ref_x[r]) for r in range(world)])
     (ref_out * gs).sum().backward()
 
     x = xs[rank].clone().requires_grad_()
     out = layer(x)
     (out * gs[rank]).sum().backward()
     errs = {"out": rel_err(out.detach(), ref_out[rank].detach()), "x_grad": rel_err(x.grad, ref_x.grad[rank])}
+    if cfg.moe_aux_loss_scope == "global":  # every rank reports the global values
+        for key, value in ref.last_aux_losses.items():
+            errs["value:" + key] = rel_err(layer.last_aux_losses[key], value)
     edp_group = mesh["edp"].get_group() if "edp" in names else None
     ref_params = dict(ref.named_parameters())
     for name, p in layer.named_parameters():
@@ -90,7 +98,9 @@ def test_edp2_ep2_folded_grads_reduced_over_edp(launcher):
 
 
 def test_ep2_capacity_matches_single_process(launcher):
-    _check(launcher(2, _ep_parity, "mixtral-tiny", (2,), {"moe_capacity_factor": 0.75, **AUX}))
+    # Capacity is per rank (its own token count), so the oracle runs shard by shard with per-shard aux losses.
+    local = {"moe_capacity_factor": 0.75, "moe_aux_loss_scope": "local", **AUX}
+    _check(launcher(2, _ep_parity, "mixtral-tiny", (2,), local))
 
 
 def test_hot_expert_replication_changes_traffic_not_results(launcher):

@@ -1,0 +1,133 @@
+"""Trainer-level MoE parity helpers: plain-SGD copies of the ``tests/strategies/_lm.py`` oracle and run.
+
+SGD (no momentum, no clipping, no weight decay) because Adam hides a gradient's scale; the comparison includes the
+router biases (buffers) and the weight *updates* (not only the weights, whose initial values dominate), so a wrong
+aux-loss scale cannot hide behind them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.models import CausalLMModule
+from lightning_flagscale.moe import moe_layers, update_moe_state
+from tests._oracle import global_batch_indices
+from tests.strategies._lm import GLOBAL_BATCH, NUM_SAMPLES, TokenDataset, assert_rel_close
+
+SGD_LR = 0.5
+_FP32_FLOOR = 2e-7
+
+
+class SGDModule(CausalLMModule):
+    """``CausalLMModule`` trained with plain SGD (its bias balancing after each step is inherited)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self._require_model().parameters(), lr=SGD_LR)
+
+
+def shrink(preset: str, **overrides: Any) -> TransformerConfig:
+    """A preset at test size, keeping its routing and its default MoE coefficients."""
+    base = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+                num_key_value_heads=2, shared_expert_intermediate_size=None)  # fmt: skip
+    if preset == "qwen2-moe-tiny":
+        base["shared_expert_intermediate_size"] = 32
+    return TransformerConfig.from_preset(preset, **{**base, **overrides})
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{name}.gate.e_score_correction_bias": layer.gate.e_score_correction_bias.detach().clone()
+            for name, layer in moe_layers(module) if layer.gate.e_score_correction_bias is not None}  # fmt: skip
+
+
+def sgd_reference(config: TransformerConfig, steps: int) -> dict[str, Any]:
+    """Single-process fp32 run on the whole global batch: losses, initial and final weights, router biases."""
+    torch.manual_seed(0)
+    module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
+    module.configure_model()
+    init = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    opt = module.configure_optimizers()
+    data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
+    losses = []
+    for step in range(steps):
+        loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        update_moe_state(module)  # what CausalLMModule.optimizer_step does under a Trainer
+        opt.zero_grad()
+    params = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    buffers = _buffers(module.model)
+    return {"losses": losses, "init": init, "params": params, "buffers": buffers}
+
+
+def sgd_trainer_run(strategy_kwargs: dict[str, Any], config: TransformerConfig, steps: int) -> dict[str, Any]:
+    """``Trainer.fit`` with FlagScaleStrategy on every worker (ragged labels); full weights and biases per rank."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+
+    world = dist.get_world_size()
+    strategy = FlagScaleStrategy(**strategy_kwargs)
+    losses: list[float] = []
+    replicated: list[tuple[int, ...]] = []
+    replica_bytes: list[int] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / world)
+            for _, layer in moe_layers(pl_module):
+                replicated.append(layer.replicated_experts)
+                replica_bytes.append(getattr(layer.dispatcher, "replica_bytes", 0))
+
+    torch.manual_seed(0)
+    module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision("32-true")],
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Record()],
+    )  # fmt: skip
+    dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
+    data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
+    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // dp))
+    params = {}
+    for name, p in module.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().float().clone()
+    return {
+        "losses": losses,
+        "params": params,
+        "buffers": _buffers(module.model),
+        "replicated": replicated,
+        "replica_bytes": replica_bytes,
+    }
+
+
+def assert_sgd_parity(results: list[dict[str, Any]], ref: dict[str, Any], what: str, rel: float = 1e-5) -> None:
+    """Every rank: per-step losses, weights, weight updates and router biases match the oracle (rel <= ``rel``)."""
+    for rank, res in enumerate(results):
+        assert len(res["losses"]) == len(ref["losses"]), f"{what} rank {rank}: {len(res['losses'])} steps"
+        for step, (got, want) in enumerate(zip(res["losses"], ref["losses"])):
+            assert abs(got - want) <= rel * abs(want), f"{what} rank {rank} step {step}: loss {got} != {want}"
+        assert set(res["params"]) == set(ref["params"]), f"{what} rank {rank}: parameter names"
+        for name, value in res["params"].items():
+            want = ref["params"][name]
+            assert_rel_close(value, want, rel, f"{what} rank {rank} {name}")
+            # Stricter on the update: rel on ||update|| plus the fp32 resolution of the weight itself (~eps * ||w||),
+            # below which summation-order rounding of small updates (e.g. norm gains) is all one can see.
+            update = want - ref["init"][name]
+            err = (value - want).double().norm()
+            bound = rel * update.double().norm() + _FP32_FLOOR * want.double().norm()
+            assert err <= bound, f"{what} rank {rank} update of {name}: error {err:.3e} > {bound:.3e}"
+        assert set(res["buffers"]) == set(ref["buffers"]), f"{what} rank {rank}: router biases"
+        for name, value in res["buffers"].items():
+            # Sign steps of +-rate: equal up to the float rounding of the additions.
+            assert torch.allclose(value, ref["buffers"][name], rtol=0, atol=1e-9), f"{what} rank {rank} {name}"
