@@ -18,6 +18,10 @@ from lightning_flagscale.convert.registry import (
     supported_model_types,
 )
 from lightning_flagscale.convert.safetensors_io import CheckpointFormatError
+from lightning_flagscale.multimodal.module import VLMModule
+
+# The VLM module's from_hf / HF weight loading hooks: attached here so that model code never imports converters.
+VLMModule.attach_hf(module_from_hf, load_hf_weights)
 
 __all__ = [
     "CheckpointFormatError",

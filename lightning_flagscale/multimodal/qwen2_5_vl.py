@@ -166,8 +166,12 @@ class VisionLanguageModel(CausalLM):
         if self.embed_tokens is None:
             return super().forward(x, position_ids, segment_ids)
         h = self.embed_tokens(x)
+        if pixel_values is not None and pixel_values.shape[0] == 0:
+            pixel_values = None  # a collated batch without images
         if pixel_values is not None:
             h = self._splice_images(h, x, pixel_values, image_grid_thw, padding_grid_thw)
+        elif self._vision_needs_grads():
+            h = self._touch_vision(h)
         if position_ids is None:
             position_ids = self.position_ids(x, image_grid_thw if pixel_values is not None else None, segment_ids)
         elif position_ids.dim() == 2:
@@ -200,12 +204,27 @@ class VisionLanguageModel(CausalLM):
             raise RuntimeError("This model part holds no vision tower (a later pipeline stage).")
         return self.visual(pixel_values, image_grid_thw)
 
+    def _vision_needs_grads(self) -> bool:
+        return (
+            self.training and torch.is_grad_enabled() and self.visual is not None
+            and any(p.requires_grad for p in self.visual.parameters())
+        )  # fmt: skip
+
+    def _touch_vision(self, h: Tensor) -> Tensor:
+        """A text-only batch still runs the tower once (on one blank merged patch) with a zero-weighted output, so
+        every tower parameter gets an (exactly zero) gradient: data-parallel ranks whose batches have images and
+        ranks whose batches have none then reduce the same set of gradients."""
+        vis = self.config.vision
+        dummy = h.new_zeros(vis.merge_unit, vis.patch_dim)
+        grid = torch.tensor([[1, vis.spatial_merge_size, vis.spatial_merge_size]], device=h.device)
+        return h + 0.0 * self.image_features(dummy, grid).sum().to(h.dtype)
+
     def _splice_images(
         self, h: Tensor, input_ids: Tensor, pixel_values: Tensor, grid: Tensor, padding: Tensor | None
     ) -> Tensor:
         if grid is None:
             raise ValueError("pixel_values were given without image_grid_thw.")
-        all_grid = grid if padding is None else torch.cat([grid, padding.to(grid)])
+        all_grid = grid if padding is None else torch.cat([grid.reshape(-1, 3), padding.to(grid)])
         features = self.image_features(pixel_values, all_grid)
         merge = self.config.vision.spatial_merge_size
         real = int((grid[:, 0] * (grid[:, 1] // merge) * (grid[:, 2] // merge)).sum())

@@ -27,6 +27,7 @@ __all__ = [
     "PatchMerger",
     "VisionBlock",
     "VisionTower",
+    "apply_vision_recompute",
     "check_vision_inputs",
     "vision_position_ids",
     "window_index",
@@ -223,3 +224,38 @@ class VisionTower(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_ids if i in full else window_ids)
         return self.merger(x)[torch.argsort(order)]
+
+
+def apply_vision_recompute(tower: VisionTower, mode: str, step: int = 1) -> VisionTower:
+    """Full activation recompute of every ``step``-th vision block (``mode="full"``), independent of the LLM's.
+
+    The vision tower's policy is separate from the decoder's (``FlagScaleStrategy(recompute=...)`` applies to the
+    LLM blocks only): its activations scale with the number of patches, not with the text length. As in
+    ``parallel/pipeline_recompute.py`` the block's ``forward`` is rebound on the instance, so parameter names
+    (TP plans, checkpoints, HF export) do not change.
+    """
+    if mode not in ("none", "full"):
+        raise ValueError(f"vision_recompute={mode!r} is unknown; use 'none' or 'full'.")
+    if step < 1:
+        raise ValueError(f"vision_recompute_step must be >= 1, got {step}.")
+    if mode == "none":
+        return tower
+    for i, block in enumerate(tower.blocks):
+        if i % step:
+            continue
+        if getattr(block, "_recompute_mode", None) is not None:
+            raise ValueError("Vision recompute was already applied to this tower; apply it once.")
+        block.forward = _recomputed(block.forward)
+        block._recompute_mode = mode
+    return tower
+
+
+def _recomputed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            return forward(*args)
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    return run

@@ -196,3 +196,17 @@ def test_flat_hub_style_config_is_read(hf_case):
     text.pop("model_type")
     flat.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
     assert family_for(flat).config_from_hf(flat) == nested
+
+
+def test_vlm_module_from_hf(hf_case):
+    """``VLMModule.from_hf`` (attached by the converter package) streams the weights at ``configure_model``."""
+    from lightning_flagscale.multimodal import VLMModule
+
+    hf_model, path = hf_case
+    module = VLMModule.from_hf(str(path))
+    assert module.hf_dir == str(path) and module.config.vision.depth == 3
+    module.configure_model()
+    batch = make_batch()
+    got = our_logits(module.model.eval(), *batch)
+    valid = batch[1].bool()
+    torch.testing.assert_close(got[valid], hf_logits(hf_model, *batch)[valid], rtol=0, atol=1e-5)
