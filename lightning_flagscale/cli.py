@@ -7,7 +7,8 @@
     lightning-flagscale bench [--quick]    FlagScale layouts next to Lightning's strategies (repository checkout)
 
 A recipe is a plain LightningCLI YAML file: ``trainer`` (with ``strategy: class_path: ...FlagScaleStrategy``),
-``model`` (``CausalLMModule`` arguments) and ``data`` (``LMDataModule`` arguments). Recipes shipped with the
+``model`` (``CausalLMModule`` arguments) and ``data`` (``LMDataModule`` arguments), or ``model`` / ``data`` with a
+``class_path`` (e.g. ``VLMModule`` / ``VLMDataModule`` in ``qwen2_5_vl_tiny.yaml``). Recipes shipped with the
 package can be named without a path: ``--config llama_tiny`` finds ``lightning_flagscale/recipes/llama_tiny.yaml``.
 """
 
@@ -45,20 +46,47 @@ def _resolve_config_args(argv: list[str]) -> list[str]:
     return out
 
 
+def _names_classes(argv: list[str]) -> bool:
+    """Whether a ``--config`` recipe gives ``model: {class_path: ...}`` (e.g. ``VLMModule``) instead of
+    ``CausalLMModule`` arguments."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else path
+        if path and os.path.isfile(path):
+            model = (yaml.safe_load(Path(path).read_text()) or {}).get("model")
+            if isinstance(model, dict) and "class_path" in model:
+                return True
+    return False
+
+
 def _lightning_cli(argv: list[str]) -> None:
+    import lightning as L
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_flagscale  # noqa: F401  (registers the strategy)
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule
 
+    args = _resolve_config_args(argv)
+    if _names_classes(args):
+        # Recipes with `model: {class_path: ...}` pick their LightningModule and DataModule (e.g. the VLM recipe);
+        # the converters are imported so that modules with HF hooks (VLMModule.from_hf / hf_dir) have them.
+        from lightning_flagscale import convert  # noqa: F401
+
+        LightningCLI(
+            L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True}, args=args,
+        )  # fmt: skip
+        return
     LightningCLI(
         CausalLMModule,
         LMDataModule,
         subclass_mode_model=False,
         subclass_mode_data=False,
         save_config_kwargs={"overwrite": True},
-        args=_resolve_config_args(argv),
+        args=args,
     )
 
 

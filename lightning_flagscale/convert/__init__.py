@@ -20,7 +20,8 @@ from lightning_flagscale.convert.registry import (
 from lightning_flagscale.convert.safetensors_io import CheckpointFormatError
 from lightning_flagscale.models.weights import WeightSource, register_weight_source
 
-# Model code never imports converters: it finds them here, registered (see models/weights.py).
+# Model code never imports converters: it finds them here, registered (see models/weights.py). Both the text and
+# the vision-language modules resolve "hf" through it.
 register_weight_source("hf", WeightSource(build_module=module_from_hf, load_weights=load_hf_weights))
 
 __all__ = [

@@ -210,8 +210,12 @@ def _to_config(value: Any) -> TransformerConfig:
     """A TransformerConfig from what a checkpoint stores: the object, its dict, or a preset name."""
     if isinstance(value, TransformerConfig):
         return value
+    from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
+
     if isinstance(value, str):
-        return TransformerConfig.from_preset(value)
+        return VLMConfig.from_preset(value) if value in VLM_PRESETS else TransformerConfig.from_preset(value)
+    if "vision" in dict(value) or dict(value).get("preset") in VLM_PRESETS:
+        return VLMConfig.from_dict(dict(value))
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     return TransformerConfig(**{k: v for k, v in dict(value).items() if k in known})
 

@@ -39,6 +39,7 @@ ARCHITECTURE_FIELDS = (
     "first_k_dense_layers", "moe_layer_freq",
 )  # fmt: skip
 """TransformerConfig fields that change the math; the module and the checkpoint must agree on all of them."""
+_EXTRA_ARCHITECTURE_FIELDS = ("vision", "mrope_section", "image_token_id")
 
 # Wrappers that activation checkpointing / torch.compile / FSDP1 insert into FQNs (same list as models/decoder.py).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -80,6 +81,12 @@ def _check_architecture(ours: TransformerConfig, theirs: TransformerConfig, wher
         f"{f}={getattr(ours, f)!r} (module) vs {getattr(theirs, f)!r} (checkpoint)"
         for f in ARCHITECTURE_FIELDS
         if getattr(ours, f) != getattr(theirs, f)
+    ]
+    # Fields of config subclasses (VLMConfig's vision tower, M-RoPE sections, special token ids).
+    diffs += [
+        f"{f}={getattr(ours, f, None)!r} (module) vs {getattr(theirs, f, None)!r} (checkpoint)"
+        for f in _EXTRA_ARCHITECTURE_FIELDS
+        if getattr(ours, f, None) != getattr(theirs, f, None)
     ]
     if diffs:
         raise HFConversionError(f"The module's config does not match {where / 'config.json'}: " + "; ".join(diffs))
@@ -189,10 +196,12 @@ def causal_lm_from_hf(
     Built on the meta device and materialised empty, so weights are allocated once and never randomly initialised.
     """
     from lightning_flagscale.models import CausalLM
+    from lightning_flagscale.multimodal import VisionLanguageModel, VLMConfig
 
     config = config_from_hf(hf_dir, **overrides)
+    model_cls = VisionLanguageModel if isinstance(config, VLMConfig) else CausalLM
     with torch.device("meta"):
-        model = CausalLM(config, vocab_multiple=vocab_multiple)
+        model = model_cls(config, vocab_multiple=vocab_multiple)
     model = model.to_empty(device="cpu")
     if dtype is not None:
         model = model.to(dtype)

@@ -91,7 +91,10 @@ def family_for(hf_config: dict[str, Any] | TransformerConfig) -> HFFamily:
 
 def _family_for_ours(config: TransformerConfig) -> HFFamily:
     """Pick the HF family that can express ``config``: a stored ``hf_model_type`` or inferred from features."""
-    if config.is_moe:
+    stored = getattr(config, "hf_model_type", None)  # e.g. VLMConfig: a family its features alone do not name
+    if stored is not None:
+        name = stored
+    elif config.is_moe:
         if config.num_shared_experts:
             name = "qwen2_moe"
         elif config.qk_norm:

@@ -8,6 +8,7 @@ and give the same logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -71,22 +72,48 @@ class RotaryEmbedding(nn.Module):
     The inverse frequencies are recomputed on every call instead of being stored in a buffer: they are
     ``head_dim / 2`` numbers, and without state the module survives meta-device construction, ``to_empty`` and
     checkpoint loading without a re-initialisation step.
+
+    Multimodal RoPE (M-RoPE, Qwen2-VL/Qwen2.5-VL): with ``mrope_section`` (e.g. ``[16, 24, 24]``, summing to
+    ``head_dim / 2``) the position ids may have three rows ``[3, B, S]`` (temporal, height, width); frequency band
+    ``j`` then takes its angle from the row of the section it falls in, as ``transformers``'
+    ``Qwen2_5_VLRotaryEmbedding``. Plain ``[B, S]`` ids are the text case (all three rows equal).
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        mrope_section: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = dict(scaling) if scaling else None
+        self.mrope_section = list(mrope_section) if mrope_section is not None else None
+        if self.mrope_section is not None and sum(self.mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section={self.mrope_section} must sum to head_dim // 2 = {head_dim // 2} (one entry per "
+                "temporal/height/width band)."
+            )
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=position_ids.device)
         freqs = position_ids[..., None].float() * inv_freq
+        if position_ids.dim() == 3:  # [3, B, S, D/2]: pick each band's row (M-RoPE)
+            if self.mrope_section is None or position_ids.shape[0] != 3:
+                raise ValueError(
+                    f"position_ids of shape {tuple(position_ids.shape)} need mrope_section and 3 rows "
+                    "(temporal, height, width); text models take [B, S]."
+                )
+            bands = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+        extra = f", mrope_section={self.mrope_section}" if self.mrope_section else ""
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}{extra}"
 
 
 def rotate_half(x: Tensor) -> Tensor:

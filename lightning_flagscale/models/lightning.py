@@ -22,7 +22,7 @@ from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
 from lightning_flagscale.models.weights import weight_source
 
-__all__ = ["CausalLMModule", "param_groups", "warmup_cosine_lambda"]
+__all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
 
 
 def _resolve_config(config: TransformerConfig | str | dict[str, Any]) -> TransformerConfig:
@@ -84,6 +84,24 @@ def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: fl
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def log_window_loss(module: L.LightningModule, outputs: Any, batch_idx: int, window: Tensor | None) -> Tensor | None:
+    """Log ``train_loss`` as the step's loss: the sum of Lightning's per-batch losses over an accumulation window.
+
+    Lightning's ``outputs["loss"]`` is what it backpropagated (already divided by the accumulation count). Under
+    ``FlagScaleStrategy`` its window sum is this rank's share of the global token mean scaled by the number of data x
+    context ranks, so the mean over ranks (``sync_dist``) is the global token mean (see ``strategies/_tokens.py``);
+    under other strategies it is Lightning's usual mean of per-batch means. Returns the running window sum.
+    """
+    loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, Tensor):
+        return window
+    if window is None or batch_idx % module.trainer.accumulate_grad_batches == 0:
+        window = torch.zeros((), device=loss.device)
+    window = window + loss.detach().float()
+    module.log("train_loss", window, prog_bar=True, sync_dist=True)
+    return window
 
 
 class CausalLMModule(L.LightningModule):
@@ -209,15 +227,7 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Lightning's `outputs["loss"]` is what it backpropagated: the sum over an accumulation window is the step's
-        # loss on this rank, and its mean over ranks the global token mean (see strategies/_tokens.py).
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None:
-            return
-        if batch_idx % self.trainer.accumulate_grad_batches == 0 or self._window_loss is None:
-            self._window_loss = torch.zeros((), device=loss.device)
-        self._window_loss = self._window_loss + loss.detach().float()
-        self.log("train_loss", self._window_loss, prog_bar=True, sync_dist=True)
+        self._window_loss = log_window_loss(self, outputs, batch_idx, self._window_loss)
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None  # do not count validation / epoch-boundary time as step time

@@ -1,0 +1,228 @@
+"""``VLMModule``: the LightningModule around :class:`VisionLanguageModel`, unchanged under every supported layout.
+
+Like ``CausalLMModule`` it only builds the model and computes the loss; ``FlagScaleStrategy`` parallelises,
+materialises and initialises. Training options vision-language users ask for:
+
+- ``freeze_vision`` / ``freeze_merger`` / ``freeze_llm``: frozen parts get ``requires_grad=False`` when the
+  optimizer is built (after the strategy's parallelisation, which may replace Parameter objects) and are left out
+  of it, so neither gradients nor optimizer state are kept for them.
+- ``vision_lr_multiplier``: the vision encoder's learning rate relative to the LLM's (FlagScale's
+  ``vision_ration``); the merger (projector) trains at the LLM's rate. The scheduler scales both alike.
+- ``vision_recompute="full"`` with ``vision_recompute_step``: activation recompute of the tower's blocks, separate
+  from the LLM's policy (``FlagScaleStrategy(recompute=...)``).
+- ``preallocate``: first-batch memory pre-allocation (``prealloc.py``).
+- packing: batches may carry ``segment_ids`` (several image-text documents per row, see ``multimodal.data``).
+
+HF weights: the converter package attaches its constructor and loader through :meth:`VLMModule.attach_hf` when it
+is imported (``lightning_flagscale.convert``), so this file never imports converter code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_flagscale.models.lightning import log_window_loss, param_groups, warmup_cosine_lambda
+from lightning_flagscale.models.weights import weight_source
+from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
+from lightning_flagscale.multimodal.prealloc import PreallocState
+from lightning_flagscale.multimodal.qwen2_5_vl import VisionLanguageModel
+from lightning_flagscale.multimodal.vision import apply_vision_recompute
+
+__all__ = ["VLMModule", "vlm_param_groups"]
+
+_VISION_ENCODER = ("visual.patch_embed.", "visual.blocks.")
+_MERGER = ("visual.merger.",)
+
+
+def _resolve_config(config: VLMConfig | str | dict[str, Any]) -> VLMConfig:
+    if isinstance(config, VLMConfig):
+        return config
+    if isinstance(config, str):
+        return VLMConfig.from_preset(config)
+    if isinstance(config, dict):
+        return VLMConfig.from_dict(config)
+    raise TypeError(
+        f"config must be a VLMConfig, a preset name ({', '.join(VLM_PRESETS)}) or a dict of its fields, got "
+        f"{type(config).__name__}."
+    )
+
+
+def _canonical(name: str) -> str:
+    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def vlm_param_groups(model: nn.Module, weight_decay: float, lr: float, vision_lr_multiplier: float) -> list[dict]:
+    """AdamW/SGD groups: (vision encoder | rest) x (decay | no decay); the encoder's groups at ``lr * multiplier``."""
+    encoder_ids = {id(p) for n, p in model.named_parameters() if _canonical(n).startswith(_VISION_ENCODER)}
+    groups = []
+    for group in param_groups(model, weight_decay):
+        encoder = [p for p in group["params"] if id(p) in encoder_ids]
+        rest = [p for p in group["params"] if id(p) not in encoder_ids]
+        groups.append({**group, "params": rest, "lr": lr})
+        groups.append({**group, "params": encoder, "lr": lr * vision_lr_multiplier})
+    return [g for g in groups if g["params"]]
+
+
+class VLMModule(L.LightningModule):
+    """Image-text training of :class:`VisionLanguageModel` on HF-style batches (``input_ids``, ``labels``,
+    ``pixel_values``, ``image_grid_thw``, optional ``attention_mask`` / ``segment_ids``)."""
+
+    global_token_loss = True
+    """Model protocol: the loss divides by ``batch["num_items_in_batch"]`` (see ``models/protocol.py``)."""
+
+    def __init__(
+        self,
+        config: VLMConfig | str | dict[str, Any] = "qwen2.5-vl-tiny",
+        *,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: Literal["adamw", "sgd"] = "adamw",
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        init_seed: int = 0,
+        hf_dir: str | None = None,
+        freeze_vision: bool = False,
+        freeze_merger: bool = False,
+        freeze_llm: bool = False,
+        vision_lr_multiplier: float = 1.0,
+        vision_recompute: Literal["none", "full"] = "none",
+        vision_recompute_step: int = 1,
+        preallocate: bool = False,
+        max_image_tokens: int | None = None,
+        max_seq_len: int | None = None,
+        vocab_multiple: int = 64,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = _resolve_config(config)
+        self.hf_dir = hf_dir
+        _check_options(self.hparams)
+        self.model: VisionLanguageModel | None = None
+        self.prealloc: PreallocState | None = None
+        if preallocate:
+            self.prealloc = PreallocState(
+                max_seq_len=max_seq_len or self.config.max_seq_len, max_image_tokens=int(max_image_tokens)
+            )
+
+    # ---- HF ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf_dir: str, **kwargs: Any) -> VLMModule:
+        """A module whose config and weights come from a local HF ``qwen2_5_vl`` folder (streamed per rank)."""
+        return weight_source("hf").build_module(cls, hf_dir, **kwargs)
+
+    # ---- model construction ---------------------------------------------------------------------------------
+    @property
+    def init_seed(self) -> int:
+        return int(self.hparams.init_seed)
+
+    @property
+    def vocab_multiple(self) -> int:
+        """Embedding / LM-head rows are padded to a multiple of this (see ``CausalLMModule.vocab_multiple``)."""
+        return int(self.hparams.get("vocab_multiple", 64))
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = VisionLanguageModel(self.config, vocab_multiple=self.vocab_multiple)
+        hp = self.hparams
+        apply_vision_recompute(self.model.visual, hp.vision_recompute, hp.vision_recompute_step)
+        if not next(self.model.parameters()).is_meta:
+            self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """HF weights when built from an HF folder, else the layout-independent ``init_weights``."""
+        if not self.hf_dir:
+            self.model.init_weights(self.init_seed)
+            return
+        loader = weight_source("hf").load_weights
+        for part in getattr(self.model, "stage_modules", None) or [self.model]:
+            loader(part, self.hf_dir)
+
+    def _require_model(self) -> VisionLanguageModel:
+        if self.model is None:
+            self.configure_model()
+        return self.model
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """Head output of a batch dict (see :meth:`VisionLanguageModel.forward`)."""
+        model = self._require_model()
+        segment_ids = batch.get("segment_ids")
+        mask = batch.get("attention_mask")
+        if segment_ids is None and mask is not None and not bool(mask.all()):
+            segment_ids = mask.long()  # padding as its own segment
+        return model(
+            batch["input_ids"], batch.get("position_ids"), segment_ids,
+            pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+            padding_grid_thw=batch.get("padding_grid_thw"),
+        )  # fmt: skip
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        out = self(batch)
+        return self.model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.prealloc is not None:
+            batch = self.prealloc.maybe_pad(batch, self.config)
+        return self._loss(batch)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._window_loss = log_window_loss(self, outputs, batch_idx, getattr(self, "_window_loss", None))
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)
+        return loss
+
+    # ---- optimisation ----------------------------------------------------------------------------------------
+    def trainable_parameters(self) -> None:
+        """Apply the freeze options (``requires_grad``) to the current (possibly parallelised) parameters."""
+        hp = self.hparams
+        for name, p in self._require_model().named_parameters():
+            name = _canonical(name)
+            frozen = (
+                (hp.freeze_vision and name.startswith(_VISION_ENCODER))
+                or (hp.freeze_merger and name.startswith(_MERGER))
+                or (hp.freeze_llm and not name.startswith("visual."))
+            )
+            p.requires_grad_(not frozen)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        self.trainable_parameters()
+        groups = vlm_param_groups(self._require_model(), hp.weight_decay, hp.learning_rate, hp.vision_lr_multiplier)
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=hp.learning_rate)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        total = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else math.inf
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine_lambda(hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def _check_options(hp: Any) -> None:
+    """Reject option values that cannot work, naming the fix (before any process group exists)."""
+    if hp.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer={hp.optimizer!r} is unknown; use 'adamw' or 'sgd'.")
+    if hp.vision_recompute not in ("none", "full"):
+        raise ValueError(f"vision_recompute={hp.vision_recompute!r} is unknown; use 'none' or 'full'.")
+    if hp.vision_recompute_step < 1:
+        raise ValueError(f"vision_recompute_step must be >= 1, got {hp.vision_recompute_step}.")
+    if not hp.vision_lr_multiplier > 0:
+        raise ValueError(f"vision_lr_multiplier must be > 0, got {hp.vision_lr_multiplier}; use freeze_vision instead.")
+    if hp.freeze_vision and hp.freeze_merger and hp.freeze_llm:
+        raise ValueError("freeze_vision, freeze_merger and freeze_llm are all set: nothing would train.")
+    if hp.preallocate and (hp.max_image_tokens is None or hp.max_image_tokens < 0):
+        raise ValueError("preallocate=True needs max_image_tokens (the largest image-token count of a batch).")
+    if not 0.0 <= hp.min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {hp.min_lr_ratio}.")
