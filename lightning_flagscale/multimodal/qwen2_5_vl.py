@@ -136,7 +136,8 @@ class VisionLanguageModel(CausalLM):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import RowwiseParallel
 
-        from lightning_flagscale.parallel.tensor import ReplicateParallel, decoder_tp_plan
+        from lightning_flagscale.models.decoder_plan import decoder_tp_plan
+        from lightning_flagscale.parallel.tensor import ReplicateParallel
 
         plan = decoder_tp_plan(self, sequence_parallel)
         if self.embed_tokens is not None:
