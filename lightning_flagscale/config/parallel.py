@@ -7,7 +7,7 @@ It validates itself where it lives, before any process group exists, and every u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
 
@@ -67,8 +67,17 @@ class ParallelConfig:
     (embedding and LM head included)."""
     recompute: RecomputeMode | list[RecomputeMode] = "none"
     """Activation recompute per block: ``none``, ``selective`` (norms, activations) or ``full``; or one per stage."""
+    hetero_meshes: list[dict[str, Any]] | None = None
+    """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
+    ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
+    pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
+    hetero_layers: list[int] | None = None
+    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]``; ``None`` splits
+    evenly."""
 
     def __post_init__(self) -> None:
+        if self.hetero_meshes is not None:
+            self._check_hetero()
         for name in (
             "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
             "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
@@ -132,6 +141,57 @@ class ParallelConfig:
                 f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
             )
 
+    def _check_hetero(self) -> None:
+        from lightning_flagscale.config.hetero import check_hetero_layout, parse_hetero_meshes
+
+        meshes = parse_hetero_meshes(self.hetero_meshes)
+        per_mesh = {
+            "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+            "context_parallel_size": self.context_parallel_size, "expert_parallel_size": self.expert_parallel_size,
+            "data_parallel_size": self.data_parallel_size or 1,
+        }  # fmt: skip
+        clash = [k for k, v in per_mesh.items() if v != 1]
+        if clash:
+            raise ValueError(
+                f"With hetero_meshes, {', '.join(clash)} belong inside each mesh's dict; leave the global value(s)"
+                " at their default."
+            )
+        if self.hetero_dp_batch_sizes is not None:
+            raise ValueError("hetero_dp_batch_sizes and hetero_meshes cannot be combined; give each mesh its own DP.")
+        check_hetero_layout(
+            meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel
+        )
+
+    @property
+    def hetero_enabled(self) -> bool:
+        return self.hetero_meshes is not None
+
+    def stage_group_configs(self, num_layers: int) -> list[ParallelConfig]:
+        """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group."""
+        from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
+
+        groups = plan_stage_groups(parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers)
+        samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
+        configs = []
+        for g in groups:
+            if samples % g.data_parallel_size:
+                raise ValueError(
+                    f"A micro-batch of {samples} samples (micro_batch_size={self.micro_batch_size} x the first mesh's"
+                    f" data_parallel_size={groups[0].data_parallel_size}) cannot be split over mesh {g.mesh}'s"
+                    f" data_parallel_size={g.data_parallel_size}; raise micro_batch_size."
+                )
+            configs.append(
+                ParallelConfig(
+                    tensor_parallel_size=g.tensor_parallel_size, data_parallel_size=g.data_parallel_size,
+                    context_parallel_size=g.context_parallel_size, expert_parallel_size=g.expert_parallel_size,
+                    zero_stage=self.zero_stage, micro_batch_size=samples // g.data_parallel_size,
+                    gradient_accumulation_steps=self.gradient_accumulation_steps, pipeline_schedule=self.pipeline_schedule,
+                    recompute=self.recompute if isinstance(self.recompute, str) else self.recompute[g.index],
+                    context_parallel_mode=self.context_parallel_mode,
+                ).resolve(g.size)
+            )  # fmt: skip
+        return configs
+
     # ---- derived sizes ----
     @property
     def resolved_ulysses_size(self) -> int:
@@ -185,6 +245,17 @@ class ParallelConfig:
     # ---- validation against the outside world ----
     def resolve(self, world_size: int) -> ParallelConfig:
         """Derive ``data_parallel_size`` from ``world_size`` and check the product; returns ``self``."""
+        if self.hetero_meshes is not None:
+            from lightning_flagscale.config.hetero import parse_hetero_meshes
+
+            sizes = [m.size for m in parse_hetero_meshes(self.hetero_meshes)]
+            if sum(sizes) != world_size:
+                raise ValueError(
+                    f"hetero_meshes describe {' + '.join(map(str, sizes))} = {sum(sizes)} ranks but the world size is"
+                    f" {world_size}; change the meshes' sizes or the number of devices."
+                )
+            self.data_parallel_size = 1
+            return self
         mp = self.model_parallel_size
         if world_size % mp:
             raise ValueError(
@@ -218,6 +289,15 @@ class ParallelConfig:
 
     def validate_model(self, config: TransformerConfig) -> None:
         """Check that ``config`` can be split the way this layout asks."""
+        if self.hetero_meshes is not None:
+            for group in self.stage_group_configs(config.num_layers):
+                group.validate_model(config)
+            if config.tie_word_embeddings:
+                raise ValueError(
+                    "tie_word_embeddings=True with hetero_meshes is not supported yet (the embedding and the LM head"
+                    " live on different meshes); untie them or use one mesh."
+                )
+            return
         tp = self.tensor_parallel_size
         if config.num_attention_heads % tp:
             raise ValueError(

@@ -387,7 +387,14 @@ def _stage_size() -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int = 1, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(
+    params: Iterable[Tensor],
+    max_norm: float,
+    *,
+    pp_size: int = 1,
+    norm_type: float = 2.0,
+    stage_ranks: int | None = None,
+) -> Tensor:
     """Clip by the true global gradient norm across TP, CP, ZeRO/FSDP shards and pipeline stages.
 
     Each rank adds its local squared norms weighted by ``num_shards(p) / ranks_per_stage`` (the fraction of
@@ -397,7 +404,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, *, pp_size: int =
     params = [p for p in params if p.grad is not None]
     for p in params:  # DTensor autograd may hand back Replicate/Partial grads for Shard params: align them first
         _align_grad_placements(p)
-    stage_ranks = _stage_size() // pp_size
+    # Ranks holding one pipeline stage (all its TP/DP/CP copies and shards); heterogeneous stages pass their own size.
+    stage_ranks = stage_ranks or _stage_size() // pp_size
     device = local_tensor(params[0].grad).device if params else torch.device("cpu")
     if norm_type == math.inf:
         total = torch.zeros((), device=device)

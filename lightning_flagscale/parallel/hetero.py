@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["HeteroBatchSampler", "check_hetero_batch_sizes", "hetero_micro_batch_sizes"]
+__all__ = ["HeteroBatchSampler", "MicroBatchSliceSampler", "check_hetero_batch_sizes", "hetero_micro_batch_sizes"]
 
 
 def hetero_micro_batch_sizes(batch_sizes: Sequence[int], micro_batch_size: int) -> list[int]:
@@ -100,3 +100,49 @@ class HeteroBatchSampler(Sampler[list[int]]):
         for k in range(len(self)):
             start = k * self.global_batch + self.offset
             yield order[start : start + mine].tolist()
+
+
+class MicroBatchSliceSampler(Sampler[list[int]]):
+    """Heterogeneous meshes: this rank's slices of every micro-batch of one global batch.
+
+    Global batch ``k`` is ``perm[k*G : (k+1)*G]``, cut into micro-batches of ``micro`` samples; data-parallel rank
+    ``i`` of a stage group with ``dp`` ranks takes the ``i``-th of ``dp`` equal slices of each micro-batch. Stage groups
+    with different data-parallel sizes thus hold different slices of the same samples, and the pipeline reslices
+    activations between them (``parallel/hetero_mesh.py``). Incomplete global batches are dropped.
+    """
+
+    def __init__(
+        self, num_samples: int, global_batch: int, micro: int, dp: int, rank: int, *, seed: int = 0, shuffle: bool
+    ) -> None:
+        if global_batch % micro or micro % dp:
+            raise ValueError(
+                f"A global batch of {global_batch} samples in micro-batches of {micro} cannot be split over"
+                f" data_parallel_size={dp}; make the micro-batch (micro_batch_size x the first mesh's data-parallel"
+                " size) a multiple of every mesh's data-parallel size and divide the global batch."
+            )
+        if num_samples < global_batch:
+            raise ValueError(f"The dataset has {num_samples} samples, fewer than one global batch of {global_batch}.")
+        self.num_samples, self.global_batch, self.micro = num_samples, global_batch, micro
+        self.dp, self.rank, self.seed, self.shuffle = dp, rank, seed, shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        part = self.micro // self.dp
+        for k in range(len(self)):
+            batch = []
+            for m in range(self.global_batch // self.micro):
+                start = k * self.global_batch + m * self.micro + self.rank * part
+                batch += order[start : start + part].tolist()
+            yield batch

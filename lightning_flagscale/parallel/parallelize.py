@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.parallel.data import apply_fsdp
 from lightning_flagscale.parallel.mesh import ParallelMeshes
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel, build_pipelined_model
@@ -46,6 +47,8 @@ class RankLayout:
     """FSDP2 compute dtype (None: the parameters' own)."""
     reduce_dtype: torch.dtype | None = None
     """FSDP2 gradient reduction dtype."""
+    hetero_groups: list[StageGroup] | None = None
+    """Heterogeneous meshes: every pipeline stage group; ``config`` and ``meshes`` are then this rank's group's."""
 
 
 @dataclass
@@ -64,7 +67,13 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
     """Apply the plan (module docstring) to ``model`` (the protocol model of ``module``, or None for DP-only)."""
     p = layout.config
     result = Parallelized(parts=[] if model is None else [model])
-    if model is not None and p.pp_enabled:
+    if model is not None and layout.hetero_groups is not None:
+        from lightning_flagscale.parallel.hetero_mesh import build_hetero_pipelined_model
+
+        result.pipeline = build_hetero_pipelined_model(model, layout.hetero_groups, layout.meshes, p, layout.device)
+        module.model = result.pipeline
+        result.parts = list(result.pipeline.stage_modules)
+    elif model is not None and p.pp_enabled:
         result.pipeline = build_pipelined_model(model, layout.meshes, p, layout.device)
         module.model = result.pipeline
         result.parts = list(result.pipeline.stage_modules)

@@ -92,6 +92,8 @@ class FlagScaleStrategy(ParallelStrategy):
         pipeline_balance: Literal["even", "cost"] = "even",
         recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
         hetero_dp_batch_sizes: list[int] | None = None,
+        hetero_meshes: list[dict[str, Any]] | None = None,
+        hetero_layers: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = 1 << 24,
@@ -118,8 +120,13 @@ class FlagScaleStrategy(ParallelStrategy):
                 pipeline_balance=pipeline_balance,
                 recompute=recompute,
                 hetero_dp_batch_sizes=hetero_dp_batch_sizes,
+                hetero_meshes=hetero_meshes,
+                hetero_layers=hetero_layers,
             )
         self.parallel = parallel
+        # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
+        self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
+        self._hetero_groups: list | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
@@ -221,11 +228,29 @@ class FlagScaleStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._meshes = build_meshes(self.parallel, self.root_device.type)
+        if self.hetero_parallel is not None:
+            self._build_hetero_meshes()
+        else:
+            self._meshes = build_meshes(self.parallel, self.root_device.type)
         if self._async_checkpoint:
             # The background writer's collectives get their own group, never interleaved with training's.
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
+
+    def _build_hetero_meshes(self) -> None:
+        """Every stage group's meshes; this rank keeps its group's and its group's layout as ``parallel``."""
+        from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
+        from lightning_flagscale.parallel.hetero_mesh import build_group_meshes, group_of_rank
+
+        hp = self.hetero_parallel
+        num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
+        if num_layers is None:
+            raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
+        groups = plan_stage_groups(parse_hetero_meshes(hp.hetero_meshes), hp.hetero_layers, num_layers)
+        configs = hp.stage_group_configs(num_layers)
+        self._meshes = build_group_meshes(groups, configs, self.root_device.type, self.global_rank)
+        self._hetero_groups = groups
+        self.parallel = configs[group_of_rank(groups, self.global_rank).index]
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -257,7 +282,7 @@ class FlagScaleStrategy(ParallelStrategy):
         inner = find_protocol_model(module)
         precision = self.precision_plugin
         layout = RankLayout(
-            config=p, meshes=self.meshes, device=self.root_device,
+            config=p, meshes=self.meshes, device=self.root_device, hetero_groups=self._hetero_groups,
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
             reduce_dtype=precision.reduce_dtype,
         )  # fmt: skip
@@ -275,7 +300,10 @@ class FlagScaleStrategy(ParallelStrategy):
             from lightning_flagscale.parallel.expert import tag_expert_params
 
             tag_expert_params(module.model if self._pipeline is not None else inner)
-        precision.grad_norm_fn = partial(clip_grad_norm_, pp_size=p.pipeline_parallel_size)
+        precision.grad_norm_fn = partial(
+            clip_grad_norm_, pp_size=p.pipeline_parallel_size,
+            stage_ranks=self.meshes.size(MeshDim.STAGE) if self._hetero_groups is not None else None,
+        )  # fmt: skip
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -331,24 +359,36 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Training loaders: heterogeneous-DP shares (``hetero_dp_batch_sizes``) and the step's token normaliser."""
-        from torch.utils.data import DataLoader, DistributedSampler
+        """Data layouts our parallelism needs, then the step's token normaliser on training loaders.
+
+        Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch (training and evaluation
+        alike, so stage boundaries line up). Heterogeneous DP: ``hetero_dp_batch_sizes`` shares of each batch.
+        """
+        from torch.utils.data import DistributedSampler
 
         sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+        if not isinstance(sampler, DistributedSampler):
+            return dataloader
+        if self._hetero_groups is not None:
+            from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+
+            first, dp = self._hetero_groups[0], self.meshes.size(MeshDim.DP)
+            batches = MicroBatchSliceSampler(
+                len(dataloader.dataset), dataloader.batch_size * first.data_parallel_size,
+                self.parallel.micro_batch_size * dp, dp, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed,
+                shuffle=sampler.shuffle,
+            )  # fmt: skip
+            dataloader = _with_batch_sampler(dataloader, batches)
+        elif not sampler.shuffle:
             return dataloader  # evaluation loaders keep the even split and per-rank token means
-        sizes = self.parallel.hetero_dp_batch_sizes
-        if sizes is not None and isinstance(dataloader, DataLoader):
+        elif (sizes := self.parallel.hetero_dp_batch_sizes) is not None:
             from lightning_flagscale.parallel.hetero import HeteroBatchSampler
 
             batches = HeteroBatchSampler(
                 len(dataloader.dataset), sizes, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed
             )
-            dataloader = DataLoader(
-                dataloader.dataset, batch_sampler=batches, collate_fn=dataloader.collate_fn,
-                num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
-            )  # fmt: skip
-        if not _uses_global_token_loss(self.lightning_module):
+            dataloader = _with_batch_sampler(dataloader, batches)
+        if not sampler.shuffle or not _uses_global_token_loss(self.lightning_module):
             return dataloader
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         return TokenCountingLoader(dataloader, accumulate, self.meshes.group(MeshDim.DP))
@@ -551,6 +591,15 @@ class FlagScaleStrategy(ParallelStrategy):
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
         meta.pop("parallel_config", None)
         return meta
+
+
+def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
+        dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+    )  # fmt: skip
 
 
 def _uses_global_token_loss(module: nn.Module) -> bool:

@@ -106,6 +106,7 @@ def trainer_run(
     ragged: bool = True,
     accumulate: int = 1,
     optimizer: str = "sgd",
+    batch_size: int | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
@@ -137,7 +138,8 @@ def trainer_run(
         num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])], accumulate_grad_batches=accumulate,
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
-    loader = DataLoader(TokenDataset(config.vocab_size, num_samples, ragged=ragged), batch_size=GLOBAL_BATCH // dp)
+    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged)
+    loader = DataLoader(data, batch_size=batch_size or GLOBAL_BATCH // dp)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
         trainer.save_checkpoint(save_path)

@@ -1,0 +1,157 @@
+"""Heterogeneous process meshes: the typed layout and its checks (pure; no process group, no torch).
+
+A job spans several process meshes in rank order, each homogeneous with its own tensor / data / pipeline / expert
+parallel sizes and device type, chained as pipeline stages with their own layer counts (FlagScale's second
+generation of heterogeneous training, SEEDS.md section 3). Every pipeline stage of every mesh becomes a *stage group*:
+the ranks of one stage of one mesh, laid out ``("dp", "cp", "tp")`` with tp fastest, like a homogeneous stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups"]
+
+MESH_KEYS = (
+    "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+    "expert_parallel_size", "device_type",
+)  # fmt: skip
+_HETERO_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class HeteroMesh:
+    """One homogeneous process mesh of a heterogeneous job."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    device_type: str | None = None
+    """A free label (e.g. "fast", "A100"); ranks are assigned to meshes in rank order."""
+
+    @property
+    def size(self) -> int:
+        return (
+            self.tensor_parallel_size
+            * self.data_parallel_size
+            * self.pipeline_parallel_size
+            * (self.context_parallel_size)
+        )
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """The ranks of one pipeline stage of one mesh: ``first_rank ... first_rank + size - 1``."""
+
+    index: int
+    """Global pipeline stage index (over all meshes)."""
+    mesh: int
+    """Index of the mesh it belongs to."""
+    first_rank: int
+    tensor_parallel_size: int
+    data_parallel_size: int
+    context_parallel_size: int
+    expert_parallel_size: int
+    num_layers: int
+    device_type: str | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + self.size))
+
+    @property
+    def token_shards(self) -> int:
+        """Data x context ranks: how many disjoint token shards of every micro-batch the group holds."""
+        return self.data_parallel_size * self.context_parallel_size
+
+
+def parse_hetero_meshes(meshes: list[dict[str, Any]] | list[HeteroMesh]) -> list[HeteroMesh]:
+    """Typed meshes from dicts (as in a recipe), raising ``ValueError`` naming the bad entry and the valid keys."""
+    if not isinstance(meshes, (list, tuple)) or not meshes:
+        raise ValueError("hetero_meshes must be a non-empty list of per-mesh layouts (dicts).")
+    out = []
+    for i, mesh in enumerate(meshes):
+        if isinstance(mesh, HeteroMesh):
+            out.append(mesh)
+            continue
+        if not isinstance(mesh, dict):
+            raise ValueError(f"hetero_meshes[{i}] must be a dict of {', '.join(MESH_KEYS)}; got {type(mesh).__name__}.")
+        unknown = sorted(set(mesh) - set(MESH_KEYS))
+        if unknown:
+            raise ValueError(f"hetero_meshes[{i}] has unknown keys {unknown}; valid keys are {', '.join(MESH_KEYS)}.")
+        for key, value in mesh.items():
+            if key != "device_type" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"hetero_meshes[{i}].{key} must be a positive integer, got {value!r}.")
+        out.append(HeteroMesh(**mesh))
+    return out
+
+
+def check_hetero_layout(
+    meshes: list[HeteroMesh], layers: list[int] | None, *, schedule: str, sequence_parallel: bool
+) -> None:
+    """Every check that needs only the config (world size and model checks come later)."""
+    cps = {m.context_parallel_size for m in meshes}
+    if len(cps) > 1:
+        raise ValueError(
+            f"context_parallel_size differs between hetero_meshes ({sorted(cps)}); it must be equal on every mesh."
+        )
+    if cps != {1}:
+        raise ValueError(
+            "context_parallel_size > 1 with hetero_meshes is not supported yet (boundary reslicing is batch-wise"
+            " only); set context_parallel_size=1 on every mesh."
+        )
+    if sequence_parallel:
+        raise ValueError(
+            "sequence_parallel=True with hetero_meshes is not supported yet (activations cross mesh boundaries"
+            " replicated over TP); set sequence_parallel=False."
+        )
+    if schedule not in _HETERO_SCHEDULES:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes; use one of"
+            f" {list(_HETERO_SCHEDULES)}."
+        )
+    stages = sum(m.pipeline_parallel_size for m in meshes)
+    if stages < 2:
+        raise ValueError("hetero_meshes needs at least two pipeline stages in total (two meshes, or pp > 1).")
+    if layers is not None:
+        if len(layers) != stages:
+            raise ValueError(
+                f"hetero_layers={layers} has {len(layers)} entries but the meshes have {stages} pipeline stages in"
+                " total; give one layer count per stage, mesh by mesh."
+            )
+        if any(not isinstance(n, int) or n < 1 for n in layers):
+            raise ValueError(f"hetero_layers={layers} must hold positive integers.")
+
+
+def plan_stage_groups(meshes: list[HeteroMesh], layers: list[int] | None, num_layers: int) -> list[StageGroup]:
+    """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order."""
+    stages = sum(m.pipeline_parallel_size for m in meshes)
+    if layers is None:
+        if num_layers % stages:
+            raise ValueError(
+                f"num_layers={num_layers} does not split evenly over {stages} heterogeneous stages; give"
+                " hetero_layers (layers per stage, e.g. more on faster meshes)."
+            )
+        layers = [num_layers // stages] * stages
+    if sum(layers) != num_layers:
+        raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
+    groups, rank, index = [], 0, 0
+    for m_idx, mesh in enumerate(meshes):
+        for _ in range(mesh.pipeline_parallel_size):
+            group = StageGroup(
+                index=index, mesh=m_idx, first_rank=rank, tensor_parallel_size=mesh.tensor_parallel_size,
+                data_parallel_size=mesh.data_parallel_size, context_parallel_size=mesh.context_parallel_size,
+                expert_parallel_size=mesh.expert_parallel_size, num_layers=layers[index],
+                device_type=mesh.device_type,
+            )  # fmt: skip
+            groups.append(group)
+            rank += group.size
+            index += 1
+    return groups

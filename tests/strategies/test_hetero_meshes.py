@@ -1,0 +1,93 @@
+"""Heterogeneous process meshes (issue 12): pipeline stages on meshes with different TP / DP sizes and layer counts,
+activations and gradients resliced at the boundary, against the single-process fp32 run (SGD, ragged labels, weights
+and gradient norms after 3 steps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_flagscale import FlagScaleStrategy, ParallelConfig
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, plan_stage_groups
+from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+from lightning_flagscale.parallel.hetero_mesh import boundary_transfers, gradient_transfers
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
+
+STEPS = 3
+TP2 = dict(tensor_parallel_size=2)
+DP2 = dict(data_parallel_size=2)
+
+
+def _config():
+    return tiny_config(num_layers=4)
+
+
+@pytest.mark.parametrize(
+    ("meshes", "layers", "kwargs", "global_batch"),
+    [
+        ([TP2, DP2], [3, 1], dict(micro_batch_size=2, pipeline_schedule="1f1b"), 4),  # TP 2 -> 1, DP 1 -> 2, uneven
+        ([DP2, TP2], [1, 3], dict(micro_batch_size=1, pipeline_schedule="gpipe", zero_stage=1), 4),  # TP 1 -> 2
+        ([TP2, DP2], [2, 2], dict(micro_batch_size=2, zero_stage=3), 8),  # 4 micro-batches through 1F1B, ZeRO-3
+    ],
+    ids=["tp2-to-dp2-1f1b", "dp2-to-tp2-gpipe-zero1", "tp2-to-dp2-zero3"],
+)
+def test_hetero_meshes_match_single_process(launcher, meshes, layers, kwargs, global_batch):
+    strategy = dict(hetero_meshes=meshes, hetero_layers=layers, **kwargs)
+    first_dp = meshes[0].get("data_parallel_size", 1)
+    reference = reference_run(_config(), STEPS, clip=1.0, global_batch=global_batch)
+    results = launcher(4, trainer_run, strategy, _config(), STEPS, clip=1.0, batch_size=global_batch // first_dp)
+    assert_matches_reference(results, reference, str(strategy))
+
+
+def test_boundary_transfers_cover_every_row_once():
+    send = StageGroup(0, 0, 0, tensor_parallel_size=2, data_parallel_size=1, context_parallel_size=1,
+                      expert_parallel_size=1, num_layers=1)  # fmt: skip
+    recv = StageGroup(1, 1, 2, tensor_parallel_size=1, data_parallel_size=2, context_parallel_size=1,
+                      expert_parallel_size=1, num_layers=1)  # fmt: skip
+    fwd = boundary_transfers(send, recv, rows=4)
+    assert {(t.dst, t.src_lo, t.src_hi, t.dst_lo) for t in fwd} == {(2, 0, 2, 0), (3, 2, 4, 0)}
+    back = gradient_transfers(send, recv, rows=4)
+    # both TP ranks of the sender get both halves of the gradient
+    assert sorted((t.src, t.dst, t.dst_lo) for t in back) == [(2, 0, 0), (2, 1, 0), (3, 0, 2), (3, 1, 2)]
+
+
+def test_every_mesh_reads_slices_of_the_same_micro_batches():
+    first = [list(MicroBatchSliceSampler(16, 4, 2, 1, 0, shuffle=True))]
+    second = [list(MicroBatchSliceSampler(16, 4, 2, 2, r, shuffle=True)) for r in (0, 1)]
+    for k in range(4):
+        a = first[0][k]
+        assert second[0][k] + second[1][k] != a  # rank 0 of the second mesh holds the first half of EACH micro-batch
+        assert [a[0], a[2]] == second[0][k] and [a[1], a[3]] == second[1][k]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(hetero_meshes=[TP2, DP2], tensor_parallel_size=2), "belong inside each mesh's dict"),
+        (dict(hetero_meshes=[TP2, dict(context_parallel_size=2)]), "differs between hetero_meshes"),
+        (dict(hetero_meshes=[TP2, DP2], hetero_layers=[1, 1, 2]), "one layer count per stage"),
+        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "not supported across heterogeneous meshes"),
+        (dict(hetero_meshes=[TP2, dict(tensor_parallel_size=0)]), "must be a positive integer"),
+        (dict(hetero_meshes=[TP2, dict(tp=2)]), "unknown keys"),
+        (dict(hetero_meshes=[TP2, DP2], sequence_parallel=True), "sequence_parallel"),
+        (dict(hetero_meshes=[TP2, DP2], hetero_dp_batch_sizes=[1, 1]), "cannot be combined"),
+    ],
+)
+def test_invalid_hetero_layouts_are_rejected_before_spawn(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FlagScaleStrategy(**kwargs)
+
+
+def test_world_size_layers_and_micro_batches_are_checked():
+    config = ParallelConfig(hetero_meshes=[TP2, DP2])
+    with pytest.raises(ValueError, match=r"2 \+ 2 = 4 ranks but the world size is 8"):
+        config.resolve(8)
+    with pytest.raises(ValueError, match="sums to 3 but the model has num_layers=4"):
+        ParallelConfig(hetero_meshes=[TP2, DP2], hetero_layers=[2, 1]).validate_model(_config())
+    with pytest.raises(ValueError, match="cannot be split over mesh 1's data_parallel_size=2"):
+        ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=1).stage_group_configs(4)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        tied = tiny_config(num_layers=4, tie_word_embeddings=True)
+        ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=2).validate_model(tied)
+    groups = plan_stage_groups(parse_hetero_meshes([TP2, dict(data_parallel_size=2, pipeline_parallel_size=2)]),
+                               [2, 1, 1], 4)  # fmt: skip
+    assert [(g.index, g.mesh, g.first_rank, g.size) for g in groups] == [(0, 0, 0, 2), (1, 1, 2, 2), (2, 1, 4, 2)]
