@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -88,6 +88,10 @@ def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: fl
 class CausalLMModule(L.LightningModule):
     """Next-token LM training of :class:`CausalLM` on HF-style batches (``input_ids``, ``labels``, optional
     ``position_ids``, ``segment_ids``, ``attention_mask``)."""
+
+    # Runs with bf16/fp16 weights and no autocast (fp32 master weights in the optimizer): Megatron's layout, half
+    # the parameter memory of autocast. Modules without this attribute get Lightning's autocast semantics.
+    precision_layout: ClassVar[str] = "megatron"
 
     def __init__(
         self,

@@ -282,6 +282,8 @@ class FlagScaleStrategy(ParallelStrategy):
                 "context/expert parallelism cannot be applied. Set those sizes to 1."
             )
         precision = self.precision_plugin
+        # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
+        precision.select_layout(module, self.root_device.type)
         parts: list[nn.Module] = []  # the modules each parallelism is applied to: the model, or its pipeline stages
         if inner is not None and p.pp_enabled:
             self._pipeline = build_pipelined_model(module, inner, self.meshes, p, self.root_device)
