@@ -2,20 +2,31 @@
 
 ``model:`` and ``data:`` take any ``LightningModule`` / ``LightningDataModule`` by ``class_path`` (LightningCLI's
 subclass mode); without a ``class_path`` they are ``CausalLMModule`` / ``LMDataModule`` arguments, so recipes that
-only list arguments keep working.
+only list arguments keep working. A recipe logging to CSV also logs to TensorBoard when it is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
+import warnings
 from collections.abc import Generator
+from typing import Any
 
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import Logger
 from typing_extensions import override
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlagScaleCLI", "run_lightning_cli"]
+__all__ = [
+    "DEFAULT_DATA",
+    "DEFAULT_MODEL",
+    "FlagScaleCLI",
+    "run_lightning_cli",
+    "tensorboard_available",
+    "tensorboard_beside_csv",
+]
 
 DEFAULT_MODEL = "lightning_flagscale.models.CausalLMModule"
 DEFAULT_DATA = "lightning_flagscale.data.LMDataModule"
@@ -28,6 +39,35 @@ class FlagScaleCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        extra = tensorboard_beside_csv(trainer.loggers)
+        if extra is not None:
+            trainer.loggers = [*trainer.loggers, extra]
+        return trainer
+
+
+def tensorboard_available() -> bool:
+    from lightning_utilities.core.imports import RequirementCache
+
+    return bool(RequirementCache("tensorboard")) or bool(RequirementCache("tensorboardX"))
+
+
+def tensorboard_beside_csv(loggers: list[Logger]) -> Logger | None:
+    """A ``TensorBoardLogger`` writing into the CSV logger's folder, when TensorBoard is installed and the recipe's
+    loggers have a CSV logger but no TensorBoard one (recipes cannot say "if installed"); else ``None``."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if not tensorboard_available():
+        return None
+    if any(isinstance(lg, TensorBoardLogger) for lg in loggers):
+        return None
+    csv = next((lg for lg in loggers if isinstance(lg, CSVLogger)), None)
+    if csv is None:
+        return None
+    return TensorBoardLogger(csv.save_dir, name=csv.name, version=csv.version, default_hp_metric=False)
+
 
 def _resolve_config_args(argv: list[str]) -> list[str]:
     from lightning_flagscale.cli import recipe_path
@@ -39,6 +79,20 @@ def _resolve_config_args(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             out[i] = "--config=" + recipe_path(arg.split("=", 1)[1])
     return out
+
+
+# Deprecation notices raised inside dependencies on every run, which a user of the command cannot act on.
+_THIRD_PARTY_NOISE = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning 2.6's pytree helper under torch >= 2.10
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",  # renamed in torch 2.13
+)
+
+
+class _DropAdvertisement(logging.Filter):
+    """Lightning (2.6) logs a tip to install a cloud logging service on every Trainer; it is not about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
 
 
 @contextlib.contextmanager
@@ -60,11 +114,19 @@ def _command_line(argv: list[str]) -> Generator[None, None, None]:
 def run_lightning_cli(argv: list[str]) -> FlagScaleCLI:
     import lightning_flagscale  # noqa: F401  (registers the strategy)
 
-    with _command_line(_resolve_config_args(argv)):
-        return FlagScaleCLI(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-        )
+    quiet = _DropAdvertisement()
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addFilter(quiet)
+    try:
+        with _command_line(_resolve_config_args(argv)), warnings.catch_warnings():
+            for pattern in _THIRD_PARTY_NOISE:
+                warnings.filterwarnings("ignore", message=pattern)
+            return FlagScaleCLI(
+                LightningModule,
+                LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                save_config_kwargs={"overwrite": True},
+            )
+    finally:
+        rank_zero_logger.removeFilter(quiet)

@@ -7,7 +7,6 @@ through ``lightning-flagscale fit``; losses and weights after 3 plain-SGD steps 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -67,15 +66,10 @@ class UserData(L.LightningDataModule):
 def _fit_recipe(root: str):
     import torch.distributed as dist
 
-    from lightning_flagscale.cli import main
+    from tests._cli import run_cli
 
-    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    try:  # the recipe's seed_everything sets process-wide variables: leave the shared worker as it was
-        main(["fit", "--config", RECIPE, "--trainer.default_root_dir", root])
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-    module = UserRegressor.instances[-1]
+    module = run_cli(["fit", "--config", RECIPE, "--trainer.default_root_dir", root]).model
+    assert module is UserRegressor.instances[-1]
     losses = torch.tensor(module.losses)
     dist.all_reduce(losses)
     params = {k: v.detach().clone() for k, v in module.net.state_dict().items()}

@@ -218,8 +218,10 @@ class CausalLMModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         mean = self.val_loss_mean.compute()  # synchronised (token-weighted) over processes
         self.val_loss_mean.reset()
-        self.log("val_loss", mean, prog_bar=True, sync_dist=False)
-        self.log("val_ppl", torch.exp(mean), sync_dist=False)
+        # Already equal on every rank; sync_dist=True costs one scalar all-reduce and keeps Lightning from warning
+        # that an epoch-level metric is not synchronised.
+        self.log("val_loss", mean, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(mean), sync_dist=True)
 
     # ---- optimisation --------------------------------------------------------------------------------------------
     def configure_optimizers(self):
