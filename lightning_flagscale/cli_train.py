@@ -8,6 +8,7 @@ only list arguments keep working. A recipe logging to CSV also logs to TensorBoa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import warnings
@@ -17,12 +18,14 @@ from typing import Any
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 __all__ = [
     "DEFAULT_DATA",
     "DEFAULT_MODEL",
     "FlagScaleCLI",
+    "hf_model_config",
     "run_lightning_cli",
     "tensorboard_available",
     "tensorboard_beside_csv",
@@ -40,12 +43,71 @@ class FlagScaleCLI(LightningCLI):
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
     @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        hf_dir = hf_model_config(config)
+        data = config.get("data")
+        if data is not None and data.get("class_path") == DEFAULT_DATA and data.init_args.get("tokenizer") == "model":
+            if hf_dir is None:
+                raise ValueError("data.tokenizer='model' takes the tokenizer of model.hf_dir; set --model.hf_dir.")
+            data.init_args.tokenizer = hf_dir
+
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         extra = tensorboard_beside_csv(trainer.loggers)
         if extra is not None:
             trainer.loggers = [*trainer.loggers, extra]
         return trainer
+
+
+def _is_causal_lm_module(class_path: str | None) -> bool:
+    if not class_path:
+        return False
+    import importlib
+
+    from lightning_flagscale.models import CausalLMModule
+
+    module_name, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name, None)
+    return isinstance(cls, type) and issubclass(cls, CausalLMModule)
+
+
+def hf_model_config(config: Any) -> str | None:
+    """``--model.hf_dir DIR_OR_REPO_ID`` (or ``--model.config hf:DIR_OR_REPO_ID``): the model's config comes from
+    that Hugging Face folder, replacing the recipe's preset. Returns the local folder (Hub ids are resolved), or
+    ``None`` when the model is not a ``CausalLMModule`` started from HF weights.
+
+    A dict ``config`` keeps its non-architectural fields (e.g. ``max_seq_len``) as overrides; an architectural field
+    that disagrees with the checkpoint is an error naming it.
+    """
+    model = config.get("model")
+    if model is None or not _is_causal_lm_module(model.get("class_path")):
+        return None
+    init = model.init_args
+    spec, hf_dir = init.get("config"), init.get("hf_dir")
+    if isinstance(spec, str) and spec.startswith("hf:"):
+        if hf_dir and hf_dir != spec[3:]:
+            raise ValueError(f"model.config={spec!r} and model.hf_dir={hf_dir!r} name different models; give one.")
+        hf_dir, spec = spec[3:], None
+    if not hf_dir:
+        return None
+    from lightning_flagscale.convert import config_from_hf
+    from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
+    from lightning_flagscale.convert.hub import resolve_hf_dir
+
+    local = resolve_hf_dir(hf_dir)
+    fields = {k: v for k, v in (spec or {}).items() if k != "preset"} if isinstance(spec, dict) else {}
+    hf_config = config_from_hf(local, **{k: v for k, v in fields.items() if k not in ARCHITECTURE_FIELDS})
+    conflicts = [f"{k}={v!r} (model.config) vs {getattr(hf_config, k)!r}" for k, v in fields.items()
+                 if k in ARCHITECTURE_FIELDS and getattr(hf_config, k) != v]  # fmt: skip
+    if conflicts:
+        raise ValueError(f"model.config disagrees with {local / 'config.json'}: " + "; ".join(conflicts))
+    if isinstance(spec, str):
+        rank_zero_info(f"model.config={spec!r} replaced by the config of {hf_dir} (model.hf_dir).")
+    init.config = dataclasses.asdict(hf_config)
+    init.hf_dir = str(local)
+    return str(local)
 
 
 def tensorboard_available() -> bool:
