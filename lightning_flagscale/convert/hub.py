@@ -38,7 +38,8 @@ def is_offline() -> bool:
     from huggingface_hub import constants
 
     flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
-    return constants.is_offline_mode() or any(f is not None and f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+    offline_mode = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)  # older releases: a flag
+    return bool(offline_mode()) or any(f is not None and f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
 
 
 def _is_repo_id(name: str) -> bool:
