@@ -23,8 +23,9 @@ def test_recipe_parses(name, capsys):
     config = yaml.safe_load(capsys.readouterr().out)
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"].endswith("FlagScaleStrategy")
-    model = config["model"].get("init_args", config["model"])  # class_path recipes (the VLM) nest their arguments
-    assert model["config"] in ("llama-tiny", "mixtral-tiny", "qwen2.5-vl-tiny")
+    assert config["model"]["class_path"].endswith(("CausalLMModule", "VLMModule"))  # class_path, default or not
+    assert config["model"]["init_args"]["config"] in ("llama-tiny", "mixtral-tiny", "qwen2.5-vl-tiny")
+    assert config["data"]["class_path"].endswith(("LMDataModule", "VLMDataModule"))
 
 
 def test_command_line_overrides_any_field(capsys):
@@ -33,7 +34,7 @@ def test_command_line_overrides_any_field(capsys):
               "--model.learning_rate", "0.01", "--print_config"])  # fmt: skip
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["trainer"]["strategy"]["init_args"]["zero_stage"] == 3
-    assert config["model"]["learning_rate"] == 0.01
+    assert config["model"]["init_args"]["learning_rate"] == 0.01
 
 
 def test_unknown_recipe_names_the_shipped_ones():
@@ -59,3 +60,48 @@ def test_bench_outside_a_checkout_says_it_is_a_repository_tool(monkeypatch, tmp_
     assert bench_cli.find_bench_script() is None
     with pytest.raises(SystemExit, match=r"repository tool.*python bench/compare_strategies\.py"):
         main(["bench", "--quick"])
+
+
+def test_help_lists_every_subcommand_with_a_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "convert", "tune", "bench", "recipes"):
+        assert any(line.split()[:1] == [name] and len(line.split()) > 1 for line in out.splitlines()), name
+    main([])  # no command: the same overview, no traceback
+    assert "convert" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    from lightning_flagscale import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-flagscale {__version__}"
+
+
+def test_unknown_command_names_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+    assert "choose from 'fit', 'validate'" in capsys.readouterr().err
+
+
+def test_fit_help_is_lightning_cli(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "--model CONFIG" in out and "--data CONFIG" in out
+
+
+def test_fit_parses_without_warnings(capsys, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr("sys.argv", ["lightning-flagscale", "fit", "--config", "zero1", "--print_config"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # LightningCLI's "args parameter is intended to run from within Python" included
+        with pytest.raises(SystemExit):
+            main()
+    assert "FlagScaleStrategy" in capsys.readouterr().out

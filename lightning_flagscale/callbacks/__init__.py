@@ -1,8 +1,17 @@
-"""Lightning callbacks: progress reports, slow-rank detection, MoE telemetry, HF export."""
+"""Lightning callbacks: progress bar and reports, loss plot, slow-rank detection, MoE telemetry, HF export."""
 
 from lightning_flagscale.callbacks.hf_export import HFExportCallback
+from lightning_flagscale.callbacks.loss_plot import LossCurvePlot
 from lightning_flagscale.callbacks.moe import MoETelemetry
+from lightning_flagscale.callbacks.progress import StepProgressBar
 from lightning_flagscale.callbacks.report import LossReport
 from lightning_flagscale.callbacks.slow_rank import SlowRankDetector
 
-__all__ = ["HFExportCallback", "LossReport", "MoETelemetry", "SlowRankDetector"]
+__all__ = [
+    "HFExportCallback",
+    "LossCurvePlot",
+    "LossReport",
+    "MoETelemetry",
+    "SlowRankDetector",
+    "StepProgressBar",
+]

@@ -24,7 +24,8 @@ class HFExportCallback(L.Callback):
     """Export ``pl_module`` (a ``CausalLMModule``) with ``export_hf`` when ``fit`` ends.
 
     Args:
-        out_dir: target folder; ``{step}`` and ``{epoch}`` are filled in from the trainer. It must not exist.
+        out_dir: target folder; ``{step}``, ``{epoch}`` and ``{log_dir}`` (the logger's folder of this run) are
+            filled in from the trainer. It must not exist.
         max_shard_size: safetensors shard cap, e.g. ``"2GB"``.
         tokenizer_dir: tokenizer files to copy (default: those of the HF folder the model was imported from).
         dtype: cast the exported weights (e.g. ``torch.bfloat16``); default keeps the trained (master) dtype.
@@ -48,7 +49,8 @@ class HFExportCallback(L.Callback):
         self.last_export: Path | None = None
 
     def resolve_out_dir(self, trainer: L.Trainer) -> Path:
-        return Path(self.out_dir.format(step=trainer.global_step, epoch=trainer.current_epoch))
+        log_dir = trainer.log_dir if "{log_dir}" in self.out_dir else None
+        return Path(self.out_dir.format(step=trainer.global_step, epoch=trainer.current_epoch, log_dir=log_dir))
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -4,12 +4,15 @@
 - ``causal_lm_from_hf(hf_dir)`` / ``module_from_hf(CausalLMModule, hf_dir)``: build and load.
 - ``export_hf(module_or_dcp_dir, out_dir)``: write an HF folder loadable by ``AutoModelForCausalLM``.
 - ``hf_to_ckpt`` / ``ckpt_to_hf``: the ``lightning-flagscale convert`` commands.
+- Every ``hf_dir`` may be a Hub repo id (``resolve_hf_dir``: cache, ``HF_HUB_OFFLINE``); ``export_hf(...,
+  push_to_hub=repo_id)`` uploads the result (``push_folder_to_hub``).
 - Families are registered by ``model_type`` in ``families/`` (``supported_model_types()``).
 """
 
 from lightning_flagscale.convert.cli import add_convert_subcommands, ckpt_to_hf, hf_to_ckpt
 from lightning_flagscale.convert.hf_export import export_hf, is_dcp_checkpoint, write_model_config
 from lightning_flagscale.convert.hf_import import causal_lm_from_hf, config_from_hf, load_hf_weights, module_from_hf
+from lightning_flagscale.convert.hub import push_folder_to_hub, resolve_hf_dir
 from lightning_flagscale.convert.registry import (
     HFConversionError,
     HFFamily,
@@ -38,7 +41,9 @@ __all__ = [
     "is_dcp_checkpoint",
     "load_hf_weights",
     "module_from_hf",
+    "push_folder_to_hub",
     "register_family",
+    "resolve_hf_dir",
     "supported_model_types",
     "write_model_config",
 ]

@@ -20,6 +20,7 @@ import torch
 
 from lightning_flagscale.convert.hf_export import HF_CONFIG_FILE, TOKENIZER_FILES, export_hf, write_model_config
 from lightning_flagscale.convert.hf_import import causal_lm_from_hf
+from lightning_flagscale.convert.hub import resolve_hf_dir
 from lightning_flagscale.convert.registry import HFConversionError, read_hf_config
 from lightning_flagscale.convert.safetensors_io import CheckpointFormatError, atomic_output_dir
 
@@ -28,10 +29,15 @@ __all__ = ["add_convert_subcommands", "ckpt_to_hf", "convert_main", "hf_to_ckpt"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_to_ckpt(hf_dir: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int | None = None) -> Path:
-    """Convert an HF folder into a DCP checkpoint folder ``out`` (refused if it exists; written atomically)."""
+def hf_to_ckpt(
+    hf_dir: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int | None = None, revision: str | None = None
+) -> Path:
+    """Convert an HF folder or Hub repo id into a DCP checkpoint folder ``out`` (refused if it exists; atomic)."""
     import torch.distributed.checkpoint as dcp
 
+    if Path(out).exists():  # before a possible download
+        raise FileExistsError(f"Output folder {str(out)!r} already exists; remove it or choose another path.")
+    hf_dir = resolve_hf_dir(hf_dir, revision=revision)
     overrides = {"max_seq_len": max_seq_len} if max_seq_len else {}
     model = causal_lm_from_hf(hf_dir, **overrides)
     state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
@@ -57,8 +63,9 @@ def ckpt_to_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     dtype: str | None = None,
     model_type: str | None = None,
+    push_to_hub: str | None = None,
 ) -> Path:
-    """Convert a DCP checkpoint folder (any parallel layout) into an HF folder ``out``."""
+    """Convert a DCP checkpoint folder (any parallel layout) into an HF folder ``out`` (optionally pushed)."""
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
     return export_hf(
@@ -68,6 +75,7 @@ def ckpt_to_hf(
         tokenizer_dir=tokenizer_dir,
         dtype=_DTYPES[dtype] if dtype else None,
         model_type=model_type,
+        push_to_hub=push_to_hub,
     )
 
 
@@ -75,11 +83,14 @@ def add_convert_subcommands(subparsers: argparse._SubParsersAction) -> argparse.
     """Add ``convert {hf-to-ckpt,ckpt-to-hf}`` to an argparse subparsers object; returns the ``convert`` parser."""
     convert = subparsers.add_parser("convert", help="Hugging Face <-> lightning-flagscale checkpoint conversion")
     sub = convert.add_subparsers(dest="convert_command", required=True)
-    a = sub.add_parser("hf-to-ckpt", help="HF safetensors folder -> sharded DCP checkpoint")
-    a.add_argument("hf_dir")
+    a = sub.add_parser("hf-to-ckpt", help="HF safetensors folder or Hub repo id -> sharded DCP checkpoint")
+    a.add_argument("hf_dir", metavar="HF_DIR_OR_REPO_ID")
     a.add_argument("out")
+    a.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id")
     a.add_argument("--max-seq-len", type=int, default=None, help="override max_position_embeddings")
-    a.set_defaults(convert_fn=lambda ns: hf_to_ckpt(ns.hf_dir, ns.out, max_seq_len=ns.max_seq_len))
+    a.set_defaults(
+        convert_fn=lambda ns: hf_to_ckpt(ns.hf_dir, ns.out, max_seq_len=ns.max_seq_len, revision=ns.revision)
+    )
     b = sub.add_parser("ckpt-to-hf", help="sharded DCP checkpoint -> HF safetensors folder")
     b.add_argument("ckpt")
     b.add_argument("out")
@@ -87,6 +98,7 @@ def add_convert_subcommands(subparsers: argparse._SubParsersAction) -> argparse.
     b.add_argument("--tokenizer-dir", default=None)
     b.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
     b.add_argument("--model-type", default=None, help="HF family to export as (default: inferred)")
+    b.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="then upload the folder to this Hub repo")
     b.set_defaults(
         convert_fn=lambda ns: ckpt_to_hf(
             ns.ckpt,
@@ -95,6 +107,7 @@ def add_convert_subcommands(subparsers: argparse._SubParsersAction) -> argparse.
             tokenizer_dir=ns.tokenizer_dir,
             dtype=ns.dtype,
             model_type=ns.model_type,
+            push_to_hub=ns.push_to_hub,
         )
     )
     return convert

@@ -65,6 +65,9 @@ def export_hf(
     model_type: str | None = None,
     config: TransformerConfig | None = None,
     generation_config: dict[str, Any] | None = None,
+    push_to_hub: str | None = None,
+    hub_revision: str | None = None,
+    hub_private: bool | None = None,
 ) -> Path:
     """Write ``src`` as a Hugging Face folder ``out_dir`` (config.json, safetensors shards + index, ...).
 
@@ -74,6 +77,8 @@ def export_hf(
     picks the HF family (default: the one the model was imported from, else inferred from its features);
     ``dtype`` casts the exported weights (default: as stored); ``tokenizer_dir`` (default: the HF folder the
     model came from, if known) provides tokenizer files to copy. Padded vocab rows are dropped.
+    ``push_to_hub="org/name"`` then uploads the folder with ``huggingface_hub`` (rank 0; the repo is created if
+    missing, ``hub_revision`` names a branch, ``hub_private`` its visibility on creation).
     """
     source = _DCPSource(Path(src), config) if isinstance(src, (str, os.PathLike)) else _ModuleSource(src)
     config = source.config
@@ -109,6 +114,10 @@ def export_hf(
         hf_config = _hf_config_json(family, config, hf_base, out_dtype or torch.float32)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         _write_extras(tmp, source.hf_dir, tokenizer_dir, generation_config)
+    if push_to_hub is not None:
+        from lightning_flagscale.convert.hub import push_folder_to_hub
+
+        push_folder_to_hub(out_dir, push_to_hub, revision=hub_revision, private=hub_private)
     if dist.is_initialized():
         dist.barrier()
     return Path(out_dir)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.convert.hub import resolve_hf_dir
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for, read_hf_config
 from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
 from lightning_flagscale.convert.specs import Box, Spec, full_box, hf_names
@@ -45,10 +46,11 @@ _EXTRA_ARCHITECTURE_FIELDS = ("vision", "mrope_section", "image_token_id")
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
-def config_from_hf(hf_dir: str | os.PathLike, **overrides: Any) -> TransformerConfig:
-    """``TransformerConfig`` of an HF folder; ``overrides`` set non-architectural fields (e.g. ``max_seq_len``)."""
-    hf = read_hf_config(hf_dir)
-    return _family_config(hf, Path(hf_dir), **overrides)
+def config_from_hf(hf_dir: str | os.PathLike, *, revision: str | None = None, **overrides: Any) -> TransformerConfig:
+    """``TransformerConfig`` of an HF folder or Hub repo id; ``overrides`` set non-architectural fields (e.g.
+    ``max_seq_len``)."""
+    root = resolve_hf_dir(hf_dir, revision=revision)
+    return _family_config(read_hf_config(root), root, **overrides)
 
 
 def _family_config(hf: dict[str, Any], root: Path, **overrides: Any) -> TransformerConfig:
@@ -138,7 +140,7 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> int:
     Returns the number of tensor bytes this rank read.
     """
     model = unwrap_causal_lm(module)
-    root = Path(hf_dir)
+    root = resolve_hf_dir(hf_dir)
     hf = read_hf_config(root)
     family = family_for(hf)
     _check_architecture(model.config, _family_config(hf, root, max_seq_len=model.config.max_seq_len), root)
@@ -189,15 +191,21 @@ def _load_one(reader: HFCheckpointReader, name: str, spec: Spec, target: Tensor)
 
 
 def causal_lm_from_hf(
-    hf_dir: str | os.PathLike, *, vocab_multiple: int = 1, dtype: torch.dtype | None = None, **overrides: Any
+    hf_dir: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    vocab_multiple: int = 1,
+    dtype: torch.dtype | None = None,
+    **overrides: Any,
 ) -> nn.Module:
-    """A plain (single-process) ``CausalLM`` with the weights of ``hf_dir``.
+    """A plain (single-process) ``CausalLM`` with the weights of ``hf_dir`` (a folder or a Hub repo id).
 
     Built on the meta device and materialised empty, so weights are allocated once and never randomly initialised.
     """
     from lightning_flagscale.models import CausalLM
     from lightning_flagscale.multimodal import VisionLanguageModel, VLMConfig
 
+    hf_dir = resolve_hf_dir(hf_dir, revision=revision)
     config = config_from_hf(hf_dir, **overrides)
     model_cls = VisionLanguageModel if isinstance(config, VLMConfig) else CausalLM
     with torch.device("meta"):
@@ -218,9 +226,11 @@ def module_from_hf(module_cls: type, hf_dir: str | os.PathLike, /, **module_kwar
     as ``hf_dir`` (and the raw ``config.json`` as ``hf_config``, reused on export for token ids); weights are
     loaded right away if the module already holds a materialised ``CausalLM`` at ``.model``, otherwise the
     strategy must call ``load_hf_weights(module, module.hf_dir)`` after parallelising and materialising it,
-    in place of ``init_weights``.
+    in place of ``init_weights``. ``hf_dir`` may be a Hub repo id (``revision=`` picks a branch, tag or commit):
+    the module then records the local snapshot folder.
     """
     overrides = module_kwargs.pop("config_overrides", None) or {}
+    hf_dir = resolve_hf_dir(hf_dir, revision=module_kwargs.pop("revision", None))
     config = config_from_hf(hf_dir, **overrides)
     if "hf_dir" in inspect.signature(module_cls).parameters:  # lets save_hyperparameters/LightningCLI record it
         module_kwargs["hf_dir"] = str(hf_dir)

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_flagscale.data.datasets import PackedDataset, PaddedDataset, load_text_documents
@@ -231,9 +231,18 @@ class LMDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_dataset is not None, "call setup() first"
+        # A small corpus's validation split may hold fewer samples per rank than a batch; with drop_last that would
+        # silently skip validation, so the batch shrinks to what each rank has.
+        per_rank = math.ceil(len(self.val_dataset) / self._dp_size())
+        batch_size = max(1, min(self.batch_size, per_rank))
+        if batch_size < self.batch_size:
+            rank_zero_info(
+                f"LMDataModule: {len(self.val_dataset)} validation samples over {self._dp_size()} data-parallel"
+                f" rank(s); validation batches hold {batch_size} samples instead of batch_size={self.batch_size}."
+            )
         return DataLoader(
             self.val_dataset,
-            batch_size=self.batch_size,
+            batch_size=batch_size,
             shuffle=False,
             drop_last=True,
             num_workers=self.num_workers,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
@@ -116,6 +116,10 @@ class CausalLMModule(L.LightningModule):
 
     global_token_loss = True
     """Model protocol: the loss divides by ``batch["num_items_in_batch"]`` (see ``models/protocol.py``)."""
+
+    # Runs with bf16/fp16 weights and no autocast (fp32 master weights in the optimizer): Megatron's layout, half
+    # the parameter memory of autocast. Modules without this attribute get Lightning's autocast semantics.
+    precision_layout: ClassVar[str] = "megatron"
 
     def __init__(
         self,
@@ -249,8 +253,10 @@ class CausalLMModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         mean = self.val_loss_mean.compute()  # synchronised (token-weighted) over processes
         self.val_loss_mean.reset()
-        self.log("val_loss", mean, prog_bar=True, sync_dist=False)
-        self.log("val_ppl", torch.exp(mean), sync_dist=False)
+        # Already equal on every rank; sync_dist=True costs one scalar all-reduce and keeps Lightning from warning
+        # that an epoch-level metric is not synchronised.
+        self.log("val_loss", mean, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(mean), sync_dist=True)
 
     # ---- optimisation --------------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

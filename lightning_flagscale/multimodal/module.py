@@ -76,6 +76,8 @@ class VLMModule(L.LightningModule):
 
     global_token_loss = True
     """Model protocol: the loss divides by ``batch["num_items_in_batch"]`` (see ``models/protocol.py``)."""
+    precision_layout: ClassVar[str] = "megatron"
+    """Half-precision weights with fp32 masters (the decoder and vision tower compute in the parameter dtype)."""
 
     def __init__(
         self,

@@ -1,10 +1,20 @@
-"""FlagScalePrecision: Megatron-style mixed precision for the FlagScale strategy.
+"""FlagScalePrecision: Lightning's precision flags on any module, Megatron's layout on modules built for it.
 
-``bf16-mixed`` / ``16-mixed`` here mean what Megatron means: the model's parameters and activations are held in
-bf16/fp16 (half the memory of Lightning's autocast, which keeps fp32 parameters), while the optimizer steps fp32
-master weights and gradients are reduced into fp32 main gradients (``parallel/data.py`` for DDP/ZeRO-1/2, FSDP2's
-``MixedPrecisionPolicy`` for ZeRO-3). ``16-mixed`` adds a dynamic loss scale whose inf/nan check is agreed by every
-rank, so a step is skipped everywhere or nowhere. ``fp8`` runs the linear layers through transformer-engine.
+Two layouts, chosen per module when the strategy sets up (:meth:`FlagScalePrecision.select_layout`):
+
+- ``"lightning"`` (any LightningModule, the default): what the same flag means under ``DDPStrategy``.
+  ``bf16-mixed`` / ``16-mixed`` keep fp32 parameters and run the forward under ``torch.autocast``; ``bf16-true``
+  casts the parameters to bf16 and runs the forward with bf16 as the default dtype (tensors a module creates
+  lazily, e.g. positional tables, come out in bf16 too) and floating inputs cast to bf16.
+- ``"megatron"``, for modules that declare ``precision_layout = "megatron"`` (our ``CausalLMModule``): the model's
+  parameters and activations are held in bf16/fp16 (half the memory of autocast, which keeps fp32 parameters),
+  no autocast, while the optimizer steps fp32 master weights and gradients are reduced into fp32 main gradients
+  (``parallel/data.py`` for DDP/ZeRO-1/2, FSDP2's ``MixedPrecisionPolicy`` for ZeRO-3). Such a module must run
+  with half-precision weights throughout, which a module written for autocast does not (a lazily created fp32
+  buffer meets a bf16 weight and the matmul fails), hence the opt-in.
+
+In both layouts ``16-mixed`` adds a dynamic loss scale whose inf/nan check is agreed by every rank, so a step is
+skipped everywhere or nowhere. ``fp8`` runs the linear layers through transformer-engine. The Megatron layout:
 
 | precision   | params  | master weights | grads reduced in | loss scale |
 |-------------|---------|----------------|------------------|------------|
@@ -23,14 +33,24 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_flagscale.parallel.data import clip_grad_norm_, found_inf, local_tensor
 
-__all__ = ["DynamicLossScaler", "FlagScalePrecision", "PrecisionName", "as_flagscale_precision"]
+__all__ = [
+    "LAYOUT_ATTRIBUTE",
+    "DynamicLossScaler",
+    "FlagScalePrecision",
+    "PrecisionLayout",
+    "PrecisionName",
+    "as_flagscale_precision",
+]
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
+PrecisionLayout = Literal["auto", "megatron", "lightning"]
+LAYOUT_ATTRIBUTE = "precision_layout"  # class attribute by which a module declares its layout
 _DTYPES = {
     "32-true": torch.float32,
     "bf16-mixed": torch.bfloat16,
@@ -86,28 +106,74 @@ class FlagScalePrecision(Precision):
 
     Args:
         precision: one of ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed``, ``fp8``.
+        layout: ``"auto"`` takes the module's declaration (class attribute ``precision_layout``, ``"lightning"``
+            when absent); ``"megatron"`` or ``"lightning"`` force one (see the module docstring).
         loss_scale: initial dynamic loss scale for ``16-mixed``.
         loss_scale_window: clean steps before the scale grows.
     """
 
     def __init__(
-        self, precision: PrecisionName = "32-true", *, loss_scale: float = 2.0**16, loss_scale_window: int = 1000
+        self,
+        precision: PrecisionName = "32-true",
+        *,
+        layout: PrecisionLayout = "auto",
+        loss_scale: float = 2.0**16,
+        loss_scale_window: int = 1000,
     ) -> None:
         name = _ALIASES.get(str(precision))
         if name is None:
             raise ValueError(
                 f"FlagScalePrecision does not support precision={precision!r}; use one of {sorted(set(_ALIASES.values()))}."
             )
+        _check_layout(layout, "FlagScalePrecision(layout=...)")
         if name == "fp8":
             _require_transformer_engine()
         self.precision = name  # type: ignore[assignment]
-        self.param_dtype: torch.dtype = _DTYPES[name]
-        self.master_weights: bool = name in ("bf16-mixed", "16-mixed", "fp8")
+        self.layout: PrecisionLayout = layout
+        # Until a module is attached (`select_layout`), "auto" answers as Megatron: the layout this plugin had before
+        # layouts existed, so code that inspects a fresh plugin sees what it used to.
+        self._resolved: PrecisionLayout = "megatron" if layout == "auto" else layout
+        self._device_type = "cpu"
         self.reduce_dtype = torch.float32
         self.scaler = DynamicLossScaler(loss_scale, growth_interval=loss_scale_window) if name == "16-mixed" else None
         # Set by the strategy: how to measure the global norm of its (possibly sharded) gradients.
         self.grad_norm_fn: Callable[[Iterable[Tensor], float], Tensor] = clip_grad_norm_
         self.last_grad_norm: Tensor | None = None
+
+    # ---- layout --------------------------------------------------------------------------------------------------
+    def select_layout(self, module: nn.Module, device_type: str) -> PrecisionLayout:
+        """Fix the layout for ``module`` (called by the strategy in ``setup``, before any dtype decision)."""
+        self._device_type = device_type
+        if self.layout != "auto":
+            self._resolved = self.layout
+        else:
+            declared = getattr(module, LAYOUT_ATTRIBUTE, "lightning")
+            _check_layout(declared, f"{type(module).__name__}.{LAYOUT_ATTRIBUTE}", allow_auto=False)
+            self._resolved = declared
+        return self._resolved
+
+    @property
+    def resolved_layout(self) -> PrecisionLayout:
+        return self._resolved
+
+    @property
+    def _autocast(self) -> bool:
+        return self._resolved == "lightning" and self.precision in ("bf16-mixed", "16-mixed")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the forward's matmuls."""
+        return _DTYPES[self.precision]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the model's parameters are held in during the forward (fp32 under autocast)."""
+        return torch.float32 if self._autocast else _DTYPES[self.precision]
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 copies of half-precision parameters (Megatron's mixed layout)."""
+        return self._resolved == "megatron" and self.precision in ("bf16-mixed", "16-mixed", "fp8")
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -124,7 +190,18 @@ class FlagScalePrecision(Precision):
             from transformer_engine.common.recipe import DelayedScaling, Format
 
             return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID))
+        if self._autocast:
+            # As Lightning's MixedPrecision: no weight-cast cache, whose entries would outlive an optimizer step.
+            return torch.autocast(self._device_type, dtype=self.compute_dtype, cache_enabled=False)
+        if self._resolved == "lightning" and self.precision == "bf16-true":
+            return _default_dtype(torch.bfloat16)
         return contextlib.nullcontext()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self._resolved == "lightning" and self.precision == "bf16-true":
+            return apply_to_collection(data, Tensor, _to_bf16_if_floating)
+        return data
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
@@ -185,12 +262,39 @@ def as_flagscale_precision(plugin: Precision) -> FlagScalePrecision:
     name = getattr(plugin, "precision", None)
     if type(plugin) is Precision:
         name = "32-true"
+    scaler = getattr(plugin, "scaler", None)
+    if name == "16-mixed" and isinstance(scaler, torch.amp.GradScaler):
+        # Lightning's own scaler settings carry over; the scale itself is ours (its inf check agrees across ranks).
+        return FlagScalePrecision(
+            "16-mixed", loss_scale=float(scaler.get_scale()), loss_scale_window=scaler.get_growth_interval()
+        )
     if name in ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "transformer-engine"):
         return FlagScalePrecision("fp8" if name == "transformer-engine" else name)
     raise TypeError(
         f"FlagScaleStrategy cannot use the precision plugin {type(plugin).__name__} (precision={name!r}); pass"
         " plugins=[FlagScalePrecision(...)] or Trainer(precision='32-true'|'bf16-mixed'|'bf16-true'|'16-mixed')."
     )
+
+
+def _check_layout(layout: Any, what: str, allow_auto: bool = True) -> None:
+    allowed = ("auto", "megatron", "lightning") if allow_auto else ("megatron", "lightning")
+    if layout not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, got {layout!r}.")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """Lightning's ``bf16-true`` forward context: tensors created without a dtype come out in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _to_bf16_if_floating(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16) if torch.is_floating_point(t) else t
 
 
 def _require_transformer_engine() -> None:

@@ -281,6 +281,8 @@ class FlagScaleStrategy(ParallelStrategy):
         module = self.lightning_module
         inner = find_protocol_model(module)
         precision = self.precision_plugin
+        # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
+        precision.select_layout(module, self.root_device.type)
         layout = RankLayout(
             config=p, meshes=self.meshes, device=self.root_device, hetero_groups=self._hetero_groups,
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
