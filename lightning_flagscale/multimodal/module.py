@@ -20,7 +20,7 @@ is imported (``lightning_flagscale.convert``), so this file never imports conver
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
