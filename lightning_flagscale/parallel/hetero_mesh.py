@@ -123,7 +123,7 @@ def gradient_transfers(send: StageGroup, recv: StageGroup, rows: int) -> list[Tr
     return out
 
 
-def build_group_meshes(groups: list[StageGroup], configs: list[Any], device_type: str, rank: int) -> ParallelMeshes:
+def build_group_meshes(groups: list[StageGroup], configs: list[Any], device_type: str) -> ParallelMeshes:
     """Every group's meshes, created collectively by all ranks; returns this rank's (a plain ``ParallelMeshes``).
 
     Each group's world mesh is ``("pp", "dp", "cp", "tp")`` with pp = 1 over the group's own ranks, so everything
@@ -132,19 +132,25 @@ def build_group_meshes(groups: list[StageGroup], configs: list[Any], device_type
     """
     mine: ParallelMeshes | None = None
     for group, config in zip(groups, configs):
-        shape = (1, group.data_parallel_size, group.context_parallel_size, group.tensor_parallel_size)
-        ranks = torch.tensor(group.ranks).reshape(shape)
+        dp, cp, tp = group.data_parallel_size, group.context_parallel_size, group.tensor_parallel_size
+        ranks = torch.tensor(group.ranks).reshape(1, dp, cp, tp)
         world = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp", "cp", "tp"))
+        # The flattened meshes are built as meshes of their own, on every rank: `_flatten` would create their
+        # groups on the members only, and the default group's group counter must stay in step on all ranks (a
+        # later world-wide `new_group`, e.g. Lightning's barrier, would otherwise hang).
+        by_tp = DeviceMesh(
+            device_type, ranks.reshape(dp * cp, tp).T, mesh_dim_names=("tp_of_dp_cp", MeshDim.DP_CP.value)
+        )
+        stage = DeviceMesh(device_type, ranks.reshape(-1), mesh_dim_names=(MeshDim.STAGE.value,))
         expert = None
         if group.expert_parallel_size > 1:
             ep = group.expert_parallel_size
             eshape = (1, group.size // ep, ep, 1)
             expert = DeviceMesh(device_type, ranks.reshape(eshape), mesh_dim_names=("pp", "edp", "ep", "etp"))
-        if rank in group.ranks:
-            dp_cp = world[("dp", "cp")]._flatten(MeshDim.DP_CP.value)
-            stage = world[("dp", "cp", "tp")]._flatten(MeshDim.STAGE.value)
+        if dist.get_rank() in group.ranks:
+            dp_cp = by_tp[MeshDim.DP_CP.value]
             mine = ParallelMeshes(config=config, world=world, dp_cp=dp_cp, stage=stage, expert=expert)
-    assert mine is not None, f"rank {rank} belongs to no heterogeneous stage group"
+    assert mine is not None, f"rank {dist.get_rank()} belongs to no heterogeneous stage group"
     return mine
 
 

@@ -248,7 +248,7 @@ class FlagScaleStrategy(ParallelStrategy):
             raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
         groups = plan_stage_groups(parse_hetero_meshes(hp.hetero_meshes), hp.hetero_layers, num_layers)
         configs = hp.stage_group_configs(num_layers)
-        self._meshes = build_group_meshes(groups, configs, self.root_device.type, self.global_rank)
+        self._meshes = build_group_meshes(groups, configs, self.root_device.type)
         self._hetero_groups = groups
         self.parallel = configs[group_of_rank(groups, self.global_rank).index]
 

@@ -108,3 +108,27 @@ def test_hetero_moe_with_different_expert_parallel_sizes(launcher):
     reference = reference_run(config, STEPS, clip=1.0)
     results = launcher(4, trainer_run, strategy, config, STEPS, clip=1.0, batch_size=2)
     assert_matches_reference(results, reference, "hetero moe ep2 | ep1 x tp2")
+
+
+def _meshes_then_world_group() -> float:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_flagscale.parallel.hetero_mesh import build_group_meshes
+
+    config = ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=2)
+    groups = plan_stage_groups(parse_hetero_meshes(config.hetero_meshes), None, 4)
+    meshes = build_group_meshes(groups, config.stage_group_configs(4), "cpu")
+    # A world-wide group created afterwards (as Lightning's data barrier does) must not hang: every rank created the
+    # same groups in the same order.
+    world = dist.new_group(backend="gloo")
+    total = torch.ones(())
+    dist.all_reduce(total, group=world)
+    assert meshes.size("dp_cp") == (1 if dist.get_rank() < 2 else 2) and meshes.size("tp") == (
+        2 if dist.get_rank() < 2 else 1
+    )
+    return float(total)
+
+
+def test_group_meshes_keep_world_group_creation_in_step(launcher):
+    assert launcher(4, _meshes_then_world_group, timeout=60) == [4.0] * 4
