@@ -17,8 +17,16 @@ PP                ``pipeline_units() -> [module name, ...]`` in execution order,
                   live in ``nn.ModuleDict``s keyed by index (``"layers.3"``) and are what even splits count;
                   ``forward(x, **kwargs)`` skips absent units (a stage is a copy with the other units removed).
                   Optional: ``pipeline_inputs(x, **kwargs) -> (x, kwargs)`` to complete what later stages need
-                  (e.g. explicit positions); ``pipeline_unit_costs() -> {unit: cost}`` for cost-balanced splits.
-CP                attention modules with a ``core_attention`` child (replaced by ring / Ulysses attention).
+                  (e.g. explicit positions) and make every keyword tensor batch-first (torch splits them along
+                  dim 0 into micro-batches); ``pipeline_unit_costs() -> {unit: cost}`` for
+                  ``pipeline_balance="cost"`` (default: parameter counts). Units before the first block (embedding,
+                  a vision tower) consume the raw inputs and always stay together on the first stage.
+CP                attention modules with a ``core_attention`` child (replaced by ring / Ulysses attention); one
+                  that sets ``context_parallel = False`` keeps its own (it runs over inputs CP does not shard,
+                  e.g. image patches). Optional: ``prepare_batch(batch) -> batch``, called by the strategy on
+                  the full batch before the sequence is sharded, to add per-token tensors that need the whole
+                  sequence (e.g. multimodal positions, image-token ordinals); ``cp_sequence_keys``, the added
+                  keys (tensors [B, S, ...]) that ``shard_batch_for_cp`` slices along dim 1 with the token ids.
 EP                MoE layers (``lightning_flagscale.moe``) with an ``experts`` module.
 recompute         the repeated blocks of ``pipeline_units()`` (or, without PP, ``recompute_units()``).
 ================  ==========================================================================================

@@ -12,6 +12,8 @@ materialises and initialises. Training options vision-language users ask for:
   from the LLM's policy (``FlagScaleStrategy(recompute=...)``).
 - ``preallocate``: first-batch memory pre-allocation (``prealloc.py``).
 - packing: batches may carry ``segment_ids`` (several image-text documents per row, see ``multimodal.data``).
+- ``image_token_share``: the expected fraction of image tokens per row; weighs the vision tower against the LLM
+  blocks in ``FlagScaleStrategy(pipeline_balance="cost")`` (see ``VisionLanguageModel.pipeline_unit_costs``).
 
 HF weights: the converter package attaches its constructor and loader through :meth:`VLMModule.attach_hf` when it
 is imported (``lightning_flagscale.convert``), so this file never imports converter code.
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_flagscale.models.lightning import log_window_loss, param_groups, warmup_cosine_lambda
 from lightning_flagscale.models.weights import weight_source
+from lightning_flagscale.multimodal.batching import batch_segment_ids
 from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
 from lightning_flagscale.multimodal.prealloc import PreallocState
 from lightning_flagscale.multimodal.qwen2_5_vl import VisionLanguageModel
@@ -101,6 +104,7 @@ class VLMModule(L.LightningModule):
         max_image_tokens: int | None = None,
         max_seq_len: int | None = None,
         vocab_multiple: int = 64,
+        image_token_share: float = 0.5,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -133,7 +137,10 @@ class VLMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = VisionLanguageModel(self.config, vocab_multiple=self.vocab_multiple)
+        self.model = VisionLanguageModel(
+            self.config, vocab_multiple=self.vocab_multiple,
+            image_token_share=float(self.hparams.get("image_token_share", 0.5)),
+        )  # fmt: skip
         hp = self.hparams
         apply_vision_recompute(self.model.visual, hp.vision_recompute, hp.vision_recompute_step)
         if not next(self.model.parameters()).is_meta:
@@ -157,14 +164,11 @@ class VLMModule(L.LightningModule):
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
         """Head output of a batch dict (see :meth:`VisionLanguageModel.forward`)."""
         model = self._require_model()
-        segment_ids = batch.get("segment_ids")
-        mask = batch.get("attention_mask")
-        if segment_ids is None and mask is not None and not bool(mask.all()):
-            segment_ids = mask.long()  # padding as its own segment
         return model(
-            batch["input_ids"], batch.get("position_ids"), segment_ids,
+            batch["input_ids"], batch.get("position_ids"), batch_segment_ids(batch),
             pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-            padding_grid_thw=batch.get("padding_grid_thw"),
+            padding_grid_thw=batch.get("padding_grid_thw"), mrope_position_ids=batch.get("mrope_position_ids"),
+            image_token_index=batch.get("image_token_index"),
         )  # fmt: skip
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
@@ -226,5 +230,7 @@ def _check_options(hp: Any) -> None:
         raise ValueError("freeze_vision, freeze_merger and freeze_llm are all set: nothing would train.")
     if hp.preallocate and (hp.max_image_tokens is None or hp.max_image_tokens < 0):
         raise ValueError("preallocate=True needs max_image_tokens (the largest image-token count of a batch).")
+    if not 0.0 <= hp.get("image_token_share", 0.5) <= 1.0:
+        raise ValueError(f"image_token_share must be in [0, 1], got {hp.image_token_share}.")
     if not 0.0 <= hp.min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {hp.min_lr_ratio}.")

@@ -90,6 +90,13 @@ class PreallocState:
     """How many steps ran padded (for logging and tests)."""
 
     def maybe_pad(self, batch: dict[str, Tensor], config: VLMConfig, pad_id: int = 0) -> dict[str, Tensor]:
+        if "mrope_position_ids" in batch:
+            # Prepared for context parallelism (sequence-sharded, batch-first images): padding the local shard at its
+            # end would break the load-balanced token order, and the images are no longer flat.
+            raise ValueError(
+                "preallocate=True does not compose with context parallelism; set preallocate=False or "
+                "context_parallel_size=1."
+            )
         tokens = image_token_count(batch, config.vision.spatial_merge_size)
         if tokens <= self.seen_image_tokens:
             return batch

@@ -22,12 +22,20 @@ Videos are not supported yet (``pixel_values_videos`` would need the temporal po
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RotaryEmbedding
+from lightning_flagscale.multimodal.batching import (
+    batch_segment_ids,
+    from_batch_first,
+    image_token_counts,
+    row_image_index,
+    to_batch_first,
+)
 from lightning_flagscale.multimodal.config import VLMConfig
 from lightning_flagscale.multimodal.vision import VisionTower
 
@@ -104,6 +112,13 @@ def mrope_position_ids(
     return out.to(input_ids.device)
 
 
+def _rows_first(position_ids: Tensor) -> Tensor:
+    """[3, B, S] M-RoPE (or [B, S] text) positions -> [B, S, 3], batch-first and sequence-second."""
+    if position_ids.dim() == 2:
+        return position_ids.unsqueeze(-1).expand(-1, -1, 3)
+    return position_ids.permute(1, 2, 0)
+
+
 def _scatter_sequence(h: Tensor, tp_mesh) -> Tensor:
     """This rank's sequence shard of the replicated ``h`` [B, S, H]; backward all-gathers the shard gradients."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -115,7 +130,7 @@ def _scatter_sequence(h: Tensor, tp_mesh) -> Tensor:
 class VisionLanguageModel(CausalLM):
     """Qwen2.5-VL: ``visual`` tower + decoder LM with M-RoPE. See the module docstring."""
 
-    def __init__(self, config: VLMConfig, vocab_multiple: int = 1) -> None:
+    def __init__(self, config: VLMConfig, vocab_multiple: int = 1, image_token_share: float = 0.5) -> None:
         if not isinstance(config, VLMConfig):
             raise TypeError(f"VisionLanguageModel needs a VLMConfig, got {type(config).__name__}.")
         super().__init__(config, vocab_multiple)
@@ -124,6 +139,10 @@ class VisionLanguageModel(CausalLM):
             config.head_dim, config.rope_theta, config.rope_scaling, mrope_section=config.mrope_section
         )
         self.visual: VisionTower | None = VisionTower(config.vision, config.hidden_size, config.attn_backend)
+        if not 0.0 <= image_token_share <= 1.0:
+            raise ValueError(f"image_token_share must be in [0, 1], got {image_token_share}.")
+        self.image_token_share = image_token_share
+        """Expected fraction of image tokens in a row: weighs the tower in cost-balanced pipeline splits."""
 
     # ---- model protocol --------------------------------------------------------------------------------------
     def pipeline_units(self) -> list[str]:
@@ -136,15 +155,102 @@ class VisionLanguageModel(CausalLM):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import RowwiseParallel
 
-        from lightning_flagscale.models.decoder_plan import decoder_tp_plan
         from lightning_flagscale.parallel.tensor import ReplicateParallel
 
-        plan = decoder_tp_plan(self, sequence_parallel)
+        plan = super().tp_plan(sequence_parallel)
         if self.embed_tokens is not None:
             plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if self.visual is not None:
             plan.update({f"visual.{name}": ReplicateParallel() for name in self.visual.replicated_units()})
         return plan
+
+    def pipeline_inputs(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        **images: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor | None]]:
+        """Stage inputs under pipeline parallelism, every keyword batch-first (torch splits them along dim 0).
+
+        M-RoPE positions become explicit ``mrope_position_ids`` [B, S, 3] (later stages have no token ids to derive
+        them from) and the images take the batch-first layout of :mod:`~lightning_flagscale.multimodal.batching`,
+        so each micro-batch carries exactly its rows' images.
+        """
+        return x, self._batch_first(x, position_ids, segment_ids, **images)
+
+    def prepare_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The full (unsharded) batch with the per-token keys of :attr:`cp_sequence_keys` added (model protocol).
+
+        Context parallelism then shards ``mrope_position_ids`` and ``image_token_index`` along the sequence with the
+        token ids: each rank's image-pad tokens still know which image token they are, and the positions are those
+        of the whole sequence. Every CP rank runs the tower on all of the batch's images (it is replicated, as under
+        TP) and splices the tokens it holds; the data x context gradient reduction sums the parts.
+        """
+        if "mrope_position_ids" in batch:
+            return batch  # already prepared
+        extra = self._batch_first(
+            batch["input_ids"], batch.get("position_ids"), batch_segment_ids(batch),
+            pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+            padding_grid_thw=batch.get("padding_grid_thw"),
+        )  # fmt: skip
+        if extra["segment_ids"] is None:  # no padding anywhere in the batch
+            del extra["segment_ids"]
+        # Padding segments from the whole batch: a CP shard without padding must still pass segment ids, as its peers.
+        return {**batch, **extra}
+
+    cp_sequence_keys: tuple[str, ...] = ("mrope_position_ids", "image_token_index")
+    """Per-token keys added by :meth:`prepare_batch`, sharded along dim 1 by context parallelism."""
+
+    def pipeline_unit_costs(self) -> dict[str, float]:
+        """Per-text-token FLOP proxy of each pipeline unit, for ``pipeline_balance="cost"``.
+
+        A decoder unit costs its parameter count (2 x params FLOPs per token). The tower runs once per patch, and
+        there are ``merge_unit`` patches per image token: its blocks cost ``params x merge_unit x share`` and its
+        merger ``params x share``, where ``share = image_token_share`` is the expected fraction of image tokens in a
+        row. This is what makes the first stage take fewer LLM blocks (FlagScale's
+        ``decoder_first_pipeline_num_layers``, derived instead of set by hand).
+        """
+        costs = {}
+        for unit in self.pipeline_units():
+            params = self.get_submodule(unit).named_parameters(remove_duplicate=False)
+            costs[unit] = float(sum(p.numel() for _, p in params))
+        if self.visual is not None:
+            share = self.image_token_share
+            merger = float(sum(p.numel() for p in self.visual.merger.parameters()))
+            costs["visual"] = (costs["visual"] - merger) * self.config.vision.merge_unit * share + merger * share
+        return costs
+
+    def _batch_first(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None,
+        segment_ids: Tensor | None,
+        *,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        padding_grid_thw: Tensor | None = None,
+        mrope_position_ids: Tensor | None = None,
+        image_token_index: Tensor | None = None,
+    ) -> dict[str, Tensor | None]:
+        out: dict[str, Tensor | None] = {"segment_ids": segment_ids}
+        has_images = pixel_values is not None and pixel_values.shape[0] > 0
+        if mrope_position_ids is None:
+            if position_ids is None:
+                position_ids = self.position_ids(x, image_grid_thw if has_images else None, segment_ids)
+            mrope_position_ids = _rows_first(position_ids)
+        out["mrope_position_ids"] = mrope_position_ids.contiguous()
+        if has_images and pixel_values.dim() == 2:
+            cfg = self.config
+            merge = cfg.vision.spatial_merge_size
+            images = to_batch_first(
+                x, pixel_values, image_grid_thw, padding_grid_thw, image_token_id=cfg.image_token_id, merge=merge
+            )
+            out.update(images)
+        elif has_images:  # already batch-first
+            out.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw, padding_grid_thw=padding_grid_thw)
+            out["image_token_index"] = image_token_index
+        return out
 
     # ---- compute ----------------------------------------------------------------------------------------------
     def forward(
@@ -156,20 +262,40 @@ class VisionLanguageModel(CausalLM):
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         padding_grid_thw: Tensor | None = None,
+        mrope_position_ids: Tensor | None = None,
+        image_token_index: Tensor | None = None,
     ) -> Tensor:
         """Token ids [B, S] (+ images) -> head output; a later pipeline stage (no embedding) runs the decoder part.
 
-        ``position_ids``: [3, B, S] M-RoPE positions (default: :func:`mrope_position_ids`; [B, S] text positions
-        are broadcast). ``padding_grid_thw``: grids of padding images appended to ``pixel_values`` after the real
-        ones (memory pre-allocation); the tower runs on them and their tokens are dropped before splicing.
+        Images come in the HF layout (``pixel_values`` [patches, C], ``image_grid_thw`` [images, 3]) or in the
+        batch-first one of :mod:`~lightning_flagscale.multimodal.batching` (3-D ``pixel_values``, with
+        ``image_token_index`` for a sequence shard). ``position_ids``: [3, B, S] M-RoPE positions (default:
+        :func:`mrope_position_ids`; [B, S] text positions are broadcast); ``mrope_position_ids`` [B, S, 3], when
+        given, take precedence. ``padding_grid_thw``: grids of padding images appended after the real ones (memory
+        pre-allocation); the tower runs on them and their tokens are dropped before splicing.
         """
+        if mrope_position_ids is not None:
+            position_ids = mrope_position_ids.permute(2, 0, 1)
         if self.embed_tokens is None:
             return super().forward(x, position_ids, segment_ids)
         h = self.embed_tokens(x)
+        index = image_token_index
+        if pixel_values is not None and pixel_values.dim() == 3:
+            flat = from_batch_first(
+                pixel_values, image_grid_thw, padding_grid_thw, merge=self.config.vision.spatial_merge_size
+            )
+            if index is None:
+                index = row_image_index(x, self.config.image_token_id)
+            index = torch.where(index >= 0, index + flat.row_offsets[:, None].to(index), index)
+            pixel_values, image_grid_thw, padding_grid_thw = (
+                flat.pixel_values,
+                flat.image_grid_thw,
+                flat.padding_grid_thw,
+            )
         if pixel_values is not None and pixel_values.shape[0] == 0:
-            pixel_values = None  # a collated batch without images
+            pixel_values = None  # a collated batch (or micro-batch) without images
         if pixel_values is not None:
-            h = self._splice_images(h, x, pixel_values, image_grid_thw, padding_grid_thw)
+            h = self._splice_images(h, x, pixel_values, image_grid_thw, padding_grid_thw, index)
         elif self._vision_needs_grads():
             h = self._touch_vision(h)
         if position_ids is None:
@@ -220,20 +346,34 @@ class VisionLanguageModel(CausalLM):
         return h + 0.0 * self.image_features(dummy, grid).sum().to(h.dtype)
 
     def _splice_images(
-        self, h: Tensor, input_ids: Tensor, pixel_values: Tensor, grid: Tensor, padding: Tensor | None
+        self,
+        h: Tensor,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        grid: Tensor,
+        padding: Tensor | None,
+        index: Tensor | None = None,
     ) -> Tensor:
+        """Image tokens written over the image-pad embeddings; ``index`` [B, S] names each token's image token
+        (in the tower's output order, -1 for text), default: the image-pad tokens of ``input_ids`` in order."""
         if grid is None:
             raise ValueError("pixel_values were given without image_grid_thw.")
         all_grid = grid if padding is None else torch.cat([grid.reshape(-1, 3), padding.to(grid)])
         features = self.image_features(pixel_values, all_grid)
         merge = self.config.vision.spatial_merge_size
-        real = int((grid[:, 0] * (grid[:, 1] // merge) * (grid[:, 2] // merge)).sum())
+        real = int(image_token_counts(grid.reshape(-1, 3), merge).sum())
         features = features[:real]  # padding images' tokens are computed (to reserve memory) and dropped
-        mask = input_ids == self.config.image_token_id
-        count = int(mask.sum())
-        if count != real:
-            raise ValueError(
-                f"The batch has {count} image-pad tokens (id {self.config.image_token_id}) but image_grid_thw "
-                f"describes {real} image tokens ({grid.tolist()}); each image needs t * h * w / {merge * merge}."
-            )
-        return h.masked_scatter(mask.unsqueeze(-1), features.to(h.dtype))
+        if index is None:
+            mask = input_ids == self.config.image_token_id
+            count = int(mask.sum())
+            if count != real:
+                raise ValueError(
+                    f"The batch has {count} image-pad tokens (id {self.config.image_token_id}) but image_grid_thw "
+                    f"describes {real} image tokens ({grid.tolist()}); each image needs t * h * w / {merge * merge}."
+                )
+            index = torch.where(mask, mask.flatten().long().cumsum(0).view_as(mask) - 1, -1)
+        mask = index >= 0
+        # A gather, not masked_scatter: under context parallelism a rank holds only some of the image tokens, in a
+        # permuted order, and ``index`` says which; every feature row is used at most once, so gradients are exact.
+        picked = features.to(h.dtype)[index.clamp(min=0)]
+        return torch.where(mask.unsqueeze(-1), picked, h)

@@ -119,6 +119,10 @@ class PatchEmbed(nn.Module):
 class VisionAttention(nn.Module):
     """Bidirectional attention over the packed patches of all images, restricted to segments (windows/frames)."""
 
+    context_parallel = False
+    """Model protocol: context parallelism leaves this attention local (every CP rank runs the tower on all the
+    batch's patches; only the LLM's sequence is sharded)."""
+
     def __init__(self, config: VisionConfig, backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_heads

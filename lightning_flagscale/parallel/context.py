@@ -84,12 +84,16 @@ def _rank_and_size(cp: DeviceMesh | tuple[int, int]) -> tuple[int, int]:
     return int(rank), int(size)
 
 
-def shard_batch_for_cp(batch: dict[str, Any], cp: DeviceMesh | tuple[int, int]) -> dict[str, Any]:
+def shard_batch_for_cp(
+    batch: dict[str, Any], cp: DeviceMesh | tuple[int, int], sequence_keys: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """This rank's load-balanced slice of a batch (``cp`` is the CP mesh or ``(cp_rank, cp_size)``).
 
     ``input_ids``, ``labels``, ``position_ids``, ``segment_ids`` and ``attention_mask`` are sliced along dim 1
     with the same permutation; ``position_ids`` are created as ``arange`` when absent so RoPE keeps using global
-    positions. Other keys pass through untouched. Labels are already aligned next-token targets, so no shift.
+    positions. ``sequence_keys`` names further per-token tensors [B, S, ...] to slice alike (a model's
+    ``cp_sequence_keys``, e.g. multimodal positions). Other keys pass through untouched. Labels are already aligned
+    next-token targets, so no shift.
     """
     rank, size = _rank_and_size(cp)
     ids = batch["input_ids"]
@@ -100,11 +104,11 @@ def shard_batch_for_cp(batch: dict[str, Any], cp: DeviceMesh | tuple[int, int]) 
     if size == 1:
         return out
     index = load_balanced_indices(seq_len, size, rank).to(ids.device)
-    for key in _BATCH_SEQ_KEYS:
+    for key in (*_BATCH_SEQ_KEYS, *sequence_keys):
         value = out.get(key)
         if value is None:
             continue
-        if value.dim() != 2 or value.shape[1] != seq_len:
+        if value.dim() < 2 or value.shape[1] != seq_len or (value.dim() != 2 and key in _BATCH_SEQ_KEYS):
             raise ValueError(
                 f"batch[{key!r}] has shape {tuple(value.shape)}; context parallelism shards [batch, seq={seq_len}]"
                 " tensors only (pass 2-D padding masks, not 4-D attention masks)."
@@ -439,7 +443,14 @@ def _cp_groups(cp_mesh: DeviceMesh, mode: CPMode, ulysses_size: int | None) -> t
 
 
 def _attention_parents(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "_modules", {}).get("core_attention"), nn.Module)]
+    # An attention module that sets ``context_parallel = False`` runs over inputs CP does not shard (e.g. a vision
+    # tower over all image patches, replicated on every CP rank): its core attention stays local.
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "_modules", {}).get("core_attention"), nn.Module)
+        and getattr(m, "context_parallel", True)
+    ]
 
 
 def apply_cp(

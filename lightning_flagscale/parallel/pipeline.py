@@ -58,6 +58,7 @@ __all__ = [
     "check_units_cover_parameters",
     "is_layer_unit",
     "min_microbatches",
+    "pipeline_unit_costs",
     "plan_stages",
     "stage_ids_for_rank",
     "tied_parameters",
@@ -69,6 +70,8 @@ __all__ = [
 SCHEDULES: dict[str, tuple[type, str]] = {
     name: (getattr(_torch_schedules, spec.torch_class), spec.placement) for name, spec in SCHEDULE_SPECS.items()
 }
+# Schedules kept per runner (one per micro-batch count, train/eval and batch shape), least recently used dropped.
+_MAX_SCHEDULES = 8
 # Run input- and weight-gradients as two autograd passes (the first stage does one full pass in the W step).
 _SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.split_backward)
 
@@ -207,9 +210,10 @@ def plan_stages(
 
     ``pipeline_layers`` fixes the decoder layers per stage; otherwise ``balance="even"`` gives every stage the same
     number of layer slots (padding with placeholders when needed) and ``balance="cost"`` minimises the largest
-    stage cost from ``unit_costs`` (e.g. :func:`unit_param_costs`), counting embedding, final norm and LM head.
+    stage cost from ``unit_costs`` (e.g. :func:`pipeline_unit_costs`), counting embedding, final norm and LM head.
     Units before the first layer always go to stage 0 and units after the last to the last stage, except under
-    ``"cost"``, where the embedding or head may get a stage of its own.
+    ``"cost"``, where the units before the first layer (together: the embedding, and e.g. a vision tower) or the
+    head may get a stage of its own.
     """
     stages = pipeline_parallel_size * virtual_pipeline_parallel_size
     if stages > len(units):
@@ -229,10 +233,17 @@ def plan_stages(
     elif balance == "cost":
         if unit_costs is None:
             raise ValueError("balance='cost' needs unit_costs (e.g. unit_param_costs(model)).")
-        lengths = _balanced_partition([float(unit_costs[u]) for u in units], stages)
+        # Units before the first block consume the raw inputs, which only the first stage is fed: they are one item.
+        lead = _layer_positions(units)[0]
+        items = [tuple(units[:lead])] * bool(lead) + [(u,) for u in units[lead:]]
+        if stages > len(items):
+            raise ValueError(
+                f"{stages} stages exceed the {len(items)} pipeline items {items}; lower the pipeline size."
+            )
+        lengths = _balanced_partition([sum(float(unit_costs[u]) for u in item) for item in items], stages)
         out, start = [], 0
         for n in lengths:
-            out.append(tuple(units[start : start + n]))
+            out.append(tuple(u for item in items[start : start + n] for u in item))
             start += n
         return StagePlan(units=tuple(out), padding=(0,) * stages)
     else:
@@ -254,6 +265,18 @@ def unit_param_costs(model: nn.Module, units: Sequence[str] | None = None) -> di
         u: float(sum(p.numel() for _, p in model.get_submodule(u).named_parameters(remove_duplicate=False)))
         for u in units
     }
+
+
+def pipeline_unit_costs(model: nn.Module, units: Sequence[str] | None = None) -> dict[str, float]:
+    """The costs ``balance="cost"`` splits by: the model's own ``pipeline_unit_costs()`` (model protocol), else
+    :func:`unit_param_costs`."""
+    units = list(units if units is not None else model.pipeline_units())
+    hook = getattr(model, "pipeline_unit_costs", None)
+    costs = hook() if hook is not None else unit_param_costs(model, units)
+    missing = [u for u in units if u not in costs]
+    if missing:
+        raise ValueError(f"{type(model).__name__}.pipeline_unit_costs() gives no cost for the units {missing}.")
+    return {u: float(costs[u]) for u in units}
 
 
 def stage_ids_for_rank(rank: int, pipeline_parallel_size: int, num_stages: int, style: str = "loop") -> list[int]:
@@ -416,7 +439,7 @@ class PipelineRunner:
         self._stage_to_rank = {
             s: r for r in range(self._pp) for s in stage_ids_for_rank(r, self._pp, plan.num_stages, style)
         }
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._schedules: dict[tuple[int, bool, tuple[int, ...]], Any] = {}
         self.has_first_stage = 0 in stage_ids
         self.has_last_stage = plan.num_stages - 1 in stage_ids
         self._tied_group: dist.ProcessGroup | None = None
@@ -442,9 +465,15 @@ class PipelineRunner:
         return last.loss_fn(output, target, self._num_items)
 
     # ---- schedules ----
-    def _schedule(self, n_microbatches: int, train: bool) -> Any:
-        key = (n_microbatches, train)
-        if key not in self._schedules:
+    def _schedule(self, n_microbatches: int, train: bool, shape: tuple[int, ...] = ()) -> Any:
+        # Stages infer the shapes they send and receive on their first step, so a batch of a new shape (another
+        # sequence length: image-text rows vary) needs a schedule of its own; the least recently used one goes.
+        key = (n_microbatches, train, shape)
+        if key in self._schedules:
+            self._schedules[key] = self._schedules.pop(key)
+        else:
+            while len(self._schedules) >= _MAX_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
             validate_schedule(self.schedule_name, self._pp, len(self.stage_ids), n_microbatches)
             stages = [
                 self.stage_cls(m, s, self.plan.num_stages, self.device, group=self._group)
@@ -514,9 +543,11 @@ class PipelineRunner:
         so the step's loss is the batch's token mean); gradients are not divided by the micro-batch count.
         """
         self._num_items = (target != -100).sum() if num_items is None else num_items
+        shape = tuple(target.shape)  # every pipeline rank gets the labels: the same key everywhere
         args, kwargs, target, n = self._inputs(args, kwargs, target)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
-        self._schedule(n, train=True).step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        sched = self._schedule(n, train=True, shape=shape)
+        sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return self._reduce_losses(losses)
 
     @torch.no_grad()
@@ -529,9 +560,10 @@ class PipelineRunner:
     ) -> torch.Tensor:
         """Forward-only pipeline over the micro-batches; returns the sum of the micro-batch losses on every PP rank."""
         self._num_items = (target != -100).sum() if num_items is None else num_items
+        shape = tuple(target.shape)  # every pipeline rank gets the labels: the same key everywhere
         args, kwargs, target, n = self._inputs(args, kwargs, target)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
-        self._schedule(n, train=False).eval(*args, target=target, losses=losses, **kwargs)
+        self._schedule(n, train=False, shape=shape).eval(*args, target=target, losses=losses, **kwargs)
         return self._reduce_losses(losses)
 
     # ---- tied embeddings ----
@@ -633,7 +665,7 @@ def build_pipeline(
     units = list(model.pipeline_units())
     check_units_cover_parameters(model, units)
     if balance == "cost" and unit_costs is None:
-        unit_costs = unit_param_costs(model, units)
+        unit_costs = pipeline_unit_costs(model, units)
     plan = plan_stages(units, p, v, pipeline_layers=config.pipeline_layers, balance=balance, unit_costs=unit_costs)
     style = SCHEDULES[config.pipeline_schedule][1]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, plan.num_stages, style)

@@ -137,6 +137,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._dist_optimizers: dict[int, DistributedOptimizer] = {}
         self._fsdp_roots: list[nn.Module] = []
         self._pipeline: PipelinedModel | None = None
+        self._batch_model: nn.Module | None = None
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
         self._expert_grad_scale = 1.0
@@ -280,6 +281,7 @@ class FlagScaleStrategy(ParallelStrategy):
             trainer.accumulate_grad_batches = p.gradient_accumulation_steps
         module = self.lightning_module
         inner = find_protocol_model(module)
+        self._batch_model = inner  # kept for its batch hooks: under PP, module.model becomes the PipelinedModel
         precision = self.precision_plugin
         # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
         precision.select_layout(module, self.root_device.type)
@@ -436,7 +438,11 @@ class FlagScaleStrategy(ParallelStrategy):
             return args
         from lightning_flagscale.parallel.context import shard_batch_for_cp
 
-        return (shard_batch_for_cp(dict(args[0]), self.meshes["cp"]), *args[1:])
+        # The model protocol's batch hooks (models/protocol.py): per-token tensors computed on the full sequence.
+        prepare = getattr(self._batch_model, "prepare_batch", None)
+        batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])
+        keys = tuple(getattr(self._batch_model, "cp_sequence_keys", ()))
+        return (shard_batch_for_cp(batch, self.meshes["cp"], sequence_keys=keys), *args[1:])
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
