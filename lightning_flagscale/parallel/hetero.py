@@ -59,6 +59,20 @@ def check_hetero_batch_sizes(
         hetero_micro_batch_sizes(batch_sizes, micro_batch_size)
 
 
+class EpochCounter:
+    """The epoch a batch sampler draws its permutation for.
+
+    Lightning's loop calls ``set_epoch`` on ``loader.sampler`` and on ``loader.batch_sampler.sampler``, never on the
+    batch sampler itself: the batch samplers below expose one of these as their ``sampler``.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class HeteroBatchSampler(Sampler[list[int]]):
     """Batches of ``batch_sizes[rank]`` indices: this rank's slice of each global batch (see module docstring).
 
@@ -74,7 +88,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
-        self.epoch = 0
+        self.sampler = EpochCounter()
         self.global_batch = sum(self.batch_sizes)
         self.offset = sum(self.batch_sizes[:rank])
         if num_samples < self.global_batch:
@@ -83,8 +97,12 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 f" (hetero_dp_batch_sizes={self.batch_sizes})."
             )
 
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch
@@ -124,10 +142,14 @@ class MicroBatchSliceSampler(Sampler[list[int]]):
             raise ValueError(f"The dataset has {num_samples} samples, fewer than one global batch of {global_batch}.")
         self.num_samples, self.global_batch, self.micro = num_samples, global_batch, micro
         self.dp, self.rank, self.seed, self.shuffle = dp, rank, seed, shuffle
-        self.epoch = 0
+        self.sampler = EpochCounter()
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch

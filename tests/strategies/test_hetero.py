@@ -46,3 +46,17 @@ def test_uneven_shares_match_single_process(launcher, zero_stage):
     assert_matches_reference(
         [r for r, _ in outputs], reference, f"hetero-dp zero{zero_stage}", every_rank_holds_all=True
     )
+
+
+def test_lightning_reseeds_the_batch_samplers_every_epoch():
+    """Lightning calls set_epoch on `loader.batch_sampler.sampler` only: both hetero batch samplers must follow it."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+
+    for batches in (HeteroBatchSampler(32, [3, 1], 0, seed=0), MicroBatchSliceSampler(32, 4, 2, 1, 0, shuffle=True)):
+        loader = DataLoader(range(32), batch_sampler=batches)
+        first = list(loader.batch_sampler)
+        _set_sampler_epoch(loader, 1)
+        assert batches.epoch == 1 and list(loader.batch_sampler) != first

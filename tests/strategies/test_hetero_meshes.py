@@ -132,3 +132,28 @@ def _meshes_then_world_group() -> float:
 
 def test_group_meshes_keep_world_group_creation_in_step(launcher):
     assert launcher(4, _meshes_then_world_group, timeout=60) == [4.0] * 4
+
+
+HETERO = dict(hetero_meshes=[TP2, DP2], hetero_layers=[3, 1], micro_batch_size=2, zero_stage=1)
+
+
+def test_checkpoints_reshard_between_hetero_and_homogeneous_layouts(launcher, tmp_path):
+    """Save under hetero meshes, resume under TP2 x DP2 (and a homogeneous save resumed under hetero meshes):
+    the losses and weights equal an uninterrupted single-process run (DCP reshards by parameter name)."""
+    samples = 12  # global batch 4: one epoch is 3 steps, so the checkpoints sit on an epoch boundary
+    reference = reference_run(_config(), 6, num_samples=samples)
+    homogeneous = dict(tensor_parallel_size=2, zero_stage=1)
+    for save, resume, tag in ((HETERO, homogeneous, "hetero-to-tp2xdp2"), (homogeneous, HETERO, "tp2xdp2-to-hetero")):
+        path = str(tmp_path / f"{tag}.ckpt")
+        batch = {id(HETERO): 4, id(homogeneous): 2}
+        launcher(4, trainer_run, save, _config(), 3, max_epochs=1, num_samples=samples, save_path=path,
+                 batch_size=batch[id(save)])  # fmt: skip
+        results = launcher(4, trainer_run, resume, _config(), 6, max_epochs=2, num_samples=samples, ckpt_path=path,
+                           batch_size=batch[id(resume)])  # fmt: skip
+        ref_losses, ref_params = reference
+        for losses, params in results:
+            for got, want in zip(losses, ref_losses[3:]):
+                assert abs(got - want) <= 1e-5 * abs(want), (tag, losses, ref_losses[3:])
+            for name, value in params.items():
+                torch_assert = ref_params[name]
+                assert ((value - torch_assert).norm() / torch_assert.norm()) <= 1e-5, (tag, name)
