@@ -11,7 +11,12 @@ from lightning_flagscale import FlagScaleStrategy, ParallelConfig
 
 # Keyword arguments of the strategy that are not part of the parallel layout.
 NON_LAYOUT_KWARGS = {
-    "parallel", "process_group_backend", "timeout", "grad_bucket_numel", "overlap_grad_reduce", "async_checkpoint"
+    "parallel",
+    "process_group_backend",
+    "timeout",
+    "grad_bucket_numel",
+    "overlap_grad_reduce",
+    "async_checkpoint",
 }
 
 # A valid non-default value for every ParallelConfig field: a new field must be added here (and to the strategy).
