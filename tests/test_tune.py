@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.memory import comm_theory_bytes
 from lightning_flagscale.tune import Hardware, estimate_memory, estimate_step_seconds, search
 
@@ -23,7 +24,7 @@ def test_zero_stages_and_sequence_parallel_lower_memory_as_our_code_holds_them()
     # DDP: fp32 grads + masters + Adam = 16Ψ; ZeRO-1 shards masters and Adam (12Ψ) over dp.
     saved_by_zero1 = by_stage[0] - by_stage[1]
     assert abs(saved_by_zero1 - (12 * psi - 12 * psi / dp)) / (12 * psi) < 0.01
-    staging = 4 * 2 * (1 << 24)  # two default buckets of fp32 gradients
+    staging = 4 * 2 * DEFAULT_BUCKET_NUMEL  # two default buckets of fp32 gradients
     saved_by_zero2 = by_stage[1] - by_stage[2]
     assert abs(saved_by_zero2 - (4 * psi - 4 * psi / dp - staging)) / (4 * psi) < 0.01
     saved_by_zero3 = by_stage[2] - by_stage[3]

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "ZERO2_MAX_STAGING", "GradBucket", "GradReducer", "bucket_runs", "grad_local"]
 
-DEFAULT_BUCKET_NUMEL = 1 << 24  # 16M elements (64 MiB in fp32) per flat bucket
+DEFAULT_BUCKET_NUMEL = 1 << 22  # 4M elements (16 MiB in fp32) per bucket: several buckets to overlap, few launches
 ZERO2_MAX_STAGING = 2  # ZeRO-2 staging buffers alive at once: one reducing while the next one fills
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

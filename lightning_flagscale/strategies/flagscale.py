@@ -44,6 +44,7 @@ from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.protocol import find_protocol_model, missing_protocol_parts
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
@@ -94,7 +95,7 @@ class FlagScaleStrategy(ParallelStrategy):
         hetero_dp_batch_sizes: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        grad_bucket_numel: int = 1 << 24,
+        grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
         async_checkpoint: bool = False,
     ) -> None:
