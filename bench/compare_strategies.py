@@ -182,7 +182,7 @@ def _modules():
     return EagerModule, FSDP1Module, TPFSDPModule
 
 
-def _strategy(spec: RunSpec, dp: int, micro_batch_size: int):
+def _strategy(spec: RunSpec, dp: int, micro_batch_size: int, bucket_numel: int | None = None):
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_flagscale import FlagScaleStrategy
@@ -205,6 +205,7 @@ def _strategy(spec: RunSpec, dp: int, micro_batch_size: int):
         micro_batch_size=micro_batch_size,
         process_group_backend="gloo",
         overlap_grad_reduce=spec.overlap,
+        **({"grad_bucket_numel": bucket_numel} if bucket_numel else {}),
     )
 
 
@@ -281,7 +282,7 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
     cls = {"ddp": EagerModule, "fsdp": FSDP1Module, "model_parallel": TPFSDPModule}.get(spec.kind, CausalLMModule)
     module = cls(config, learning_rate=1e-3, warmup_steps=0)
     # PP: 1F1B over per_rank_batch micro-batches of one sample each (fills the 2-stage pipeline best).
-    strategy = _strategy(spec, dp, micro_batch_size=1 if spec.pp > 1 else per_rank_batch)
+    strategy = _strategy(spec, dp, 1 if spec.pp > 1 else per_rank_batch, settings.get("bucket"))
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=measured_step + 1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -371,6 +372,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all configs; tokens/s is the median")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="torch.profiler table of rank 0's last warm-up step per config, written under DIR")  # fmt: skip
+    parser.add_argument("--bucket", type=int, default=None,
+                        help="FlagScale grad_bucket_numel (default: the strategy's, 4M elements)")  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="a finding to add to the Markdown (repeatable)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="no run: rewrite the Markdown and PNG of a saved report (with --note findings)")  # fmt: skip
@@ -396,6 +399,8 @@ def main(argv: list[str]) -> None:
         parser.error("--warmup must be >= 1")
     if args.profile:
         settings["profile_dir"] = args.profile
+    if args.bucket:
+        settings["bucket"] = args.bucket
     specs = [s for s in SPECS if args.only is None or s.name in args.only]
     if args.only and len(specs) != len(args.only):
         parser.error(f"--only takes names from {[s.name for s in SPECS]}")

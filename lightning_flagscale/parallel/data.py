@@ -1,7 +1,8 @@
 """Data parallelism: DDP (stage 0), ZeRO-1/2 (our distributed optimizer) and ZeRO-3 (FSDP2).
 
-Stages 0-2 keep parameters replicated over the data x context ranks. Gradients are flattened into buckets and
-all-reduced (stage 0) or reduce-scattered (stages 1-2) over ``dp_cp``; with ZeRO the optimizer steps only its
+Stages 0-2 keep parameters replicated over the data x context ranks. Gradients are moved into flat fp32 buckets
+while backward runs and each bucket is all-reduced (stage 0) or reduce-scattered (stages 1-2) over ``dp_cp`` as
+soon as it is complete, overlapping the rest of backward (``grad_buckets.py``); with ZeRO the optimizer steps only its
 contiguous 1/N slice of each bucket (held as an fp32 "main" parameter, the master weights under mixed precision)
 and the updated slices are all-gathered back into the model: the same bytes on the wire as DDP (2Ψ(N-1)/N), with
 optimizer states (and for stage 2 gradients) divided by N. torch has no such optimizer for DTensor/TP parameters
