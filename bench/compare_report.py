@@ -72,6 +72,7 @@ def summarise(spec: Any, ranks: list[dict[str, Any]], settings: dict[str, Any], 
         "peak_rss_max": max(r["peak_rss"] for r in ranks),
         "psi_local_per_rank": [r["psi_local"] for r in ranks],
         "final_loss": r0["final_loss"],
+        "overlap": r0.get("overlap"),
     }
 
 
@@ -114,9 +115,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"then one step with communication accounting. Machine: {m['nproc']} CPUs (nproc), {m['cpu']}, torch {m['torch']}, "
         f"Lightning {m['lightning']}, {report['date']}.",
         "",
-        "| config | tokens/s | vs peer | DP MiB/rank/step (theory, ratio) | TP MiB | PP MiB | state MiB/rank "
-        "(theory, ratio) | ZeRO paper MiB | peak RSS MiB |",
-        "|---|---:|---|---|---:|---:|---|---:|---:|",
+        "| config | tokens/s (min-max) | vs peer | exposed comm ms / step ms | comm ops started in backward | "
+        "DP MiB/rank/step (theory, ratio) | TP MiB | PP MiB | state MiB/rank (theory, ratio) | ZeRO paper MiB | "
+        "peak RSS MiB |",
+        "|---|---:|---|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         vs = ""
@@ -125,8 +127,13 @@ def markdown(report: dict[str, Any]) -> str:
             target = report.get("targets", {}).get(r["name"])
             mark = "" if target is None else (" ✓" if ratio >= target else f" ✗ (target {target:.2f})")
             vs = f"{ratio:.2f}x {r['peer']}{mark}"
+        samples = r.get("tokens_per_s_samples") or [r["tokens_per_s"]]
+        spread = f" ({min(samples):.0f}-{max(samples):.0f})" if len(samples) > 1 else ""
+        ov = r.get("overlap")
+        exposed = f"{ov['exposed_comm_ms']:.0f} / {ov['step_ms']:.0f}" if ov else "n/a"
+        started = f"{ov['comm_before_backward_end']}/{ov['comm_ops']}" if ov else "n/a"
         lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.0f} | {vs} | {mib(r['dp_bytes_per_rank'])} "
+            f"| {r['name']} | {r['tokens_per_s']:.0f}{spread} | {vs} | {exposed} | {started} | {mib(r['dp_bytes_per_rank'])} "
             f"({mib(r['dp_bytes_theory_per_rank'])}, {r['dp_bytes_ratio']:.3f}) | {mib(r['tp_bytes_per_rank'])} | "
             f"{mib(r['pp_bytes_per_rank'])} | {mib(r['state_bytes_per_rank'])} "
             f"({mib(r['state_theory_per_rank'])}, {r['state_ratio']:.3f}) | {mib(r['state_paper_per_rank'])} | "
@@ -138,9 +145,13 @@ def markdown(report: dict[str, Any]) -> str:
         "2·4Ψ(N-1)/N (DDP, ZeRO-1) or 3·4Ψ(N-1)/N (FSDP, ZeRO-3), Ψ the parameters of the rank's TP shard / pipeline "
         "stage, N the data-parallel size. TP/PP: tensor-parallel collectives and pipeline P2P, measured. State: "
         "parameters + gradients + optimizer states per rank at the optimizer step; theory 16Ψ (DDP), 16Ψ/N "
-        "(FSDP, ZeRO-3), 4Ψ + 16Ψ/N for this package's ZeRO-1 (the full gradient is freed once reduce-scattered into "
-        "the fp32 main shard); the ZeRO paper's column is its Fig. 1 formula (ZeRO-1: 8Ψ + 8Ψ/N). Peak RSS: "
-        "the largest rank's, whole process (Python, torch, Lightning included).",
+        "(FSDP, ZeRO-3), 8Ψ + 12Ψ/N for this package's ZeRO-1 (full fp32 gradient buckets, fp32 main slice), "
+        "4Ψ + 16Ψ/N for its ZeRO-2 (only the fp32 main-gradient shard); the ZeRO paper's column is its Fig. 1 "
+        "formula (ZeRO-1: 8Ψ + 8Ψ/N). Peak RSS: the largest rank's, whole process (Python, torch, Lightning "
+        "included). Exposed comm (`bench/profile_comm.py`, torch.profiler trace of rank 0's last warm-up step): "
+        "time a gloo collective ran while the training thread ran no aten op (waiting, or in Python), next to that "
+        "step's length; comm ops started in backward: collectives that began before the step's last backward node "
+        "finished, of all collectives in the step.",
         "",
         "Timing runs 4 processes on a shared 2-core machine: tokens/s are noisy; only ratios measured in the same "
         "run are meaningful.",

@@ -21,6 +21,7 @@ from lightning_flagscale.config import TransformerConfig, check_known_fields
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
 from lightning_flagscale.models.weights import weight_source
+from lightning_flagscale.parallel.flops import device_peak_flops, flops_per_token, model_flops_utilization
 
 __all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
 
@@ -150,6 +151,8 @@ class CausalLMModule(L.LightningModule):
         self.val_loss_mean = MeanMetric()
         self._last_step_time: float | None = None
         self._window_loss: Tensor | None = None
+        self._peak_flops: float | None = None  # per device, for `mfu` (parallel/flops.py)
+        self._seq_len = 0
 
     # ---- model construction ----------------------------------------------------------------------------------
     @property
@@ -226,9 +229,20 @@ class CausalLMModule(L.LightningModule):
         now = time.perf_counter()
         if self._last_step_time is not None:
             tokens = self._global_tokens(batch["input_ids"].numel())
-            self.log("tokens_per_s", tokens / max(now - self._last_step_time, 1e-9), prog_bar=True)
+            rate = tokens / max(now - self._last_step_time, 1e-9)
+            self.log("tokens_per_s", rate, prog_bar=True)
+            if self._peak_flops:
+                flops = flops_per_token(self.config, self._seq_len)
+                self.log("mfu", model_flops_utilization(rate, flops, self.trainer.world_size, self._peak_flops))
         self._last_step_time = now
         return loss
+
+    def on_fit_start(self) -> None:
+        self._peak_flops = device_peak_flops(self.device)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The whole sequence, before a context-parallel strategy hands each rank its slice of it.
+        self._seq_len = batch["input_ids"].shape[-1]
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._window_loss = log_window_loss(self, outputs, batch_idx, self._window_loss)

@@ -1,7 +1,8 @@
 """Data parallelism: DDP (stage 0), ZeRO-1/2 (our distributed optimizer) and ZeRO-3 (FSDP2).
 
-Stages 0-2 keep parameters replicated over the data x context ranks. Gradients are flattened into buckets and
-all-reduced (stage 0) or reduce-scattered (stages 1-2) over ``dp_cp``; with ZeRO the optimizer steps only its
+Stages 0-2 keep parameters replicated over the data x context ranks. Gradients are moved into flat fp32 buckets
+while backward runs and each bucket is all-reduced (stage 0) or reduce-scattered (stages 1-2) over ``dp_cp`` as
+soon as it is complete, overlapping the rest of backward (``grad_buckets.py``); with ZeRO the optimizer steps only its
 contiguous 1/N slice of each bucket (held as an fp32 "main" parameter, the master weights under mixed precision)
 and the updated slices are all-gathered back into the model: the same bytes on the wire as DDP (2Ψ(N-1)/N), with
 optimizer states (and for stage 2 gradients) divided by N. torch has no such optimizer for DTensor/TP parameters
@@ -29,6 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, GradBucket, GradReducer, bucket_runs
+
 __all__ = [
     "DistributedOptimizer",
     "apply_fsdp",
@@ -37,8 +40,6 @@ __all__ = [
     "local_tensor",
     "num_shards",
 ]
-
-_DEFAULT_BUCKET_NUMEL = 1 << 24  # 16M elements (64 MiB in fp32) per flat bucket
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -67,119 +68,30 @@ def _align_grad_placements(p: Tensor) -> None:
         p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def _grad_local(p: Tensor) -> Tensor | None:
-    """This rank's part of ``p.grad`` in ``p``'s own layout (re-laid out in place when autograd chose another)."""
-    _align_grad_placements(p)
-    g = p.grad
-    if g is None:
-        return None
-    return g.to_local() if isinstance(g, DTensor) else g
-
-
-class _FlatBucket:
-    """A run of parameters flattened into one buffer, reduced and (optionally) sharded as a unit."""
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        group: dist.ProcessGroup,
-        *,
-        shard: bool,
-        main_dtype: torch.dtype | None,
-        divisor: int | None = None,
-    ) -> None:
-        self.params = params
-        self.group = group
-        self.world = dist.get_world_size(group)
-        # Gradients are summed over the group, then divided by how many distinct token shards fed them.
-        self.divisor = divisor or self.world
-        self.rank = dist.get_rank(group)
-        self.shard = shard
-        locals_ = [local_tensor(p) for p in params]
-        self.shapes = [t.shape for t in locals_]
-        self.numels = [t.numel() for t in locals_]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
-        self.dtype = locals_[0].dtype
-        self.device = locals_[0].device
-        self.padded = math.ceil(self.numel / self.world) * self.world if shard else self.numel
-        self.shard_numel = self.padded // self.world if shard else self.padded
-        self.shard_start = self.rank * self.shard_numel if shard else 0
-        # A parameter the optimizer steps: this rank's slice (ZeRO) or the whole bucket (DDP with master weights).
-        self.main_param: nn.Parameter | None = None
-        if main_dtype is not None:
-            flat = self._flatten(locals_, self.dtype)
-            main = flat[self.shard_start : self.shard_start + self.shard_numel].to(main_dtype).clone()
-            self.main_param = nn.Parameter(main)
-            tp_shards = num_shards(params[0])  # buckets never mix TP-sharded and TP-replicated parameters
-            self.main_param._fs_num_shards = (self.world if shard else 1) * tp_shards
-            self.main_param._fs_norm_scale = getattr(params[0], "_fs_norm_scale", 1.0)
-
-    def _flatten(self, tensors: Sequence[Tensor | None], dtype: torch.dtype) -> Tensor:
-        parts = [
-            torch.zeros(n, dtype=dtype, device=self.device) if t is None else t.reshape(-1).to(dtype)
-            for t, n in zip(tensors, self.numels)
-        ]
-        if self.padded > self.numel:
-            parts.append(torch.zeros(self.padded - self.numel, dtype=dtype, device=self.device))
-        return torch.cat(parts)
-
-    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        """Average the bucket's gradients over the group; result in ``main_param.grad`` or back in ``p.grad``."""
-        grads = [_grad_local(p) for p in self.params]
-        flat = self._flatten(grads, reduce_dtype)
-        if self.shard:
-            out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=self.device)
-            dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-        else:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            out = flat
-        out.div_(self.divisor)
-        if self.main_param is None:  # DDP on the model's own parameters: write the average back
-            for g, off, n, shape in zip(grads, self.offsets, self.numels, self.shapes):
-                if g is not None:
-                    g.copy_(out[off : off + n].view(shape))
-            return
-        main = self.main_param
-        out = out.to(main.dtype)
-        main.grad = out if main.grad is None else main.grad.add_(out)
-        for p in self.params:
-            p.grad = None
-
-    def sync_params(self) -> None:
-        """Copy the updated main slice(s) back into every rank's model parameters."""
-        if self.main_param is None:
-            return
-        shard = self.main_param.detach().to(self.dtype)
-        if self.shard:
-            full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-            dist.all_gather_into_tensor(full, shard, group=self.group)
-        else:
-            full = shard
-        with torch.no_grad():
-            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-                local_tensor(p).copy_(full[off : off + n].view(shape))
-
-    def gather_state(self, t: Tensor) -> Tensor:
-        """The full (unsharded) buffer of a per-slice tensor (main weights, optimizer states): for checkpoints."""
-        if not self.shard:
-            return t
-        full = torch.empty(self.padded, dtype=t.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
-        return full
+def _main_param(bucket: GradBucket, params: list[nn.Parameter], main_dtype: torch.dtype) -> nn.Parameter:
+    """The parameter the optimizer steps for ``bucket``: this rank's slice (ZeRO) or the whole bucket (DDP with
+    master weights), in ``main_dtype``, tagged with its share of the global gradient norm."""
+    flat = bucket.flatten([local_tensor(p).detach() for p in params], bucket.dtype)
+    main = nn.Parameter(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel].to(main_dtype).clone())
+    tp_shards = num_shards(params[0])  # buckets never mix TP-sharded and TP-replicated parameters
+    main._fs_num_shards = (bucket.world if bucket.shard else 1) * tp_shards
+    main._fs_norm_scale = getattr(params[0], "_fs_norm_scale", 1.0)
+    return main
 
 
 class DistributedOptimizer:
     """Turns a user's optimizer into a DDP / ZeRO-1 / ZeRO-2 optimizer, in place.
 
     The optimizer object itself is kept (LR schedulers and Lightning hold references to it); its param groups are
-    rewritten to hold the main parameters of the flat buckets. Call ``reduce_grads()`` after the last backward of a
-    step (stage 2: after every backward), ``optimizer.step()``, then ``sync_params()``.
+    rewritten to hold the main parameters of the flat buckets. Gradients flow into the buckets from hooks and are
+    reduced while backward runs (``parallel/grad_buckets.py``); call ``reduce_grads()`` after the last backward of a
+    step (stage 2: after every backward) to wait for them, then ``optimizer.step()``, then ``sync_params()``. Set
+    ``require_sync = False`` around the backward passes of an accumulation window that must not reduce.
 
     ``master_weights`` keeps an fp32 copy of every parameter for the optimizer (mixed precision); for stage 0 without
-    master weights the optimizer keeps stepping the model parameters and gradients are averaged in place.
+    master weights the optimizer keeps stepping the model parameters, whose ``.grad`` become views of the reduced
+    buffers. ``overlap=False`` reduces only in ``reduce_grads``; ``hooks=False`` (pipeline schedules) also collects
+    the gradients there.
     """
 
     def __init__(
@@ -190,8 +102,10 @@ class DistributedOptimizer:
         *,
         stage: int,
         master_weights: bool,
-        bucket_numel: int = _DEFAULT_BUCKET_NUMEL,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         divisors: dict[str, int] | None = None,
+        overlap: bool = True,
+        hooks: bool = True,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"DistributedOptimizer handles zero_stage 0, 1 or 2, got {stage}; stage 3 is apply_fsdp.")
@@ -199,9 +113,8 @@ class DistributedOptimizer:
         self.stage = stage
         self.master_weights = master_weights or stage > 0
         self.names = {p: n for n, p in model.named_parameters(remove_duplicate=True)}
-        self.buckets: list[_FlatBucket] = []
-        self.group_buckets: list[list[_FlatBucket]] = []
-        main_dtype = torch.float32 if self.master_weights else None
+        self.buckets: list[GradBucket] = []
+        self.group_buckets: list[list[GradBucket]] = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             unknown = [p for p in params if p not in self.names]
@@ -210,19 +123,34 @@ class DistributedOptimizer:
                     "The optimizer holds parameters that are not in the model (a copy, or an extra tensor);"
                     " build the optimizer from `self.parameters()` inside `configure_optimizers`."
                 )
+            # Reverse order: the last layers' gradients are ready first, so their bucket is reduced first.
+            runs = bucket_runs(params[::-1], bucket_numel, num_shards)
             buckets = [
-                _FlatBucket(
-                    run, groups[key[0]], shard=stage > 0, main_dtype=main_dtype, divisor=(divisors or {}).get(key[0])
-                )
-                for key, run in _bucket_runs(params, bucket_numel)
+                GradBucket(run, groups[key[0]], stage=stage, divisor=(divisors or {}).get(key[0])) for key, run in runs
             ]
+            for bucket in buckets:
+                if self.master_weights:
+                    bucket.main_param = _main_param(bucket, bucket.params, torch.float32)
             self.group_buckets.append(buckets)
             self.buckets.extend(buckets)
             if self.master_weights:
                 group["params"] = [b.main_param for b in buckets]
         if self.master_weights:
             optimizer.state.clear()
-        self.reduce_dtype = torch.float32
+        self.reducer = GradReducer(self.buckets, overlap=overlap, hooks=hooks)
+
+    @property
+    def require_sync(self) -> bool:
+        """False inside an accumulation window: stages 0-1 only accumulate into their buckets."""
+        return self.reducer.require_sync
+
+    @require_sync.setter
+    def require_sync(self, value: bool) -> None:
+        self.reducer.require_sync = value
+
+    def close(self) -> None:
+        """Remove the gradient hooks (before the optimizer is rebuilt)."""
+        self.reducer.close()
 
     @property
     def main_params(self) -> list[Tensor]:
@@ -230,15 +158,20 @@ class DistributedOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def reduce_grads(self) -> None:
-        for bucket in self.buckets:
-            bucket.reduce_grads(self.reduce_dtype)
+        """Reduce what backward has not launched yet and wait for every bucket: gradients are final after this."""
+        self.reducer.finish()
 
     def sync_params(self) -> None:
+        """After the optimizer step: new weights into the model (all-gather under ZeRO), gradients consumed."""
         for bucket in self.buckets:
             bucket.sync_params()
+            bucket.zero_()
+            if bucket.main_param is None:  # the model's .grad are views of the (now zeroed) bucket
+                for p in bucket.params:
+                    p.grad = None
 
     # ---- checkpoints: a layout-independent view, keyed by parameter name, shaped like each parameter ----
-    def _per_param(self, bucket: _FlatBucket, flat: Tensor) -> dict[str, Tensor]:
+    def _per_param(self, bucket: GradBucket, flat: Tensor) -> dict[str, Tensor]:
         out = {}
         for p, off, n, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
             t = flat[off : off + n].view(shape).clone()
@@ -312,7 +245,7 @@ class DistributedOptimizer:
                 values = [state[self.names[p]][key] for p in bucket.params]
                 first = values[0]
                 if isinstance(first, Tensor) and first.dim() > 0:
-                    flat = bucket._flatten([local_tensor(v) for v in values], torch.float32)
+                    flat = bucket.flatten([local_tensor(v) for v in values], torch.float32)
                     new_state[key] = flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel].clone()
                 else:
                     new_state[key] = first.clone() if isinstance(first, Tensor) else first
@@ -323,7 +256,7 @@ class DistributedOptimizer:
         if not self.master_weights:
             return
         for bucket in self.buckets:
-            flat = bucket._flatten([local_tensor(p).detach() for p in bucket.params], torch.float32)
+            flat = bucket.flatten([local_tensor(p).detach() for p in bucket.params], torch.float32)
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
 
@@ -332,26 +265,9 @@ class DistributedOptimizer:
         if not self.master_weights:
             return
         for bucket in self.buckets:
-            flat = bucket._flatten([local_tensor(masters[self.names[p]]) for p in bucket.params], torch.float32)
+            flat = bucket.flatten([local_tensor(masters[self.names[p]]) for p in bucket.params], torch.float32)
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
-
-
-def _bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tuple, list]]:
-    """Consecutive runs of parameters that can share a flat bucket: same reduction group, dtype, TP sharding and
-    share of the gradient norm."""
-    runs: list[tuple[tuple, list]] = []
-    size = 0
-    for p in params:
-        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype, num_shards(p), getattr(p, "_fs_norm_scale", 1.0))
-        n = local_tensor(p).numel()
-        if runs and runs[-1][0] == key and size + n <= bucket_numel:
-            runs[-1][1].append(p)
-            size += n
-        else:
-            runs.append((key, [p]))
-            size = n
-    return runs
 
 
 def apply_fsdp(

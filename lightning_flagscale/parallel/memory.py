@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
+
 __all__ = [
     "CommTheory",
     "StateBytes",
@@ -219,17 +221,18 @@ def expected_state_bytes(
     precision: Literal["32-true", "bf16-mixed", "16-mixed"] = "32-true",
     *,
     when: Literal["optimizer_step", "backward_peak"] = "optimizer_step",
+    bucket_numel: float = DEFAULT_BUCKET_NUMEL,
 ) -> StateBytes:
     """Model-state bytes per rank that this package holds for Ψ = ``num_params`` parameters over ``dp`` ranks (Adam).
 
     The same categories as :func:`state_bytes` measures, so a run can be compared field by field. Differences from
-    the paper's layout (:func:`zero_theory_bytes`): gradients are reduced into fp32 "main" gradients (4 bytes
-    whatever the parameter dtype); stages 1-2 keep an fp32 main copy of their 1/N slice even in fp32 training;
-    ZeRO-3 (FSDP2) stores fp32 sharded parameters and casts them per block. At ``"optimizer_step"`` (after the
-    reduction) stages 1 and 2 hold the same 4Ψ/N of gradients. During backward (``"backward_peak"``) every stage
-    below 3 holds the full model-dtype gradients, because stages 1 and 2 both reduce-scatter after the backward pass
-    (stage 2 after every one, so that accumulation keeps only the fp32 shard between micro-steps); the reduced fp32
-    shard exists alongside them at the peak.
+    the paper's layout (:func:`zero_theory_bytes`): gradients live in fp32 buckets (4 bytes whatever the parameter
+    dtype; ``parallel/grad_buckets.py``), into which hooks move each gradient as backward produces it; stages 1-2
+    keep an fp32 main copy of their 1/N slice even in fp32 training; ZeRO-3 (FSDP2) stores fp32 sharded parameters
+    and casts them per block. Stages 0 and 1 keep the full fp32 gradient buckets (4Ψ; ZeRO-1's reduced slice is a
+    view of its own bucket), at the optimizer step and during backward alike. Stage 2 keeps only the fp32
+    main-gradient shard (4Ψ/N) at the optimizer step; during backward (``"backward_peak"``) at most two buckets of
+    ``bucket_numel`` fp32 gradients (one reducing, one filling) exist beside it.
     """
     if precision not in _MODEL_DTYPE_BYTES:
         raise ValueError(f"precision={precision!r} is not one of {sorted(_MODEL_DTYPE_BYTES)}.")
@@ -245,7 +248,11 @@ def expected_state_bytes(
     if stage == 0:
         master = 4 * psi if model != 4 else 0  # mixed precision: fp32 master weights (whole, unsharded)
         return StateBytes(params=model * psi, grads=4 * psi, master_params=master, optimizer_states=8 * psi)
-    grads = 4 * psi / n + (model * psi if when == "backward_peak" else 0)
+    if stage == 1:
+        grads = 4 * psi
+    else:
+        staging = 4 * min(psi, ZERO2_MAX_STAGING * bucket_numel) if when == "backward_peak" else 0
+        grads = 4 * psi / n + staging
     return StateBytes(params=model * psi, grads=grads, master_params=4 * psi / n, optimizer_states=8 * psi / n)
 
 

@@ -44,6 +44,7 @@ from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.protocol import find_protocol_model, missing_protocol_parts
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
@@ -96,7 +97,8 @@ class FlagScaleStrategy(ParallelStrategy):
         hetero_layers: list[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        grad_bucket_numel: int = 1 << 24,
+        grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        overlap_grad_reduce: bool = True,
         async_checkpoint: bool = False,
     ) -> None:
         super().__init__()
@@ -130,6 +132,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
+        self._overlap_grad_reduce = overlap_grad_reduce  # issue 15: DDP/ZeRO-1/2 buckets reduced during backward
         self._async_checkpoint = async_checkpoint
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
@@ -320,6 +323,8 @@ class FlagScaleStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        for dopt in self._dist_optimizers.values():
+            dopt.close()  # issue 15: the old optimizers' gradient hooks
         self._dist_optimizers = {}
         if self._pipeline is not None:
             for opt in self.optimizers:
@@ -346,6 +351,10 @@ class FlagScaleStrategy(ParallelStrategy):
                 master_weights=self.precision_plugin.master_weights,
                 bucket_numel=self._grad_bucket_numel,
                 divisors=divisors,
+                # issue 15: under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and
+                # tied embeddings are summed across stages first): buckets are filled and reduced at the step.
+                overlap=self._overlap_grad_reduce,
+                hooks=self._pipeline is None,
             )
 
     def _expert_params(self) -> list[nn.Parameter]:
@@ -455,13 +464,18 @@ class FlagScaleStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this around every micro-step of an accumulation window but the last one.
         for root in self._fsdp_roots:
             root.set_requires_gradient_sync(False)
+        for dopt in self._dist_optimizers.values():
+            dopt.require_sync = False  # issue 15: stages 0-1 accumulate into their buckets without reducing
         try:
             yield
         finally:
             for root in self._fsdp_roots:
                 root.set_requires_gradient_sync(True)
+            for dopt in self._dist_optimizers.values():
+                dopt.require_sync = True
 
     @override
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:

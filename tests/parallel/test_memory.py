@@ -136,11 +136,16 @@ def test_model_parallel_numel_of_dtensors(launcher):
 
 @pytest.mark.parametrize(
     ("stage", "expected"),
-    [(0, (16 * 100, 16 * 100)), (1, (4 * 100 + 16 * 100 / 4, 8 * 100 + 8 * 100 / 4)), (3, (400, 400))],
+    [
+        (0, (16 * 100, 16 * 100)),
+        (1, (8 * 100 + 12 * 100 / 4, 8 * 100 + 8 * 100 / 4)),
+        (2, (4 * 100 + 16 * 100 / 4, 4 * 100 + 12 * 100 / 4)),
+        (3, (400, 400)),
+    ],
 )
 def test_fp32_state_theory_ours_and_paper(stage, expected):
-    """fp32 Adam: our ZeRO-1 frees the full gradient once reduce-scattered into its fp32 main shard (4Ψ + 16Ψ/N at
-    the optimizer step), where the paper's ZeRO-1 keeps it (8Ψ + 8Ψ/N)."""
+    """fp32 Adam: ZeRO-1 keeps the full fp32 gradient buckets like the paper's ZeRO-1 and adds an fp32 main slice
+    (8Ψ + 12Ψ/N); ZeRO-2 frees them (4Ψ + 16Ψ/N, the paper's 4Ψ + 12Ψ/N plus that slice)."""
     ours = expected_state_bytes(100, 4, stage, "32-true").total
     paper = zero_theory_bytes(100, 4, stage, layout="fp32").total
     assert (ours, paper) == expected
@@ -158,7 +163,8 @@ def test_dp_comm_theory_fp32(stage):
         ("32-true", 2, (4, 4 / 4, 4 / 4, 8 / 4)),
         ("32-true", 3, (4 / 4, 4 / 4, 0, 8 / 4)),
         ("bf16-mixed", 0, (2, 4, 4, 8)),
-        ("bf16-mixed", 1, (2, 4 / 4, 4 / 4, 8 / 4)),
+        ("32-true", 1, (4, 4, 4 / 4, 8 / 4)),
+        ("bf16-mixed", 1, (2, 4, 4 / 4, 8 / 4)),
         ("bf16-mixed", 2, (2, 4 / 4, 4 / 4, 8 / 4)),
         ("bf16-mixed", 3, (4 / 4, 4 / 4, 0, 8 / 4)),
     ],
@@ -169,14 +175,18 @@ def test_expected_state_bytes_at_the_optimizer_step(precision, stage, expected):
     assert (got.params, got.grads, got.master_params, got.optimizer_states) == tuple(1000 * e for e in expected)
 
 
-def test_backward_peak_holds_the_full_gradients_below_zero3():
-    """Stages 1 and 2 reduce-scatter after the backward pass: until then every rank holds the full model-dtype
-    gradients, so ZeRO-2 saves no gradient memory at the peak (issue 16: the tuner assumed it did)."""
-    for stage in (1, 2):
-        peak = expected_state_bytes(1000, 4, stage, "bf16-mixed", when="backward_peak")
-        assert peak.grads == 2 * 1000 + 4 * 1000 / 4
+def test_backward_peak_of_the_gradient_buckets():
+    """Hooks move gradients into fp32 buckets as backward produces them: stages 0-1 hold the full fp32 buckets
+    throughout, ZeRO-2 its fp32 shard plus at most two buckets in flight (issue 15; issue 16 had the tuner assume
+    ZeRO-2 saved gradient memory at the peak while the code held full gradients)."""
+    for stage in (0, 1):
+        assert expected_state_bytes(1000, 4, stage, "bf16-mixed", when="backward_peak").grads == 4 * 1000
+    peak = expected_state_bytes(1000, 4, 2, "bf16-mixed", when="backward_peak", bucket_numel=100)
+    assert peak.grads == 4 * 1000 / 4 + 4 * 2 * 100
+    small_model = expected_state_bytes(1000, 4, 2, "bf16-mixed", when="backward_peak", bucket_numel=10_000)
+    assert small_model.grads == 4 * 1000 / 4 + 4 * 1000  # one bucket holds the whole model
+    assert expected_state_bytes(1000, 4, 2, "bf16-mixed").grads == 4 * 1000 / 4
     assert expected_state_bytes(1000, 4, 3, "bf16-mixed", when="backward_peak").grads == 4 * 1000 / 4
-    assert expected_state_bytes(1000, 4, 0, "bf16-mixed", when="backward_peak").grads == 4 * 1000
     with pytest.raises(ValueError, match="precision"):
         expected_state_bytes(10, 2, 1, "fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stage"):

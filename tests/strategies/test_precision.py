@@ -16,12 +16,24 @@ def _inject_inf_run(zero_stage: int):
     snapshots: list[torch.Tensor] = []
     scales: list[float] = []
 
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[5] = float("inf")
+        return grad
+
     class InjectInf(Callback):
-        def on_after_backward(self, trainer, pl_module):
-            # Only rank 1, only at step 1: a single bad gradient element somewhere in that rank's replica.
+        handle = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            # Only rank 1, only at step 1: a single bad gradient element somewhere in that rank's replica. A tensor
+            # hook, because gradients move into the reduction buckets while backward runs (issue 15).
             if trainer.global_step == 1 and dist.get_rank() == 1:
-                w = pl_module.model.layers["0"].mlp.down_proj.weight
-                w.grad.view(-1)[5] = float("inf")
+                self.handle = pl_module.model.layers["0"].mlp.down_proj.weight.register_hook(poison)
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             snapshots.append(pl_module.model.layers["1"].self_attn.q_proj.weight.detach().float().clone())

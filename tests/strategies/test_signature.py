@@ -10,7 +10,14 @@ import typing
 from lightning_flagscale import FlagScaleStrategy, ParallelConfig
 
 # Keyword arguments of the strategy that are not part of the parallel layout.
-NON_LAYOUT_KWARGS = {"parallel", "process_group_backend", "timeout", "grad_bucket_numel", "async_checkpoint"}
+NON_LAYOUT_KWARGS = {
+    "parallel",
+    "process_group_backend",
+    "timeout",
+    "grad_bucket_numel",
+    "overlap_grad_reduce",
+    "async_checkpoint",
+}
 
 # A valid non-default value for every ParallelConfig field: a new field must be added here (and to the strategy).
 NON_DEFAULTS = dict(

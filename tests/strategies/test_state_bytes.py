@@ -1,6 +1,7 @@
 """``parallel.memory.expected_state_bytes`` is what the strategy really holds: state bytes measured at the optimizer
 step of a Trainer run (parameters, gradients, master copies, Adam states per rank) for DDP and ZeRO-1/2/3, in fp32
-and bf16-mixed, match the formula that ``tune`` and ``bench/`` use."""
+and bf16-mixed, match the formula that ``tune`` and ``bench/`` use; so does ZeRO-2's gradient peak during backward
+(its fp32 shard plus the staging buckets alive at once)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def _measure(precision: str) -> dict:
                 self.measured.update(vars(state_bytes(pl_module, [optimizer])))
                 params = {id(p): p for p in pl_module.model.parameters()}.values()
                 self.measured["psi"] = sum(p.shape.numel() if isinstance(p, DTensor) else p.numel() for p in params)
+                dopts = list(trainer.strategy._dist_optimizers.values())
+                if dopts:
+                    self.measured["staging_peak"] = 4 * max(d.reducer.peak_staging_numel for d in dopts)
+                    self.measured["bucket"] = max(b.padded for d in dopts for b in d.buckets)
 
     out = {}
     for stage in STAGES:
@@ -47,3 +52,7 @@ def test_measured_state_bytes_match_expected(launcher, precision):
             for key, value in want.items():
                 # Beyond the formula: Adam's 4-byte step per tensor (~20 tensors) and shard padding (a few rows).
                 assert abs(m[key] - value) <= 256 + 1e-3 * value, (precision, stage, key, m[key], value)
+            if stage == 2:
+                peak = expected_state_bytes(m["psi"], 2, 2, precision, when="backward_peak", bucket_numel=m["bucket"])
+                got = m["grads"] + m["staging_peak"]
+                assert m["staging_peak"] > 0 and abs(got - peak.grads) <= 256, (precision, got, peak.grads)
