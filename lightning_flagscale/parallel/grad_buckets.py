@@ -153,7 +153,8 @@ class GradBucket:
             main_param.grad = self.buffer
             return
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):  # DDP on the model itself
-            view = self.buffer[off : off + n].view(shape)
+            # The buffer is fp32; parameters without fp32 masters (e.g. bf16-true) take a gradient of their own dtype.
+            view = self.buffer[off : off + n].view(shape).to(p.dtype)
             p.grad = (
                 DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
                 if isinstance(p, DTensor)

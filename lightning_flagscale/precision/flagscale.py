@@ -46,6 +46,7 @@ __all__ = [
     "PrecisionLayout",
     "PrecisionName",
     "as_flagscale_precision",
+    "check_precision_layout",
 ]
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
@@ -295,6 +296,29 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
 
 def _to_bf16_if_floating(t: Tensor) -> Tensor:
     return t.to(torch.bfloat16) if torch.is_floating_point(t) else t
+
+
+def check_precision_layout(precision: str, parallel: Any) -> None:
+    """Refuse precision/layout combinations that are not implemented (called before any process group exists).
+
+    fp8 swaps ``nn.Linear`` for transformer-engine's after parallelisation: that is not written for TP's DTensor
+    weights, pipeline stage copies or FSDP2's sharded parameters yet, so those layouts are refused, not ignored.
+    """
+    if precision != "fp8":
+        return
+    unsupported = [
+        name for name, on in (
+            ("tensor_parallel_size > 1", parallel.tensor_parallel_size > 1),
+            ("pipeline_parallel_size > 1", parallel.pipeline_parallel_size > 1),
+            ("zero_stage=3", parallel.zero_stage == 3),
+            ("hetero_meshes", getattr(parallel, "hetero_meshes", None) is not None),
+        ) if on
+    ]  # fmt: skip
+    if unsupported:
+        raise ValueError(
+            f"precision='fp8' with {', '.join(unsupported)} is not supported yet (transformer-engine layers are"
+            " swapped in after parallelisation only for DP / ZeRO-1/2); use 'bf16-mixed' or a DP/ZeRO-1/2 layout."
+        )
 
 
 def _require_transformer_engine() -> None:

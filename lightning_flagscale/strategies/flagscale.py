@@ -49,7 +49,7 @@ from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_mes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
 from lightning_flagscale.parallel.schedules import ScheduleName
-from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision
+from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision, check_precision_layout
 from lightning_flagscale.strategies._checkpoint import (
     load_training_state,
     model_state,
@@ -225,6 +225,7 @@ class FlagScaleStrategy(ParallelStrategy):
         # Validate before any process group exists: a wrong layout fails in milliseconds, not after a rendezvous.
         self.parallel.resolve(self.world_size)
         _validate_model(self.parallel, self.lightning_module)
+        check_precision_layout(self.precision_plugin.precision, self.parallel)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

@@ -58,8 +58,9 @@ def reference_run(
     num_samples: int = NUM_SAMPLES,
     global_batch: int = GLOBAL_BATCH,
     ragged: bool = True,
+    skip_steps: tuple[int, ...] = (),
 ) -> tuple[list[float], dict]:
-    """Single-process fp32 training: the oracle every layout must match.
+    """Single-process fp32 training: the oracle every layout must match (``skip_steps``: batches seen, not stepped).
 
     Returns the per-step losses (the token mean of each global batch), the parameters after the last step and, under
     the key ``"__grad_norms__"`` of the parameter dict, the gradient norm of every step before clipping.
@@ -73,6 +74,8 @@ def reference_run(
     for step in range(steps):
         loss = module._loss(data.batch(global_batch_indices(len(data), global_batch, step)))
         losses.append(loss.item())
+        if step in skip_steps:
+            continue
         loss.backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item())
