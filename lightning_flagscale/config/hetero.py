@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups"]
+__all__ = ["MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups", "speed_aware_layers"]
 
 MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -130,16 +130,49 @@ def check_hetero_layout(
             raise ValueError(f"hetero_layers={layers} must hold positive integers.")
 
 
-def plan_stage_groups(meshes: list[HeteroMesh], layers: list[int] | None, num_layers: int) -> list[StageGroup]:
+def speed_aware_layers(
+    meshes: list[HeteroMesh], num_layers: int, device_speed: dict[str, float] | None = None
+) -> list[int]:
+    """Blocks per pipeline stage that equalise stage times, from each device type's relative speed.
+
+    A stage runs every sample of a micro-batch through its blocks on its ``tp x dp x cp`` ranks, so its time is
+    proportional to ``layers / (speed x ranks)``: blocks are split in proportion to ``speed x ranks`` (largest
+    shortfalls, at least one per stage). Without ``device_speed`` every device counts as equally fast.
+    """
+    weights = []
+    for i, mesh in enumerate(meshes):
+        speed = 1.0
+        if device_speed is not None:
+            if mesh.device_type not in device_speed:
+                raise ValueError(
+                    f"hetero_device_speed has no entry for hetero_meshes[{i}].device_type={mesh.device_type!r};"
+                    f" give one for each of {sorted({str(m.device_type) for m in meshes})}."
+                )
+            speed = float(device_speed[mesh.device_type])
+            if speed <= 0:
+                raise ValueError(f"hetero_device_speed[{mesh.device_type!r}]={speed} must be positive.")
+        stage_ranks = mesh.size // mesh.pipeline_parallel_size
+        weights += [speed * stage_ranks] * mesh.pipeline_parallel_size
+    if num_layers < len(weights):
+        raise ValueError(f"num_layers={num_layers} is fewer than the {len(weights)} heterogeneous pipeline stages.")
+    exact = [num_layers * w / sum(weights) for w in weights]
+    counts = [max(1, int(x)) for x in exact]
+    while sum(counts) < num_layers:  # largest shortfall first
+        counts[max(range(len(counts)), key=lambda i: exact[i] - counts[i])] += 1
+    while sum(counts) > num_layers:  # every stage keeps a block
+        counts[max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] - exact[i])] -= 1
+    return counts
+
+
+def plan_stage_groups(
+    meshes: list[HeteroMesh],
+    layers: list[int] | None,
+    num_layers: int,
+    device_speed: dict[str, float] | None = None,
+) -> list[StageGroup]:
     """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order."""
-    stages = sum(m.pipeline_parallel_size for m in meshes)
     if layers is None:
-        if num_layers % stages:
-            raise ValueError(
-                f"num_layers={num_layers} does not split evenly over {stages} heterogeneous stages; give"
-                " hetero_layers (layers per stage, e.g. more on faster meshes)."
-            )
-        layers = [num_layers // stages] * stages
+        layers = speed_aware_layers(meshes, num_layers, device_speed)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
     groups, rank, index = [], 0, 0

@@ -72,12 +72,17 @@ class ParallelConfig:
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
     pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
     hetero_layers: list[int] | None = None
-    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]``; ``None`` splits
-    evenly."""
+    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]``; ``None`` splits them
+    in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, default all equal)."""
+    hetero_device_speed: dict[str, float] | None = None
+    """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
+    ``hetero_layers`` is ``None``."""
 
     def __post_init__(self) -> None:
         if self.hetero_meshes is not None:
             self._check_hetero()
+        elif self.hetero_layers is not None or self.hetero_device_speed is not None:
+            raise ValueError("hetero_layers and hetero_device_speed need hetero_meshes.")
         for name in (
             "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
             "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
@@ -158,6 +163,8 @@ class ParallelConfig:
             )
         if self.hetero_dp_batch_sizes is not None:
             raise ValueError("hetero_dp_batch_sizes and hetero_meshes cannot be combined; give each mesh its own DP.")
+        if self.hetero_device_speed is not None and self.hetero_layers is not None:
+            raise ValueError("Give hetero_layers or hetero_device_speed, not both (the speeds only choose the split).")
         check_hetero_layout(
             meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel
         )
@@ -170,7 +177,9 @@ class ParallelConfig:
         """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group."""
         from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
 
-        groups = plan_stage_groups(parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers)
+        groups = plan_stage_groups(
+            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed
+        )
         samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
         configs = []
         for g in groups:

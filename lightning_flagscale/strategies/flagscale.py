@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -95,6 +95,7 @@ class FlagScaleStrategy(ParallelStrategy):
         hetero_dp_batch_sizes: list[int] | None = None,
         hetero_meshes: list[dict[str, Any]] | None = None,
         hetero_layers: list[int] | None = None,
+        hetero_device_speed: dict[str, float] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -124,6 +125,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 hetero_dp_batch_sizes=hetero_dp_batch_sizes,
                 hetero_meshes=hetero_meshes,
                 hetero_layers=hetero_layers,
+                hetero_device_speed=hetero_device_speed,
             )
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
@@ -251,7 +253,14 @@ class FlagScaleStrategy(ParallelStrategy):
         num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
         if num_layers is None:
             raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
-        groups = plan_stage_groups(parse_hetero_meshes(hp.hetero_meshes), hp.hetero_layers, num_layers)
+        groups = plan_stage_groups(
+            parse_hetero_meshes(hp.hetero_meshes), hp.hetero_layers, num_layers, hp.hetero_device_speed
+        )
+        rank_zero_info(
+            "Heterogeneous stages: "
+            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.first_rank}-"
+                        f"{g.first_rank + g.size - 1}): {g.num_layers} blocks" for g in groups)
+        )  # fmt: skip
         configs = hp.stage_group_configs(num_layers)
         self._meshes = build_group_meshes(groups, configs, self.root_device.type)
         self._hetero_groups = groups

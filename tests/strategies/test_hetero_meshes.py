@@ -157,3 +157,23 @@ def test_checkpoints_reshard_between_hetero_and_homogeneous_layouts(launcher, tm
             for name, value in params.items():
                 torch_assert = ref_params[name]
                 assert ((value - torch_assert).norm() / torch_assert.norm()) <= 1e-5, (tag, name)
+
+
+def test_speed_aware_split_equalises_stage_times():
+    from lightning_flagscale.config.hetero import speed_aware_layers
+
+    fast, slow = dict(tensor_parallel_size=2, device_type="fast"), dict(data_parallel_size=2, device_type="slow")
+    meshes = parse_hetero_meshes([fast, slow])
+    assert speed_aware_layers(meshes, 8) == [4, 4]  # equal ranks, equal speed
+    assert speed_aware_layers(meshes, 8, {"fast": 3.0, "slow": 1.0}) == [6, 2]  # time per stage: 6/6 = 2/2
+    assert speed_aware_layers(meshes, 4, {"fast": 100.0, "slow": 1.0}) == [3, 1]  # every stage keeps a block
+    uneven = parse_hetero_meshes([dict(tensor_parallel_size=2, data_parallel_size=2), dict(device_type="x")])
+    assert speed_aware_layers(uneven, 10) == [8, 2]  # 4 ranks vs 1 rank
+    with pytest.raises(ValueError, match="no entry for hetero_meshes"):
+        speed_aware_layers(meshes, 8, {"fast": 2.0})
+    config = ParallelConfig(
+        hetero_meshes=[fast, slow], hetero_device_speed={"fast": 3.0, "slow": 1.0}, micro_batch_size=2
+    )
+    assert [c.tensor_parallel_size for c in config.stage_group_configs(8)] == [2, 1]
+    with pytest.raises(ValueError, match="not both"):
+        ParallelConfig(hetero_meshes=[fast, slow], hetero_layers=[6, 2], hetero_device_speed={"fast": 1.0})

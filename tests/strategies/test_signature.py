@@ -55,14 +55,19 @@ def test_strategy_kwargs_are_the_config_fields_plus_the_listed_extras():
 HETERO_NON_DEFAULTS = dict(
     hetero_meshes=[dict(tensor_parallel_size=2), dict(data_parallel_size=2)], hetero_layers=[1, 1]
 )
+HETERO_SPEED = dict(
+    hetero_meshes=[dict(tensor_parallel_size=2, device_type="a"), dict(data_parallel_size=2, device_type="b")],
+    hetero_device_speed={"a": 2.0, "b": 1.0},
+)
 SINGLE_VALUED = {"expert_tensor_parallel_size"}
 
 
 def test_every_kwarg_reaches_the_config():
-    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | SINGLE_VALUED
+    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | SINGLE_VALUED
     assert covered == set(_fields()), "give every ParallelConfig field a non-default value here"
     for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS}.items():
         assert value != _default(_fields()[name]), name
     assert FlagScaleStrategy(**NON_DEFAULTS).parallel == ParallelConfig(**NON_DEFAULTS)
     assert FlagScaleStrategy(**HETERO_NON_DEFAULTS).parallel == ParallelConfig(**HETERO_NON_DEFAULTS)
+    assert FlagScaleStrategy(**HETERO_SPEED).parallel == ParallelConfig(**HETERO_SPEED)
     assert FlagScaleStrategy().parallel == ParallelConfig()
