@@ -154,3 +154,22 @@ def test_push_refused_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HFConversionError, match="HF_HUB_OFFLINE is set"):
         push_folder_to_hub(tmp_path, "org/x")
+
+
+def test_vlm_import_accepts_a_repo_id(offline_cache, tmp_path):
+    """The vision-language import resolves a Hub repo id (and a revision) from the cache like the text models."""
+    from lightning_flagscale.multimodal import VLMModule
+    from tests.convert.test_qwen2_5_vl import hf_logits as vl_hf_logits
+    from tests.convert.test_qwen2_5_vl import make_batch, make_hf_vl, our_logits
+
+    hf_model = make_hf_vl()
+    folder = tmp_path / "vl"
+    hf_model.save_pretrained(folder)
+    snapshot = _add_snapshot(offline_cache, "org/tiny-vl", folder, "d" * 40, ("main", "v2"))
+    module = VLMModule.from_hf("org/tiny-vl", revision="v2")
+    assert module.hf_dir == str(snapshot)
+    module.configure_model()
+    batch = make_batch()
+    valid = batch[1].bool()
+    got = our_logits(module.model.eval(), *batch)
+    torch.testing.assert_close(got[valid], vl_hf_logits(hf_model, *batch)[valid], rtol=0, atol=1e-5)
