@@ -57,7 +57,8 @@ from lightning_flagscale.strategies._checkpoint import (
     rng_state,
     set_rng_state,
 )
-from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
+from lightning_flagscale.strategies._data import distribute_loader
+from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -382,39 +383,13 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Data layouts our parallelism needs, then the step's token normaliser on training loaders.
-
-        Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch (training and evaluation
-        alike, so stage boundaries line up). Heterogeneous DP: ``hetero_dp_batch_sizes`` shares of each batch.
-        """
-        from torch.utils.data import DistributedSampler
-
-        sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler):
-            return dataloader
-        if self._hetero_groups is not None:
-            from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
-
-            first, dp = self._hetero_groups[0], self.meshes.size(MeshDim.DP)
-            batches = MicroBatchSliceSampler(
-                len(dataloader.dataset), dataloader.batch_size * first.data_parallel_size,
-                self.parallel.micro_batch_size * dp, dp, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed,
-                shuffle=sampler.shuffle,
-            )  # fmt: skip
-            dataloader = _with_batch_sampler(dataloader, batches)
-        elif not sampler.shuffle:
-            return dataloader  # evaluation loaders keep the even split and per-rank token means
-        elif (sizes := self.parallel.hetero_dp_batch_sizes) is not None:
-            from lightning_flagscale.parallel.hetero import HeteroBatchSampler
-
-            batches = HeteroBatchSampler(
-                len(dataloader.dataset), sizes, self.meshes.local_rank(MeshDim.DP), seed=sampler.seed
-            )
-            dataloader = _with_batch_sampler(dataloader, batches)
-        if not sampler.shuffle or not _uses_global_token_loss(self.lightning_module):
-            return dataloader
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        return TokenCountingLoader(dataloader, accumulate, self.meshes.group(MeshDim.DP))
+        """Data layouts our parallelism needs, then the step's token count on training loaders (``_data.py``)."""
+        module = self.lightning_module
+        return distribute_loader(
+            dataloader, training=module.trainer.training, parallel=self.parallel, meshes=self.meshes,
+            hetero_groups=self._hetero_groups, accumulate=module.trainer.accumulate_grad_batches,
+            count_tokens=_uses_global_token_loss(module),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ step
     @override
@@ -623,15 +598,6 @@ class FlagScaleStrategy(ParallelStrategy):
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
         meta.pop("parallel_config", None)
         return meta
-
-
-def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> Any:
-    from torch.utils.data import DataLoader
-
-    return DataLoader(
-        dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
-        num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
-    )  # fmt: skip
 
 
 def _uses_global_token_loss(module: nn.Module) -> bool:

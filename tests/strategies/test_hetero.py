@@ -60,3 +60,36 @@ def test_lightning_reseeds_the_batch_samplers_every_epoch():
         first = list(loader.batch_sampler)
         _set_sampler_epoch(loader, 1)
         assert batches.epoch == 1 and list(loader.batch_sampler) != first
+
+
+def _data_module_run(kwargs):
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScaleStrategy
+    from lightning_flagscale.data import LMDataModule
+    from tests.strategies._lm import make_module
+
+    seen: list[tuple[int, int | None]] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((batch["input_ids"].shape[0], batch.get("num_items_in_batch")))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=FlagScaleStrategy(**kwargs), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record()],
+    )  # fmt: skip
+    data = LMDataModule(seq_len=16, batch_size=2, num_train_samples=64, num_val_samples=8)
+    trainer.fit(make_module(tiny_config(vocab_size=512)), data)
+    return seen
+
+
+def test_data_module_loaders_get_shares_and_the_token_count(launcher):
+    """LMDataModule shuffles with its own sampler, which Lightning wraps with shuffle=False: the strategy still
+    treats it as the training loader (hetero shares applied, the step's token count attached)."""
+    results = launcher(2, _data_module_run, dict(zero_stage=1, hetero_dp_batch_sizes=[3, 1]))
+    assert [size for size, _ in results[0]] == [3, 3] and [size for size, _ in results[1]] == [1, 1]
+    for r0, r1 in zip(results[0], results[1]):
+        assert r0[1] is not None and r0[1] == r1[1]  # one global count per step, on every rank

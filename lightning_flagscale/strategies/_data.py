@@ -1,0 +1,67 @@
+"""The data layouts ``FlagScaleStrategy`` imposes on Lightning's (already distributed) dataloaders.
+
+* Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch, for training and evaluation
+  alike, so that pipeline stage boundaries line up (``parallel.hetero.MicroBatchSliceSampler``).
+* Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only).
+* Training loaders of modules that opt in (``global_token_loss``) then carry the step's token count
+  (``strategies/_tokens.py``).
+
+Which loader is the training one is read from the trainer's state (Lightning processes the training loader while
+``trainer.training`` is set), not from the sampler's ``shuffle`` flag: Lightning wraps custom samplers (e.g. the
+data module's own epoch-seeded shuffling) with ``shuffle=False``. Replacing the batch sampler keeps the dataset and
+collate function but not a custom ``DataLoader`` subclass (e.g. ``LMDataModule``'s resumable position).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
+from lightning_flagscale.strategies._tokens import TokenCountingLoader
+
+__all__ = ["distribute_loader"]
+
+
+def distribute_loader(
+    dataloader: Any,
+    *,
+    training: bool,
+    parallel: Any,
+    meshes: ParallelMeshes,
+    hetero_groups: list | None,
+    accumulate: int,
+    count_tokens: bool,
+) -> Any:
+    """The loader this rank iterates (see the module docstring)."""
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        return dataloader
+    seed = getattr(sampler, "seed", 0)
+    if hetero_groups is not None:
+        from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+
+        dp = meshes.size(MeshDim.DP)
+        batches = MicroBatchSliceSampler(
+            len(dataloader.dataset), dataloader.batch_size * hetero_groups[0].data_parallel_size,
+            parallel.micro_batch_size * dp, dp, meshes.local_rank(MeshDim.DP), seed=seed, shuffle=training,
+        )  # fmt: skip
+        dataloader = _with_batch_sampler(dataloader, batches)
+    elif training and parallel.hetero_dp_batch_sizes is not None:
+        from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+
+        batches = HeteroBatchSampler(
+            len(dataloader.dataset), parallel.hetero_dp_batch_sizes, meshes.local_rank(MeshDim.DP), seed=seed
+        )
+        dataloader = _with_batch_sampler(dataloader, batches)
+    if not training or not count_tokens:
+        return dataloader
+    return TokenCountingLoader(dataloader, accumulate, meshes.group(MeshDim.DP))
+
+
+def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> DataLoader:
+    return DataLoader(
+        dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+    )  # fmt: skip
