@@ -42,7 +42,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-__all__ = ["ParallelizableModel", "find_protocol_model", "missing_protocol_parts"]
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+
+__all__ = ["ParallelizableModel", "find_protocol_model", "missing_protocol_parts", "validate_layout"]
 
 
 @runtime_checkable
@@ -76,3 +78,23 @@ def missing_protocol_parts(model: nn.Module | None, *, tp: bool, pp: bool, cp: b
     if ep and not any(hasattr(m, "experts") and hasattr(m, "num_experts") for m in model.modules()):
         missing.append("MoE layers (num_experts > 0) for expert parallelism")
     return missing
+
+
+def validate_layout(parallel: ParallelConfig, module: nn.Module) -> None:
+    """Check the layout against the model before any process group exists (sizes, then protocol parts)."""
+    config = getattr(module, "config", None)
+    if isinstance(config, TransformerConfig):
+        parallel.validate_model(config)
+    p = parallel
+    if not (p.tp_enabled or p.pp_enabled or p.cp_enabled or p.ep_enabled):
+        return
+    model = find_protocol_model(module)
+    if model is None and getattr(module, "model", None) is None and hasattr(module, "configure_model"):
+        # `configure_model` builds the model later; its protocol parts are checked when the plan is applied.
+        return
+    missing = missing_protocol_parts(model, tp=p.tp_enabled, pp=p.pp_enabled, cp=p.cp_enabled, ep=p.ep_enabled)
+    if missing:
+        raise ValueError(
+            f"{type(module).__name__} cannot run this layout: its model lacks {'; '.join(missing)} (see"
+            " lightning_flagscale/models/protocol.py). Add them or set those parallel sizes to 1."
+        )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ __all__ = [
     "found_inf",
     "local_tensor",
     "num_shards",
+    "reduction_groups",
 ]
 
 
@@ -268,6 +270,21 @@ class DistributedOptimizer:
             flat = bucket.flatten([local_tensor(masters[self.names[p]]) for p in bucket.params], torch.float32)
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """The process groups DDP / ZeRO-1/2 reduce over and what each divides by (the gradient is a mean over them).
+
+    Dense gradients: the data x context ranks. Expert gradients (MoE): the expert-data-parallel ranks, divided by
+    every dp x cp x tp token shard, because an expert's owner already holds the sum over its EP group and MoE blocks
+    run on the whole sequence on every TP rank (with or without SP), so each token counts once per TP rank.
+    """
+    groups = {"dp_cp": meshes.group("dp_cp")}
+    divisors = {"dp_cp": parallel.dp * parallel.context_parallel_size}
+    if meshes.expert is not None:
+        groups["edp"] = meshes.group("edp")
+        divisors["edp"] = parallel.dp * parallel.context_parallel_size * parallel.tensor_parallel_size
+    return groups, divisors
 
 
 def apply_fsdp(

@@ -27,6 +27,7 @@ transfers that reslice activations (and, backwards, their gradients) between the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ __all__ = [
     "Transfer",
     "boundary_transfers",
     "build_group_meshes",
+    "build_hetero_layout",
     "build_hetero_pipelined_model",
     "gradient_transfers",
     "group_of_rank",
@@ -359,3 +361,23 @@ def build_hetero_pipelined_model(
     pipelined = PipelinedModel(runner, model)
     holder.append(pipelined)
     return pipelined
+
+
+def build_hetero_layout(
+    parallel: Any, num_layers: int, device_type: str
+) -> tuple[list[StageGroup], ParallelMeshes, Any]:
+    """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
+    return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
+    from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
+
+    meshes = parse_hetero_meshes(parallel.hetero_meshes)
+    groups = plan_stage_groups(meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed)
+    if dist.get_rank() == 0:
+        logging.getLogger(__name__).info(
+            "Heterogeneous stages: "
+            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.first_rank}-"
+                        f"{g.first_rank + g.size - 1}): {g.num_layers} blocks" for g in groups)
+        )  # fmt: skip
+    configs = parallel.stage_group_configs(num_layers)
+    mine = build_group_meshes(groups, configs, device_type)
+    return groups, mine, configs[group_of_rank(groups, dist.get_rank()).index]

@@ -22,8 +22,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 
-__all__ = ["NUM_ITEMS_KEY", "TokenCountingLoader", "count_label_tokens"]
+__all__ = [
+    "NUM_ITEMS_KEY",
+    "TokenCountingLoader",
+    "batch_size_of",
+    "count_label_tokens",
+    "scale_loss",
+    "uses_global_token_loss",
+]
 
 NUM_ITEMS_KEY = "num_items_in_batch"
 
@@ -76,3 +84,24 @@ class TokenCountingLoader:
                 yield {**batch, NUM_ITEMS_KEY: int(total)} if isinstance(batch, Mapping) else batch
             if len(window) < self.accumulate:
                 return
+
+
+def uses_global_token_loss(module: nn.Module) -> bool:
+    """Whether ``module`` divides its token-loss sum by ``batch["num_items_in_batch"]`` (the model protocol)."""
+    return bool(getattr(module, "global_token_loss", False))
+
+
+def batch_size_of(args: tuple) -> int:
+    batch = args[0] if args else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor):
+        raise TypeError("Under pipeline parallelism training batches must be dicts with `labels` (HF key names).")
+    return labels.shape[0]
+
+
+def scale_loss(output: Any, factor: float) -> Any:
+    if isinstance(output, Tensor):
+        return output * factor
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return {**output, "loss": output["loss"] * factor}
+    return output

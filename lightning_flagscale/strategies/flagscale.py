@@ -35,15 +35,15 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_sharded
-from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.models.protocol import find_protocol_model, missing_protocol_parts
-from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
+from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, reduction_groups
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
@@ -58,7 +58,7 @@ from lightning_flagscale.strategies._checkpoint import (
     set_rng_state,
 )
 from lightning_flagscale.strategies._data import distribute_loader
-from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY
+from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, batch_size_of, scale_loss, uses_global_token_loss
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -227,7 +227,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._set_world_ranks()
         # Validate before any process group exists: a wrong layout fails in milliseconds, not after a rendezvous.
         self.parallel.resolve(self.world_size)
-        _validate_model(self.parallel, self.lightning_module)
+        validate_layout(self.parallel, self.lightning_module)
         check_precision_layout(self.precision_plugin.precision, self.parallel)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -246,26 +246,15 @@ class FlagScaleStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._meshes.world
 
     def _build_hetero_meshes(self) -> None:
-        """Every stage group's meshes; this rank keeps its group's and its group's layout as ``parallel``."""
-        from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
-        from lightning_flagscale.parallel.hetero_mesh import build_group_meshes, group_of_rank
+        """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
+        from lightning_flagscale.parallel.hetero_mesh import build_hetero_layout
 
-        hp = self.hetero_parallel
         num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
         if num_layers is None:
             raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
-        groups = plan_stage_groups(
-            parse_hetero_meshes(hp.hetero_meshes), hp.hetero_layers, num_layers, hp.hetero_device_speed
+        self._hetero_groups, self._meshes, self.parallel = build_hetero_layout(
+            self.hetero_parallel, num_layers, self.root_device.type
         )
-        rank_zero_info(
-            "Heterogeneous stages: "
-            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.first_rank}-"
-                        f"{g.first_rank + g.size - 1}): {g.num_layers} blocks" for g in groups)
-        )  # fmt: skip
-        configs = hp.stage_group_configs(num_layers)
-        self._meshes = build_group_meshes(groups, configs, self.root_device.type)
-        self._hetero_groups = groups
-        self.parallel = configs[group_of_rank(groups, self.global_rank).index]
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -345,14 +334,7 @@ class FlagScaleStrategy(ParallelStrategy):
                 opt.zero_grad = deferred_zero_grad
         if self.parallel.zero_stage == 3:
             return
-        p = self.parallel
-        groups = {"dp_cp": self.meshes.group(MeshDim.DP_CP)}
-        divisors = {"dp_cp": p.dp * p.context_parallel_size}
-        if self.meshes.expert is not None:
-            groups["edp"] = self.meshes.group(MeshDim.EDP)
-            # An expert's owner already holds the sum over its EP group; MoE blocks run on the whole sequence on
-            # every TP rank (with or without SP), so each token counts once per TP rank in that sum.
-            divisors["edp"] = p.dp * p.context_parallel_size * p.tensor_parallel_size
+        groups, divisors = reduction_groups(self.meshes, self.parallel)
         for opt in self.optimizers:
             self._dist_optimizers[id(opt)] = DistributedOptimizer(
                 opt,
@@ -388,7 +370,7 @@ class FlagScaleStrategy(ParallelStrategy):
         return distribute_loader(
             dataloader, training=module.trainer.training, parallel=self.parallel, meshes=self.meshes,
             hetero_groups=self._hetero_groups, accumulate=module.trainer.accumulate_grad_batches,
-            count_tokens=_uses_global_token_loss(module),
+            count_tokens=uses_global_token_loss(module),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ step
@@ -400,7 +382,7 @@ class FlagScaleStrategy(ParallelStrategy):
         loss_scale = scaler.scale if scaler is not None else 1.0
         # Aux-loss gradients are attached inside the layers: a mean over accumulation steps and, under PP, over the
         # schedule's micro-batches (their gradients are summed, not averaged), times the loss scale.
-        micro = self._pipeline.runner.count_microbatches(_batch_size(args)) if self._pipeline is not None else 1
+        micro = self._pipeline.runner.count_microbatches(batch_size_of(args)) if self._pipeline is not None else 1
         for layer in self._moe_layers:
             layer.aux_loss_scale = loss_scale / (accumulate * micro)
         # The module's loss is this rank's share of the step's token mean (see _tokens.py): the gradient reduction
@@ -420,7 +402,7 @@ class FlagScaleStrategy(ParallelStrategy):
             # never reaches it, so only the data x context factor (or, for a per-micro-batch mean, 1 / A) applies.
             self._pipeline.grad_scale = loss_scale * (token_factor / accumulate if normalised else 1 / accumulate)
         output = super().training_step(*args, **kwargs)
-        return _scale_loss(output, token_factor) if token_factor != 1 else output
+        return scale_loss(output, token_factor) if token_factor != 1 else output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -598,44 +580,3 @@ class FlagScaleStrategy(ParallelStrategy):
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
         meta.pop("parallel_config", None)
         return meta
-
-
-def _uses_global_token_loss(module: nn.Module) -> bool:
-    """Whether ``module`` divides its token-loss sum by ``batch["num_items_in_batch"]`` (the model protocol)."""
-    return bool(getattr(module, "global_token_loss", False))
-
-
-def _batch_size(args: tuple) -> int:
-    batch = args[0] if args else None
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if not isinstance(labels, Tensor):
-        raise TypeError("Under pipeline parallelism training batches must be dicts with `labels` (HF key names).")
-    return labels.shape[0]
-
-
-def _scale_loss(output: Any, factor: float) -> Any:
-    if isinstance(output, Tensor):
-        return output * factor
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return {**output, "loss": output["loss"] * factor}
-    return output
-
-
-def _validate_model(parallel: ParallelConfig, module: nn.Module) -> None:
-    """Check the layout against the model before any process group exists (sizes, then protocol parts)."""
-    config = getattr(module, "config", None)
-    if isinstance(config, TransformerConfig):
-        parallel.validate_model(config)
-    p = parallel
-    if not (p.tp_enabled or p.pp_enabled or p.cp_enabled or p.ep_enabled):
-        return
-    model = find_protocol_model(module)
-    if model is None and getattr(module, "model", None) is None and hasattr(module, "configure_model"):
-        # `configure_model` builds the model later; its protocol parts are checked when the plan is applied.
-        return
-    missing = missing_protocol_parts(model, tp=p.tp_enabled, pp=p.pp_enabled, cp=p.cp_enabled, ep=p.ep_enabled)
-    if missing:
-        raise ValueError(
-            f"{type(module).__name__} cannot run this layout: its model lacks {'; '.join(missing)} (see"
-            " lightning_flagscale/models/protocol.py). Add them or set those parallel sizes to 1."
-        )
