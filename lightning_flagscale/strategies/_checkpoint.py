@@ -15,6 +15,10 @@ from lightning_flagscale.parallel.data import DistributedOptimizer
 
 __all__ = [
     "load_training_state",
+    "moe_router_state",
+    "optimizer_hparams",
+    "restore_moe_router_state",
+    "restore_optimizer_hparams",
     "model_state",
     "optimizer_state",
     "optimizer_template",
@@ -36,6 +40,57 @@ def optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> di
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:
+    """Every param group's hyperparameters (lr, betas, weight decay, ``initial_lr``...), without the parameters.
+
+    They are the same on every rank and under any layout (the distributed optimizers rewrite only ``params``), so
+    rank 0's copy in ``meta.pt`` restores them anywhere; without it the first resumed step would run at the LR the
+    scheduler set when it was built (the warmup LR of step 0), as LR schedulers restore only their own counters.
+    """
+    return [[_hparams(group) for group in opt.param_groups] for opt in optimizers]
+
+
+def _hparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+
+
+def restore_optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer], saved: list[list[dict[str, Any]]]) -> None:
+    """Set each param group's hyperparameters from ``optimizer_hparams`` of the checkpoint."""
+    if len(saved) != len(optimizers):
+        raise ValueError(
+            f"The checkpoint holds {len(saved)} optimizer(s) but `configure_optimizers` returned {len(optimizers)};"
+            " resume with the same optimizers."
+        )
+    for index, (opt, groups) in enumerate(zip(optimizers, saved)):
+        if len(groups) != len(opt.param_groups):
+            raise ValueError(
+                f"Optimizer {index} has {len(opt.param_groups)} param groups but the checkpoint has {len(groups)};"
+                " resume with the same `configure_optimizers`."
+            )
+        for group, hparams in zip(opt.param_groups, groups):
+            for key, value in hparams.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                    current.copy_(value)  # tensor LRs (capturable optimizers) are updated in place
+                else:
+                    group[key] = value
+
+
+def moe_router_state(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Router state outside the state dict: each MoE layer's replicated hot experts (the biases are buffers)."""
+    from lightning_flagscale.moe.balance import moe_layers
+
+    return {name: list(layer.replicated_experts) for name, layer in moe_layers(model)}
+
+
+def restore_moe_router_state(model: torch.nn.Module, state: dict[str, list[int]]) -> None:
+    from lightning_flagscale.moe.balance import moe_layers
+
+    for name, layer in moe_layers(model):
+        if name in state:
+            layer.replicated_experts = tuple(state[name])
 
 
 def rng_state() -> dict[str, Any]:

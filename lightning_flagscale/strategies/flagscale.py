@@ -52,7 +52,11 @@ from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flags
 from lightning_flagscale.strategies._checkpoint import (
     load_training_state,
     model_state,
+    moe_router_state,
+    optimizer_hparams,
     optimizer_state,
+    restore_moe_router_state,
+    restore_optimizer_hparams,
     rng_state,
     set_rng_state,
 )
@@ -512,10 +516,11 @@ class FlagScaleStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        rng = rng_state()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, rng)
-        checkpoint["rng_states_per_rank"] = gathered
+        dist.all_gather_object(gathered, (rng_state(), moe_router_state(self.lightning_module)))
+        checkpoint["rng_states_per_rank"] = [rng for rng, _ in gathered]
+        checkpoint["moe_router_state"] = {k: v for _, routers in gathered for k, v in routers.items()}
+        checkpoint["optimizer_param_groups"] = optimizer_hparams(self.optimizers)
         checkpoint["parallel_config"] = vars(self.parallel).copy()
         self.wait_for_checkpoint()  # one save in flight at a time
         self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
@@ -549,6 +554,10 @@ class FlagScaleStrategy(ParallelStrategy):
             set_rng_state(rngs[self.global_rank])
         elif rngs is not None:
             rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
+        hparams = meta.pop("optimizer_param_groups", None)
+        if hparams is not None and self.optimizers:
+            restore_optimizer_hparams(self.optimizers, hparams)
+        restore_moe_router_state(self.lightning_module, meta.pop("moe_router_state", {}))
         meta.pop("parallel_config", None)
         return meta
 
