@@ -15,13 +15,13 @@ from lightning_flagscale.parallel.data import DistributedOptimizer
 
 __all__ = [
     "load_training_state",
+    "model_state",
     "moe_router_state",
     "optimizer_hparams",
-    "restore_moe_router_state",
-    "restore_optimizer_hparams",
-    "model_state",
     "optimizer_state",
     "optimizer_template",
+    "restore_moe_router_state",
+    "restore_optimizer_hparams",
     "rng_state",
     "set_rng_state",
 ]
