@@ -40,7 +40,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_sharded
+from lightning_flagscale.checkpoint.recovery import clean_interrupted
+from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, remove_checkpoint_path, save_sharded
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.protocol import find_protocol_model, missing_protocol_parts
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_
@@ -533,19 +534,22 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath) -> None:
-        import shutil
-
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        # Retention (save_top_k, last) asks right after `save_checkpoint` returns: with an asynchronous save still
+        # in flight the old checkpoint is deleted only once the new one is complete (never if it fails).
+        if not self.is_global_zero:
+            return
+        if self._pending_save is not None:
+            self._pending_save.remove_after(filepath)
+        else:
+            remove_checkpoint_path(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
+        self.barrier()
         meta = read_meta(path)
         strict = getattr(self.lightning_module, "strict_loading", True)
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
