@@ -11,6 +11,7 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,7 +33,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -61,6 +61,7 @@ from lightning_flagscale.strategies._checkpoint import (
     rng_state,
     set_rng_state,
 )
+from lightning_flagscale.strategies._resilience import FlagScaleLauncher
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 
 __all__ = ["FlagScaleStrategy"]
@@ -101,8 +102,11 @@ class FlagScaleStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = 1 << 24,
         async_checkpoint: bool = False,
+        resume: Literal["auto"] | None = None,
     ) -> None:
         super().__init__()
+        if resume not in (None, "auto"):
+            raise ValueError(f"resume={resume!r} is unknown; use 'auto' (newest complete checkpoint) or None.")
         if parallel is None:
             parallel = ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
@@ -129,6 +133,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
         self._async_checkpoint = async_checkpoint
+        self._resume = resume
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
@@ -208,9 +213,28 @@ class FlagScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ environment
     @override
     def _configure_launcher(self) -> None:
+        # Also with externally created processes (torchrun, SLURM): the launcher validates and picks the checkpoint
+        # of resume="auto" before `fit` starts, and spawns workers only when Lightning has to.
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = FlagScaleLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, validate=self._validate_before_launch,
+            resume=self._resume, spawn=not self.cluster_environment.creates_processes_externally,
+        )  # fmt: skip
+
+    def _validate_before_launch(self, datamodule: Any) -> None:
+        """Every check that needs only the config, the world size, the model's and the data's config: run in the
+        launching process, before any worker or process group exists (``setup_environment`` repeats the first two
+        for launchers that bypass this one)."""
+        parallel = copy.deepcopy(self.parallel).resolve(self.num_nodes * self.num_processes)
+        _validate_model(parallel, self.lightning_module)
+        seq_len = getattr(datamodule, "seq_len", None)
+        if parallel.cp_enabled and isinstance(seq_len, int) and seq_len % (2 * parallel.context_parallel_size):
+            cp = parallel.context_parallel_size
+            raise ValueError(
+                f"{type(datamodule).__name__}(seq_len={seq_len}) is not divisible by 2 x context_parallel_size ="
+                f" {2 * cp} (context parallelism cuts each sequence into 2 x cp chunks); use a seq_len that is a"
+                f" multiple of {2 * cp}."
+            )
 
     @override
     def setup_environment(self) -> None:

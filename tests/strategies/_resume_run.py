@@ -10,6 +10,9 @@ on ``devices`` CPU processes started by Lightning's own launcher, writing a shar
 - ``layout``: ``FlagScaleStrategy`` keyword arguments; ``devices``; ``max_steps``; ``every_n_steps``.
 - ``kill_at``: every rank SIGKILLs itself right after this optimizer step (before any later checkpoint).
 - ``ckpt_path``: resume from it (a path, ``"last"``) or ``None``; ``resume``: ``FlagScaleStrategy(resume=...)``.
+- ``async``: ``async_checkpoint=True``; ``save_last`` (default True), ``save_top_k`` (default 1): ``ModelCheckpoint``.
+- ``kill_event``: ``[event, text]``: SIGKILL (1 s later) at that step of the save whose path contains ``text``
+  (see ``checkpoint.sharded._save_event``).
 - ``accumulate``: ``Trainer(accumulate_grad_batches=...)``; ``batch_size``: per data-parallel rank (default 2).
 """
 
@@ -56,9 +59,22 @@ def _callbacks(spec: dict[str, Any], out: Path) -> list:
 
     checkpoint = ModelCheckpoint(
         dirpath=out / "ckpt", every_n_train_steps=spec["every_n_steps"], save_top_k=spec.get("save_top_k", 1),
-        monitor="step", mode="max", save_last=True,
+        monitor="step", mode="max", save_last=spec.get("save_last", True),
     )  # fmt: skip
     return [RecordAndKill(), checkpoint]
+
+
+def _inject_save_kill(event: str, text: str) -> None:
+    import time
+
+    from lightning_flagscale.checkpoint import sharded
+
+    def kill(name: str, path: Path) -> None:
+        if name == event and text in path.name:
+            time.sleep(1.0)  # let the training thread go on (and retention ask to delete the older checkpoint)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sharded._save_event = kill
 
 
 def main(spec: dict[str, Any]) -> None:
@@ -77,7 +93,9 @@ def main(spec: dict[str, Any]) -> None:
     data = LMDataModule(
         seq_len=SEQ_LEN, batch_size=spec.get("batch_size", BATCH), num_train_samples=SAMPLES, num_val_samples=8
     )
-    strategy = FlagScaleStrategy(**spec["layout"])
+    if spec.get("kill_event"):
+        _inject_save_kill(*spec["kill_event"])
+    strategy = FlagScaleStrategy(**spec["layout"], async_checkpoint=spec.get("async", False), resume=spec.get("resume"))
     trainer = L.Trainer(
         accelerator="cpu", devices=spec.get("devices", 2), strategy=strategy, plugins=[FlagScalePrecision("32-true")],
         max_steps=spec["max_steps"], logger=False, enable_progress_bar=False, enable_model_summary=False,
