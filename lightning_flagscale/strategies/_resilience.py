@@ -4,21 +4,28 @@
   any worker exists: the layout checks (one error, once, instead of one traceback per spawned rank) and the
   choice of the checkpoint to resume from when ``resume="auto"``.
 - :func:`auto_resume_path`: the newest complete checkpoint in the folders of the ``ModelCheckpoint`` callbacks.
+- :class:`StepGuard`: the per-step decision on non-finite losses/gradients (``nan_policy``) and loss spikes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
+from lightning_flagscale.parallel.data import local_tensor
 
-__all__ = ["FlagScaleLauncher", "auto_resume_path", "fit_arguments"]
+__all__ = ["FlagScaleLauncher", "NanPolicy", "StepGuard", "StepVerdict", "auto_resume_path", "fit_arguments"]
 
 # `Trainer.fit` hands `_fit_impl(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)`
 # to the launcher; these are the positions read here.
@@ -89,3 +96,84 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
         finally:
             if chosen is not None:
                 trainer.ckpt_path = None  # a later `validate`/`test` must not reload it
+
+
+NanPolicy = Literal["raise", "skip_step", "rollback"]
+
+
+@dataclass(kw_only=True)
+class StepVerdict:
+    """What every rank does with this optimizer step (the same on every rank: decided from gathered flags)."""
+
+    action: Literal["step", "skip", "rollback"]
+    loss: float
+    """The step's global loss (mean over ranks of each rank's share, as ``log(sync_dist=True)``)."""
+    message: str = ""
+
+
+class StepGuard:
+    """Non-finite loss/gradient policy and FlagScale's ``auto_skip_spiky_loss``, decided once per optimizer step.
+
+    One ``all_gather`` of ``[loss share, non-finite loss, non-finite gradient]`` per rank lets every rank take the same
+    decision and name the ranks that saw the NaN/Inf. A spike is a global loss above ``(1 + spike_threshold)`` times
+    the mean of the last ``spike_window`` stepped losses (FlagScale skips such iterations to ride out data spikes).
+    """
+
+    def __init__(self, nan_policy: NanPolicy, spike_threshold: float | None, spike_window: int = 10) -> None:
+        if nan_policy not in ("raise", "skip_step", "rollback"):
+            raise ValueError(f"nan_policy={nan_policy!r} is unknown; use 'raise', 'skip_step' or 'rollback'.")
+        if spike_threshold is not None and spike_threshold <= 0:
+            raise ValueError(f"skip_spiky_loss={spike_threshold} must be > 0 (a relative rise, e.g. 0.2) or None.")
+        self.nan_policy = nan_policy
+        self.spike_threshold = spike_threshold
+        self.history: deque[float] = deque(maxlen=spike_window)
+        self.window_loss: Tensor | None = None
+        self.skipped_steps = 0
+
+    def observe(self, loss: Any) -> None:
+        """Add a micro-batch's loss (as the strategy's ``training_step`` returns it) to the step's window."""
+        value = loss.get("loss") if isinstance(loss, Mapping) else loss
+        if isinstance(value, Tensor):
+            value = value.detach().float().reshape(())
+            self.window_loss = value if self.window_loss is None else self.window_loss + value
+
+    @torch.no_grad()
+    def decide(self, params: Iterable[Tensor], step: int, accumulate: int, device: torch.device) -> StepVerdict:
+        loss = self.window_loss if self.window_loss is not None else torch.zeros((), device=device)
+        self.window_loss = None
+        loss = loss.to(device) / accumulate
+        bad_grad = any(p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()) for p in params)
+        mine = torch.stack([loss, (~torch.isfinite(loss)).float(), torch.tensor(float(bad_grad), device=device)])
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+        global_loss = float(table[:, 0].mean())
+        bad_loss_ranks = [r for r in range(len(rows)) if table[r, 1] > 0]
+        bad_grad_ranks = [r for r in range(len(rows)) if table[r, 2] > 0]
+        if bad_loss_ranks or bad_grad_ranks:
+            what = "; ".join(
+                f"non-finite {kind} on rank(s) {ranks}"
+                for kind, ranks in (("loss", bad_loss_ranks), ("gradients", bad_grad_ranks))
+                if ranks
+            )
+            message = f"Step {step}: {what} (global loss {global_loss})."
+            if self.nan_policy == "raise":
+                raise FloatingPointError(
+                    f"{message} Training stopped (FlagScaleStrategy(nan_policy='raise')); lower the learning rate,"
+                    " check the data, or choose nan_policy='skip_step' / 'rollback'."
+                )
+            self.skipped_steps += 1
+            action = "skip" if self.nan_policy == "skip_step" else "rollback"
+            return StepVerdict(action=action, loss=global_loss, message=message)
+        if self.spike_threshold is not None and len(self.history) == self.history.maxlen:
+            mean = sum(self.history) / len(self.history)
+            if global_loss > (1.0 + self.spike_threshold) * mean:
+                self.skipped_steps += 1
+                message = (
+                    f"Step {step}: loss {global_loss:.4f} is a spike (> (1 + {self.spike_threshold}) x {mean:.4f},"
+                    f" the mean of the last {len(self.history)} steps); step skipped (skip_spiky_loss)."
+                )
+                return StepVerdict(action="skip", loss=global_loss, message=message)
+        self.history.append(global_loss)
+        return StepVerdict(action="step", loss=global_loss)

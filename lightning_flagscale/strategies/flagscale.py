@@ -61,7 +61,7 @@ from lightning_flagscale.strategies._checkpoint import (
     rng_state,
     set_rng_state,
 )
-from lightning_flagscale.strategies._resilience import FlagScaleLauncher
+from lightning_flagscale.strategies._resilience import FlagScaleLauncher, NanPolicy, StepGuard, auto_resume_path
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 
 __all__ = ["FlagScaleStrategy"]
@@ -103,6 +103,8 @@ class FlagScaleStrategy(ParallelStrategy):
         grad_bucket_numel: int = 1 << 24,
         async_checkpoint: bool = False,
         resume: Literal["auto"] | None = None,
+        nan_policy: NanPolicy = "raise",
+        skip_spiky_loss: float | None = None,
     ) -> None:
         super().__init__()
         if resume not in (None, "auto"):
@@ -134,6 +136,8 @@ class FlagScaleStrategy(ParallelStrategy):
         self._grad_bucket_numel = grad_bucket_numel
         self._async_checkpoint = async_checkpoint
         self._resume = resume
+        self._guard = StepGuard(nan_policy, skip_spiky_loss)
+        self._last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (rollback target)
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
@@ -411,7 +415,9 @@ class FlagScaleStrategy(ParallelStrategy):
             # never reaches it, so only the data x context factor (or, for a per-micro-batch mean, 1 / A) applies.
             self._pipeline.grad_scale = loss_scale * (token_factor / accumulate if normalised else 1 / accumulate)
         output = super().training_step(*args, **kwargs)
-        return _scale_loss(output, token_factor) if token_factor != 1 else output
+        output = _scale_loss(output, token_factor) if token_factor != 1 else output
+        self._guard.observe(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -473,14 +479,43 @@ class FlagScaleStrategy(ParallelStrategy):
         if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
             dopt.reduce_grads()
         params = [q for g in opt.param_groups for q in g["params"]]
-        skip = precision.unscale_and_check(params)
-        precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
-        if not skip:
-            opt.step(**kwargs)
+        if self._apply_step_guard(params):
+            skip = precision.unscale_and_check(params)
+            precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
+            if not skip:
+                opt.step(**kwargs)
+            elif precision.scaler is not None:
+                rank_zero_warn(
+                    f"Step {self.lightning_module.trainer.global_step}: gradient overflow under {precision.precision};"
+                    f" step skipped, loss scale lowered to {precision.scaler.scale:g}"
+                    f" ({precision.scaler.skipped_steps} skipped so far)."
+                )
         if dopt is not None:
             dopt.sync_params()
         self._pp_zero_grad_pending = True
         return closure_result
+
+    def _apply_step_guard(self, params: list[Tensor]) -> bool:
+        """``nan_policy`` / ``skip_spiky_loss``: True to step; else the gradients are dropped (and, for "rollback",
+        weights and optimizer states reloaded from the newest complete checkpoint). Same answer on every rank."""
+        trainer = self.lightning_module.trainer
+        # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
+        checked = params if self.precision_plugin.scaler is None else []
+        verdict = self._guard.decide(checked, trainer.global_step, trainer.accumulate_grad_batches, self.root_device)
+        if verdict.action == "step":
+            return True
+        for param in params:
+            param.grad = None
+        if verdict.action == "rollback":
+            self.wait_for_checkpoint()
+            path = self._last_checkpoint or (auto_resume_path(trainer) if trainer.checkpoint_callback else None)
+            if path is None:
+                raise FloatingPointError(f"{verdict.message} nan_policy='rollback' found no complete checkpoint.")
+            rank_zero_warn(f"{verdict.message} Rolling weights and optimizer states back to {path}.")
+            load_training_state(Path(path), self.model, self.optimizers, self._dist_opt, strict=True)
+        else:
+            rank_zero_warn(f"{verdict.message} Step skipped ({self._guard.skipped_steps} so far).")
+        return False
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -549,12 +584,14 @@ class FlagScaleStrategy(ParallelStrategy):
         checkpoint["parallel_config"] = vars(self.parallel).copy()
         self.wait_for_checkpoint()  # one save in flight at a time
         self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
+        if self._pending_save is None:
+            self._last_checkpoint = path
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous checkpoint in flight is complete (renamed into place)."""
         if self._pending_save is not None:
             pending, self._pending_save = self._pending_save, None
-            pending.wait()
+            self._last_checkpoint = pending.wait()
 
     @override
     def remove_checkpoint(self, filepath) -> None:
