@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
     "COMPLETE_MARKER",
     "META_FILE",
     "PendingSave",
+    "check_shard_files",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded",
@@ -196,7 +198,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not a complete FlagScale checkpoint (missing {COMPLETE_MARKER!r} or DCP '.metadata'):"
             " it may be a checkpoint whose writing was interrupted. Use an earlier checkpoint."
         )
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise RuntimeError(f"Checkpoint file {path / META_FILE} is corrupt or truncated ({err}).") from err
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -204,7 +209,41 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
     path = Path(path)
     if not is_sharded_checkpoint(path):
         read_meta(path)  # raises the descriptive error
-    dcp.load(state, checkpoint_id=path)
+    check_shard_files(path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as err:  # CheckpointException derives from BaseException
+        # DCP reports e.g. "PytorchStreamReader failed reading zip archive" without the file: name the shards.
+        files = sorted(p.name for p in path.glob("*.distcp"))
+        raise RuntimeError(
+            f"Reading checkpoint {path} failed: {err}. One of its shard files may be corrupt: {files}."
+            " Resume from an earlier checkpoint."
+        ) from err
+
+
+def check_shard_files(path: str | os.PathLike) -> None:
+    """Raise naming every shard file of checkpoint ``path`` that is missing or shorter than its DCP metadata says."""
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise RuntimeError(
+            f"Checkpoint {path}: its DCP metadata file {path / '.metadata'} is unreadable ({err})."
+        ) from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    bad = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        actual = file.stat().st_size if file.exists() else None
+        if actual is None or actual < size:
+            bad.append(f"{file} ({'missing' if actual is None else f'{actual} bytes, expected >= {size}'})")
+    if bad:
+        raise RuntimeError(
+            f"Checkpoint {path} has truncated or missing shard files: {'; '.join(bad)}. Resume from an earlier"
+            " checkpoint (e.g. FlagScaleStrategy(resume='auto') after removing this one)."
+        )
 
 
 def checkpoint_keys(path: str | os.PathLike) -> dict[str, Any]:
