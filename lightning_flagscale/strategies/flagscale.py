@@ -12,6 +12,8 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 from __future__ import annotations
 
 import copy
+import sys
+import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -63,6 +65,7 @@ from lightning_flagscale.strategies._checkpoint import (
 )
 from lightning_flagscale.strategies._resilience import FlagScaleLauncher, NanPolicy, StepGuard, auto_resume_path
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
+from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -105,6 +108,7 @@ class FlagScaleStrategy(ParallelStrategy):
         resume: Literal["auto"] | None = None,
         nan_policy: NanPolicy = "raise",
         skip_spiky_loss: float | None = None,
+        watchdog_timeout: float | None = 600.0,
     ) -> None:
         super().__init__()
         if resume not in (None, "auto"):
@@ -138,6 +142,10 @@ class FlagScaleStrategy(ParallelStrategy):
         self._resume = resume
         self._guard = StepGuard(nan_policy, skip_spiky_loss)
         self._last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (rollback target)
+        if watchdog_timeout is not None and watchdog_timeout <= 0:
+            raise ValueError(f"watchdog_timeout={watchdog_timeout} must be > 0 seconds, or None to disable it.")
+        self._watchdog_timeout = watchdog_timeout
+        self._watchdog: Watchdog | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
@@ -259,6 +267,29 @@ class FlagScaleStrategy(ParallelStrategy):
             # The background writer's collectives get their own group, never interleaved with training's.
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog_timeout is None or self._watchdog is not None:
+            return
+        env = self.cluster_environment
+        run_id = self.broadcast(uuid.uuid4().hex)  # a fresh key space in the store for this run
+        self._watchdog = Watchdog(
+            rank=self.global_rank, world_size=self.world_size, host=env.main_address, port=env.main_port,
+            run_id=run_id, timeout=self._watchdog_timeout,
+        )  # fmt: skip
+        self._watchdog.start()
+
+    def _mark(self, phase: str) -> None:
+        if self._watchdog is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._watchdog.mark(phase, trainer.global_step if trainer is not None else None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is not None and isinstance(exception, (RuntimeError, dist.DistBackendError)):
+            print(f"[FlagScale watchdog, rank {self.global_rank}] after {type(exception).__name__} in"
+                  f" {self._watchdog.phase!r}: {self._watchdog.diagnose()}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -389,6 +420,7 @@ class FlagScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ step
     @override
     def training_step(self, *args: Any, **kwargs: Any):
+        self._mark("training_step: forward/backward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
@@ -421,6 +453,7 @@ class FlagScaleStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
+        self._mark("validation_step: forward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         return super().validation_step(*args, **kwargs)
 
@@ -476,9 +509,11 @@ class FlagScaleStrategy(ParallelStrategy):
         if self._pipeline is not None:
             self._pipeline.runner.sync_tied_grads()
         dopt = self._dist_opt(opt)
+        self._mark("optimizer_step: gradient all-reduce/reduce-scatter over data x context ranks")
         if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
             dopt.reduce_grads()
         params = [q for g in opt.param_groups for q in g["params"]]
+        self._mark("optimizer_step: non-finite check (all_gather), global grad norm (all_reduce), step")
         if self._apply_step_guard(params):
             skip = precision.unscale_and_check(params)
             precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
@@ -491,8 +526,10 @@ class FlagScaleStrategy(ParallelStrategy):
                     f" ({precision.scaler.skipped_steps} skipped so far)."
                 )
         if dopt is not None:
+            self._mark("optimizer_step: ZeRO parameter all-gather")
             dopt.sync_params()
         self._pp_zero_grad_pending = True
+        self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
 
     def _apply_step_guard(self, params: list[Tensor]) -> bool:
@@ -544,6 +581,9 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -572,6 +612,7 @@ class FlagScaleStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("FlagScaleStrategy.save_checkpoint does not take storage_options (it writes DCP folders).")
+        self._mark("save_checkpoint: DCP write, all_gather_object, barriers")
         path = Path(self.broadcast(str(filepath)))
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -607,6 +648,7 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
+        self._mark("load_checkpoint: DCP read, barriers")
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.is_global_zero:
             clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
