@@ -22,8 +22,10 @@ __all__ = [
     "optimizer_template",
     "restore_moe_router_state",
     "restore_optimizer_hparams",
+    "restore_training_meta",
     "rng_state",
     "set_rng_state",
+    "training_meta",
 ]
 
 
@@ -171,3 +173,34 @@ def load_training_state(
             set_optimizer_state_dict(
                 model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
             )
+
+
+def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
+    """Collectively: what a checkpoint's ``meta.pt`` needs beyond Lightning's dict for an exact resume (per-rank RNG,
+    MoE router state of every pipeline stage, param-group hyperparameters)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (rng_state(), moe_router_state(module)))
+    return {
+        "rng_states_per_rank": [rng for rng, _ in gathered],
+        "moe_router_state": {k: v for _, routers in gathered for k, v in routers.items()},
+        "optimizer_param_groups": optimizer_hparams(optimizers),
+    }
+
+
+def restore_training_meta(
+    meta: dict, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], rank: int, world_size: int
+) -> None:
+    """Pop and apply what :func:`training_meta` added (RNG only when the world size is unchanged)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rngs = meta.pop("rng_states_per_rank", None)
+    if rngs is not None and len(rngs) == world_size:
+        set_rng_state(rngs[rank])
+    elif rngs is not None:
+        rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
+    hparams = meta.pop("optimizer_param_groups", None)
+    if hparams is not None and optimizers:
+        restore_optimizer_hparams(optimizers, hparams)
+    restore_moe_router_state(module, meta.pop("moe_router_state", {}))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -18,14 +19,23 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
 from lightning_flagscale.parallel.data import local_tensor
 
-__all__ = ["FlagScaleLauncher", "NanPolicy", "StepGuard", "StepVerdict", "auto_resume_path", "fit_arguments"]
+__all__ = [
+    "FlagScaleLauncher",
+    "NanPolicy",
+    "StepGuard",
+    "StepVerdict",
+    "auto_resume_path",
+    "fit_arguments",
+    "guard_step",
+    "validate_before_launch",
+]
 
 # `Trainer.fit` hands `_fit_impl(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)`
 # to the launcher; these are the positions read here.
@@ -177,3 +187,45 @@ class StepGuard:
                 return StepVerdict(action="skip", loss=global_loss, message=message)
         self.history.append(global_loss)
         return StepVerdict(action="step", loss=global_loss)
+
+
+def validate_before_launch(
+    parallel: Any, module: Any, world_size: int, datamodule: Any, validate_model: Callable[[Any, Any], None]
+) -> None:
+    """Every check that needs only the layout, the world size, the model's and the data's config (on a copy: the
+    launching process must not resolve the strategy's own config)."""
+    parallel = copy.deepcopy(parallel).resolve(world_size)
+    validate_model(parallel, module)
+    seq_len = getattr(datamodule, "seq_len", None)
+    cp = parallel.context_parallel_size
+    if parallel.cp_enabled and isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ValueError(
+            f"{type(datamodule).__name__}(seq_len={seq_len}) is not divisible by 2 x context_parallel_size ="
+            f" {2 * cp} (context parallelism cuts each sequence into 2 x cp chunks); use a seq_len that is a"
+            f" multiple of {2 * cp}."
+        )
+
+
+def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor]) -> bool:
+    """Apply ``guard``'s verdict for this optimizer step: True to step; else the gradients are dropped (and, for
+    "rollback", weights and optimizer states reloaded from the newest complete checkpoint). Same on every rank."""
+    from lightning_flagscale.strategies._checkpoint import load_training_state
+
+    trainer = strategy.lightning_module.trainer
+    # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
+    checked = params if strategy.precision_plugin.scaler is None else []
+    verdict = guard.decide(checked, trainer.global_step, trainer.accumulate_grad_batches, strategy.root_device)
+    if verdict.action == "step":
+        return True
+    for param in params:
+        param.grad = None
+    if verdict.action == "rollback":
+        strategy.wait_for_checkpoint()
+        path = strategy._last_checkpoint or (auto_resume_path(trainer) if trainer.checkpoint_callback else None)
+        if path is None:
+            raise FloatingPointError(f"{verdict.message} nan_policy='rollback' found no complete checkpoint.")
+        rank_zero_warn(f"{verdict.message} Rolling weights and optimizer states back to {path}.")
+        load_training_state(Path(path), strategy.model, strategy.optimizers, strategy._dist_opt, strict=True)
+    else:
+        rank_zero_warn(f"{verdict.message} Step skipped ({guard.skipped_steps} so far).")
+    return False

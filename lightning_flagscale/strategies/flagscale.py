@@ -11,7 +11,6 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 
 from __future__ import annotations
 
-import copy
 import sys
 import uuid
 from collections.abc import Generator, Mapping
@@ -55,15 +54,17 @@ from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flags
 from lightning_flagscale.strategies._checkpoint import (
     load_training_state,
     model_state,
-    moe_router_state,
-    optimizer_hparams,
     optimizer_state,
-    restore_moe_router_state,
-    restore_optimizer_hparams,
-    rng_state,
-    set_rng_state,
+    restore_training_meta,
+    training_meta,
 )
-from lightning_flagscale.strategies._resilience import FlagScaleLauncher, NanPolicy, StepGuard, auto_resume_path
+from lightning_flagscale.strategies._resilience import (
+    FlagScaleLauncher,
+    NanPolicy,
+    StepGuard,
+    guard_step,
+    validate_before_launch,
+)
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, TokenCountingLoader
 from lightning_flagscale.strategies._watchdog import Watchdog
 
@@ -75,6 +76,11 @@ class FlagScaleStrategy(ParallelStrategy):
 
     Pass the parallel sizes as keyword arguments (the fields of :class:`~lightning_flagscale.config.ParallelConfig`)
     or a ready ``ParallelConfig`` as ``parallel``. ``data_parallel_size=None`` takes the remaining ranks.
+
+    Resilience: ``resume="auto"`` resumes ``fit`` from the newest complete checkpoint of the ``ModelCheckpoint``
+    folder; ``nan_policy`` ("raise" | "skip_step" | "rollback") handles non-finite losses/gradients and
+    ``skip_spiky_loss`` (a relative rise, e.g. 0.2) skips loss spikes; ``watchdog_timeout`` (seconds, None: off)
+    bounds how long a dead rank or a hung collective can stall the job (see ``_resilience.py``, ``_watchdog.py``).
     """
 
     strategy_name = "flagscale"
@@ -234,19 +240,10 @@ class FlagScaleStrategy(ParallelStrategy):
         )  # fmt: skip
 
     def _validate_before_launch(self, datamodule: Any) -> None:
-        """Every check that needs only the config, the world size, the model's and the data's config: run in the
-        launching process, before any worker or process group exists (``setup_environment`` repeats the first two
+        """Run in the launching process before any worker exists (``setup_environment`` repeats the layout checks
         for launchers that bypass this one)."""
-        parallel = copy.deepcopy(self.parallel).resolve(self.num_nodes * self.num_processes)
-        _validate_model(parallel, self.lightning_module)
-        seq_len = getattr(datamodule, "seq_len", None)
-        if parallel.cp_enabled and isinstance(seq_len, int) and seq_len % (2 * parallel.context_parallel_size):
-            cp = parallel.context_parallel_size
-            raise ValueError(
-                f"{type(datamodule).__name__}(seq_len={seq_len}) is not divisible by 2 x context_parallel_size ="
-                f" {2 * cp} (context parallelism cuts each sequence into 2 x cp chunks); use a seq_len that is a"
-                f" multiple of {2 * cp}."
-            )
+        world_size = self.num_nodes * self.num_processes
+        validate_before_launch(self.parallel, self.lightning_module, world_size, datamodule, _validate_model)
 
     @override
     def setup_environment(self) -> None:
@@ -533,26 +530,8 @@ class FlagScaleStrategy(ParallelStrategy):
         return closure_result
 
     def _apply_step_guard(self, params: list[Tensor]) -> bool:
-        """``nan_policy`` / ``skip_spiky_loss``: True to step; else the gradients are dropped (and, for "rollback",
-        weights and optimizer states reloaded from the newest complete checkpoint). Same answer on every rank."""
-        trainer = self.lightning_module.trainer
-        # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
-        checked = params if self.precision_plugin.scaler is None else []
-        verdict = self._guard.decide(checked, trainer.global_step, trainer.accumulate_grad_batches, self.root_device)
-        if verdict.action == "step":
-            return True
-        for param in params:
-            param.grad = None
-        if verdict.action == "rollback":
-            self.wait_for_checkpoint()
-            path = self._last_checkpoint or (auto_resume_path(trainer) if trainer.checkpoint_callback else None)
-            if path is None:
-                raise FloatingPointError(f"{verdict.message} nan_policy='rollback' found no complete checkpoint.")
-            rank_zero_warn(f"{verdict.message} Rolling weights and optimizer states back to {path}.")
-            load_training_state(Path(path), self.model, self.optimizers, self._dist_opt, strict=True)
-        else:
-            rank_zero_warn(f"{verdict.message} Step skipped ({self._guard.skipped_steps} so far).")
-        return False
+        """``nan_policy`` / ``skip_spiky_loss`` (see ``_resilience.guard_step``): True to step."""
+        return guard_step(self, self._guard, params)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -617,11 +596,7 @@ class FlagScaleStrategy(ParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (rng_state(), moe_router_state(self.lightning_module)))
-        checkpoint["rng_states_per_rank"] = [rng for rng, _ in gathered]
-        checkpoint["moe_router_state"] = {k: v for _, routers in gathered for k, v in routers.items()}
-        checkpoint["optimizer_param_groups"] = optimizer_hparams(self.optimizers)
+        checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
         checkpoint["parallel_config"] = vars(self.parallel).copy()
         self.wait_for_checkpoint()  # one save in flight at a time
         self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
@@ -656,15 +631,7 @@ class FlagScaleStrategy(ParallelStrategy):
         meta = read_meta(path)
         strict = getattr(self.lightning_module, "strict_loading", True)
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
-        rngs = meta.pop("rng_states_per_rank", None)
-        if rngs is not None and len(rngs) == self.world_size:
-            set_rng_state(rngs[self.global_rank])
-        elif rngs is not None:
-            rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
-        hparams = meta.pop("optimizer_param_groups", None)
-        if hparams is not None and self.optimizers:
-            restore_optimizer_hparams(self.optimizers, hparams)
-        restore_moe_router_state(self.lightning_module, meta.pop("moe_router_state", {}))
+        restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
         meta.pop("parallel_config", None)
         return meta
 
