@@ -1,5 +1,6 @@
 """Sharded, reshardable, atomic checkpoints."""
 
+from lightning_flagscale.checkpoint.recovery import clean_interrupted, find_latest_checkpoint, list_checkpoints
 from lightning_flagscale.checkpoint.sharded import (
     consolidate_checkpoint,
     is_sharded_checkpoint,
@@ -8,4 +9,13 @@ from lightning_flagscale.checkpoint.sharded import (
     save_sharded,
 )
 
-__all__ = ["consolidate_checkpoint", "is_sharded_checkpoint", "load_sharded", "read_meta", "save_sharded"]
+__all__ = [
+    "clean_interrupted",
+    "consolidate_checkpoint",
+    "find_latest_checkpoint",
+    "is_sharded_checkpoint",
+    "list_checkpoints",
+    "load_sharded",
+    "read_meta",
+    "save_sharded",
+]

@@ -27,15 +27,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
     "COMPLETE_MARKER",
     "META_FILE",
     "PendingSave",
+    "check_shard_files",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded",
     "read_meta",
+    "remove_checkpoint_path",
     "save_sharded",
 ]
 
@@ -79,25 +82,42 @@ def save_sharded(
     tmp = Path(_broadcast_object(str(path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
+        from lightning_flagscale.checkpoint.recovery import clean_interrupted
+
+        clean_interrupted(path.parent)  # leftovers of a crashed save; none of ours is in flight (one at a time)
         tmp.mkdir(parents=True, exist_ok=False)
     _barrier()
+    _save_event("tmp_created", tmp)
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
+        _save_event("data_written", tmp)
         if rank == 0:
             _finalize(tmp, path, meta)
         _barrier()
         return None
     future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
+    _save_event("async_started", tmp)
     return PendingSave(future, (lambda: _finalize(tmp, path, meta)) if rank == 0 else None, path)
 
 
+def _save_event(event: str, path: Path) -> None:
+    """Called at each step of a save (``tmp_created``, ``data_written``, ``async_started``, ``meta_written``,
+    ``old_moved_aside``, ``renamed``); does nothing. The fault-injection tests replace it to kill the process there."""
+
+
 class PendingSave:
-    """A checkpoint being written in the background; ``wait()`` returns once it is complete and renamed."""
+    """A checkpoint being written in the background; ``wait()`` returns once it is complete and renamed.
+
+    ``remove_after(old)`` defers the deletion of an older checkpoint (retention: ``save_top_k``, ``last``) until this
+    one is complete, so a crash during the write never leaves zero checkpoints; if the write fails the old one stays.
+    """
 
     def __init__(self, future: Any, finalize: Any, path: Path) -> None:
         self.path = path
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._to_remove: list[Path] = []
 
         def _on_done(fut: Any) -> None:
             try:
@@ -107,12 +127,27 @@ class PendingSave:
             except BaseException as err:  # reported by wait(), on the training thread
                 self._error = err
             finally:
-                self._done.set()
+                with self._lock:
+                    self._done.set()
+                    to_remove, self._to_remove = self._to_remove, []
+                if self._error is None:
+                    for old in to_remove:
+                        remove_checkpoint_path(old)
 
         future.add_done_callback(_on_done)
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def remove_after(self, old: str | os.PathLike) -> None:
+        """Delete ``old`` once this save is complete (at once if it already is; never if it failed)."""
+        old = Path(old)
+        with self._lock:
+            if not self._done.is_set():
+                self._to_remove.append(old)
+                return
+        if self._error is None:
+            remove_checkpoint_path(old)
 
     def wait(self) -> Path:
         self._done.wait()
@@ -124,16 +159,28 @@ class PendingSave:
 def _finalize(tmp: Path, path: Path, meta: dict[str, Any]) -> None:
     """Rank 0: write the non-tensor part and the marker, then move the folder into place."""
     torch.save(meta, tmp / META_FILE)
+    _save_event("meta_written", tmp)
     (tmp / COMPLETE_MARKER).write_text("ok\n")
     _fsync_dir(tmp)
     old = None
     if path.exists() or path.is_symlink():
         old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
         path.rename(old)
+        _save_event("old_moved_aside", old)  # a crash here is undone by `recovery.clean_interrupted`
     tmp.rename(path)
     _fsync_dir(path.parent)
+    _save_event("renamed", path)
     if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_checkpoint_path(old)
+
+
+def remove_checkpoint_path(path: str | os.PathLike) -> None:
+    """Delete a checkpoint folder (or file); a missing one is fine."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -151,7 +198,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not a complete FlagScale checkpoint (missing {COMPLETE_MARKER!r} or DCP '.metadata'):"
             " it may be a checkpoint whose writing was interrupted. Use an earlier checkpoint."
         )
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise RuntimeError(f"Checkpoint file {path / META_FILE} is corrupt or truncated ({err}).") from err
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -159,7 +209,41 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
     path = Path(path)
     if not is_sharded_checkpoint(path):
         read_meta(path)  # raises the descriptive error
-    dcp.load(state, checkpoint_id=path)
+    check_shard_files(path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as err:  # CheckpointException derives from BaseException
+        # DCP reports e.g. "PytorchStreamReader failed reading zip archive" without the file: name the shards.
+        files = sorted(p.name for p in path.glob("*.distcp"))
+        raise RuntimeError(
+            f"Reading checkpoint {path} failed: {err}. One of its shard files may be corrupt: {files}."
+            " Resume from an earlier checkpoint."
+        ) from err
+
+
+def check_shard_files(path: str | os.PathLike) -> None:
+    """Raise naming every shard file of checkpoint ``path`` that is missing or shorter than its DCP metadata says."""
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise RuntimeError(
+            f"Checkpoint {path}: its DCP metadata file {path / '.metadata'} is unreadable ({err})."
+        ) from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    bad = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        actual = file.stat().st_size if file.exists() else None
+        if actual is None or actual < size:
+            bad.append(f"{file} ({'missing' if actual is None else f'{actual} bytes, expected >= {size}'})")
+    if bad:
+        raise RuntimeError(
+            f"Checkpoint {path} has truncated or missing shard files: {'; '.join(bad)}. Resume from an earlier"
+            " checkpoint (e.g. FlagScaleStrategy(resume='auto') after removing this one)."
+        )
 
 
 def checkpoint_keys(path: str | os.PathLike) -> dict[str, Any]:

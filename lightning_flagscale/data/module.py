@@ -34,11 +34,17 @@ class EpochShuffleSampler(Sampler[int]):
     run stopped mid-epoch by ``max_steps`` as a finished epoch while its data is only partly consumed.
     """
 
-    def __init__(self, num_samples: int, seed: int, *, epoch_offset: int = 0) -> None:
+    def __init__(
+        self, num_samples: int, seed: int, *, epoch_offset: int = 0, resume_data_epoch: int | None = None
+    ) -> None:
         self.num_samples = num_samples
         self.seed = seed
         self.epoch_offset = epoch_offset
         self.epoch = 0
+        # After a restore: the data epoch to yield at the next ``set_epoch``/iteration, whatever counter Lightning
+        # passes then (it may advance its epoch counter after building the loader, e.g. when the checkpoint was
+        # written on the last batch of an epoch), so the offset is fixed at that moment, not at construction.
+        self.resume_data_epoch = resume_data_epoch
 
     @property
     def data_epoch(self) -> int:
@@ -47,8 +53,14 @@ class EpochShuffleSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self._apply_resume()
+
+    def _apply_resume(self) -> None:
+        if self.resume_data_epoch is not None:
+            self.epoch_offset, self.resume_data_epoch = self.resume_data_epoch - self.epoch, None
 
     def __iter__(self) -> Iterator[int]:
+        self._apply_resume()
         generator = torch.Generator().manual_seed(self.seed + self.data_epoch)
         return iter(torch.randperm(self.num_samples, generator=generator).tolist())
 
@@ -217,8 +229,12 @@ class LMDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_dataset is not None, "call setup() first"
-        self._epoch_offset, skip = self._resume_position()
-        self._train_sampler = EpochShuffleSampler(len(self.train_dataset), self.seed, epoch_offset=self._epoch_offset)
+        if self._train_sampler is not None:  # a reloaded loader keeps the mapping of a restored run
+            self._epoch_offset = self._train_sampler.epoch_offset
+        resume_epoch, skip = self._resume_position()
+        self._train_sampler = EpochShuffleSampler(
+            len(self.train_dataset), self.seed, epoch_offset=self._epoch_offset, resume_data_epoch=resume_epoch
+        )
         return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
@@ -287,17 +303,18 @@ class LMDataModule(L.LightningDataModule):
         """Remember the data position; the next ``train_dataloader`` resumes from it."""
         self._resume = dict(state_dict) if state_dict else None
 
-    def _resume_position(self) -> tuple[int, int]:
-        """``(epoch_offset, batches to skip)`` for the loader built right after a restore; ``(offset, 0)`` otherwise."""
+    def _resume_position(self) -> tuple[int | None, int]:
+        """``(data epoch to resume, batches to skip)`` for the loader built right after a restore, else ``(None, 0)``.
+
+        The sampler maps Lightning's epoch counter onto that data epoch when Lightning first sets it.
+        """
         state, self._resume = self._resume, None
         trainer = self.trainer
         if not state or trainer is None:
-            return self._epoch_offset, 0
+            return None, 0
         if state["seed"] != self.seed or state["num_train_samples"] != len(self.train_dataset or ()):
             rank_zero_warn("LMDataModule: seed or dataset size changed since the checkpoint; not resuming the data.")
-            return self._epoch_offset, 0
-        # Lightning passes ``epoch_progress.current.processed`` to ``set_epoch`` for the epoch it is about to run.
-        offset = state["epoch"] - trainer.fit_loop.epoch_progress.current.processed
+            return None, 0
         global_batch = self.batch_size * self._dp_size()
         skip, rest = divmod(state["samples_in_epoch"], global_batch)
         if rest:
@@ -305,4 +322,4 @@ class LMDataModule(L.LightningDataModule):
                 f"LMDataModule: {state['samples_in_epoch']} samples were consumed in this epoch, not a multiple of the "
                 f"new global batch {global_batch}; {rest} samples will be seen twice."
             )
-        return offset, skip
+        return state["epoch"], skip

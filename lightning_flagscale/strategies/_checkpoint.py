@@ -16,10 +16,16 @@ from lightning_flagscale.parallel.data import DistributedOptimizer
 __all__ = [
     "load_training_state",
     "model_state",
+    "moe_router_state",
+    "optimizer_hparams",
     "optimizer_state",
     "optimizer_template",
+    "restore_moe_router_state",
+    "restore_optimizer_hparams",
+    "restore_training_meta",
     "rng_state",
     "set_rng_state",
+    "training_meta",
 ]
 
 
@@ -36,6 +42,57 @@ def optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> di
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:
+    """Every param group's hyperparameters (lr, betas, weight decay, ``initial_lr``...), without the parameters.
+
+    They are the same on every rank and under any layout (the distributed optimizers rewrite only ``params``), so
+    rank 0's copy in ``meta.pt`` restores them anywhere; without it the first resumed step would run at the LR the
+    scheduler set when it was built (the warmup LR of step 0), as LR schedulers restore only their own counters.
+    """
+    return [[_hparams(group) for group in opt.param_groups] for opt in optimizers]
+
+
+def _hparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+
+
+def restore_optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer], saved: list[list[dict[str, Any]]]) -> None:
+    """Set each param group's hyperparameters from ``optimizer_hparams`` of the checkpoint."""
+    if len(saved) != len(optimizers):
+        raise ValueError(
+            f"The checkpoint holds {len(saved)} optimizer(s) but `configure_optimizers` returned {len(optimizers)};"
+            " resume with the same optimizers."
+        )
+    for index, (opt, groups) in enumerate(zip(optimizers, saved)):
+        if len(groups) != len(opt.param_groups):
+            raise ValueError(
+                f"Optimizer {index} has {len(opt.param_groups)} param groups but the checkpoint has {len(groups)};"
+                " resume with the same `configure_optimizers`."
+            )
+        for group, hparams in zip(opt.param_groups, groups):
+            for key, value in hparams.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                    current.copy_(value)  # tensor LRs (capturable optimizers) are updated in place
+                else:
+                    group[key] = value
+
+
+def moe_router_state(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Router state outside the state dict: each MoE layer's replicated hot experts (the biases are buffers)."""
+    from lightning_flagscale.moe.balance import moe_layers
+
+    return {name: list(layer.replicated_experts) for name, layer in moe_layers(model)}
+
+
+def restore_moe_router_state(model: torch.nn.Module, state: dict[str, list[int]]) -> None:
+    from lightning_flagscale.moe.balance import moe_layers
+
+    for name, layer in moe_layers(model):
+        if name in state:
+            layer.replicated_experts = tuple(state[name])
 
 
 def rng_state() -> dict[str, Any]:
@@ -116,3 +173,34 @@ def load_training_state(
             set_optimizer_state_dict(
                 model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
             )
+
+
+def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
+    """Collectively: what a checkpoint's ``meta.pt`` needs beyond Lightning's dict for an exact resume (per-rank RNG,
+    MoE router state of every pipeline stage, param-group hyperparameters)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (rng_state(), moe_router_state(module)))
+    return {
+        "rng_states_per_rank": [rng for rng, _ in gathered],
+        "moe_router_state": {k: v for _, routers in gathered for k, v in routers.items()},
+        "optimizer_param_groups": optimizer_hparams(optimizers),
+    }
+
+
+def restore_training_meta(
+    meta: dict, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], rank: int, world_size: int
+) -> None:
+    """Pop and apply what :func:`training_meta` added (RNG only when the world size is unchanged)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rngs = meta.pop("rng_states_per_rank", None)
+    if rngs is not None and len(rngs) == world_size:
+        set_rng_state(rngs[rank])
+    elif rngs is not None:
+        rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
+    hparams = meta.pop("optimizer_param_groups", None)
+    if hparams is not None and optimizers:
+        restore_optimizer_hparams(optimizers, hparams)
+    restore_moe_router_state(module, meta.pop("moe_router_state", {}))

@@ -11,6 +11,8 @@ Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequ
 
 from __future__ import annotations
 
+import sys
+import uuid
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,7 +34,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -40,7 +41,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, save_sharded
+from lightning_flagscale.checkpoint.recovery import clean_interrupted
+from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, remove_checkpoint_path, save_sharded
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, reduction_groups
@@ -54,11 +56,19 @@ from lightning_flagscale.strategies._checkpoint import (
     load_training_state,
     model_state,
     optimizer_state,
-    rng_state,
-    set_rng_state,
+    restore_training_meta,
+    training_meta,
 )
 from lightning_flagscale.strategies._data import distribute_loader
+from lightning_flagscale.strategies._resilience import (
+    FlagScaleLauncher,
+    NanPolicy,
+    StepGuard,
+    guard_step,
+    validate_before_launch,
+)
 from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, batch_size_of, scale_loss, uses_global_token_loss
+from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = ["FlagScaleStrategy"]
 
@@ -68,6 +78,11 @@ class FlagScaleStrategy(ParallelStrategy):
 
     Pass the parallel sizes as keyword arguments (the fields of :class:`~lightning_flagscale.config.ParallelConfig`)
     or a ready ``ParallelConfig`` as ``parallel``. ``data_parallel_size=None`` takes the remaining ranks.
+
+    Resilience: ``resume="auto"`` resumes ``fit`` from the newest complete checkpoint of the ``ModelCheckpoint``
+    folder; ``nan_policy`` ("raise" | "skip_step" | "rollback") handles non-finite losses/gradients and
+    ``skip_spiky_loss`` (a relative rise, e.g. 0.2) skips loss spikes; ``watchdog_timeout`` (seconds, None: off)
+    bounds how long a dead rank or a hung collective can stall the job (see ``_resilience.py``, ``_watchdog.py``).
     """
 
     strategy_name = "flagscale"
@@ -102,8 +117,14 @@ class FlagScaleStrategy(ParallelStrategy):
         grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
         async_checkpoint: bool = False,
+        resume: Literal["auto"] | None = None,
+        nan_policy: NanPolicy = "raise",
+        skip_spiky_loss: float | None = None,
+        watchdog_timeout: float | None = 600.0,
     ) -> None:
         super().__init__()
+        if resume not in (None, "auto"):
+            raise ValueError(f"resume={resume!r} is unknown; use 'auto' (newest complete checkpoint) or None.")
         if parallel is None:
             parallel = ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,
@@ -137,6 +158,13 @@ class FlagScaleStrategy(ParallelStrategy):
         self._grad_bucket_numel = grad_bucket_numel
         self._overlap_grad_reduce = overlap_grad_reduce  # issue 15: DDP/ZeRO-1/2 buckets reduced during backward
         self._async_checkpoint = async_checkpoint
+        self._resume = resume
+        self._guard = StepGuard(nan_policy, skip_spiky_loss)
+        self._last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (rollback target)
+        if watchdog_timeout is not None and watchdog_timeout <= 0:
+            raise ValueError(f"watchdog_timeout={watchdog_timeout} must be > 0 seconds, or None to disable it.")
+        self._watchdog_timeout = watchdog_timeout
+        self._watchdog: Watchdog | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
@@ -217,9 +245,23 @@ class FlagScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ environment
     @override
     def _configure_launcher(self) -> None:
+        # Also with externally created processes (torchrun, SLURM): the launcher validates and picks the checkpoint
+        # of resume="auto" before `fit` starts, and spawns workers only when Lightning has to.
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = FlagScaleLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, validate=self._validate_before_launch,
+            resume=self._resume, spawn=not self.cluster_environment.creates_processes_externally,
+        )  # fmt: skip
+
+    def _validate_before_launch(self, datamodule: Any) -> None:
+        """Run in the launching process before any worker exists (``setup_environment`` repeats the layout checks
+        for launchers that bypass this one)."""
+        world_size = self.num_nodes * self.num_processes
+        validate_before_launch(self.parallel, self.lightning_module, world_size, datamodule, self._check_layout)
+
+    def _check_layout(self, parallel: ParallelConfig, module: Any) -> None:
+        validate_layout(parallel, module)
+        check_precision_layout(self.precision_plugin.precision, parallel)
 
     @override
     def setup_environment(self) -> None:
@@ -227,8 +269,7 @@ class FlagScaleStrategy(ParallelStrategy):
         self._set_world_ranks()
         # Validate before any process group exists: a wrong layout fails in milliseconds, not after a rendezvous.
         self.parallel.resolve(self.world_size)
-        validate_layout(self.parallel, self.lightning_module)
-        check_precision_layout(self.precision_plugin.precision, self.parallel)
+        self._check_layout(self.parallel, self.lightning_module)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -244,6 +285,29 @@ class FlagScaleStrategy(ParallelStrategy):
             # The background writer's collectives get their own group, never interleaved with training's.
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog_timeout is None or self._watchdog is not None:
+            return
+        env = self.cluster_environment
+        run_id = self.broadcast(uuid.uuid4().hex)  # a fresh key space in the store for this run
+        self._watchdog = Watchdog(
+            rank=self.global_rank, world_size=self.world_size, host=env.main_address, port=env.main_port,
+            run_id=run_id, timeout=self._watchdog_timeout,
+        )  # fmt: skip
+        self._watchdog.start()
+
+    def _mark(self, phase: str) -> None:
+        if self._watchdog is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._watchdog.mark(phase, trainer.global_step if trainer is not None else None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is not None and isinstance(exception, (RuntimeError, dist.DistBackendError)):
+            print(f"[FlagScale watchdog, rank {self.global_rank}] after {type(exception).__name__} in"
+                  f" {self._watchdog.phase!r}: {self._watchdog.diagnose()}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _build_hetero_meshes(self) -> None:
         """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
@@ -376,6 +440,7 @@ class FlagScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ step
     @override
     def training_step(self, *args: Any, **kwargs: Any):
+        self._mark("training_step: forward/backward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
@@ -402,10 +467,13 @@ class FlagScaleStrategy(ParallelStrategy):
             # never reaches it, so only the data x context factor (or, for a per-micro-batch mean, 1 / A) applies.
             self._pipeline.grad_scale = loss_scale * (token_factor / accumulate if normalised else 1 / accumulate)
         output = super().training_step(*args, **kwargs)
-        return scale_loss(output, token_factor) if token_factor != 1 else output
+        output = scale_loss(output, token_factor) if token_factor != 1 else output
+        self._guard.observe(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any):
+        self._mark("validation_step: forward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         return super().validation_step(*args, **kwargs)
 
@@ -470,17 +538,32 @@ class FlagScaleStrategy(ParallelStrategy):
         if self._pipeline is not None:
             self._pipeline.runner.sync_tied_grads()
         dopt = self._dist_opt(opt)
+        self._mark("optimizer_step: gradient all-reduce/reduce-scatter over data x context ranks")
         if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
             dopt.reduce_grads()
         params = [q for g in opt.param_groups for q in g["params"]]
-        skip = precision.unscale_and_check(params)
-        precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
-        if not skip:
-            opt.step(**kwargs)
+        self._mark("optimizer_step: non-finite check (all_gather), global grad norm (all_reduce), step")
+        if self._apply_step_guard(params):
+            skip = precision.unscale_and_check(params)
+            precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
+            if not skip:
+                opt.step(**kwargs)
+            elif precision.scaler is not None:
+                rank_zero_warn(
+                    f"Step {self.lightning_module.trainer.global_step}: gradient overflow under {precision.precision};"
+                    f" step skipped, loss scale lowered to {precision.scaler.scale:g}"
+                    f" ({precision.scaler.skipped_steps} skipped so far)."
+                )
         if dopt is not None:
+            self._mark("optimizer_step: ZeRO parameter all-gather")
             dopt.sync_params()
         self._pp_zero_grad_pending = True
+        self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
+
+    def _apply_step_guard(self, params: list[Tensor]) -> bool:
+        """``nan_policy`` / ``skip_spiky_loss`` (see ``_resilience.guard_step``): True to step."""
+        return guard_step(self, self._guard, params)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -509,6 +592,9 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -537,46 +623,46 @@ class FlagScaleStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("FlagScaleStrategy.save_checkpoint does not take storage_options (it writes DCP folders).")
+        self._mark("save_checkpoint: DCP write, all_gather_object, barriers")
         path = Path(self.broadcast(str(filepath)))
         state = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = opt_state
-        rng = rng_state()
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, rng)
-        checkpoint["rng_states_per_rank"] = gathered
+        checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
         checkpoint["parallel_config"] = vars(self.parallel).copy()
         self.wait_for_checkpoint()  # one save in flight at a time
         self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
+        if self._pending_save is None:
+            self._last_checkpoint = path
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous checkpoint in flight is complete (renamed into place)."""
         if self._pending_save is not None:
             pending, self._pending_save = self._pending_save, None
-            pending.wait()
+            self._last_checkpoint = pending.wait()
 
     @override
     def remove_checkpoint(self, filepath) -> None:
-        import shutil
-
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        # Retention (save_top_k, last) asks right after `save_checkpoint` returns: with an asynchronous save still
+        # in flight the old checkpoint is deleted only once the new one is complete (never if it fails).
+        if not self.is_global_zero:
+            return
+        if self._pending_save is not None:
+            self._pending_save.remove_after(filepath)
+        else:
+            remove_checkpoint_path(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
+        self._mark("load_checkpoint: DCP read, barriers")
         path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
+        self.barrier()
         meta = read_meta(path)
         strict = getattr(self.lightning_module, "strict_loading", True)
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
-        rngs = meta.pop("rng_states_per_rank", None)
-        if rngs is not None and len(rngs) == self.world_size:
-            set_rng_state(rngs[self.global_rank])
-        elif rngs is not None:
-            rank_zero_warn("Resuming under a different world size: RNG states are re-seeded, not restored per rank.")
+        restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
         meta.pop("parallel_config", None)
         return meta

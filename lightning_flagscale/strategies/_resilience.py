@@ -1,0 +1,231 @@
+"""Resilience pieces of ``FlagScaleStrategy`` that run around the training loop rather than inside a step.
+
+- :class:`FlagScaleLauncher`: Lightning's script launcher, plus two things done in the launching process before
+  any worker exists: the layout checks (one error, once, instead of one traceback per spawned rank) and the
+  choice of the checkpoint to resume from when ``resume="auto"``.
+- :func:`auto_resume_path`: the newest complete checkpoint in the folders of the ``ModelCheckpoint`` callbacks.
+- :class:`StepGuard`: the per-step decision on non-finite losses/gradients (``nan_policy``) and loss spikes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
+from lightning_flagscale.parallel.data import local_tensor
+
+__all__ = [
+    "FlagScaleLauncher",
+    "NanPolicy",
+    "StepGuard",
+    "StepVerdict",
+    "auto_resume_path",
+    "fit_arguments",
+    "guard_step",
+    "validate_before_launch",
+]
+
+# `Trainer.fit` hands `_fit_impl(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)`
+# to the launcher; these are the positions read here.
+_FIT_DATA, _FIT_DATAMODULE, _FIT_CKPT = 1, 3, 4
+
+
+def fit_arguments(function: Callable, args: tuple) -> dict[str, Any] | None:
+    """The datamodule and ckpt_path a launched ``Trainer.fit`` was given, or None for validate/test/predict."""
+    if getattr(function, "__name__", "") != "_fit_impl" or len(args) <= _FIT_CKPT:
+        return None
+    import lightning as L
+
+    datamodule = args[_FIT_DATAMODULE]
+    if datamodule is None and isinstance(args[_FIT_DATA], L.LightningDataModule):
+        datamodule = args[_FIT_DATA]
+    return {"datamodule": datamodule, "ckpt_path": args[_FIT_CKPT]}
+
+
+def auto_resume_path(trainer: Any) -> Path | None:
+    """The newest complete checkpoint in the ``dirpath`` of the trainer's ``ModelCheckpoint`` callbacks, or None.
+
+    Incomplete checkpoints are skipped with a warning (``checkpoint.recovery``); they are cleaned up by rank 0 when
+    the chosen checkpoint is loaded.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folders = [Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    if not folders:
+        raise ValueError(
+            "FlagScaleStrategy(resume='auto') looks for checkpoints in the `dirpath` of a ModelCheckpoint callback;"
+            " add `ModelCheckpoint(dirpath=..., every_n_train_steps=N, save_last=True)` to the Trainer's callbacks."
+        )
+    found = [p for p in (find_latest_checkpoint(f) for f in folders) if p is not None]
+    if not found:
+        return None
+    from lightning_flagscale.checkpoint.sharded import read_meta
+
+    return max(found, key=lambda p: (int(read_meta(p).get("global_step", -1)), p.stat().st_mtime))
+
+
+class FlagScaleLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (it spawns nothing when the processes were created externally, e.g. torchrun)
+    that first runs ``validate(datamodule)`` and, for ``resume="auto"``, picks the checkpoint to resume from."""
+
+    def __init__(
+        self, *args: Any, validate: Callable[[Any], None], resume: str | None, spawn: bool, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._validate = validate
+        self._resume = resume
+        self._spawn = spawn
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        fit = fit_arguments(function, args)
+        self._validate(fit["datamodule"] if fit else None)
+        chosen = None
+        if fit is not None and self._resume == "auto" and fit["ckpt_path"] is None and trainer is not None:
+            if trainer.ckpt_path is None:
+                chosen = auto_resume_path(trainer)
+            if chosen is not None:
+                rank_zero_info(f"FlagScaleStrategy(resume='auto'): resuming from {chosen}")
+                trainer.ckpt_path = str(chosen)  # Lightning's own (public) way to choose the checkpoint of `fit`
+        try:
+            if self._spawn:
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+            return function(*args, **kwargs)
+        finally:
+            if chosen is not None:
+                trainer.ckpt_path = None  # a later `validate`/`test` must not reload it
+
+
+NanPolicy = Literal["raise", "skip_step", "rollback"]
+
+
+@dataclass(kw_only=True)
+class StepVerdict:
+    """What every rank does with this optimizer step (the same on every rank: decided from gathered flags)."""
+
+    action: Literal["step", "skip", "rollback"]
+    loss: float
+    """The step's global loss (mean over ranks of each rank's share, as ``log(sync_dist=True)``)."""
+    message: str = ""
+
+
+class StepGuard:
+    """Non-finite loss/gradient policy and FlagScale's ``auto_skip_spiky_loss``, decided once per optimizer step.
+
+    One ``all_gather`` of ``[loss share, non-finite loss, non-finite gradient]`` per rank lets every rank take the same
+    decision and name the ranks that saw the NaN/Inf. A spike is a global loss above ``(1 + spike_threshold)`` times
+    the mean of the last ``spike_window`` stepped losses (FlagScale skips such iterations to ride out data spikes).
+    """
+
+    def __init__(self, nan_policy: NanPolicy, spike_threshold: float | None, spike_window: int = 10) -> None:
+        if nan_policy not in ("raise", "skip_step", "rollback"):
+            raise ValueError(f"nan_policy={nan_policy!r} is unknown; use 'raise', 'skip_step' or 'rollback'.")
+        if spike_threshold is not None and spike_threshold <= 0:
+            raise ValueError(f"skip_spiky_loss={spike_threshold} must be > 0 (a relative rise, e.g. 0.2) or None.")
+        self.nan_policy = nan_policy
+        self.spike_threshold = spike_threshold
+        self.history: deque[float] = deque(maxlen=spike_window)
+        self.window_loss: Tensor | None = None
+        self.skipped_steps = 0
+
+    def observe(self, loss: Any) -> None:
+        """Add a micro-batch's loss (as the strategy's ``training_step`` returns it) to the step's window."""
+        value = loss.get("loss") if isinstance(loss, Mapping) else loss
+        if isinstance(value, Tensor):
+            value = value.detach().float().reshape(())
+            self.window_loss = value if self.window_loss is None else self.window_loss + value
+
+    @torch.no_grad()
+    def decide(self, params: Iterable[Tensor], step: int, accumulate: int, device: torch.device) -> StepVerdict:
+        loss = self.window_loss if self.window_loss is not None else torch.zeros((), device=device)
+        self.window_loss = None
+        loss = loss.to(device) / accumulate
+        bad_grad = any(p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()) for p in params)
+        mine = torch.stack([loss, (~torch.isfinite(loss)).float(), torch.tensor(float(bad_grad), device=device)])
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+        global_loss = float(table[:, 0].mean())
+        bad_loss_ranks = [r for r in range(len(rows)) if table[r, 1] > 0]
+        bad_grad_ranks = [r for r in range(len(rows)) if table[r, 2] > 0]
+        if bad_loss_ranks or bad_grad_ranks:
+            what = "; ".join(
+                f"non-finite {kind} on rank(s) {ranks}"
+                for kind, ranks in (("loss", bad_loss_ranks), ("gradients", bad_grad_ranks))
+                if ranks
+            )
+            message = f"Step {step}: {what} (global loss {global_loss})."
+            if self.nan_policy == "raise":
+                raise FloatingPointError(
+                    f"{message} Training stopped (FlagScaleStrategy(nan_policy='raise')); lower the learning rate,"
+                    " check the data, or choose nan_policy='skip_step' / 'rollback'."
+                )
+            self.skipped_steps += 1
+            action = "skip" if self.nan_policy == "skip_step" else "rollback"
+            return StepVerdict(action=action, loss=global_loss, message=message)
+        if self.spike_threshold is not None and len(self.history) == self.history.maxlen:
+            mean = sum(self.history) / len(self.history)
+            if global_loss > (1.0 + self.spike_threshold) * mean:
+                self.skipped_steps += 1
+                message = (
+                    f"Step {step}: loss {global_loss:.4f} is a spike (> (1 + {self.spike_threshold}) x {mean:.4f},"
+                    f" the mean of the last {len(self.history)} steps); step skipped (skip_spiky_loss)."
+                )
+                return StepVerdict(action="skip", loss=global_loss, message=message)
+        self.history.append(global_loss)
+        return StepVerdict(action="step", loss=global_loss)
+
+
+def validate_before_launch(
+    parallel: Any, module: Any, world_size: int, datamodule: Any, validate_model: Callable[[Any, Any], None]
+) -> None:
+    """Every check that needs only the layout, the world size, the model's and the data's config (on a copy: the
+    launching process must not resolve the strategy's own config)."""
+    parallel = copy.deepcopy(parallel).resolve(world_size)
+    validate_model(parallel, module)
+    seq_len = getattr(datamodule, "seq_len", None)
+    cp = parallel.context_parallel_size
+    if parallel.cp_enabled and isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ValueError(
+            f"{type(datamodule).__name__}(seq_len={seq_len}) is not divisible by 2 x context_parallel_size ="
+            f" {2 * cp} (context parallelism cuts each sequence into 2 x cp chunks); use a seq_len that is a"
+            f" multiple of {2 * cp}."
+        )
+
+
+def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor]) -> bool:
+    """Apply ``guard``'s verdict for this optimizer step: True to step; else the gradients are dropped (and, for
+    "rollback", weights and optimizer states reloaded from the newest complete checkpoint). Same on every rank."""
+    from lightning_flagscale.strategies._checkpoint import load_training_state
+
+    trainer = strategy.lightning_module.trainer
+    # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
+    checked = params if strategy.precision_plugin.scaler is None else []
+    verdict = guard.decide(checked, trainer.global_step, trainer.accumulate_grad_batches, strategy.root_device)
+    if verdict.action == "step":
+        return True
+    for param in params:
+        param.grad = None
+    if verdict.action == "rollback":
+        strategy.wait_for_checkpoint()
+        path = strategy._last_checkpoint or (auto_resume_path(trainer) if trainer.checkpoint_callback else None)
+        if path is None:
+            raise FloatingPointError(f"{verdict.message} nan_policy='rollback' found no complete checkpoint.")
+        rank_zero_warn(f"{verdict.message} Rolling weights and optimizer states back to {path}.")
+        load_training_state(Path(path), strategy.model, strategy.optimizers, strategy._dist_opt, strict=True)
+    else:
+        rank_zero_warn(f"{verdict.message} Step skipped ({guard.skipped_steps} so far).")
+    return False

@@ -1,0 +1,48 @@
+"""Helpers of the kill/resume tests: launch ``_resume_run`` as a real multi-process run and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(spec: dict[str, Any], timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run ``python -m tests.strategies._resume_run spec`` (Lightning's launcher starts the other ranks)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "FLAGSCALE_TEST_WORKER"):
+        env.pop(key, None)  # a fresh job, not a worker of the test launcher
+    return subprocess.run(
+        [sys.executable, "-m", "tests.strategies._resume_run", json.dumps(spec)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def launch_ok(spec: dict[str, Any]) -> None:
+    proc = launch(spec)
+    assert proc.returncode == 0, f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+
+def launch_killed(spec: dict[str, Any]) -> None:
+    proc = launch(spec)
+    assert proc.returncode == -9, f"expected SIGKILL, got {proc.returncode}:\n{proc.stderr[-4000:]}"
+
+
+def losses(out: Path) -> dict[int, dict[str, float]]:
+    """Step -> {loss, lr}; a resumed run's rows replace the killed run's rows of the same steps."""
+    rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    from lightning_flagscale.checkpoint import consolidate_checkpoint
+
+    full = torch.load(consolidate_checkpoint(out / "final.ckpt", out / "final.pt"), weights_only=False)
+    return full["state_dict"]

@@ -1,0 +1,75 @@
+"""Loud failures on non-finite values: ``nan_policy`` raise / skip_step / rollback, and ``skip_spiky_loss``.
+
+NaN is injected into one parameter's gradient on rank 1 only (after its backward, before the reduction), under
+DP=2 with ZeRO-1 and plain SGD; every rank must take the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_flagscale.strategies._resilience import StepGuard
+from tests._launcher import WorkerError
+from tests.strategies._lm import tiny_config, trainer_run
+
+LAYOUT = dict(zero_stage=1)
+
+
+def _nan_run(policy: str, steps: int, nan_step: int, save_at: int | None = None, ckpt_dir: str | None = None):
+    import lightning as L
+    import torch.distributed as dist
+
+    class InjectNaN(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == nan_step and dist.get_rank() == 1:
+                next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(math.nan)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if save_at is not None and trainer.global_step == save_at:
+                trainer.save_checkpoint(f"{ckpt_dir}/step{save_at}.ckpt")
+
+    return trainer_run({**LAYOUT, "nan_policy": policy}, tiny_config(), steps, callbacks=[InjectNaN()])
+
+
+def test_default_raise_names_the_step(launcher):
+    with pytest.raises(WorkerError, match=r"FloatingPointError: Step 1: non-finite gradients on rank\(s\) \[0, 1\]"):
+        launcher(2, _nan_run, "raise", 3, 1)
+
+
+def test_skip_step_drops_the_step_on_every_rank(launcher):
+    skipped = launcher(2, _nan_run, "skip_step", 3, 2)  # the last of 3 steps is skipped
+    _, want = launcher(2, trainer_run, LAYOUT, tiny_config(), 2)[0]  # the same run stopped after 2 steps
+    for losses, params in skipped:
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+        for name, value in want.items():
+            assert torch.equal(params[name], value), name
+
+
+def test_rollback_restores_the_newest_checkpoint(launcher, tmp_path):
+    # A checkpoint after step 1; the NaN comes at step 3: weights and optimizer go back to step 1's.
+    rolled = launcher(2, _nan_run, "rollback", 3, 2, 1, str(tmp_path))
+    _, want = launcher(2, trainer_run, LAYOUT, tiny_config(), 1)[0]
+    for _, params in rolled:
+        for name, value in want.items():
+            assert torch.equal(params[name], value), name
+
+
+def test_spiky_loss_is_skipped_and_nan_loss_is_named():
+    guard = StepGuard("raise", spike_threshold=0.5, spike_window=3)
+
+    def step(loss: float):
+        guard.observe(torch.tensor(loss))
+        return guard.decide([], step=7, accumulate=1, device=torch.device("cpu"))
+
+    assert [step(x).action for x in (2.0, 2.1, 1.9, 2.0)] == ["step"] * 4
+    spike = step(3.5)  # > 1.5 x mean(2.1, 1.9, 2.0)
+    assert spike.action == "skip" and "spike" in spike.message and guard.skipped_steps == 1
+    assert step(2.2).action == "step"  # the spike did not enter the running mean
+    with pytest.raises(FloatingPointError, match=r"Step 7: non-finite loss on rank\(s\) \[0\]"):
+        step(math.nan)
+    assert StepGuard("skip_step", None).__class__ is StepGuard
+    with pytest.raises(ValueError, match="nan_policy='ignore' is unknown"):
+        StepGuard("ignore", None)
