@@ -72,6 +72,7 @@ class WorkerPool:
     def __init__(self, world_size: int, pg_timeout_s: float = 180.0) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.tasks = 0
         port = _free_port()
         self.conns: list[Connection] = []
         self.procs = []
@@ -118,6 +119,7 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        self.tasks += 1
         for conn in self.conns:
             conn.send((fn.__module__, fn.__qualname__, args, kwargs))
         return self._gather(timeout)
@@ -143,8 +145,15 @@ class Launcher:
     def __init__(self) -> None:
         self.pools: dict[int, WorkerPool] = {}
 
+    # Every Trainer run creates process groups that live as long as the worker, each with a gloo transport thread
+    # that wakes up periodically: after a few hundred groups idle workers eat a core. Workers are replaced after this
+    # many tasks (a respawn costs a few seconds).
+    max_tasks_per_pool = 12
+
     def __call__(self, world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kw: Any):
-        # Idle pools only wait on a pipe: keeping one per world size costs memory, not CPU.
+        pool = self.pools.get(world_size)
+        if pool is not None and pool.tasks >= self.max_tasks_per_pool:
+            self.pools.pop(world_size).close()
         if world_size not in self.pools:
             self.pools[world_size] = WorkerPool(world_size)
         pool = self.pools[world_size]
