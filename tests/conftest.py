@@ -7,13 +7,23 @@ import torch
 
 from tests._launcher import Launcher
 
+_LAUNCHER = Launcher()
+
 
 @pytest.fixture(scope="session")
 def launcher():
     """``launcher(world_size, fn, *args, **kwargs) -> [result of rank 0, rank 1, ...]`` on gloo/CPU workers."""
-    pool = Launcher()
-    yield pool
-    pool.close()
+    yield _LAUNCHER
+    _LAUNCHER.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_workers_under_own_processes(request):
+    """Tests that start their own multi-process jobs get both cores: the shared workers are closed first (idle gloo
+    workers still use CPU, and those jobs run under timeouts)."""
+    if request.node.get_closest_marker("own_processes") is not None:
+        _LAUNCHER.close()
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,8 @@ import torch
 from lightning_flagscale.checkpoint import load_sharded
 from lightning_flagscale.checkpoint.recovery import clean_interrupted, find_latest_checkpoint, list_checkpoints
 
+pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # (mode, event, whether step6.ckpt is complete when the kill hits, whether the crash leaves something to clean)

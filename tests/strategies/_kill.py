@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +16,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(spec: dict[str, Any], timeout: float = 240.0) -> subprocess.CompletedProcess:
+def launch(spec: dict[str, Any], timeout: float = 600.0) -> subprocess.CompletedProcess:
     """Run ``python -m tests.strategies._resume_run spec`` (Lightning's launcher starts the other ranks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "FLAGSCALE_TEST_WORKER"):
         env.pop(key, None)  # a fresh job, not a worker of the test launcher
-    return subprocess.run(
-        [sys.executable, "-m", "tests.strategies._resume_run", json.dumps(spec)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    # A session of its own: on a timeout the whole job (Lightning's launcher and the ranks it started) is killed, so
+    # no orphaned rank keeps running into the following tests.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.strategies._resume_run", json.dumps(spec)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"run did not finish within {timeout:.0f}s:\n{err[-4000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks a killed launcher left behind
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def launch_ok(spec: dict[str, Any]) -> None:

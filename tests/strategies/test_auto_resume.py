@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.strategies._kill import launch
+
+pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
 
 SPEC = dict(
     layout=dict(zero_stage=1), max_steps=12, every_n_steps=3, save_last=False, save_top_k=1, resume="auto"

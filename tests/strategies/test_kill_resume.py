@@ -14,6 +14,8 @@ import torch
 
 from tests.strategies._kill import final_weights, launch_killed, launch_ok, losses
 
+pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
+
 SPEC = dict(layout=dict(zero_stage=1), max_steps=16, every_n_steps=3)
 
 

@@ -9,10 +9,13 @@ and the final weights within 1e-5 (the layouts sum in other orders).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.strategies._kill import final_weights, launch_killed, launch_ok, losses
 from tests.strategies._lm import assert_rel_close
+
+pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
 
 COMMON = dict(max_steps=16, every_n_steps=3)
 ZERO3 = dict(layout=dict(zero_stage=3), batch_size=2)

@@ -13,6 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
