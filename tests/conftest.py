@@ -33,6 +33,9 @@ def _deterministic():
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests that start their own multi-process jobs run last (stable order otherwise): a job left behind by one of them
+    # cannot starve the shared-worker tests.
+    items.sort(key=lambda item: item.get_closest_marker("own_processes") is not None)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
