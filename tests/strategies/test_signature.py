@@ -12,6 +12,10 @@ from lightning_flagscale import FlagScaleStrategy, ParallelConfig
 # Keyword arguments of the strategy that are not part of the parallel layout.
 NON_LAYOUT_KWARGS = {
     "parallel",
+    "resume",
+    "nan_policy",
+    "skip_spiky_loss",
+    "watchdog_timeout",
     "process_group_backend",
     "timeout",
     "grad_bucket_numel",
