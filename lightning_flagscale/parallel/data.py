@@ -37,6 +37,7 @@ __all__ = [
     "DistributedOptimizer",
     "apply_fsdp",
     "clip_grad_norm_",
+    "distributed_optimizers",
     "found_inf",
     "local_tensor",
     "num_shards",
@@ -285,6 +286,18 @@ def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[s
         groups["edp"] = meshes.group("edp")
         divisors["edp"] = parallel.dp * parallel.context_parallel_size * parallel.tensor_parallel_size
     return groups, divisors
+
+
+def distributed_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, meshes: Any, parallel: Any, **options: Any
+) -> dict[int, DistributedOptimizer]:
+    """DDP / ZeRO-1 / ZeRO-2 around each optimizer (keyed by ``id``), reducing over :func:`reduction_groups`;
+    ``options`` are :class:`DistributedOptimizer`'s (master weights, bucket size, overlap, hooks)."""
+    groups, divisors = reduction_groups(meshes, parallel)
+    return {
+        id(opt): DistributedOptimizer(opt, module, groups, stage=parallel.zero_stage, divisors=divisors, **options)
+        for opt in optimizers
+    }
 
 
 def apply_fsdp(

@@ -31,7 +31,11 @@ from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.parallel.data import apply_fsdp
 from lightning_flagscale.parallel.mesh import ParallelMeshes
-from lightning_flagscale.parallel.pipeline_model import PipelinedModel, build_pipelined_model
+from lightning_flagscale.parallel.pipeline_model import (
+    PipelinedModel,
+    build_pipelined_model,
+    exclude_tied_copy_from_norm,
+)
 
 __all__ = ["Parallelized", "RankLayout", "parallelize"]
 
@@ -61,6 +65,17 @@ class Parallelized:
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     expert_grad_scale: float = 1.0
     """Factor for expert gradients after FSDP2's edp average (see ``_shard_experts``)."""
+
+    def tag_parameters(self, model: nn.Module, ep_enabled: bool) -> None:
+        """Mark the tied pipeline copy (left out of the gradient norm) and expert parameters (reduced over the
+        expert-data-parallel group). Tags live on Parameter objects, which materialising and dtype/device moves may
+        replace: call this last."""
+        if self.pipeline is not None:
+            exclude_tied_copy_from_norm(self.pipeline)
+        if ep_enabled:
+            from lightning_flagscale.parallel.expert import tag_expert_params
+
+            tag_expert_params(model)
 
 
 def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:

@@ -13,6 +13,7 @@ loss, known on every pipeline rank. The strategy then skips Lightning's own back
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,14 @@ from lightning_flagscale.parallel.hetero import hetero_micro_batch_sizes
 from lightning_flagscale.parallel.mesh import ParallelMeshes
 from lightning_flagscale.parallel.pipeline import PipelineRunner, build_pipeline
 
-__all__ = ["PipelinedModel", "build_pipelined_model", "deferred_zero_grad", "exclude_tied_copy_from_norm"]
+__all__ = [
+    "PipelinedModel",
+    "build_pipelined_model",
+    "defer_zero_grad",
+    "deferred_zero_grad",
+    "exclude_tied_copy_from_norm",
+    "zero_grad_now",
+]
 
 
 @dataclass
@@ -114,6 +122,22 @@ class PipelinedModel(nn.Module):
 
 def deferred_zero_grad(set_to_none: bool = True) -> None:
     """Lightning's zero_grad under pipeline parallelism: a no-op (the strategy zeroes before the schedule runs)."""
+
+
+def defer_zero_grad(optimizers: Iterable[Any]) -> None:
+    """Lightning zeroes gradients between ``training_step`` and ``backward``; under PP that would wipe what the
+    schedule computed inside ``training_step``. Keep each optimizer's real ``zero_grad`` for :func:`zero_grad_now`."""
+    for opt in optimizers:
+        opt._flagscale_zero_grad = opt.zero_grad
+        opt.zero_grad = deferred_zero_grad
+
+
+def zero_grad_now(optimizers: Iterable[Any], module: nn.Module) -> None:
+    """Zero before the schedule runs, at the start of each accumulation window (see :func:`defer_zero_grad`)."""
+    for opt in optimizers:
+        opt._flagscale_zero_grad(set_to_none=True)
+    for param in module.parameters():
+        param.grad = None
 
 
 def build_pipelined_model(

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
@@ -211,8 +212,9 @@ class FlagScalePrecision(Precision):
             tensor = tensor * self.scaler.scale
         return tensor
 
-    def unscale_and_check(self, params: list[Tensor]) -> bool:
-        """Unscale main gradients; returns True when the step must be skipped (an inf/nan on any rank)."""
+    def unscale_and_check(self, params: list[Tensor], step: int | None = None) -> bool:
+        """Unscale main gradients; returns True when the step must be skipped (an inf/nan on any rank), which is
+        announced with the new loss scale (``step``: the trainer's global step, for the message)."""
         if self.scaler is None:
             return False
         overflow = found_inf(params)
@@ -222,6 +224,11 @@ class FlagScalePrecision(Precision):
                 if p.grad is not None:
                     local_tensor(p.grad).mul_(inv)
         self.scaler.update(overflow)
+        if overflow:
+            rank_zero_warn(
+                f"Step {step}: gradient overflow under {self.precision}; step skipped, loss scale lowered to"
+                f" {self.scaler.scale:g} ({self.scaler.skipped_steps} skipped so far)."
+            )
         return overflow
 
     @override

@@ -1,19 +1,32 @@
-"""Checkpoint I/O of ``FlagScaleStrategy``: model/optimizer shards in and out of DCP folders, per-rank RNG state."""
+"""Checkpoint I/O of ``FlagScaleStrategy``: its checkpoint hooks (:class:`CheckpointHooks`), model/optimizer shards in
+and out of DCP folders, per-rank RNG state and the rest of the training state."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from typing_extensions import override
 
-from lightning_flagscale.checkpoint.sharded import checkpoint_keys, load_sharded
+from lightning_flagscale.checkpoint.recovery import clean_interrupted
+from lightning_flagscale.checkpoint.sharded import (
+    PendingSave,
+    checkpoint_keys,
+    load_sharded,
+    read_meta,
+    remove_checkpoint_path,
+    save_sharded,
+)
 from lightning_flagscale.parallel.data import DistributedOptimizer
 
 __all__ = [
+    "CheckpointHooks",
     "load_training_state",
     "model_state",
     "moe_router_state",
@@ -204,3 +217,78 @@ def restore_training_meta(
     if hparams is not None and optimizers:
         restore_optimizer_hparams(optimizers, hparams)
     restore_moe_router_state(module, meta.pop("moe_router_state", {}))
+
+
+class CheckpointHooks:
+    """The strategy's checkpoint hooks: every rank writes its shards of one DCP folder (optionally in the
+    background, ``async_checkpoint``) and reads any layout's folder back in place (``load_checkpoint``). Mixed into
+    ``FlagScaleStrategy``, whose ``setup`` builds ``model``, ``optimizers`` and ``_dist_optimizers``."""
+
+    _pending_save: PendingSave | None = None
+    _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
+    _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return model_state(self.model, self._dist_optimizers.values())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done collectively in `load_checkpoint`
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return optimizer_state(self.model, opt, self._dist_opt(opt))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done collectively in `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("FlagScaleStrategy.save_checkpoint does not take storage_options (it writes DCP folders).")
+        self._mark("save_checkpoint: DCP write, all_gather_object, barriers")
+        path = Path(self.broadcast(str(filepath)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = opt_state
+        checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
+        checkpoint["parallel_config"] = vars(self.parallel).copy()
+        self.wait_for_checkpoint()  # one save in flight at a time
+        self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
+        if self._pending_save is None:
+            self._last_checkpoint = path
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint in flight is complete (renamed into place)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            self._last_checkpoint = pending.wait()
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        # Retention (save_top_k, last) asks right after `save_checkpoint` returns: with an asynchronous save still
+        # in flight the old checkpoint is deleted only once the new one is complete (never if it fails).
+        if not self.is_global_zero:
+            return
+        if self._pending_save is not None:
+            self._pending_save.remove_after(filepath)
+        else:
+            remove_checkpoint_path(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
+        self._mark("load_checkpoint: DCP read, barriers")
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
+        self.barrier()
+        meta = read_meta(path)
+        strict = getattr(self.lightning_module, "strict_loading", True)
+        load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
+        restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
+        meta.pop("parallel_config", None)
+        return meta

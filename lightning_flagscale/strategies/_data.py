@@ -3,6 +3,7 @@
 * Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch, for training and evaluation
   alike, so that pipeline stage boundaries line up (``parallel.hetero.MicroBatchSliceSampler``).
 * Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only).
+* Context parallelism: each rank's sequence chunks of a batch (``shard_for_cp``).
 * Training loaders of modules that opt in (``global_token_loss``) then carry the step's token count
   (``strategies/_tokens.py``).
 
@@ -14,6 +15,7 @@ collate function but not a custom ``DataLoader`` subclass (e.g. ``LMDataModule``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -21,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
 from lightning_flagscale.strategies._tokens import TokenCountingLoader
 
-__all__ = ["distribute_loader"]
+__all__ = ["distribute_loader", "shard_for_cp"]
 
 
 def distribute_loader(
@@ -65,3 +67,16 @@ def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> DataLoader:
         dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
         num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
     )  # fmt: skip
+
+
+def shard_for_cp(args: tuple, batch_model: Any, cp_mesh: Any) -> tuple:
+    """This context-parallel rank's chunks of a dict batch (load-balanced causal split). The model protocol's batch
+    hooks (``models/protocol.py``) run first: per-token tensors (e.g. vision position ids) need the full sequence."""
+    if not args or not isinstance(args[0], Mapping):
+        return args
+    from lightning_flagscale.parallel.context import shard_batch_for_cp
+
+    prepare = getattr(batch_model, "prepare_batch", None)
+    batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])
+    keys = tuple(getattr(batch_model, "cp_sequence_keys", ()))
+    return (shard_batch_for_cp(batch, cp_mesh, sequence_keys=keys), *args[1:])

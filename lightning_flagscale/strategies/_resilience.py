@@ -5,11 +5,14 @@
   choice of the checkpoint to resume from when ``resume="auto"``.
 - :func:`auto_resume_path`: the newest complete checkpoint in the folders of the ``ModelCheckpoint`` callbacks.
 - :class:`StepGuard`: the per-step decision on non-finite losses/gradients (``nan_policy``) and loss spikes.
+- :class:`ResilienceHooks`: how ``FlagScaleStrategy`` uses them (launcher, watchdog, step guard).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,10 +28,12 @@ from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
 from lightning_flagscale.parallel.data import local_tensor
+from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = [
     "FlagScaleLauncher",
     "NanPolicy",
+    "ResilienceHooks",
     "StepGuard",
     "StepVerdict",
     "auto_resume_path",
@@ -229,3 +234,57 @@ def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor]) -> bool:
     else:
         rank_zero_warn(f"{verdict.message} Step skipped ({guard.skipped_steps} so far).")
     return False
+
+
+class ResilienceHooks:
+    """The strategy's launcher, watchdog and step guard. Mixed into ``FlagScaleStrategy``, which sets
+    ``_resume``, ``_guard`` (a :class:`StepGuard`), ``_watchdog_timeout`` and ``_check_layout``."""
+
+    _watchdog: Watchdog | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Also with externally created processes (torchrun, SLURM): the launcher validates and picks the checkpoint
+        # of resume="auto" before `fit` starts, and spawns workers only when Lightning has to.
+        assert self.cluster_environment is not None
+        self._launcher = FlagScaleLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, validate=self._validate_before_launch,
+            resume=self._resume, spawn=not self.cluster_environment.creates_processes_externally,
+        )  # fmt: skip
+
+    def _validate_before_launch(self, datamodule: Any) -> None:
+        """Run in the launching process before any worker exists (``setup_environment`` repeats the layout checks
+        for launchers that bypass this one)."""
+        world_size = self.num_nodes * self.num_processes
+        validate_before_launch(self.parallel, self.lightning_module, world_size, datamodule, self._check_layout)
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog_timeout is None or self._watchdog is not None:
+            return
+        env = self.cluster_environment
+        run_id = self.broadcast(uuid.uuid4().hex)  # a fresh key space in the store for this run
+        self._watchdog = Watchdog(
+            rank=self.global_rank, world_size=self.world_size, host=env.main_address, port=env.main_port,
+            run_id=run_id, timeout=self._watchdog_timeout,
+        )  # fmt: skip
+        self._watchdog.start()
+
+    def _mark(self, phase: str) -> None:
+        if self._watchdog is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._watchdog.mark(phase, trainer.global_step if trainer is not None else None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is not None and isinstance(exception, (RuntimeError, dist.DistBackendError)):
+            print(f"[FlagScale watchdog, rank {self.global_rank}] after {type(exception).__name__} in"
+                  f" {self._watchdog.phase!r}: {self._watchdog.diagnose()}", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    def _apply_step_guard(self, params: list[Tensor]) -> bool:
+        """``nan_policy`` / ``skip_spiky_loss`` (see ``_resilience.guard_step``): True to step."""
+        return guard_step(self, self._guard, params)

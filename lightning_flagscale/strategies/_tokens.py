@@ -18,6 +18,7 @@ gradient of the global token mean. This is the per-token-loss approach of Megatr
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,10 +27,14 @@ from torch import Tensor, nn
 
 __all__ = [
     "NUM_ITEMS_KEY",
+    "StepScales",
     "TokenCountingLoader",
+    "apply_accumulation",
     "batch_size_of",
     "count_label_tokens",
+    "global_tokens",
     "scale_loss",
+    "step_scales",
     "uses_global_token_loss",
 ]
 
@@ -105,3 +110,50 @@ def scale_loss(output: Any, factor: float) -> Any:
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
         return {**output, "loss": output["loss"] * factor}
     return output
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepScales:
+    """How one micro-step's losses and gradients are scaled under the token-mean protocol."""
+
+    loss_factor: int
+    """Multiplies the module's loss: the gradient reduction averages over the data x context ranks and Lightning
+    divides by the accumulation count, while the loss already is this rank's share of the step's token mean."""
+    pipeline_grad_scale: float
+    """Under PP the schedule backpropagates each micro-batch itself (Lightning's division by the accumulation count
+    never reaches it): the loss scale times the data x context factor, or 1 / A for a per-micro-batch mean."""
+    aux_loss_scale: float
+    """MoE aux-loss gradients are attached inside the layers: a mean over accumulation steps and, under PP, over the
+    schedule's micro-batches (their gradients are summed, not averaged), times the loss scale."""
+
+
+def step_scales(args: tuple, *, dp_cp: int, accumulate: int, loss_scale: float, microbatches: int) -> StepScales:
+    normalised = bool(args) and isinstance(args[0], Mapping) and NUM_ITEMS_KEY in args[0]
+    factor = dp_cp * accumulate if normalised else 1
+    return StepScales(
+        loss_factor=factor,
+        pipeline_grad_scale=loss_scale * (factor / accumulate if normalised else 1 / accumulate),
+        aux_loss_scale=loss_scale / (accumulate * microbatches),
+    )
+
+
+def apply_accumulation(parallel: Any, trainer: Any) -> None:
+    """``gradient_accumulation_steps`` (Megatron's name) drives Lightning's ``accumulate_grad_batches``."""
+    steps = parallel.gradient_accumulation_steps
+    if steps > 1:
+        if trainer.accumulate_grad_batches not in (1, steps):
+            raise ValueError(
+                f"gradient_accumulation_steps={steps} conflicts with"
+                f" Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); set only one of them."
+            )
+        trainer.accumulate_grad_batches = steps
+
+
+def global_tokens(local_tokens: int, parallel: Any, meshes: Any) -> int:
+    """Tokens of the whole step given this rank's share (for tokens/s): data x context ranks hold disjoint tokens,
+    in equal shares or in ``hetero_dp_batch_sizes`` proportions."""
+    cp = meshes.size("cp")
+    shares = parallel.hetero_dp_batch_sizes
+    if shares is not None:
+        return local_tokens * cp * sum(shares) // shares[meshes.local_rank("dp")]
+    return local_tokens * cp * meshes.size("dp")

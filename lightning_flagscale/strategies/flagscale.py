@@ -2,22 +2,23 @@
 
 Hook order (Lightning's): ``setup_environment`` validates the layout against the world size and the model's config
 before any process group exists, then creates the process group and the named meshes; ``configure_model`` runs on
-the meta device; ``setup`` parallelises (TP -> CP -> EP -> ZeRO-3/FSDP2), materialises and initialises the weights,
-applies precision, builds the optimizers and turns them into DDP/ZeRO-1/2 optimizers. ``optimizer_step`` runs the
-closure, reduces gradients over data x context ranks, unscales/clips by the global norm, steps, and re-gathers.
+the meta device; ``setup`` hands the model and this rank's layout to ``parallel.parallelize`` (PP split -> TP -> CP
+-> EP -> recompute -> ZeRO-3 -> materialise), applies precision, builds the optimizers and turns them into
+DDP/ZeRO-1/2 optimizers. ``optimizer_step`` runs the closure, reduces gradients over data x context ranks,
+unscales/clips by the global norm, steps, and re-gathers.
 
-Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequences them.
+Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequences them. Checkpoint hooks are in
+``_checkpoint.py``, the launcher / watchdog / step guard in ``_resilience.py``, data loaders in ``_data.py`` and the
+token-mean loss in ``_tokens.py``.
 """
 
 from __future__ import annotations
 
-import sys
-import uuid
-from collections.abc import Generator, Mapping
+import dataclasses
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -36,44 +37,40 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.recovery import clean_interrupted
-from lightning_flagscale.checkpoint.sharded import PendingSave, read_meta, remove_checkpoint_path, save_sharded
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
-from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, reduction_groups
+from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, distributed_optimizers
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
-from lightning_flagscale.parallel.pipeline_model import PipelinedModel, deferred_zero_grad, exclude_tied_copy_from_norm
+from lightning_flagscale.parallel.pipeline_model import (
+    PipelinedModel,
+    defer_zero_grad,
+    zero_grad_now,
+)
 from lightning_flagscale.parallel.schedules import ScheduleName
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision, check_precision_layout
-from lightning_flagscale.strategies._checkpoint import (
-    load_training_state,
-    model_state,
-    optimizer_state,
-    restore_training_meta,
-    training_meta,
+from lightning_flagscale.strategies._checkpoint import CheckpointHooks
+from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
+from lightning_flagscale.strategies._resilience import NanPolicy, ResilienceHooks, StepGuard
+from lightning_flagscale.strategies._tokens import (
+    apply_accumulation,
+    batch_size_of,
+    global_tokens,
+    scale_loss,
+    step_scales,
+    uses_global_token_loss,
 )
-from lightning_flagscale.strategies._data import distribute_loader
-from lightning_flagscale.strategies._resilience import (
-    FlagScaleLauncher,
-    NanPolicy,
-    StepGuard,
-    guard_step,
-    validate_before_launch,
-)
-from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, batch_size_of, scale_loss, uses_global_token_loss
-from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = ["FlagScaleStrategy"]
 
 
-class FlagScaleStrategy(ParallelStrategy):
+class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
     """Megatron/FlagScale-class hybrid parallelism for the Lightning ``Trainer``.
 
     Pass the parallel sizes as keyword arguments (the fields of :class:`~lightning_flagscale.config.ParallelConfig`)
@@ -126,29 +123,10 @@ class FlagScaleStrategy(ParallelStrategy):
         if resume not in (None, "auto"):
             raise ValueError(f"resume={resume!r} is unknown; use 'auto' (newest complete checkpoint) or None.")
         if parallel is None:
-            parallel = ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size,
-                virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
-                context_parallel_size=context_parallel_size,
-                context_parallel_mode=context_parallel_mode,
-                ulysses_size=ulysses_size,
-                expert_parallel_size=expert_parallel_size,
-                expert_tensor_parallel_size=expert_tensor_parallel_size,
-                data_parallel_size=data_parallel_size,
-                zero_stage=zero_stage,
-                sequence_parallel=sequence_parallel,
-                micro_batch_size=micro_batch_size,
-                gradient_accumulation_steps=gradient_accumulation_steps,
-                pipeline_schedule=pipeline_schedule,
-                pipeline_layers=pipeline_layers,
-                pipeline_balance=pipeline_balance,
-                recompute=recompute,
-                hetero_dp_batch_sizes=hetero_dp_batch_sizes,
-                hetero_meshes=hetero_meshes,
-                hetero_layers=hetero_layers,
-                hetero_device_speed=hetero_device_speed,
-            )
+            # The explicit keywords above are ParallelConfig's fields (LightningCLI reads this signature; a test keeps
+            # the two equal): pass them through by name.
+            given = locals()
+            parallel = ParallelConfig(**{f.name: given[f.name] for f in dataclasses.fields(ParallelConfig)})
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
@@ -160,13 +138,9 @@ class FlagScaleStrategy(ParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._resume = resume
         self._guard = StepGuard(nan_policy, skip_spiky_loss)
-        self._last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (rollback target)
         if watchdog_timeout is not None and watchdog_timeout <= 0:
             raise ValueError(f"watchdog_timeout={watchdog_timeout} must be > 0 seconds, or None to disable it.")
         self._watchdog_timeout = watchdog_timeout
-        self._watchdog: Watchdog | None = None
-        self._checkpoint_group: dist.ProcessGroup | None = None
-        self._pending_save: PendingSave | None = None
         self._meshes: ParallelMeshes | None = None
         self._dist_optimizers: dict[int, DistributedOptimizer] = {}
         self._fsdp_roots: list[nn.Module] = []
@@ -210,13 +184,8 @@ class FlagScaleStrategy(ParallelStrategy):
         return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
 
     def global_tokens(self, local_tokens: int) -> int:
-        """Tokens of the whole step given this rank's share (for tokens/s): data x context ranks hold disjoint
-        tokens, in equal shares or in ``hetero_dp_batch_sizes`` proportions."""
-        cp = self.meshes.size(MeshDim.CP)
-        shares = self.parallel.hetero_dp_batch_sizes
-        if shares is not None:
-            return local_tokens * cp * sum(shares) // shares[self.meshes.local_rank(MeshDim.DP)]
-        return local_tokens * cp * self.meshes.size(MeshDim.DP)
+        """Tokens of the whole step given this rank's share (for tokens/s)."""
+        return global_tokens(local_tokens, self.parallel, self.meshes)
 
     @property
     @override
@@ -243,22 +212,6 @@ class FlagScaleStrategy(ParallelStrategy):
         self._precision_plugin = None if precision_plugin is None else as_flagscale_precision(precision_plugin)
 
     # ------------------------------------------------------------------ environment
-    @override
-    def _configure_launcher(self) -> None:
-        # Also with externally created processes (torchrun, SLURM): the launcher validates and picks the checkpoint
-        # of resume="auto" before `fit` starts, and spawns workers only when Lightning has to.
-        assert self.cluster_environment is not None
-        self._launcher = FlagScaleLauncher(
-            self.cluster_environment, self.num_processes, self.num_nodes, validate=self._validate_before_launch,
-            resume=self._resume, spawn=not self.cluster_environment.creates_processes_externally,
-        )  # fmt: skip
-
-    def _validate_before_launch(self, datamodule: Any) -> None:
-        """Run in the launching process before any worker exists (``setup_environment`` repeats the layout checks
-        for launchers that bypass this one)."""
-        world_size = self.num_nodes * self.num_processes
-        validate_before_launch(self.parallel, self.lightning_module, world_size, datamodule, self._check_layout)
-
     def _check_layout(self, parallel: ParallelConfig, module: Any) -> None:
         validate_layout(parallel, module)
         check_precision_layout(self.precision_plugin.precision, parallel)
@@ -286,28 +239,6 @@ class FlagScaleStrategy(ParallelStrategy):
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
         self._start_watchdog()
-
-    def _start_watchdog(self) -> None:
-        if self._watchdog_timeout is None or self._watchdog is not None:
-            return
-        env = self.cluster_environment
-        run_id = self.broadcast(uuid.uuid4().hex)  # a fresh key space in the store for this run
-        self._watchdog = Watchdog(
-            rank=self.global_rank, world_size=self.world_size, host=env.main_address, port=env.main_port,
-            run_id=run_id, timeout=self._watchdog_timeout,
-        )  # fmt: skip
-        self._watchdog.start()
-
-    def _mark(self, phase: str) -> None:
-        if self._watchdog is not None:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            self._watchdog.mark(phase, trainer.global_step if trainer is not None else None)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self._watchdog is not None and isinstance(exception, (RuntimeError, dist.DistBackendError)):
-            print(f"[FlagScale watchdog, rank {self.global_rank}] after {type(exception).__name__} in"
-                  f" {self._watchdog.phase!r}: {self._watchdog.diagnose()}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _build_hetero_meshes(self) -> None:
         """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
@@ -339,13 +270,7 @@ class FlagScaleStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         p = self.parallel
-        if p.gradient_accumulation_steps > 1:
-            if trainer.accumulate_grad_batches not in (1, p.gradient_accumulation_steps):
-                raise ValueError(
-                    f"gradient_accumulation_steps={p.gradient_accumulation_steps} conflicts with"
-                    f" Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); set only one of them."
-                )
-            trainer.accumulate_grad_batches = p.gradient_accumulation_steps
+        apply_accumulation(p, trainer)
         module = self.lightning_module
         inner = find_protocol_model(module)
         self._batch_model = inner  # kept for its batch hooks: under PP, module.model becomes the PipelinedModel
@@ -364,13 +289,7 @@ class FlagScaleStrategy(ParallelStrategy):
         if p.zero_stage < 3:
             self.model = precision.convert_module(self.model)
         self.model_to_device()
-        # Tags live on Parameter objects, which materialising and dtype/device moves may replace: set them last.
-        if self._pipeline is not None:
-            exclude_tied_copy_from_norm(self._pipeline)
-        if p.ep_enabled:
-            from lightning_flagscale.parallel.expert import tag_expert_params
-
-            tag_expert_params(module.model if self._pipeline is not None else inner)
+        result.tag_parameters(module.model if self._pipeline is not None else inner, p.ep_enabled)
         precision.grad_norm_fn = partial(
             clip_grad_norm_, pp_size=p.pipeline_parallel_size,
             stage_ranks=self.meshes.size(MeshDim.STAGE) if self._hetero_groups is not None else None,
@@ -388,31 +307,19 @@ class FlagScaleStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         for dopt in self._dist_optimizers.values():
-            dopt.close()  # issue 15: the old optimizers' gradient hooks
+            dopt.close()  # the old optimizers' gradient hooks
         self._dist_optimizers = {}
         if self._pipeline is not None:
-            for opt in self.optimizers:
-                # Lightning zeroes grads between training_step and backward; under PP that would wipe the
-                # schedule's gradients. Keep the real zero_grad for `training_step` to call at the right time.
-                opt._flagscale_zero_grad = opt.zero_grad
-                opt.zero_grad = deferred_zero_grad
+            defer_zero_grad(self.optimizers)
         if self.parallel.zero_stage == 3:
             return
-        groups, divisors = reduction_groups(self.meshes, self.parallel)
-        for opt in self.optimizers:
-            self._dist_optimizers[id(opt)] = DistributedOptimizer(
-                opt,
-                self.lightning_module,
-                groups,
-                stage=self.parallel.zero_stage,
-                master_weights=self.precision_plugin.master_weights,
-                bucket_numel=self._grad_bucket_numel,
-                divisors=divisors,
-                # issue 15: under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and
-                # tied embeddings are summed across stages first): buckets are filled and reduced at the step.
-                overlap=self._overlap_grad_reduce,
-                hooks=self._pipeline is None,
-            )
+        self._dist_optimizers = distributed_optimizers(
+            self.optimizers, self.lightning_module, self.meshes, self.parallel,
+            master_weights=self.precision_plugin.master_weights, bucket_numel=self._grad_bucket_numel,
+            # Under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and tied embeddings
+            # are summed across stages first): buckets are filled and reduced at the step, not by hooks.
+            overlap=self._overlap_grad_reduce, hooks=self._pipeline is None,
+        )  # fmt: skip
 
     def _expert_params(self) -> list[nn.Parameter]:
         return [param for layer in self._moe_layers for param in layer.experts.parameters()]
@@ -443,31 +350,20 @@ class FlagScaleStrategy(ParallelStrategy):
         self._mark("training_step: forward/backward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        loss_scale = scaler.scale if scaler is not None else 1.0
-        # Aux-loss gradients are attached inside the layers: a mean over accumulation steps and, under PP, over the
-        # schedule's micro-batches (their gradients are summed, not averaged), times the loss scale.
-        micro = self._pipeline.runner.count_microbatches(batch_size_of(args)) if self._pipeline is not None else 1
+        scales = step_scales(
+            args, dp_cp=self.meshes.size(MeshDim.DP_CP), accumulate=self.lightning_module.trainer.accumulate_grad_batches,
+            loss_scale=scaler.scale if scaler is not None else 1.0,
+            microbatches=self._pipeline.runner.count_microbatches(batch_size_of(args)) if self._pipeline else 1,
+        )  # fmt: skip
         for layer in self._moe_layers:
-            layer.aux_loss_scale = loss_scale / (accumulate * micro)
-        # The module's loss is this rank's share of the step's token mean (see _tokens.py): the gradient reduction
-        # averages over the data x context ranks and Lightning divides by the accumulation count; undo both.
-        normalised = bool(args) and isinstance(args[0], Mapping) and NUM_ITEMS_KEY in args[0]
-        token_factor = self.meshes.size(MeshDim.DP_CP) * accumulate if normalised else 1
+            layer.aux_loss_scale = scales.aux_loss_scale
         if self._pipeline is not None:
-            if self._pp_zero_grad_pending:
-                # Under PP the schedule runs backward inside training_step, before the point where Lightning's loop
-                # zeroes gradients; the zeroing happens here instead, at the start of each accumulation window.
-                for opt in self.optimizers:
-                    opt._flagscale_zero_grad(set_to_none=True)
-                for param in self.lightning_module.parameters():
-                    param.grad = None
+            if self._pp_zero_grad_pending:  # the schedule runs backward here, before Lightning's loop zeroes
+                zero_grad_now(self.optimizers, self.lightning_module)
                 self._pp_zero_grad_pending = False
-            # The schedule backpropagates each micro-batch itself: Lightning's division by the accumulation count
-            # never reaches it, so only the data x context factor (or, for a per-micro-batch mean, 1 / A) applies.
-            self._pipeline.grad_scale = loss_scale * (token_factor / accumulate if normalised else 1 / accumulate)
+            self._pipeline.grad_scale = scales.pipeline_grad_scale
         output = super().training_step(*args, **kwargs)
-        output = scale_loss(output, token_factor) if token_factor != 1 else output
+        output = scale_loss(output, scales.loss_factor) if scales.loss_factor != 1 else output
         self._guard.observe(output)
         return output
 
@@ -478,15 +374,7 @@ class FlagScaleStrategy(ParallelStrategy):
         return super().validation_step(*args, **kwargs)
 
     def _shard_for_cp(self, args: tuple) -> tuple:
-        if not self.parallel.cp_enabled or not args or not isinstance(args[0], Mapping):
-            return args
-        from lightning_flagscale.parallel.context import shard_batch_for_cp
-
-        # The model protocol's batch hooks (models/protocol.py): per-token tensors computed on the full sequence.
-        prepare = getattr(self._batch_model, "prepare_batch", None)
-        batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])
-        keys = tuple(getattr(self._batch_model, "cp_sequence_keys", ()))
-        return (shard_batch_for_cp(batch, self.meshes["cp"], sequence_keys=keys), *args[1:])
+        return shard_for_cp(args, self._batch_model, self.meshes["cp"]) if self.parallel.cp_enabled else args
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -544,26 +432,16 @@ class FlagScaleStrategy(ParallelStrategy):
         params = [q for g in opt.param_groups for q in g["params"]]
         self._mark("optimizer_step: non-finite check (all_gather), global grad norm (all_reduce), step")
         if self._apply_step_guard(params):
-            skip = precision.unscale_and_check(params)
+            skip = precision.unscale_and_check(params, self.lightning_module.trainer.global_step)
             precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
             if not skip:
                 opt.step(**kwargs)
-            elif precision.scaler is not None:
-                rank_zero_warn(
-                    f"Step {self.lightning_module.trainer.global_step}: gradient overflow under {precision.precision};"
-                    f" step skipped, loss scale lowered to {precision.scaler.scale:g}"
-                    f" ({precision.scaler.skipped_steps} skipped so far)."
-                )
         if dopt is not None:
             self._mark("optimizer_step: ZeRO parameter all-gather")
             dopt.sync_params()
         self._pp_zero_grad_pending = True
         self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
-
-    def _apply_step_guard(self, params: list[Tensor]) -> bool:
-        """``nan_policy`` / ``skip_spiky_loss`` (see ``_resilience.guard_step``): True to step."""
-        return guard_step(self, self._guard, params)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -592,77 +470,9 @@ class FlagScaleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        self._stop_watchdog()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return model_state(self.model, self._dist_optimizers.values())
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # done collectively in `load_checkpoint`
-
-    @override
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return optimizer_state(self.model, opt, self._dist_opt(opt))
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # done collectively in `load_checkpoint`
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("FlagScaleStrategy.save_checkpoint does not take storage_options (it writes DCP folders).")
-        self._mark("save_checkpoint: DCP write, all_gather_object, barriers")
-        path = Path(self.broadcast(str(filepath)))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{i}"] = opt_state
-        checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
-        checkpoint["parallel_config"] = vars(self.parallel).copy()
-        self.wait_for_checkpoint()  # one save in flight at a time
-        self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
-        if self._pending_save is None:
-            self._last_checkpoint = path
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous checkpoint in flight is complete (renamed into place)."""
-        if self._pending_save is not None:
-            pending, self._pending_save = self._pending_save, None
-            self._last_checkpoint = pending.wait()
-
-    @override
-    def remove_checkpoint(self, filepath) -> None:
-        # Retention (save_top_k, last) asks right after `save_checkpoint` returns: with an asynchronous save still
-        # in flight the old checkpoint is deleted only once the new one is complete (never if it fails).
-        if not self.is_global_zero:
-            return
-        if self._pending_save is not None:
-            self._pending_save.remove_after(filepath)
-        else:
-            remove_checkpoint_path(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        self.wait_for_checkpoint()
-        self._mark("load_checkpoint: DCP read, barriers")
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self.is_global_zero:
-            clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
-        self.barrier()
-        meta = read_meta(path)
-        strict = getattr(self.lightning_module, "strict_loading", True)
-        load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
-        restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
-        meta.pop("parallel_config", None)
-        return meta
