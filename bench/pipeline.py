@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage
+
+from lightning_flagscale.parallel.pipeline import StatelessInferenceStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -97,7 +98,7 @@ class _SleepLM(nn.Module):
 _EVENTS: list[tuple[str, int, int, float, float]] = []  # (kind, stage, micro-batch, start, end)
 
 
-class _TimedStage(PipelineStage):
+class _TimedStage(StatelessInferenceStage):
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

@@ -61,6 +61,7 @@ __all__ = [
     "SCHEDULES",
     "PipelineRunner",
     "StagePlan",
+    "StatelessInferenceStage",
     "build_pipeline",
     "build_stage_module",
     "check_units_cover_parameters",
@@ -115,6 +116,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class StatelessInferenceStage(PipelineStage):
+    """``PipelineStage`` whose first-step metadata inference leaves the stage module's buffers as they were.
+
+    Without static input/output metadata, torch runs each stage's forward once on the first step to learn the shapes
+    it sends (``_forward_metadata_inference``): on the first stage with the real micro-batch, on the others with
+    uninitialised tensors. That forward is not part of training, but modules that accumulate statistics in buffers
+    during forward (a MoE layer's per-expert load for aux-free bias balancing, BatchNorm's running statistics)
+    would count it. The buffers are restored afterwards, so the first step equals every other step.
+    """
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        saved = [(buf, buf.detach().clone()) for buf in self.submod.buffers() if not buf.is_meta]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buf, value in saved:
+                    buf.copy_(value)
+
+
 class PipelineRunner:
     """The stages this rank holds, the training schedule and the forward-only path, behind two calls.
 
@@ -125,7 +146,7 @@ class PipelineRunner:
     once per optimizer step and before clipping / the DP reduction, ``runner.sync_tied_grads()``.
     """
 
-    stage_cls: type[PipelineStage] = PipelineStage
+    stage_cls: type[PipelineStage] = StatelessInferenceStage
     """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
 
     def __init__(

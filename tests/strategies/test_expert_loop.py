@@ -99,7 +99,7 @@ def test_preset_defaults_match_single_process(launcher, sgd_references, preset, 
         assert any(b.abs().max() > 0 for b in ref["buffers"].values())  # the biases really moved
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2-moe-tiny"])  # deepseek-v3-tiny: open, see the closing note
+@pytest.mark.parametrize("preset", PRESETS)
 def test_preset_defaults_under_expert_x_pipeline_parallel(launcher, sgd_references, preset):
     # EP=2 inside PP=2 stages with one micro-batch per step (GPipe): the aux statistics of a micro-batch are then those
     # of the whole global batch, as in the single-process oracle. With several micro-batches the global aux loss is,
