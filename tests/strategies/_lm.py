@@ -24,23 +24,36 @@ class TokenDataset(Dataset):
     """Random token sequences as HF-style dict samples (fixed by seed)."""
 
     def __init__(
-        self, vocab: int = 256, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 3, ragged: bool = True
-    ) -> None:
+        self, vocab: int = 256, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 3, ragged: bool = True,
+        packed: bool = False,
+    ) -> None:  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab, (num_samples, seq + 1), generator=g)
         self.labels = self.tokens[:, 1:].clone()
         if ragged:  # ignore a random prefix of each sample's labels (-100), at a different rate per sample
             for i, k in enumerate(torch.randint(0, 3 * seq // 4 + 1, (num_samples,), generator=g).tolist()):
                 self.labels[i, :k] = -100
+        self.extra: dict[str, torch.Tensor] = {}
+        if packed:  # 1-3 documents per sample at random cut points; the last token of a document predicts nothing
+            segments = torch.zeros(num_samples, seq, dtype=torch.long)
+            for i in range(num_samples):
+                for cut in torch.randint(1, seq, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g):
+                    segments[i, cut:] += 1
+            ends = torch.cat([segments[:, 1:] != segments[:, :-1], torch.zeros(num_samples, 1, dtype=torch.bool)], 1)
+            self.labels[ends] = -100
+            position = torch.arange(seq).expand(num_samples, seq)
+            starts = torch.where(segments != torch.cat([segments[:, :1], segments[:, :-1]], 1), position, 0)
+            self.extra = {"segment_ids": segments, "position_ids": position - starts.cummax(1).values}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i, :-1], "labels": self.labels[i]}
+        return {"input_ids": self.tokens[i, :-1], "labels": self.labels[i], **{k: v[i] for k, v in self.extra.items()}}
 
     def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[indices, :-1], "labels": self.labels[indices]}
+        extra = {k: v[indices] for k, v in self.extra.items()}
+        return {"input_ids": self.tokens[indices, :-1], "labels": self.labels[indices], **extra}
 
 
 def make_module(config: TransformerConfig, optimizer: str = "sgd") -> CausalLMModule:
@@ -59,6 +72,7 @@ def reference_run(
     global_batch: int = GLOBAL_BATCH,
     ragged: bool = True,
     skip_steps: tuple[int, ...] = (),
+    packed: bool = False,
 ) -> tuple[list[float], dict]:
     """Single-process fp32 training: the oracle every layout must match (``skip_steps``: batches seen, not stepped).
 
@@ -69,7 +83,7 @@ def reference_run(
     module = make_module(config)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
-    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged)
+    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged, packed=packed)
     losses, norms = [], []
     for step in range(steps):
         loss = module._loss(data.batch(global_batch_indices(len(data), global_batch, step)))
@@ -110,6 +124,7 @@ def trainer_run(
     accumulate: int = 1,
     optimizer: str = "sgd",
     batch_size: int | None = None,
+    packed: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run ``Trainer.fit`` on every worker; returns (global mean loss per step, full parameters) on each rank."""
     import lightning as L
@@ -141,7 +156,7 @@ def trainer_run(
         num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])], accumulate_grad_batches=accumulate,
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
-    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged)
+    data = TokenDataset(config.vocab_size, num_samples, ragged=ragged, packed=packed)
     loader = DataLoader(data, batch_size=batch_size or GLOBAL_BATCH // dp)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:

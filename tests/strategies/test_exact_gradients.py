@@ -1,5 +1,5 @@
 """One token mean per optimizer step (issue 10): pipeline micro-batches, gradient accumulation (Trainer's flag and the
-strategy's), PP x DP x ZeRO-1, hetero-DP shares under PP, all with ragged labels and plain SGD, so that a wrongly
+strategy's), PP x DP x ZeRO-1, packed documents under CP and PP, hetero-DP shares under PP, all with ragged labels and plain SGD, so that a wrongly
 weighted micro-batch or a gradient off by a constant factor fails the weight and gradient-norm comparison."""
 
 from __future__ import annotations
@@ -35,6 +35,23 @@ def test_ragged_labels_give_one_token_mean_per_step(launcher, world, kwargs, acc
     reference = reference_run(_pp_config(), STEPS, clip=1.0, global_batch=4 * steps_batches)
     results = launcher(world, trainer_run, kwargs, _pp_config(), STEPS, clip=1.0, accumulate=accumulate)
     assert_matches_reference(results, reference, str(kwargs), losses_per_step=steps_batches)
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs"),
+    [
+        (4, dict(context_parallel_size=2, zero_stage=1)),
+        (4, dict(pipeline_parallel_size=2, micro_batch_size=1)),
+    ],
+    ids=["dp2xcp2-zero1", "pp2xdp2"],
+)
+def test_packed_documents_give_one_token_mean_per_step(launcher, world, kwargs):
+    # 1-3 documents per sample (segment_ids, restarted position_ids, no target across a document end) on top of the
+    # ragged labels: the token count and the attention masks travel with the batch through CP sharding and the
+    # pipeline's micro-batches.
+    reference = reference_run(_pp_config(), STEPS, clip=1.0, packed=True)
+    results = launcher(world, trainer_run, kwargs, _pp_config(), STEPS, clip=1.0, packed=True)
+    assert_matches_reference(results, reference, f"packed {kwargs}")
 
 
 def test_hetero_shares_under_pipeline_run_equal_microbatch_counts(launcher):
