@@ -64,7 +64,9 @@ def sgd_reference(config: TransformerConfig, steps: int) -> dict[str, Any]:
     return {"losses": losses, "init": init, "params": params, "buffers": buffers}
 
 
-def sgd_trainer_run(strategy_kwargs: dict[str, Any], config: TransformerConfig, steps: int) -> dict[str, Any]:
+def sgd_trainer_run(
+    strategy_kwargs: dict[str, Any], config: TransformerConfig, steps: int, batch_size: int | None = None
+) -> dict[str, Any]:
     """``Trainer.fit`` with FlagScaleStrategy on every worker (ragged labels); full weights and biases per rank."""
     import lightning as L
     import torch.distributed as dist
@@ -97,7 +99,7 @@ def sgd_trainer_run(strategy_kwargs: dict[str, Any], config: TransformerConfig, 
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
-    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(module, DataLoader(data, batch_size=batch_size or GLOBAL_BATCH // dp))
     params = {}
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p

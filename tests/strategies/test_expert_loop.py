@@ -109,6 +109,21 @@ def test_preset_defaults_under_expert_x_pipeline_parallel(launcher, sgd_referenc
     assert_sgd_parity(results, sgd_references(preset), f"{preset} ep2 x pp2", pipeline=True)
 
 
+def test_deepseek_bias_balancing_under_hetero_meshes(launcher, sgd_references):
+    # Issue 12 item 4: EP=2 on the first mesh (2 layers), EP=1 x TP=2 on the second (1 layer); each mesh's routers
+    # count the load of the whole global batch (one micro-batch per step) and take the same aux-free bias steps.
+    config = shrink("deepseek-v3-tiny")
+    assert config.moe_router_bias_update_rate > 0
+    meshes = [dict(data_parallel_size=2, expert_parallel_size=2), dict(tensor_parallel_size=2)]
+    kwargs = dict(hetero_meshes=meshes, hetero_layers=[2, 1], micro_batch_size=2, zero_stage=1)
+    results = launcher(4, sgd_trainer_run, kwargs, config, STEPS, batch_size=2)
+    ref = sgd_references("deepseek-v3-tiny")
+    assert_sgd_parity(results, ref, "deepseek hetero ep2 | ep1 x tp2", pipeline=True)
+    assert any(b.abs().max() > 0 for b in ref["buffers"].values())  # the biases really moved
+    held = {name for res in results for name in res["buffers"]}
+    assert held == set(ref["buffers"]), "every router bias is held (and compared) on some mesh"
+
+
 def test_local_aux_loss_depends_on_the_layout(launcher, sgd_references):
     # The per-rank ("local") variant is selectable, and the parity test above is sensitive to the difference.
     results = launcher(
