@@ -107,7 +107,7 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
-        if self.sequence_parallel and self.tensor_parallel_size == 1:
+        if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
                 " set tensor_parallel_size >= 2 or sequence_parallel=False."
@@ -121,7 +121,7 @@ class ParallelConfig:
                 f"ulysses_size={self.resolved_ulysses_size} must divide context_parallel_size="
                 f"{self.context_parallel_size} (hybrid CP = ring x ulysses)."
             )
-        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
+        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1 and not self.hetero_enabled:
             raise ValueError(
                 "virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1; raise the pipeline size or set"
                 " virtual_pipeline_parallel_size=1."
@@ -166,8 +166,9 @@ class ParallelConfig:
         if self.hetero_device_speed is not None and self.hetero_layers is not None:
             raise ValueError("Give hetero_layers or hetero_device_speed, not both (the speeds only choose the split).")
         check_hetero_layout(
-            meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel
-        )
+            meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
+            virtual=self.virtual_pipeline_parallel_size or 1,
+        )  # fmt: skip
 
     @property
     def hetero_enabled(self) -> bool:
@@ -178,8 +179,9 @@ class ParallelConfig:
         from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
 
         groups = plan_stage_groups(
-            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed
-        )
+            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
+            virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
         samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
         configs = []
         for g in groups:
@@ -193,6 +195,7 @@ class ParallelConfig:
                 ParallelConfig(
                     tensor_parallel_size=g.tensor_parallel_size, data_parallel_size=g.data_parallel_size,
                     context_parallel_size=g.context_parallel_size, expert_parallel_size=g.expert_parallel_size,
+                    sequence_parallel=g.sequence_parallel,
                     zero_stage=self.zero_stage, micro_batch_size=samples // g.data_parallel_size,
                     gradient_accumulation_steps=self.gradient_accumulation_steps, pipeline_schedule=self.pipeline_schedule,
                     recompute=self.recompute if isinstance(self.recompute, str) else self.recompute[g.index],
@@ -301,11 +304,6 @@ class ParallelConfig:
         if self.hetero_meshes is not None:
             for group in self.stage_group_configs(config.num_layers):
                 group.validate_model(config)
-            if config.tie_word_embeddings:
-                raise ValueError(
-                    "tie_word_embeddings=True with hetero_meshes is not supported yet (the embedding and the LM head"
-                    " live on different meshes); untie them or use one mesh."
-                )
             return
         tp = self.tensor_parallel_size
         if config.num_attention_heads % tp:
