@@ -34,7 +34,8 @@ class ParallelConfig:
     """Number of pipeline stages groups (ranks along the pipeline)."""
     virtual_pipeline_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved / V schedules); ``None`` (auto) means 2 for the V-shaped schedules
-    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise."""
+    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise. With ``hetero_meshes``: model chunks per
+    stage group (``interleaved_1f1b`` only)."""
     context_parallel_size: int = 1
     """Sequence split for attention (ring, Ulysses or both)."""
     context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
@@ -50,7 +51,8 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2)."""
     sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1)."""
+    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
+    every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
     micro_batch_size: int = 1
     """Samples per micro-batch fed through a pipeline schedule."""
     gradient_accumulation_steps: int = 1
@@ -72,7 +74,8 @@ class ParallelConfig:
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
     pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
     hetero_layers: list[int] | None = None
-    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]``; ``None`` splits them
+    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]`` (with virtual stages,
+    split evenly over each stage's chunks, or one entry per virtual stage in pipeline order); ``None`` splits them
     in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, default all equal)."""
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
@@ -133,10 +136,12 @@ class ParallelConfig:
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         if any(m not in ("none", "selective", "full") for m in modes) or not modes:
             raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")
-        if not isinstance(self.recompute, str) and len(modes) != self.num_stages:
+        stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
+        if not isinstance(self.recompute, str) and len(modes) != stages:
             raise ValueError(
-                f"recompute has {len(modes)} entries but there are {self.num_stages} pipeline stages; give one mode"
-                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size) or a single mode."
+                f"recompute has {len(modes)} entries but there are {stages} pipeline stages; give one mode"
+                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size, or one per hetero stage group) or a"
+                " single mode."
             )
         if self.pipeline_balance not in ("even", "cost"):
             raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
@@ -169,6 +174,12 @@ class ParallelConfig:
             meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
             virtual=self.virtual_pipeline_parallel_size or 1,
         )  # fmt: skip
+
+    def _hetero_stage_count(self) -> int:
+        """Stage groups of ``hetero_meshes`` (a per-stage ``recompute`` list gives one mode per group)."""
+        from lightning_flagscale.config.hetero import parse_hetero_meshes
+
+        return sum(m.pipeline_parallel_size for m in parse_hetero_meshes(self.hetero_meshes))
 
     @property
     def hetero_enabled(self) -> bool:

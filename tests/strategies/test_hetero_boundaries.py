@@ -132,6 +132,8 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
     assert [g.chunk_layers for g in explicit] == [(1, 2), (2, 1)] and [g.num_layers for g in explicit] == [3, 3]
     with pytest.raises(ValueError, match="fewer than virtual_pipeline_parallel_size=2"):
         plan_stage_groups(meshes, [3, 1], 4, virtual=2)
+    per_group = ParallelConfig(hetero_meshes=[TP2, DP2], recompute=["none", "full"], micro_batch_size=2)
+    assert [c.recompute for c in per_group.stage_group_configs(4)] == ["none", "full"]  # one mode per stage group
     sp = plan_stage_groups(meshes, [2, 2], 4, sequence_parallel=True)
     assert [g.sequence_parallel for g in sp] == [True, False]  # a TP=1 mesh has nothing to shard over
     assert [c.sequence_parallel for c in ParallelConfig(hetero_meshes=[TP2, DP2], sequence_parallel=True,
