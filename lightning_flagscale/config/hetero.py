@@ -4,6 +4,9 @@ A job spans several process meshes in rank order, each homogeneous with its own 
 parallel sizes and device type, chained as pipeline stages with their own layer counts (FlagScale's second
 generation of heterogeneous training, SEEDS.md section 3). Every pipeline stage of every mesh becomes a *stage group*:
 the ranks of one stage of one mesh, laid out ``("dp", "cp", "tp")`` with tp fastest, like a homogeneous stage.
+Context parallelism must be equal on every mesh (a token then lives on the same CP rank on both sides of a
+boundary); sequence parallelism applies on the meshes with TP > 1; with ``virtual_pipeline_parallel_size=v``
+(interleaved 1F1B) every stage group holds ``v`` model chunks. The zero-bubble schedules are refused.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
     "expert_parallel_size", "device_type",
 )  # fmt: skip
-_HETERO_SCHEDULES = ("gpipe", "1f1b")
+_HETERO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,14 @@ class StageGroup:
     expert_parallel_size: int
     num_layers: int
     device_type: str | None = None
+    chunk_layers: tuple[int, ...] = ()
+    """Blocks of each of the group's model chunks (one per virtual stage; ``(num_layers,)`` without them)."""
+    sequence_parallel: bool = False
+    """Activations between blocks are split along the sequence over TP (sequence parallelism with TP > 1)."""
+
+    def __post_init__(self) -> None:
+        if not self.chunk_layers:
+            object.__setattr__(self, "chunk_layers", (self.num_layers,))
 
     @property
     def size(self) -> int:
@@ -94,36 +105,39 @@ def parse_hetero_meshes(meshes: list[dict[str, Any]] | list[HeteroMesh]) -> list
 
 
 def check_hetero_layout(
-    meshes: list[HeteroMesh], layers: list[int] | None, *, schedule: str, sequence_parallel: bool
+    meshes: list[HeteroMesh], layers: list[int] | None, *, schedule: str, sequence_parallel: bool, virtual: int = 1
 ) -> None:
     """Every check that needs only the config (world size and model checks come later)."""
     cps = {m.context_parallel_size for m in meshes}
     if len(cps) > 1:
         raise ValueError(
-            f"context_parallel_size differs between hetero_meshes ({sorted(cps)}); it must be equal on every mesh."
+            f"context_parallel_size differs between hetero_meshes ({sorted(cps)}); it must be equal on every mesh"
+            " (a token then lives on the same context-parallel rank on both sides of a boundary)."
         )
-    if cps != {1}:
+    if sequence_parallel and all(m.tensor_parallel_size == 1 for m in meshes):
         raise ValueError(
-            "context_parallel_size > 1 with hetero_meshes is not supported yet (boundary reslicing is batch-wise"
-            " only); set context_parallel_size=1 on every mesh."
-        )
-    if sequence_parallel:
-        raise ValueError(
-            "sequence_parallel=True with hetero_meshes is not supported yet (activations cross mesh boundaries"
-            " replicated over TP); set sequence_parallel=False."
+            "sequence_parallel=True needs tensor_parallel_size > 1 on at least one of the hetero_meshes (it shards"
+            " activations over TP); raise a mesh's tensor_parallel_size or set sequence_parallel=False."
         )
     if schedule not in _HETERO_SCHEDULES:
         raise ValueError(
-            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes; use one of"
-            f" {list(_HETERO_SCHEDULES)}."
+            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes: the zero-bubble family"
+            " (zero_bubble, zbv, dualpipev) splits every backward into input- and weight-gradient passes, which the"
+            f" heterogeneous runner does not; use one of {list(_HETERO_SCHEDULES)}."
+        )
+    if virtual > 1 and schedule != "interleaved_1f1b":
+        raise ValueError(
+            f"virtual_pipeline_parallel_size={virtual} with hetero_meshes needs pipeline_schedule='interleaved_1f1b'"
+            f" (got {schedule!r}); or set virtual_pipeline_parallel_size=1."
         )
     stages = sum(m.pipeline_parallel_size for m in meshes)
     if stages < 2:
         raise ValueError("hetero_meshes needs at least two pipeline stages in total (two meshes, or pp > 1).")
     if layers is not None:
-        if len(layers) != stages:
+        if len(layers) not in (stages, stages * virtual):
+            counts = f"{stages}" if virtual == 1 else f"{stages} (or {stages * virtual}, one per virtual stage)"
             raise ValueError(
-                f"hetero_layers={layers} has {len(layers)} entries but the meshes have {stages} pipeline stages in"
+                f"hetero_layers={layers} has {len(layers)} entries but the meshes have {counts} pipeline stages in"
                 " total; give one layer count per stage, mesh by mesh."
             )
         if any(not isinstance(n, int) or n < 1 for n in layers):
@@ -164,25 +178,46 @@ def speed_aware_layers(
     return counts
 
 
+def _chunk_layers(layers: list[int], stages: int, virtual: int) -> list[tuple[int, ...]]:
+    """Per stage group, the blocks of each model chunk: given per virtual stage (global stage ``k G + g`` is chunk
+    ``k`` of group ``g``), or per group and split as evenly as possible (earlier chunks take the remainder)."""
+    if len(layers) == stages * virtual:
+        return [tuple(layers[k * stages + g] for k in range(virtual)) for g in range(stages)]
+    out = []
+    for g, n in enumerate(layers):
+        if n < virtual:
+            raise ValueError(
+                f"Pipeline stage {g} has {n} blocks, fewer than virtual_pipeline_parallel_size={virtual}; give it more"
+                " blocks (hetero_layers) or lower virtual_pipeline_parallel_size."
+            )
+        out.append(tuple(n // virtual + (k < n % virtual) for k in range(virtual)))
+    return out
+
+
 def plan_stage_groups(
     meshes: list[HeteroMesh],
     layers: list[int] | None,
     num_layers: int,
     device_speed: dict[str, float] | None = None,
+    *,
+    virtual: int = 1,
+    sequence_parallel: bool = False,
 ) -> list[StageGroup]:
     """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order."""
     if layers is None:
         layers = speed_aware_layers(meshes, num_layers, device_speed)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
+    chunks = _chunk_layers(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual)
     groups, rank, index = [], 0, 0
     for m_idx, mesh in enumerate(meshes):
         for _ in range(mesh.pipeline_parallel_size):
             group = StageGroup(
                 index=index, mesh=m_idx, first_rank=rank, tensor_parallel_size=mesh.tensor_parallel_size,
                 data_parallel_size=mesh.data_parallel_size, context_parallel_size=mesh.context_parallel_size,
-                expert_parallel_size=mesh.expert_parallel_size, num_layers=layers[index],
-                device_type=mesh.device_type,
+                expert_parallel_size=mesh.expert_parallel_size, num_layers=sum(chunks[index]),
+                device_type=mesh.device_type, chunk_layers=chunks[index],
+                sequence_parallel=sequence_parallel and mesh.tensor_parallel_size > 1,
             )  # fmt: skip
             groups.append(group)
             rank += group.size

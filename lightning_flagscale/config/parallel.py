@@ -34,7 +34,8 @@ class ParallelConfig:
     """Number of pipeline stages groups (ranks along the pipeline)."""
     virtual_pipeline_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved / V schedules); ``None`` (auto) means 2 for the V-shaped schedules
-    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise."""
+    (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise. With ``hetero_meshes``: model chunks per
+    stage group (``interleaved_1f1b`` only)."""
     context_parallel_size: int = 1
     """Sequence split for attention (ring, Ulysses or both)."""
     context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
@@ -50,7 +51,8 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2)."""
     sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1)."""
+    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
+    every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
     micro_batch_size: int = 1
     """Samples per micro-batch fed through a pipeline schedule."""
     gradient_accumulation_steps: int = 1
@@ -72,7 +74,8 @@ class ParallelConfig:
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
     pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
     hetero_layers: list[int] | None = None
-    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]``; ``None`` splits them
+    """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]`` (with virtual stages,
+    split evenly over each stage's chunks, or one entry per virtual stage in pipeline order); ``None`` splits them
     in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, default all equal)."""
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
@@ -107,7 +110,7 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
-        if self.sequence_parallel and self.tensor_parallel_size == 1:
+        if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
                 " set tensor_parallel_size >= 2 or sequence_parallel=False."
@@ -121,7 +124,7 @@ class ParallelConfig:
                 f"ulysses_size={self.resolved_ulysses_size} must divide context_parallel_size="
                 f"{self.context_parallel_size} (hybrid CP = ring x ulysses)."
             )
-        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
+        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1 and not self.hetero_enabled:
             raise ValueError(
                 "virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1; raise the pipeline size or set"
                 " virtual_pipeline_parallel_size=1."
@@ -133,10 +136,12 @@ class ParallelConfig:
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         if any(m not in ("none", "selective", "full") for m in modes) or not modes:
             raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")
-        if not isinstance(self.recompute, str) and len(modes) != self.num_stages:
+        stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
+        if not isinstance(self.recompute, str) and len(modes) != stages:
             raise ValueError(
-                f"recompute has {len(modes)} entries but there are {self.num_stages} pipeline stages; give one mode"
-                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size) or a single mode."
+                f"recompute has {len(modes)} entries but there are {stages} pipeline stages; give one mode"
+                " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size, or one per hetero stage group) or a"
+                " single mode."
             )
         if self.pipeline_balance not in ("even", "cost"):
             raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
@@ -166,8 +171,15 @@ class ParallelConfig:
         if self.hetero_device_speed is not None and self.hetero_layers is not None:
             raise ValueError("Give hetero_layers or hetero_device_speed, not both (the speeds only choose the split).")
         check_hetero_layout(
-            meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel
-        )
+            meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
+            virtual=self.virtual_pipeline_parallel_size or 1,
+        )  # fmt: skip
+
+    def _hetero_stage_count(self) -> int:
+        """Stage groups of ``hetero_meshes`` (a per-stage ``recompute`` list gives one mode per group)."""
+        from lightning_flagscale.config.hetero import parse_hetero_meshes
+
+        return sum(m.pipeline_parallel_size for m in parse_hetero_meshes(self.hetero_meshes))
 
     @property
     def hetero_enabled(self) -> bool:
@@ -178,8 +190,9 @@ class ParallelConfig:
         from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
 
         groups = plan_stage_groups(
-            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed
-        )
+            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
+            virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
         samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
         configs = []
         for g in groups:
@@ -193,6 +206,7 @@ class ParallelConfig:
                 ParallelConfig(
                     tensor_parallel_size=g.tensor_parallel_size, data_parallel_size=g.data_parallel_size,
                     context_parallel_size=g.context_parallel_size, expert_parallel_size=g.expert_parallel_size,
+                    sequence_parallel=g.sequence_parallel,
                     zero_stage=self.zero_stage, micro_batch_size=samples // g.data_parallel_size,
                     gradient_accumulation_steps=self.gradient_accumulation_steps, pipeline_schedule=self.pipeline_schedule,
                     recompute=self.recompute if isinstance(self.recompute, str) else self.recompute[g.index],
@@ -301,11 +315,6 @@ class ParallelConfig:
         if self.hetero_meshes is not None:
             for group in self.stage_group_configs(config.num_layers):
                 group.validate_model(config)
-            if config.tie_word_embeddings:
-                raise ValueError(
-                    "tie_word_embeddings=True with hetero_meshes is not supported yet (the embedding and the LM head"
-                    " live on different meshes); untie them or use one mesh."
-                )
             return
         tp = self.tensor_parallel_size
         if config.num_attention_heads % tp:

@@ -70,6 +70,7 @@ __all__ = [
     "pipeline_unit_costs",
     "plan_stages",
     "stage_ids_for_rank",
+    "tied_across_stages",
     "tied_parameters",
     "unit_param_costs",
     "validate_schedule",
@@ -362,7 +363,7 @@ class PipelineRunner:
             dist.all_reduce(_local(params[0].grad), group=self._tied_group)
 
 
-def _tied_across_stages(model: nn.Module, plan: StagePlan) -> tuple[str, str] | None:
+def tied_across_stages(model: nn.Module, plan: StagePlan) -> tuple[str, str] | None:
     pair = tied_parameters(model, [u for stage in plan.units for u in stage])
     if pair is None:
         return None
@@ -418,7 +419,7 @@ def build_pipeline(
         blocks = [module.get_submodule(u) for u in plan.units[s] if is_layer_unit(u)]
         apply_recompute(module, recompute[s], replayable=split_backward, blocks=blocks)
         modules.append(module)
-    tied = _tied_across_stages(model, plan)
+    tied = tied_across_stages(model, plan)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     return PipelineRunner(

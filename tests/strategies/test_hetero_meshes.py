@@ -68,7 +68,6 @@ def test_every_mesh_reads_slices_of_the_same_micro_batches():
         (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "not supported across heterogeneous meshes"),
         (dict(hetero_meshes=[TP2, dict(tensor_parallel_size=0)]), "must be a positive integer"),
         (dict(hetero_meshes=[TP2, dict(tp=2)]), "unknown keys"),
-        (dict(hetero_meshes=[TP2, DP2], sequence_parallel=True), "sequence_parallel"),
         (dict(hetero_meshes=[TP2, DP2], hetero_dp_batch_sizes=[1, 1]), "cannot be combined"),
     ],
 )
@@ -85,9 +84,6 @@ def test_world_size_layers_and_micro_batches_are_checked():
         ParallelConfig(hetero_meshes=[TP2, DP2], hetero_layers=[2, 1]).validate_model(_config())
     with pytest.raises(ValueError, match="cannot be split over mesh 1's data_parallel_size=2"):
         ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=1).stage_group_configs(4)
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        tied = tiny_config(num_layers=4, tie_word_embeddings=True)
-        ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=2).validate_model(tied)
     groups = plan_stage_groups(parse_hetero_meshes([TP2, dict(data_parallel_size=2, pipeline_parallel_size=2)]),
                                [2, 1, 1], 4)  # fmt: skip
     assert [(g.index, g.mesh, g.first_rank, g.size) for g in groups] == [(0, 0, 0, 2), (1, 1, 2, 2), (2, 1, 4, 2)]

@@ -1,0 +1,262 @@
+"""The pipeline schedule across heterogeneous meshes: GPipe, 1F1B and interleaved 1F1B over stage groups.
+
+``torch.distributed.pipelining`` assumes one peer rank per neighbouring stage, while here a stage with data-parallel
+size 1 may feed a stage with data-parallel size 2; this runner therefore drives its own schedule and moves
+activations (and, backwards, their gradients) with the resliced P2P of ``hetero_boundary.py``.
+
+* **Stages.** ``G`` stage groups (every pipeline stage of every mesh) times ``v`` model chunks
+  (``virtual_pipeline_parallel_size``): global stage ``s`` runs on group ``s mod G`` (looped placement), so with
+  ``v > 1`` the last mesh feeds the first one again between chunks.
+* **Orders.** Per group, a list of (forward | backward, stage, micro-batch) actions: GPipe, 1F1B (``G - g - 1``
+  warm-up forwards) or Megatron's interleaved 1F1B (micro-batches in rounds of ``G``, chunks in turn). Sends are
+  asynchronous and receives blocking, so any order consistent with the data dependencies is deadlock-free;
+  ``simulate`` checks it (and the tests run it for many layouts).
+* **Gradient scale.** Every group averages its gradients over its own data x context ranks ``R`` while the loss is a
+  global token mean multiplied by the last group's ``R``; a gradient crossing from group ``r`` back to group ``s`` is
+  multiplied by ``R_s / R_r`` so that every group's average is exactly the single-process gradient (FlagScale's
+  dp_recv / dp_send correction, derived from the token mean).
+* **Tied weights** between the first and the last stage: ``hetero_tied.py``.
+
+Zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) are refused by the config: they split every backward
+into an input-gradient and a weight-gradient pass, which this runner does not do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_flagscale.config.hetero import StageGroup
+from lightning_flagscale.parallel.hetero_boundary import BoundaryComm, boundary_transfers, gradient_transfers
+from lightning_flagscale.parallel.hetero_tied import TiedAcrossMeshes
+from lightning_flagscale.parallel.pipeline_plan import StagePlan
+
+__all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
+
+Action = tuple[str, int, int]
+"""("F" or "B", global stage, micro-batch)."""
+
+
+def schedule_order(schedule: str, num_groups: int, group: int, virtual: int, n: int, *, train: bool) -> list[Action]:
+    """The actions group ``group`` runs, in order (module docstring)."""
+    G, v = num_groups, virtual
+    if schedule == "interleaved_1f1b":
+        if n % G:
+            raise ValueError(
+                f"pipeline_schedule='interleaved_1f1b' across {G} heterogeneous stages needs the micro-batch count to"
+                f" be a multiple of {G}, got {n}; change the batch size or micro_batch_size."
+            )
+
+        def stage(k: int, forward: bool) -> tuple[int, int]:
+            chunk = (k // G) % v
+            return (chunk if forward else v - 1 - chunk) * G + group, (k // (G * v)) * G + k % G
+
+        total = n * v
+        fwd = [("F", *stage(k, True)) for k in range(total)]
+        if not train:
+            return fwd
+        bwd = [("B", *stage(k, False)) for k in range(total)]
+        warmup = min((G - group - 1) * 2 + (v - 1) * G, total)
+    else:
+        fwd = [("F", group, m) for m in range(n)]
+        if not train:
+            return fwd
+        bwd = [("B", group, m) for m in range(n)]
+        warmup = n if schedule == "gpipe" else min(G - group - 1, n)
+    order = fwd[:warmup]
+    for i in range(len(fwd) - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[len(fwd) - warmup :]
+
+
+def simulate(orders: list[list[Action]], num_stages: int) -> None:
+    """Run every group's order with asynchronous sends and blocking receives; raise if it deadlocks."""
+    done: set[Action] = set()
+    pos = [0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        progressed = False
+        for g, order in enumerate(orders):
+            while pos[g] < len(order):
+                kind, s, m = order[pos[g]]
+                ready = (s == 0 or ("F", s - 1, m) in done) if kind == "F" else ("F", s, m) in done
+                if kind == "B" and s < num_stages - 1:
+                    ready = ready and ("B", s + 1, m) in done
+                if not ready:
+                    break
+                done.add(order[pos[g]])
+                pos[g] += 1
+                progressed = True
+        if not progressed:
+            stuck = {g: orders[g][pos[g]] for g in range(len(orders)) if pos[g] < len(orders[g])}
+            raise RuntimeError(f"Pipeline order deadlocks; waiting actions: {stuck}")
+
+
+def _split(value: Any, n: int) -> list[Any]:
+    if isinstance(value, Tensor):
+        return list(value.tensor_split(n, dim=0))
+    return [value] * n
+
+
+class HeteroPipelineRunner:
+    """This rank's stages of a heterogeneous pipeline; the interface of ``parallel.pipeline.PipelineRunner``."""
+
+    def __init__(
+        self,
+        *,
+        groups: list[StageGroup],
+        group: StageGroup,
+        plan: StagePlan,
+        stage_modules: list[nn.Module],
+        schedule_name: str,
+        micro_batch_size: int,
+        loss_fn: Callable[..., Tensor],
+        device: torch.device,
+        token_group: dist.ProcessGroup | None,
+        tied: tuple[str, str] | None = None,
+    ) -> None:
+        self.groups, self.group, self.plan = groups, group, plan
+        self.virtual = plan.num_stages // len(groups)
+        self.stage_ids = list(range(group.index, plan.num_stages, len(groups)))
+        self.stage_modules = stage_modules
+        self.schedule_name = schedule_name
+        self.micro_batch_size = micro_batch_size
+        self.num_microbatches: int | None = None
+        self.device = device
+        self.tied = tied
+        self._tied_sync = TiedAcrossMeshes(groups) if tied is not None else None
+        self._loss_fn = loss_fn
+        self._token_group = token_group  # this group's data x context ranks (sums the last group's losses)
+        self.has_first_stage = 0 in self.stage_ids
+        self.has_last_stage = plan.num_stages - 1 in self.stage_ids
+        self._comm = BoundaryComm(device)
+
+    # ---- the PipelineRunner interface ----
+    def count_microbatches(self, batch_size: int) -> int:
+        return max(batch_size // self.micro_batch_size, 1)
+
+    def _tied_param(self) -> nn.Parameter | None:
+        if self.tied is None or self._tied_sync is None or not self._tied_sync.member:
+            return None
+        if self.has_first_stage:
+            return self.stage_modules[0].get_parameter(self.tied[0])
+        return self.stage_modules[-1].get_parameter(self.tied[1])
+
+    def sync_tied_params(self) -> None:
+        """The last mesh's copy of a tied weight takes the first mesh's values (after initialisation)."""
+        param = self._tied_param()
+        if param is not None:
+            self._tied_sync.sync_params(param)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied weight's gradient over both meshes (once per optimizer step, before the DP reduction)."""
+        param = self._tied_param()
+        if param is not None:
+            self._tied_sync.sync_grads(param)
+
+    def step(self, args: tuple, kwargs: Mapping[str, Any], target: Tensor, num_items: Tensor | int | None = None):
+        return self._run(args, kwargs, target, num_items, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, args: tuple, kwargs: Mapping[str, Any], target: Tensor, num_items=None):
+        return self._run(args, kwargs, target, num_items, train=False)
+
+    # ---- schedule ----
+    def _run(self, args: tuple, kwargs: Mapping[str, Any], target: Tensor, num_items: Any, *, train: bool) -> Tensor:
+        rows = target.shape[0]
+        if rows % self.micro_batch_size:
+            raise ValueError(
+                f"Batch of {rows} samples on rank {dist.get_rank()} is not a multiple of its micro-batch size"
+                f" {self.micro_batch_size}."
+            )
+        n = rows // self.micro_batch_size
+        order = schedule_order(self.schedule_name, len(self.groups), self.group.index, self.virtual, n, train=train)
+        if num_items is None:  # evaluation without a step normaliser: the token mean of the whole global batch
+            num_items = (target != -100).sum().to(self.device)
+            if self._token_group is not None:
+                dist.all_reduce(num_items, group=self._token_group)
+        self._num_items, self._n = num_items, n
+        move = lambda t: t.to(self.device) if isinstance(t, Tensor) else t  # noqa: E731
+        arg_mbs = list(zip(*(_split(move(a), n) for a in args))) if self.has_first_stage else [()] * n
+        kw_mbs = [dict(zip(kwargs, vals)) for vals in zip(*(_split(move(v), n) for v in kwargs.values()))] or [{}] * n
+        targets = _split(move(target), n)
+        self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        losses: list[Tensor] = []
+        for kind, s, m in order:
+            if kind == "F":
+                self._forward(s, m, arg_mbs[m], kw_mbs[m], targets[m], losses, train)
+            else:
+                self._backward(s, m)
+        self._comm.wait()
+        return self._reduce_losses(losses, train)
+
+    def _neighbour(self, stage: int) -> StageGroup:
+        return self.groups[stage % len(self.groups)]
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.stage_modules[self.stage_ids.index(stage)]
+
+    def _tag(self, stage: int, m: int, backward: bool) -> int:
+        """One tag per boundary (stage -> stage + 1), micro-batch and direction."""
+        return 2 * (stage * self._n + m) + int(backward)
+
+    def _forward(self, s: int, m: int, args: tuple, kwargs: dict, target: Tensor, losses: list, train: bool) -> None:
+        x = None
+        if s > 0:
+            prev = self._neighbour(s - 1)
+            x = self._comm.recv(boundary_transfers(prev, self.group, self._rows()), self._tag(s - 1, m, False))
+            x.requires_grad_(train)
+            args = (x,)
+        out = self._module(s)(*args, **kwargs)
+        if s == self.plan.num_stages - 1:
+            loss = self._loss_fn(out, target, self._num_items)
+            losses.append(loss.detach().float())
+            self._saved[(s, m)] = (x, loss)
+        else:
+            transfers = boundary_transfers(self.group, self._neighbour(s + 1), self._rows())
+            self._comm.send(out.detach(), transfers, self._tag(s, m, False))
+            self._saved[(s, m)] = (x, out)
+
+    def _backward(self, s: int, m: int) -> None:
+        x, out = self._saved.pop((s, m))
+        self._set_grad_sync(self._module(s), m == self._n - 1)
+        if s == self.plan.num_stages - 1:
+            torch.autograd.backward(out)
+        else:
+            transfers = gradient_transfers(self.group, self._neighbour(s + 1), self._rows())
+            grad = self._comm.recv(transfers, self._tag(s, m, True))
+            torch.autograd.backward(out, grad.to(out.dtype))
+        if x is not None:
+            # Group r's gradients carry the last group's R; the group upstream averages over its own (docstring).
+            prev = self._neighbour(s - 1)
+            scale = prev.token_shards / self.group.token_shards
+            transfers = gradient_transfers(prev, self.group, self._rows())
+            self._comm.send(x.grad * scale, transfers, self._tag(s - 1, m, True))
+
+    @staticmethod
+    def _set_grad_sync(module: nn.Module, enabled: bool) -> None:
+        for sub in module.modules():
+            fn = getattr(sub, "set_requires_gradient_sync", None)
+            if fn is not None:  # FSDP2 units: reduce-scatter only after the chunk's last micro-batch backward
+                fn(enabled, recurse=False)
+
+    def _rows(self) -> int:
+        """Samples of one micro-batch over the whole group (every rank holds its data-parallel slice of them)."""
+        return self.micro_batch_size * self.group.data_parallel_size
+
+    def _reduce_losses(self, losses: list[Tensor], train: bool) -> Tensor:
+        """The global token mean on every rank: times the loss scale when training (the last group's micro-batch
+        losses carry ``loss scale x R_last``; the strategy divides by this rank's own ``R``), plain when evaluating."""
+        out = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = self.groups[-1]
+        if self.has_last_stage:
+            out = torch.stack(losses).sum()
+            if self._token_group is not None:
+                dist.all_reduce(out, group=self._token_group)
+            if train:
+                out = out / last.token_shards
+        dist.broadcast(out, src=last.first_rank)
+        return out
