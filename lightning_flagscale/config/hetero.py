@@ -20,7 +20,7 @@ MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
     "expert_parallel_size", "device_type",
 )  # fmt: skip
-_HETERO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_HETERO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -121,14 +121,14 @@ def check_hetero_layout(
         )
     if schedule not in _HETERO_SCHEDULES:
         raise ValueError(
-            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes: the zero-bubble family"
-            " (zero_bubble, zbv, dualpipev) splits every backward into input- and weight-gradient passes, which the"
-            f" heterogeneous runner does not; use one of {list(_HETERO_SCHEDULES)}."
+            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes: the V-shaped schedules"
+            " (zbv, dualpipev) place the last model chunk back on the first mesh, which the heterogeneous runner"
+            f" does not; use one of {list(_HETERO_SCHEDULES)} (zero_bubble: ZB-H1 with deferred weight gradients)."
         )
-    if virtual > 1 and schedule != "interleaved_1f1b":
+    if virtual > 1 and schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise ValueError(
             f"virtual_pipeline_parallel_size={virtual} with hetero_meshes needs pipeline_schedule='interleaved_1f1b'"
-            f" (got {schedule!r}); or set virtual_pipeline_parallel_size=1."
+            f" or 'zero_bubble' (got {schedule!r}); or set virtual_pipeline_parallel_size=1."
         )
     stages = sum(m.pipeline_parallel_size for m in meshes)
     if stages < 2:

@@ -1,4 +1,4 @@
-"""The pipeline schedule across heterogeneous meshes: GPipe, 1F1B and interleaved 1F1B over stage groups.
+"""The pipeline schedule across heterogeneous meshes: GPipe, 1F1B, interleaved 1F1B and zero-bubble over stage groups.
 
 ``torch.distributed.pipelining`` assumes one peer rank per neighbouring stage, while here a stage with data-parallel
 size 1 may feed a stage with data-parallel size 2; this runner therefore drives its own schedule and moves
@@ -11,14 +11,22 @@ activations (and, backwards, their gradients) with the resliced P2P of ``hetero_
   warm-up forwards) or Megatron's interleaved 1F1B (micro-batches in rounds of ``G``, chunks in turn). Sends are
   asynchronous and receives blocking, so any order consistent with the data dependencies is deadlock-free;
   ``simulate`` checks it (and the tests run it for many layouts).
+* **Zero bubble** (ZB-H1, Qi et al. 2023): the 1F1B (or, with ``v > 1``, interleaved) order with every backward
+  split into ``I`` (input gradient, sent upstream at once) and ``W`` (weight gradient, no communication). Group
+  ``g`` runs each ``W`` ``G - g - 1`` backward passes late and the rest after its last ``I``, so the input
+  gradients reach upstream meshes sooner and the weight passes fill the cool-down bubble; the activations kept
+  alive stay those of 1F1B. The split reuses torch's ``stage_backward_input`` / ``stage_backward_weight`` (the
+  weight pass starts from the saved intermediate gradients, it does not run the backward twice). The first stage
+  has no upstream to unblock and runs its whole backward at ``I``.
 * **Gradient scale.** Every group averages its gradients over its own data x context ranks ``R`` while the loss is a
   global token mean multiplied by the last group's ``R``; a gradient crossing from group ``r`` back to group ``s`` is
   multiplied by ``R_s / R_r`` so that every group's average is exactly the single-process gradient (FlagScale's
   dp_recv / dp_send correction, derived from the token mean).
 * **Tied weights** between the first and the last stage: ``hetero_tied.py``.
 
-Zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) are refused by the config: they split every backward
-into an input-gradient and a weight-gradient pass, which this runner does not do.
+The V-shaped schedules (``zbv``, ``dualpipev``) are refused by the config: their V placement puts the last model
+chunk back on the first mesh (a same-rank stage boundary and a loss on the first mesh), which this runner does not
+place.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.parallel.hetero_boundary import BoundaryComm, boundary_transfers, gradient_transfers
@@ -38,16 +47,16 @@ from lightning_flagscale.parallel.pipeline_plan import StagePlan
 __all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
 
 Action = tuple[str, int, int]
-"""("F" or "B", global stage, micro-batch)."""
+"""("F", "B", "I" or "W"; global stage; micro-batch). ``I`` and ``W`` are the two halves of a zero-bubble ``B``."""
 
 
 def schedule_order(schedule: str, num_groups: int, group: int, virtual: int, n: int, *, train: bool) -> list[Action]:
     """The actions group ``group`` runs, in order (module docstring)."""
     G, v = num_groups, virtual
-    if schedule == "interleaved_1f1b":
+    if schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and v > 1):
         if n % G:
             raise ValueError(
-                f"pipeline_schedule='interleaved_1f1b' across {G} heterogeneous stages needs the micro-batch count to"
+                f"pipeline_schedule={schedule!r} with virtual stages across {G} heterogeneous stages needs the micro-batch count to"
                 f" be a multiple of {G}, got {n}; change the batch size or micro_batch_size."
             )
 
@@ -70,7 +79,23 @@ def schedule_order(schedule: str, num_groups: int, group: int, virtual: int, n: 
     order = fwd[:warmup]
     for i in range(len(fwd) - warmup):
         order += [fwd[warmup + i], bwd[i]]
-    return order + bwd[len(fwd) - warmup :]
+    order += bwd[len(fwd) - warmup :]
+    return _split_backward(order, lag=G - group - 1) if schedule == "zero_bubble" else order
+
+
+def _split_backward(order: list[Action], lag: int) -> list[Action]:
+    """ZB-H1: each ``B`` becomes ``I`` now and ``W`` ``lag`` backward passes later; the rest after the last ``I``."""
+    out: list[Action] = []
+    pending: list[Action] = []
+    for kind, s, m in order:
+        if kind != "B":
+            out.append((kind, s, m))
+            continue
+        out.append(("I", s, m))
+        pending.append(("W", s, m))
+        if len(pending) > lag:
+            out.append(pending.pop(0))
+    return out + pending
 
 
 def simulate(orders: list[list[Action]], num_stages: int) -> None:
@@ -83,8 +108,10 @@ def simulate(orders: list[list[Action]], num_stages: int) -> None:
             while pos[g] < len(order):
                 kind, s, m = order[pos[g]]
                 ready = (s == 0 or ("F", s - 1, m) in done) if kind == "F" else ("F", s, m) in done
-                if kind == "B" and s < num_stages - 1:
-                    ready = ready and ("B", s + 1, m) in done
+                if kind in ("B", "I") and s < num_stages - 1:  # the gradient from downstream
+                    ready = ready and (("B", s + 1, m) in done or ("I", s + 1, m) in done)
+                if kind == "W":
+                    ready = ("I", s, m) in done
                 if not ready:
                     break
                 done.add(order[pos[g]])
@@ -184,12 +211,17 @@ class HeteroPipelineRunner:
         kw_mbs = [dict(zip(kwargs, vals)) for vals in zip(*(_split(move(v), n) for v in kwargs.values()))] or [{}] * n
         targets = _split(move(target), n)
         self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        self._weight_work: dict[tuple[int, int], list[dict[str, Any]]] = {}
         losses: list[Tensor] = []
         for kind, s, m in order:
             if kind == "F":
                 self._forward(s, m, arg_mbs[m], kw_mbs[m], targets[m], losses, train)
+            elif kind == "W":
+                work = self._weight_work.pop((s, m), None)  # None: the first stage ran its whole backward at I
+                if work is not None:
+                    stage_backward_weight(self._module(s).parameters(), work)
             else:
-                self._backward(s, m)
+                self._backward(s, m, split=kind == "I" and s > 0)
         self._comm.wait()
         return self._reduce_losses(losses, train)
 
@@ -220,15 +252,21 @@ class HeteroPipelineRunner:
             self._comm.send(out.detach(), transfers, self._tag(s, m, False))
             self._saved[(s, m)] = (x, out)
 
-    def _backward(self, s: int, m: int) -> None:
+    def _backward(self, s: int, m: int, *, split: bool = False) -> None:
+        """``B`` (or, with ``split``, the ``I`` half of it: the weight half waits in ``_weight_work`` for ``W``)."""
         x, out = self._saved.pop((s, m))
         self._set_grad_sync(self._module(s), m == self._n - 1)
-        if s == self.plan.num_stages - 1:
-            torch.autograd.backward(out)
-        else:
+        grad = None
+        if s < self.plan.num_stages - 1:
             transfers = gradient_transfers(self.group, self._neighbour(s + 1), self._rows())
-            grad = self._comm.recv(transfers, self._tag(s, m, True))
-            torch.autograd.backward(out, grad.to(out.dtype))
+            grad = self._comm.recv(transfers, self._tag(s, m, True)).to(out.dtype)
+        if split:
+            assert x is not None
+            _, self._weight_work[(s, m)] = stage_backward_input(
+                [out], None if grad is None else [grad], [x], self._module(s).parameters()
+            )
+        else:
+            torch.autograd.backward(out, grad)
         if x is not None:
             # Group r's gradients carry the last group's R; the group upstream averages over its own (docstring).
             prev = self._neighbour(s - 1)

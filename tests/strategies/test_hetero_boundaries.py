@@ -104,8 +104,10 @@ def test_every_receiver_gets_each_cell_exactly_once(a, b):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
-)
+    ("schedule", "v"),
+    [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zero_bubble", 1),
+     ("zero_bubble", 2)],
+)  # fmt: skip
 @pytest.mark.parametrize("num_groups", [2, 3, 4])
 def test_schedule_orders_run_every_action_once_without_deadlock(schedule, v, num_groups):
     for n, train in itertools.product([num_groups, 2 * num_groups], [True, False]):
@@ -113,8 +115,20 @@ def test_schedule_orders_run_every_action_once_without_deadlock(schedule, v, num
         simulate(orders, num_groups * v)
         for g, order in enumerate(orders):
             stages = range(g, num_groups * v, num_groups)
-            kinds = "FB" if train else "F"
+            kinds = ("FIW" if schedule == "zero_bubble" else "FB") if train else "F"
             assert sorted(order) == sorted((k, s, m) for k in kinds for s in stages for m in range(n))
+
+
+def test_zero_bubble_defers_weight_passes_by_the_warmup_depth():
+    # Group g of G runs each W (G - g - 1) backward passes after its I (the last group at once); after its last I a
+    # group still has G - g weight passes to run, which fill the cool-down bubble.
+    orders = [schedule_order("zero_bubble", 3, g, 1, 4, train=True) for g in range(3)]
+    assert orders[2] == [("F", 2, 0), ("I", 2, 0), ("W", 2, 0), ("F", 2, 1), ("I", 2, 1), ("W", 2, 1),
+                         ("F", 2, 2), ("I", 2, 2), ("W", 2, 2), ("F", 2, 3), ("I", 2, 3), ("W", 2, 3)]  # fmt: skip
+    first_w = [next(i for i, a in enumerate(o) if a[0] == "W") for o in orders]
+    last_i = [max(i for i, a in enumerate(o) if a[0] == "I") for o in orders]
+    assert first_w[0] > first_w[1] > first_w[2]
+    assert [sum(a[0] == "W" for a in o[last_i[g] + 1 :]) for g, o in enumerate(orders)] == [3, 2, 1]
 
 
 def test_a_deadlocking_order_is_detected_and_interleaved_needs_whole_rounds():
@@ -145,9 +159,9 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
     [
         (dict(hetero_meshes=[CP2, TP2]), "differs between hetero_meshes"),
         (dict(hetero_meshes=[DP2, DP2], sequence_parallel=True), "at least one of the hetero_meshes"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zero_bubble"), "input- and weight-gradient"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "input- and weight-gradient"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev"), "input- and weight-gradient"),
+        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zero_bubble", zero_stage=3), "needs zero_stage <= 2"),
+        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "V-shaped schedules"),
+        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev"), "V-shaped schedules"),
         (dict(hetero_meshes=[TP2, DP2], virtual_pipeline_parallel_size=2), "needs pipeline_schedule='interleaved_1f1b'"),
         (dict(hetero_meshes=[TP2, DP2], hetero_layers=[1, 1, 2], virtual_pipeline_parallel_size=2,
               pipeline_schedule="interleaved_1f1b"), "or 4, one per virtual stage"),

@@ -1,6 +1,6 @@
 """Heterogeneous meshes, issue 12 items 2, 3 and 9: a weight tied between the first and the last mesh (different
 TP / DP / ZeRO on the two sides) and interleaved 1F1B across meshes, against the single-process fp32 run (SGD, ragged
-labels, weights and gradient norms after 3 steps)."""
+labels, weights and gradient norms after 3 steps); zero-bubble (ZB-H1) across meshes too."""
 
 from __future__ import annotations
 
@@ -46,6 +46,16 @@ def test_interleaved_1f1b_across_meshes_with_a_tied_embedding(launcher):
     strategy = dict(hetero_meshes=[TP2, DP2], hetero_layers=[2, 2], micro_batch_size=2, zero_stage=1,
                     pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=2)  # fmt: skip
     _run(launcher, strategy, config, 8, "interleaved tied", rename=TIED)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_zero_bubble_across_meshes(launcher, virtual):
+    """ZB-H1 across meshes: every backward split into an input-gradient pass (sent upstream at once) and a deferred
+    weight-gradient pass; with 2 virtual stages per mesh on the interleaved order, with a tied embedding."""
+    config = tiny_config(num_layers=4, tie_word_embeddings=virtual == 2)
+    strategy = dict(hetero_meshes=[TP2, DP2], hetero_layers=[2, 2], micro_batch_size=2, zero_stage=2,
+                    pipeline_schedule="zero_bubble", virtual_pipeline_parallel_size=virtual)  # fmt: skip
+    _run(launcher, strategy, config, 8, f"zero bubble v={virtual}", rename=TIED if virtual == 2 else None)
 
 
 def test_forward_only_interleaved_validation_with_cp_matches_single_process(launcher):
