@@ -374,13 +374,17 @@ def calibrate_compute_scale(
     global_batch: int,
     hw: HardwareProfile,
     tokens_per_second: float,
+    *,
+    field: str = "compute_scale",
 ) -> HardwareProfile:
-    """``hw`` with ``compute_scale`` chosen so the predicted throughput of this layout equals ``tokens_per_second``
-    (bisection in log space; communication is left as profiled)."""
+    """``hw`` with ``field`` (``compute_scale``, or ``gemm_scale`` for a GEMM-only speed-up) chosen so the predicted
+    throughput of this layout equals ``tokens_per_second`` (bisection in log space; links are left as profiled)."""
+    if field not in ("compute_scale", "gemm_scale"):
+        raise ValueError(f"field={field!r}: use 'compute_scale' or 'gemm_scale'.")
     lo, hi = 1e-3, 1e3
 
     def rate(scale: float) -> float:
-        return estimate_step(model, c, seq_len, global_batch, hw.replace(compute_scale=scale)).tokens_per_second
+        return estimate_step(model, c, seq_len, global_batch, hw.replace(**{field: scale})).tokens_per_second
 
     if not rate(lo) <= tokens_per_second <= rate(hi):
         raise ValueError(
@@ -390,4 +394,4 @@ def calibrate_compute_scale(
     for _ in range(60):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if rate(mid) < tokens_per_second else (lo, mid)
-    return hw.replace(compute_scale=math.sqrt(lo * hi))
+    return hw.replace(**{field: math.sqrt(lo * hi)})

@@ -29,6 +29,9 @@ profiles below are for planning clusters you cannot measure from here. Their sou
   latency grows with the group, modelled by the per-size points).
 - GEMM efficiency: assumed saturating curves reaching ~75% of peak for large bf16 GEMMs (typical cuBLAS on
   H100/A100); *not a vendor number*: calibrate on the machine or fit ``compute_scale`` on a published step.
+- ``compute_scale`` = 0.84: fitted on Llama 3 405B on 16,384 H100s (400 TFLOP/s per GPU, Llama 3 paper Table 4) by
+  ``bench/tune_published.py`` (see ``bench/results/tune_published.md`` for the other published points it predicts);
+  the A100 and H200 profiles reuse it for want of a published point of their own.
 """
 
 from __future__ import annotations
@@ -124,6 +127,9 @@ class HardwareProfile:
     """collective -> ``intra``/``inter`` -> points by group size."""
     compute_scale: float = 1.0
     """End-to-end factor on every compute time's efficiency, fitted on a measured or published step."""
+    gemm_scale: float = 1.0
+    """Extra factor on GEMM throughput only: a faster GEMM format (Float8 linears) that attention and memory-bound
+    kernels do not share."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -155,7 +161,7 @@ class HardwareProfile:
         flops = 2 * m * n * k
         if flops <= 0:
             return 0.0
-        return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale)
+        return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale * self.gemm_scale)
 
     def attention_seconds(self, flops: float) -> float:
         return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)
@@ -218,18 +224,21 @@ Hardware = HardwareProfile
 """Backwards-compatible name."""
 
 _SOURCES = "see lightning_flagscale/tune/hardware.py module docstring"
+_FITTED_SCALE = 0.84  # bench/tune_published.py: Llama 3 405B, 16K H100s
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
         name="h100", device_type="H100", peak_flops=989e12, memory_bytes=80e9, hbm_bandwidth=3.35e12,
-        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
+        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
+        source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "h200": HardwareProfile(
         name="h200", device_type="H200", peak_flops=989e12, memory_bytes=141e9, hbm_bandwidth=4.8e12,
-        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
+        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
+        source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "a100": HardwareProfile(
         name="a100", device_type="A100", peak_flops=312e12, memory_bytes=80e9, hbm_bandwidth=2.04e12,
-        gemm=_saturating_gemm(0.80, 6e9), links=_flat_links((10e-6, 235e9), (20e-6, 22.5e9)),
+        gemm=_saturating_gemm(0.80, 6e9), links=_flat_links((10e-6, 235e9), (20e-6, 22.5e9)), compute_scale=_FITTED_SCALE,
         source=f"A100 SXM 80GB cluster, 200G/GPU; {_SOURCES}",
     ),
 }  # fmt: skip
