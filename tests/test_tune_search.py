@@ -11,7 +11,15 @@ import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
-from lightning_flagscale.tune import BUILTIN_PROFILES, HardwareProfile, SearchSpace, load_profile, search, tune_main
+from lightning_flagscale.tune import (
+    BUILTIN_PROFILES,
+    Hardware,
+    HardwareProfile,
+    SearchSpace,
+    load_profile,
+    search,
+    tune_main,
+)
 from lightning_flagscale.tune.cost import estimate_step
 from lightning_flagscale.tune.hardware import builtin_profile
 from lightning_flagscale.tune.hetero import DeviceGroup, balance_layers, plan_hetero, plan_hetero_dp
@@ -91,6 +99,9 @@ def test_link_model_is_alpha_beta_per_collective():
     )
     assert p.collective_seconds("all_reduce", size, 1) == 0.0
     assert p.gemm_efficiency(1e6) < p.gemm_efficiency(1e10) < p.gemm_efficiency(1e14) <= 1.0
+    legacy = Hardware(flops=1e12, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9, memory_bytes=4e9)
+    assert legacy.peak_flops == 1e12 and legacy.memory_bytes == 4e9 and legacy.gemm_efficiency(1.0) == 1.0
+    assert legacy.collective_seconds("p2p", 1e9, 2, inter_node=True) == 1.0  # the pre-profile fields still work
 
 
 def _tune_json(capsys, *argv: str) -> dict:

@@ -1,7 +1,8 @@
 """``tune --calibrate``: micro-benchmarks that turn this machine into a :class:`HardwareProfile` (issue 16 item 2).
 
 - **GEMM throughput by shape**: square and tall-skinny matmuls of growing size; the fastest sets ``peak_flops``,
-  each one's rate over it is a ``gemm`` point.
+  each one's rate over it is a ``gemm`` point. Small shapes include the per-call dispatch overhead on purpose: a
+  tiny model on a CPU is overhead-bound, and that is what its step time will show.
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
   fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``.
 - **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.

@@ -208,7 +208,10 @@ class HardwareProfile:
             data["gemm"] = [tuple(map(float, p)) for p in data["gemm"]]
         if "links" in data:
             data["links"] = {
-                kind: {scope: [LinkPoint(**p) for p in pts] for scope, pts in scopes.items()}
+                kind: {
+                    scope: [p if isinstance(p, LinkPoint) else LinkPoint(**p) for p in pts]
+                    for scope, pts in scopes.items()
+                }
                 for kind, scopes in data["links"].items()
             }
         return cls(**data)
@@ -220,8 +223,25 @@ class HardwareProfile:
         return dataclasses.replace(self, **changes)
 
 
-Hardware = HardwareProfile
-"""Backwards-compatible name."""
+_LEGACY = ("flops", "intra_node_bandwidth", "inter_node_bandwidth")
+
+
+def Hardware(**kwargs: Any) -> HardwareProfile:  # the pre-profile class name, kept for callers
+    """A :class:`HardwareProfile` from its fields, or from the pre-profile ``Hardware`` fields (``flops`` sustained
+    FLOP/s, ``intra_node_bandwidth`` / ``inter_node_bandwidth`` bytes/s, ``memory_bytes``, ``devices_per_node``):
+    every GEMM and attention kernel at ``flops``, latency-free links, no memory-bound time."""
+    if not any(k in kwargs for k in _LEGACY):
+        return HardwareProfile.from_dict(kwargs)  # fields, or a profile's JSON
+    flops = kwargs.pop("flops", 400e12)
+    intra = kwargs.pop("intra_node_bandwidth", 150e9)
+    inter = kwargs.pop("inter_node_bandwidth", 25e9)
+    links = {
+        kind: {scope: [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=bw)] for scope, bw in (("intra", intra),
+               ("inter", inter))} for kind in COLLECTIVES
+    }  # fmt: skip
+    return HardwareProfile(**{"name": "legacy", "peak_flops": flops, "gemm": [(1.0, 1.0)], "attention_efficiency": 1.0,
+                              "hbm_bandwidth": float("inf"), "links": links, **kwargs})  # fmt: skip
+
 
 _SOURCES = "see lightning_flagscale/tune/hardware.py module docstring"
 _FITTED_SCALE = 0.84  # bench/tune_published.py: Llama 3 405B, 16K H100s

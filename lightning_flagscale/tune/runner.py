@@ -238,7 +238,7 @@ def run_candidates(
             continue
         recipe = recipe_dict(model, cand.config, seq_len=seq_len, global_batch=global_batch, devices=devices,
                              max_steps=steps)  # fmt: skip
-        status, seconds, rss, message = _run_one(recipe, Path(workdir) / f"cand{i}", timeout)
+        status, seconds, rss, message = _run_one(recipe, Path(workdir).resolve() / f"cand{i}", timeout)
         pruner.record(cand.config, status)
         results.append(RunResult(cand, status, seconds, rss, message))
         ran += 1
