@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
@@ -37,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", type=int, default=0, metavar="K", help="train the top K layouts for a few steps here")
     p.add_argument("--run-steps", type=int, default=5)
     p.add_argument("--run-dir", default="tune_runs")
-    p.add_argument("--write-recipe", metavar="PATH", help="write the best layout as a `fit --config` recipe")
+    p.add_argument("--write-recipe", metavar="PATH",
+                   help="write the best layout as a `fit --config` recipe (with --run: default RUN_DIR/best.yaml)")  # fmt: skip
     p.add_argument("--recipe-steps", type=int, default=100, help="trainer.max_steps of the written recipe")
     p.add_argument("--hetero", help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes)")
     return p
@@ -151,6 +153,8 @@ def tune_main(argv: list[str]) -> None:
                           "candidates": [candidate_json(c, hw.memory_bytes) for c in shown.candidates]}, indent=1))  # fmt: skip
     elif not args.run:
         _print_table(model, shown, hw, args.devices)
+    if args.run and not args.write_recipe:
+        args.write_recipe = str(Path(args.run_dir) / "best.yaml")  # --run always writes its winner
     if args.write_recipe:
         _write_best(args, model, best, hw)
 
@@ -164,6 +168,10 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
     for r in runs:
         measured = f"{r.measured_step_seconds:9.3f}s" if r.measured_step_seconds else f"{'-':>10}"
         print(f"{r.candidate.describe():<56} {r.candidate.step_seconds:9.3f}s {measured} {r.status} {r.message}")
+    ratios = sorted(r.measured_step_seconds / r.candidate.step_seconds for r in runs if r.measured_step_seconds)
+    if ratios:
+        print(f"measured / predicted: median {ratios[len(ratios) // 2]:.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f});"
+              " step time is noisy on a shared machine")  # fmt: skip
     ok = [r for r in runs if r.status == "ok" and r.measured_step_seconds]
     if not ok:
         raise SystemExit("None of the run candidates trained (see the status column).")
