@@ -1,42 +1,191 @@
-"""``lightning-flagscale tune``."""
+"""``lightning-flagscale tune``: rank layouts, calibrate this machine, run the top candidates, plan hetero jobs.
+
+    lightning-flagscale tune --preset llama3-8b --devices 64 --seq-len 8192 --global-batch 512 [--profile h100]
+    lightning-flagscale tune --calibrate --calibrate-out cpu.json           # micro-benchmarks -> profile JSON
+    lightning-flagscale tune --preset llama-tiny --devices 2 --seq-len 64 --global-batch 4 --profile cpu.json \\
+        --run 2 --write-recipe best.yaml                                     # train the top 2, write the winner
+    lightning-flagscale tune --preset llama3-8b --hetero H100:8:h100,A100:8:a100 --seq-len 4096 --global-batch 64
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.tune.hardware import Hardware
-from lightning_flagscale.tune.search import search
+from lightning_flagscale.tune.hardware import HardwareProfile, load_profile
+from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
-__all__ = ["tune_main"]
+__all__ = ["candidate_json", "no_fit_message", "tune_main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-flagscale tune", description="best parallel layouts for a model")
+    p.add_argument("--preset", default="llama3-8b", help="TransformerConfig preset name")
+    p.add_argument("--devices", type=int, help="number of devices (required unless --calibrate or --hetero)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    p.add_argument("--profile", default="h100", help="h100 | h200 | a100 | path to a profile JSON (--calibrate)")
+    p.add_argument("--memory-gb", type=float, help="override the profile's device memory")
+    p.add_argument("--top", "--top-k", dest="top", type=int, default=10, help="layouts to show")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.add_argument("--schedules", help="comma-separated pipeline schedules to search (default: all)")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile JSON")
+    p.add_argument("--calibrate-out", default="hardware_profile.json")
+    p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
+    p.add_argument("--run", type=int, default=0, metavar="K", help="train the top K layouts for a few steps here")
+    p.add_argument("--run-steps", type=int, default=5)
+    p.add_argument("--run-dir", default="tune_runs")
+    p.add_argument("--write-recipe", metavar="PATH",
+                   help="write the best layout as a `fit --config` recipe (with --run: default RUN_DIR/best.yaml)")  # fmt: skip
+    p.add_argument("--recipe-steps", type=int, default=100, help="trainer.max_steps of the written recipe")
+    p.add_argument("--hetero", help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes)")
+    return p
+
+
+def candidate_json(cand: Candidate, budget: float) -> dict[str, Any]:
+    """One ranked layout as JSON: ``parallel`` holds the ``ParallelConfig`` / strategy keyword arguments."""
+    from lightning_flagscale.tune.runner import _strategy_args
+
+    cost = cand.cost
+    return {
+        "layout": cand.describe(), "parallel": _strategy_args(cand.config), "data_parallel_size": cand.config.dp,
+        "memory_bytes": cand.memory_bytes, "memory_budget_bytes": budget, "step_seconds": cost.step_seconds,
+        "tokens_per_second": cost.tokens_per_second, "mfu": cost.mfu, "bubble_seconds": cost.bubble_seconds,
+        "exposed_comm_seconds": cost.exposed_comm_seconds, "comm": cost.comm,
+    }  # fmt: skip
+
+
+def no_fit_message(result: SearchResult, budget: float, devices: int) -> str:
+    """Why nothing can run, naming the constraint."""
+    others = [(why, n) for why, n in result.pruned.most_common() if why != "memory"][:4]
+    reasons = ", ".join(f"{why} ({n})" for why, n in others)
+    if result.considered == 0:
+        return f"No valid layout for {devices} devices: every candidate was refused: {reasons}."
+    need = (result.smallest_memory or 0) / 1e9
+    return (
+        f"No layout fits in memory: the leanest of {result.considered} valid layouts needs {need:.1f} GB per device"
+        f" against the {budget / 1e9:.1f} GB budget (memory constraint); add devices, shorten sequences, lower the"
+        f" global batch or use a device with more memory. Other refusals: {reasons or 'none'}."
+    )
+
+
+def _print_table(model: TransformerConfig, result: SearchResult, hw: HardwareProfile, devices: int) -> None:
+    print(f"{model.name}: {model.num_params() / 1e9:.2f}B parameters, {devices} x {hw.name}, {result.considered} valid"
+          f" layouts, {result.pruned.get('memory', 0)} over the {hw.memory_bytes / 1e9:.0f} GB budget")  # fmt: skip
+    print(f"{'#':>2} {'layout':<56} {'tokens/s':>11} {'/device':>8} {'MFU':>6} {'memory/budget':>14} {'bubble':>7}"
+          f" {'exp.comm':>8} {'step':>8}")  # fmt: skip
+    for i, cand in enumerate(result.candidates, 1):
+        cost = cand.cost
+        mem = f"{cand.memory_bytes / 1e9:.1f}/{hw.memory_bytes / 1e9:.0f}GB"
+        comm = cost.exposed_comm_seconds / cost.step_seconds
+        print(f"{i:>2} {cand.describe():<56} {cost.tokens_per_second:11.0f} {cost.tokens_per_second / devices:8.0f}"
+              f" {cost.mfu:6.1%} {mem:>14} {cost.bubble_fraction:7.1%} {comm:8.1%} {cost.step_seconds:7.3f}s")  # fmt: skip
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from lightning_flagscale.tune.calibrate import calibrate
+
+    groups = tuple(int(x) for x in args.calibrate_groups.split(","))
+    profile = calibrate(group_sizes=groups)
+    profile.save(args.calibrate_out)
+    ar = profile.link("all_reduce", max(groups), "intra")
+    print(f"wrote {args.calibrate_out}: peak {profile.peak_flops / 1e9:.1f} GFLOP/s, attention"
+          f" {profile.attention_efficiency:.0%} of peak, memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce"
+          f" x{max(groups)}: {ar.latency * 1e6:.0f} us + {ar.bus_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+
+
+def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:
+    from lightning_flagscale.tune.hetero import DeviceGroup, plan_hetero, plan_hetero_dp
+
+    groups = []
+    for item in args.hetero.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or not parts[1].isdigit():
+            raise SystemExit(f"--hetero entry {item!r} must be TYPE:COUNT:PROFILE, e.g. H100:8:h100.")
+        groups.append(DeviceGroup(device_type=parts[0], count=int(parts[1]), profile=load_profile(parts[2])))
+    kw = dict(seq_len=args.seq_len, global_batch=args.global_batch)
+    plans = plan_hetero(model, groups, **kw)[: args.top]
+    try:
+        plans.append(plan_hetero_dp(model, groups, **kw))
+    except ValueError as err:
+        print(f"hetero-DP: {err}")
+    if args.json:
+        print(json.dumps([dict(p.__dict__) for p in plans], indent=1))
+        return
+    if not plans:
+        raise SystemExit("No heterogeneous plan fits in memory on these device groups (memory constraint).")
+    for p in sorted(plans, key=lambda p: p.step_seconds):
+        print(f"{p.kind:<9} step {p.step_seconds:8.3f}s imbalance {p.imbalance:5.2f} {json.dumps(p.parallel)}")
 
 
 def tune_main(argv: list[str]) -> None:
-    """``lightning-flagscale tune``: print the best layouts for a model on a cluster."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-flagscale tune", description="best parallel layouts for a model on a cluster"
-    )
-    parser.add_argument("--preset", default="llama3-8b", help="TransformerConfig preset name")
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    parser.add_argument("--memory-gb", type=float, default=80.0)
-    parser.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device")
-    parser.add_argument("--devices-per-node", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=10)
-    args = parser.parse_args(argv)
-    model = TransformerConfig.from_preset(args.preset)
-    hw = Hardware(memory_bytes=args.memory_gb * 1e9, flops=args.tflops * 1e12, devices_per_node=args.devices_per_node)
-    best, considered = search(
-        model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw, top_k=args.top_k
-    )
-    print(
-        f"{args.preset}: {model.num_params() / 1e9:.2f}B parameters, {args.devices} devices, {considered} valid layouts"
-    )
-    if not best:
-        print("No layout fits in memory: add devices, shorten sequences or lower the global batch.")
-        return
-    print(f"{'layout':<48} {'memory/rank':>12} {'step':>9} {'tokens/s':>12}")
-    for cand in best:
-        print(f"{cand.describe():<48} {cand.memory_bytes / 1e9:10.1f}GB {cand.step_seconds:8.2f}s"
-              f" {cand.tokens_per_second:12.0f}")  # fmt: skip
+    """``lightning-flagscale tune``: print the best layouts for a model on a cluster (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args)
+    try:
+        model = TransformerConfig.from_preset(args.preset)
+        hw = load_profile(args.profile)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if args.memory_gb:
+        hw = hw.replace(memory_bytes=args.memory_gb * 1e9)
+    if args.hetero:
+        return _hetero(args, model)
+    if not args.devices or args.devices < 1:
+        raise SystemExit("--devices N is required (the number of devices to plan for).")
+    space = SearchSpace(schedules=tuple(args.schedules.split(","))) if args.schedules else SearchSpace()
+    keep = None if args.run else args.top
+    result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
+                    space=space, top_k=keep)  # fmt: skip
+    if not result.candidates:
+        raise SystemExit(no_fit_message(result, hw.memory_bytes, args.devices))
+    best = result.candidates[0]
+    if args.run:
+        best = _run(args, model, result)
+    shown = SearchResult(result.candidates[: args.top], result.considered, result.pruned, result.smallest_memory)
+    if args.json:
+        print(json.dumps({"model": model.name, "devices": args.devices, "profile": hw.name,
+                          "considered": result.considered, "pruned": dict(result.pruned),
+                          "candidates": [candidate_json(c, hw.memory_bytes) for c in shown.candidates]}, indent=1))  # fmt: skip
+    elif not args.run:
+        _print_table(model, shown, hw, args.devices)
+    if args.run and not args.write_recipe:
+        args.write_recipe = str(Path(args.run_dir) / "best.yaml")  # --run always writes its winner
+    if args.write_recipe:
+        _write_best(args, model, best, hw)
+
+
+def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult) -> Candidate:
+    from lightning_flagscale.tune.runner import run_candidates
+
+    runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
+                          devices=args.devices, workdir=args.run_dir, steps=args.run_steps)  # fmt: skip
+    print(f"{'layout':<56} {'predicted':>10} {'measured':>10} {'status'}")
+    for r in runs:
+        measured = f"{r.measured_step_seconds:9.3f}s" if r.measured_step_seconds else f"{'-':>10}"
+        print(f"{r.candidate.describe():<56} {r.candidate.step_seconds:9.3f}s {measured} {r.status} {r.message}")
+    ratios = sorted(r.measured_step_seconds / r.candidate.step_seconds for r in runs if r.measured_step_seconds)
+    if ratios:
+        print(f"measured / predicted: median {ratios[len(ratios) // 2]:.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f});"
+              " step time is noisy on a shared machine")  # fmt: skip
+    ok = [r for r in runs if r.status == "ok" and r.measured_step_seconds]
+    if not ok:
+        raise SystemExit("None of the run candidates trained (see the status column).")
+    return min(ok, key=lambda r: r.measured_step_seconds).candidate
+
+
+def _write_best(args: argparse.Namespace, model: TransformerConfig, best: Candidate, hw: HardwareProfile) -> None:
+    from lightning_flagscale.tune.runner import recipe_dict, write_recipe
+
+    accelerator = "cpu" if hw.device_type.startswith("cpu") else "gpu"
+    recipe = recipe_dict(model, best.config, seq_len=args.seq_len, global_batch=args.global_batch,
+                         devices=args.devices, max_steps=args.recipe_steps, accelerator=accelerator,
+                         devices_per_node=hw.devices_per_node)  # fmt: skip
+    header = (f"Written by `lightning-flagscale tune` ({hw.name} profile): {best.describe()}\n"
+              f"predicted {best.tokens_per_second:.0f} tokens/s, {best.memory_bytes / 1e9:.2f} GB per device")  # fmt: skip
+    path = write_recipe(args.write_recipe, recipe, header)
+    print(f"wrote {path}: lightning-flagscale fit --config {path}")

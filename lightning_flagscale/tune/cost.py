@@ -1,37 +1,397 @@
-"""Cost model: predicted step time of one layout on given hardware."""
+"""Cost model: predicted step time of one layout on a :class:`HardwareProfile` (issue 16 item 2).
+
+Per micro-batch and pipeline rank, a block costs
+
+- its **GEMMs** (q/k/v/o projections, SwiGLU MLP or router + routed experts at the per-expert row count + shared
+  experts, split by TP; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
+  GEMMs of the same size (input gradient and weight gradient);
+- **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
+  backward 2.5x forward (FlashAttention-2's five matmuls against two);
+- **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
+  read or written per token in forward, twice that in backward, at HBM bandwidth;
+- **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels;
+- exposed **TP/SP** collectives (2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters, per block and pass;
+  nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls, and the
+  **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
+
+The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
+weight-gradient part ``w`` of the heaviest rank (``p`` ranks, ``v`` chunks; the DualPipe README's bubble table,
+https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
+gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
+``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. Data parallelism reduces fp32 gradients over
+data x context ranks (``parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
+last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
+all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
+(prefetched: only the excess over compute and the first gather show). The Adam step is memory-bound.
+"""
 
 from __future__ import annotations
 
-from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.memory import comm_theory_bytes
-from lightning_flagscale.tune.hardware import Hardware
-from lightning_flagscale.tune.memory import stage_params
+import math
+from dataclasses import dataclass, field
 
-__all__ = ["estimate_step_seconds"]
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.flops import flops_per_token
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.tune.hardware import HardwareProfile
+
+__all__ = ["StepCost", "calibrate_compute_scale", "estimate_step", "estimate_step_seconds", "stage_layer_counts"]
+
+BF16 = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """Predicted time of one optimizer step, split into what it is spent on (seconds, heaviest pipeline rank)."""
+
+    step_seconds: float
+    compute_seconds: float
+    """Busy time of the heaviest rank: GEMMs, attention, memory-bound kernels, recompute, optimizer."""
+    bubble_seconds: float
+    exposed_comm_seconds: float
+    comm: dict[str, float] = field(default_factory=dict)
+    """Exposed seconds per kind: ``tp``, ``cp``, ``ep``, ``pp``, ``dp``."""
+    tokens_per_second: float
+    mfu: float
+    """Model FLOPs (``parallel.flops.flops_per_token``) per second over the devices' peak."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Per micro-batch times of one block on one rank: forward, full backward, its weight-gradient part, and the
+    exposed communication inside them (already included in f and b)."""
+
+    f: float
+    b: float
+    w: float
+    comm: dict[str, float]
+
+
+def _tokens(model: TransformerConfig, c: ParallelConfig, seq_len: int) -> float:
+    """Tokens one rank's GEMMs see per micro-batch (CP splits the sequence)."""
+    return c.micro_batch_size * seq_len / c.context_parallel_size
+
+
+def _inter(group: int, stride: int, hw: HardwareProfile) -> bool:
+    """Whether a group of ``group`` ranks, ``stride`` apart in rank order, spans nodes."""
+    return group * stride > hw.devices_per_node
+
+
+def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool):
+    """(GEMM forward seconds, attention forward seconds, memory-bound forward seconds) of one block."""
+    tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
+    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    gemm = hw.gemm_seconds(t, (q + 2 * kv) * d / tp, h) + hw.gemm_seconds(t, h, q * d / tp)
+    if moe:
+        k, e, ep, inner = (
+            model.num_experts_per_tok,
+            model.num_experts,
+            c.expert_parallel_size,
+            model.moe_intermediate_size,
+        )
+        rows = t * k / tp  # the stage's ranks share the routed rows evenly (balanced routing assumed)
+        local = e / ep
+        gemm += hw.gemm_seconds(t, e, h)  # router
+        gemm += hw.gemm_seconds(rows / local, inner, h, count=2 * local) + hw.gemm_seconds(
+            rows / local, h, inner, local
+        )
+        if model.num_shared_experts:
+            shared = model.shared_expert_intermediate_size or inner * model.num_shared_experts
+            gemm += hw.gemm_seconds(t, shared / tp, h, count=2) + hw.gemm_seconds(t, h, shared / tp)
+        mlp_width = inner * k
+    else:
+        inner = model.intermediate_size
+        gemm += hw.gemm_seconds(t, inner / tp, h, count=2) + hw.gemm_seconds(t, h, inner / tp)
+        mlp_width = inner / tp
+    # causal kernels skip the masked half; every rank's s/cp queries meet all s keys
+    attn = hw.attention_seconds(
+        0.5 * 4 * c.micro_batch_size * seq_len * seq_len * q * d / (tp * c.context_parallel_size)
+    )
+    hidden_split = tp if c.sequence_parallel else 1
+    mem = hw.memory_seconds(t * BF16 * (16 * h / hidden_split + 6 * mlp_width))
+    return gemm, attn, mem
+
+
+def _block_comm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool, attn: float):
+    """Exposed forward and backward communication seconds of one block, by kind."""
+    tp, cp = c.tensor_parallel_size, c.context_parallel_size
+    t, h, d = _tokens(model, c, seq_len), model.hidden_size, model.head_dim
+    act = t * h * BF16
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    if tp > 1:
+        inter = _inter(tp, 1, hw)
+        if c.sequence_parallel:
+            one = hw.collective_seconds("all_gather", act, tp, inter_node=inter)
+            one += hw.collective_seconds("reduce_scatter", act, tp, inter_node=inter)
+        else:
+            one = hw.collective_seconds("all_reduce", act, tp, inter_node=inter)
+        fwd["tp"] = bwd["tp"] = 2 * one
+    if cp > 1:
+        u, ring = c.resolved_ulysses_size, c.ring_size
+        cp_inter = _inter(cp, tp, hw)
+        if u > 1:  # q, k, v in and the output back, each an all-to-all; the same in backward
+            qkvo = t * (2 * model.num_attention_heads + 2 * model.num_key_value_heads) * d * BF16 / tp
+            fwd["cp"] = bwd["cp"] = hw.collective_seconds("all_to_all", qkvo, u, inter_node=_inter(u, tp, hw))
+        if ring > 1:  # K and V of the local chunk go round the ring, overlapped with the attention of each step
+            kv = 2 * t * model.num_key_value_heads * d * BF16 / tp
+            step = hw.collective_seconds("p2p", kv, 2, inter_node=cp_inter)
+            fwd["cp"] = fwd.get("cp", 0.0) + max(0.0, (ring - 1) * step - attn * (ring - 1) / ring)
+            bwd["cp"] = bwd.get("cp", 0.0) + max(0.0, (ring - 1) * 2 * step - 2.5 * attn * (ring - 1) / ring)
+    if moe and c.expert_parallel_size > 1:
+        ep = c.expert_parallel_size
+        routed = t * model.num_experts_per_tok * h * BF16 / tp
+        fwd["ep"] = bwd["ep"] = 2 * hw.collective_seconds("all_to_all", routed, ep, inter_node=_inter(ep, 1, hw))
+    return fwd, bwd
+
+
+def _block_pass(
+    model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool, recompute: str
+) -> _Pass:
+    gemm, attn, mem = _block_compute(model, c, seq_len, hw, moe)
+    fwd_comm, bwd_comm = _block_comm(model, c, seq_len, hw, moe, attn)
+    f = gemm + attn + mem + sum(fwd_comm.values())
+    w = gemm  # weight gradients: one GEMM per forward GEMM
+    b = 2 * gemm + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
+    if recompute == "full":
+        b += f
+    elif recompute == "selective":
+        b += mem
+    comm = {k: fwd_comm.get(k, 0.0) + bwd_comm.get(k, 0.0) for k in set(fwd_comm) | set(bwd_comm)}
+    if recompute == "full":
+        comm = {k: v + fwd_comm.get(k, 0.0) for k, v in comm.items()}
+    return _Pass(f, b, w, comm)
+
+
+def stage_layer_counts(model: TransformerConfig, c: ParallelConfig) -> list[int]:
+    """Blocks per pipeline stage: ``pipeline_layers`` or an even split (earlier stages take the remainder)."""
+    if c.pipeline_layers is not None:
+        return list(c.pipeline_layers)
+    n = c.num_stages
+    q, r = divmod(model.num_layers, n)
+    return [q + (1 if i < r else 0) for i in range(n)]
+
+
+def _rank_stages(c: ParallelConfig) -> list[list[int]]:
+    """Stage indices held by each pipeline rank (loop or V placement, ``parallel/schedules.py``)."""
+    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+
+    p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
+    if p > 1 and SCHEDULE_SPECS[c.pipeline_schedule].placement == "v":
+        return [[r, 2 * p - 1 - r] for r in range(p)]
+    return [[r + i * p for i in range(v)] for r in range(p)]
+
+
+def _recompute_modes(c: ParallelConfig) -> list[str]:
+    return [c.recompute] * c.num_stages if isinstance(c.recompute, str) else list(c.recompute)
+
+
+def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile) -> _Pass:
+    """Forward/backward of one micro-batch on the heaviest pipeline rank (its blocks over all its chunks + head)."""
+    counts, modes = stage_layer_counts(model, c), _recompute_modes(c)
+    moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    cache: dict[tuple[bool, str], _Pass] = {}
+    best: _Pass | None = None
+    for stages in _rank_stages(c):
+        f = b = w = 0.0
+        comm: dict[str, float] = {}
+        for s in stages:
+            n_moe = sum(moe_flags[first[s] : first[s] + counts[s]])
+            for moe, n in ((True, n_moe), (False, counts[s] - n_moe)):
+                if n == 0:
+                    continue
+                key = (moe, modes[s])
+                if key not in cache:
+                    cache[key] = _block_pass(model, c, seq_len, hw, *key)
+                one = cache[key]
+                f, b, w = f + n * one.f, b + n * one.b, w + n * one.w
+                for k, val in one.comm.items():
+                    comm[k] = comm.get(k, 0.0) + n * val
+            if s == c.num_stages - 1:  # LM head (vocab-parallel over TP) and loss
+                t, vocab = _tokens(model, c, seq_len), model.padded_vocab_size(c.tensor_parallel_size)
+                head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
+                f, b, w = f + head, b + 2 * head, w + head
+        if best is None or f + b > best.f + best.b:
+            best = _Pass(f, b, w, comm)
+    assert best is not None
+    return best
+
+
+def _bubble(c: ParallelConfig, one: _Pass) -> float:
+    """Idle time of one schedule run on the heaviest rank (see the module docstring)."""
+    p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
+    if p == 1:
+        return 0.0
+    f, b, w = one.f / v, one.b / v, one.w / v
+    name = c.pipeline_schedule
+    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return (p - 1) * (f + b)
+    if name in ("zero_bubble", "zbv"):
+        return (p - 1) * max(0.0, f + b - 2 * w)
+    # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without overlapping a
+    # forward and a backward chunk (torch on CPU does not), F&B = f + b.
+    return (p - 1) * max(0.0, f + 2 * b - 3 * w)
+
+
+def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of block ``layer``."""
+    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    dense = h * q * d + 2 * h * kv * d + q * d * h + 2 * h
+    if not model.is_moe_layer(layer):
+        return dense + 3 * h * model.intermediate_size, 0.0
+    inner = model.moe_intermediate_size
+    dense += h * model.num_experts
+    if model.num_shared_experts:
+        dense += 3 * h * (model.shared_expert_intermediate_size or inner * model.num_shared_experts)
+    return dense, 3.0 * h * inner * model.num_experts
+
+
+def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, float]:
+    """(dense, expert) parameters on the heaviest pipeline rank, before TP/EP division."""
+    counts = stage_layer_counts(model, c)
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
+    per = {moe: _layer_params(model, 0 if not moe else moe_flags.index(True)) for moe in set(moe_flags)}
+    embed = model.vocab_size * model.hidden_size
+    best = (0.0, 0.0)
+    for stages in _rank_stages(c):
+        dense = expert = 0.0
+        for s in stages:
+            n_moe = sum(moe_flags[first[s] : first[s] + counts[s]])
+            for moe, n in ((True, n_moe), (False, counts[s] - n_moe)):
+                if n:
+                    dense, expert = dense + n * per[moe][0], expert + n * per[moe][1]
+            ends = (s == 0) + (s == c.num_stages - 1)
+            if c.num_stages == 1 and model.tie_word_embeddings:
+                ends = 1
+            dense += ends * embed
+        if dense + expert > sum(best):
+            best = (dense, expert)
+    return best
+
+
+def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward: float, compute: float):
+    """(exposed seconds, optimizer seconds) of gradient reduction, parameter gathers and the Adam step."""
+    tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
+    dense, expert = _stage_params(model, c)
+    groups = [(dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
+    if expert:
+        edp = dp * cp * tp // ep
+        groups.append((expert / ep, edp, _inter(edp, ep, hw)))  # experts reduce over the ranks holding the same ones
+    exposed = optimizer = 0.0
+    m = c.gradient_accumulation_steps
+    for psi, n, inter in groups:
+        shard = psi / n if c.zero_stage >= 1 else psi
+        optimizer += hw.memory_seconds(shard * 34)  # Adam: read/write fp32 master, moments, grad; write bf16
+        if n <= 1:
+            continue
+        if c.zero_stage == 0:
+            reduce = hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
+        else:
+            reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
+        bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
+        if c.zero_stage in (0, 1, 2):
+            exposed += max(bucket, reduce - last_backward)
+        if c.zero_stage in (1, 2):
+            exposed += hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
+        if c.zero_stage == 3:  # gathers per micro-batch in forward and backward, prefetched under compute
+            gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
+            per_block = gather / max(model.num_layers, 1)
+            exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
+    return exposed, optimizer
+
+
+def _pass_key(c: ParallelConfig) -> tuple:
+    """Everything ``_rank_pass`` depends on besides the model, sequence and hardware (not ZeRO or DP)."""
+    layers = tuple(c.pipeline_layers) if c.pipeline_layers is not None else None
+    rc = c.recompute if isinstance(c.recompute, str) else tuple(c.recompute)
+    return (
+        c.tensor_parallel_size, c.pipeline_parallel_size, c.virtual_pipeline_parallel_size, c.pipeline_schedule,
+        c.context_parallel_size, c.resolved_ulysses_size, c.expert_parallel_size, c.sequence_parallel,
+        c.micro_batch_size, rc, layers,
+    )  # fmt: skip
+
+
+def estimate_step(
+    model: TransformerConfig,
+    c: ParallelConfig,
+    seq_len: int,
+    global_batch: int,
+    hw: HardwareProfile,
+    *,
+    cache: dict | None = None,
+) -> StepCost:
+    """Predicted time of one optimizer step of ``global_batch`` sequences of ``seq_len`` tokens (module docstring).
+
+    ``cache``: a dict shared by calls with the same model, sequence length and profile (a search), so layouts that
+    differ only in ZeRO stage or DP reuse the per-micro-batch pass."""
+    dp, p = c.dp, c.pipeline_parallel_size
+    per_replica = global_batch // dp
+    m_total = max(1, per_replica // c.micro_batch_size)
+    gas = c.gradient_accumulation_steps
+    key = _pass_key(c)
+    one = cache.get(key) if cache is not None else None
+    if one is None:
+        one = _rank_pass(model, c, seq_len, hw)
+        if cache is not None:
+            cache[key] = one
+    bubble = gas * _bubble(c, one)
+    busy = m_total * (one.f + one.b)
+    comm = {k: m_total * val for k, val in one.comm.items()}
+    if p > 1:
+        act = c.micro_batch_size * seq_len / c.context_parallel_size * model.hidden_size * BF16
+        act /= c.tensor_parallel_size if c.sequence_parallel else 1
+        hop = hw.collective_seconds("p2p", act, 2, inter_node=_inter(p, c.world_size // p, hw))
+        comm["pp"] = 2 * (m_total * c.virtual_pipeline_parallel_size + gas * (p - 1)) * hop
+    dp_exposed, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
+    comm["dp"] = dp_exposed
+    step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
+    tokens = global_batch * seq_len
+    world = c.world_size
+    mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)
+    in_compute = sum(v for k, v in comm.items() if k not in ("pp", "dp"))
+    return StepCost(
+        step_seconds=step, compute_seconds=busy - in_compute + optimizer, bubble_seconds=bubble,
+        exposed_comm_seconds=sum(comm.values()), comm=comm, tokens_per_second=tokens / step, mfu=mfu,
+    )  # fmt: skip
 
 
 def estimate_step_seconds(
-    model: TransformerConfig, c: ParallelConfig, seq_len: int, global_batch: int, hw: Hardware
+    model: TransformerConfig, c: ParallelConfig, seq_len: int, global_batch: int, hw: HardwareProfile
 ) -> float:
-    """Compute (with the pipeline bubble) plus communication that is not hidden."""
-    tp, pp, cp, dp = c.tensor_parallel_size, c.pipeline_parallel_size, c.context_parallel_size, c.dp
-    world = tp * pp * cp * dp
-    tokens = global_batch * seq_len
-    m = global_batch // (dp * c.micro_batch_size)
-    compute = 6 * model.num_params(active=True) * tokens / (world * hw.flops)  # MoE: only routed experts run
-    compute *= 1 + (pp - 1) / m  # bubble: (p-1)/(m+p-1) of the time is idle
-    fast = hw.intra_node_bandwidth
-    dp_link = fast if tp * cp * dp <= hw.devices_per_node else hw.inter_node_bandwidth
-    psi = stage_params(model, pp) / tp
-    # ZeRO shards over data x context; bf16 parameters are gathered, gradients are reduced in fp32.
-    dp_traffic = comm_theory_bytes(2 * psi, dp * cp, c.zero_stage, grad_bytes=4 * psi).total
-    s, b, h = seq_len / cp, c.micro_batch_size, model.hidden_size
-    layers = -(-model.num_layers // pp)
-    tp_traffic = 4 * layers * m * 2 * s * b * h * 2 * (tp - 1) / tp if tp > 1 else 0.0
-    kv = 2 * s * b * model.num_key_value_heads * model.head_dim * 2 / tp
-    cp_traffic = 3 * layers * m * kv * (cp - 1) if cp > 1 else 0.0  # K/V forward + K/V and dK/dV backward
-    pp_traffic = 2 * m * s * b * h * 2 if pp > 1 else 0.0
-    tp_link = fast if tp <= hw.devices_per_node else hw.inter_node_bandwidth
-    return (
-        compute + dp_traffic / dp_link + tp_traffic / tp_link + cp_traffic / fast + pp_traffic / hw.inter_node_bandwidth
-    )
+    return estimate_step(model, c, seq_len, global_batch, hw).step_seconds
+
+
+def calibrate_compute_scale(
+    model: TransformerConfig,
+    c: ParallelConfig,
+    seq_len: int,
+    global_batch: int,
+    hw: HardwareProfile,
+    tokens_per_second: float,
+    *,
+    field: str = "compute_scale",
+) -> HardwareProfile:
+    """``hw`` with ``field`` (``compute_scale``, or ``gemm_scale`` for a GEMM-only speed-up) chosen so the predicted
+    throughput of this layout equals ``tokens_per_second`` (bisection in log space; links are left as profiled)."""
+    if field not in ("compute_scale", "gemm_scale"):
+        raise ValueError(f"field={field!r}: use 'compute_scale' or 'gemm_scale'.")
+    lo, hi = 1e-3, 1e3
+
+    def rate(scale: float) -> float:
+        return estimate_step(model, c, seq_len, global_batch, hw.replace(**{field: scale})).tokens_per_second
+
+    if not rate(lo) <= tokens_per_second <= rate(hi):
+        raise ValueError(
+            f"{tokens_per_second:.0f} tokens/s is out of reach of this profile's communication model for this layout;"
+            " check the layout and the profile's link bandwidths."
+        )
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if rate(mid) < tokens_per_second else (lo, mid)
+    return hw.replace(**{field: math.sqrt(lo * hi)})

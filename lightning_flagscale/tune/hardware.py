@@ -1,23 +1,280 @@
-"""What the cost model knows about a device and its links."""
+"""Hardware profiles: what the cost model knows about one device type and its links (issue 16 item 2).
+
+A :class:`HardwareProfile` holds
+
+- the device's dense bf16 peak and memory, and the HBM bandwidth memory-bound kernels run at;
+- **GEMM efficiency by size**: measured points ``(flops of one GEMM, achieved fraction of peak)``, interpolated
+  log-linearly (small GEMMs run far below peak, large ones approach the cuBLAS ceiling);
+- **attention efficiency**: achieved fraction of peak of the fused SDPA kernel on the FLOPs it really does
+  (causal kernels skip the masked half);
+- an **alpha-beta link model per collective and group size**, inside a node (``intra``) and across nodes (``inter``):
+  ``t = alpha + factor(n) * bytes / bus_bandwidth``, with the nccl-tests conventions
+  (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): ``bytes`` is the per-rank buffer size, and
+  ``factor`` is 2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter / all-to-all and 1 for P2P, so
+  ``bus_bandwidth`` is the number nccl-tests prints as *busbw*;
+- ``compute_scale``: one end-to-end factor (kernel fusion, launch gaps, host overhead) fitted on a measured or
+  published step (:func:`lightning_flagscale.tune.cost.calibrate_compute_scale`).
+
+``tune --calibrate`` measures all of it on this machine (``tune/calibrate.py``) and writes JSON; the built-in
+profiles below are for planning clusters you cannot measure from here. Their sources:
+
+- Peaks: NVIDIA datasheets, dense (no sparsity) bf16: H100 SXM 989 TFLOP/s, H200 SXM 989, A100 SXM 312
+  (``parallel/flops.py`` ``PEAK_FLOPS``); memory 80 / 141 / 80 GB; HBM 3.35 / 4.8 / 2.04 TB/s.
+- Intra-node: nccl-tests large-message busbw on 8x H100 SXM NVLink-4 460-480 GB/s, 8x A100 SXM NVLink-3 230-250
+  GB/s (reference table in https://docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); we take 450 and 235
+  (H200 has the same NVLink-4 switch as H100).
+- Inter-node: one 400 Gb/s (H100/H200, NDR/RoCE) or 200 Gb/s (A100, HDR) NIC per GPU, as on DGX and Meta's Grand
+  Teton (https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md); busbw taken
+  as 90% of line rate: 45 GB/s and 22.5 GB/s. Latencies (alpha): ~10 us inside a node, ~20 us across nodes (ring
+  latency grows with the group, modelled by the per-size points).
+- GEMM efficiency: assumed saturating curves reaching ~75% of peak for large bf16 GEMMs (typical cuBLAS on
+  H100/A100); *not a vendor number*: calibrate on the machine or fit ``compute_scale`` on a published step.
+- ``compute_scale`` = 0.84: fitted on Llama 3 405B on 16,384 H100s (400 TFLOP/s per GPU, Llama 3 paper Table 4) by
+  ``bench/tune_published.py`` (see ``bench/results/tune_published.md`` for the other published points it predicts);
+  the A100 and H200 profiles reuse it for want of a published point of their own.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-__all__ = ["Hardware"]
+__all__ = [
+    "BUILTIN_PROFILES",
+    "COLLECTIVES",
+    "Hardware",
+    "HardwareProfile",
+    "LinkPoint",
+    "algorithm_factor",
+    "builtin_profile",
+    "load_profile",
+]
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+Scope = Literal["intra", "inter"]
+
+
+def algorithm_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: wire bytes per rank over buffer bytes for a ring of ``n`` ranks."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"Unknown collective {kind!r}; use one of {COLLECTIVES}.")
+    if kind == "p2p":
+        return 1.0
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
 
 
 @dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """What the cost model needs to know about one device and its links."""
+class LinkPoint:
+    """One measured (or published) point of a collective: latency and bus bandwidth at a group size."""
 
+    group_size: int
+    latency: float
+    """alpha, seconds per call (small-message time)."""
+    bus_bandwidth: float
+    """beta^-1, bytes/s as nccl-tests' busbw (large-message)."""
+
+
+def _flat_links(intra: tuple[float, float], inter: tuple[float, float]) -> dict[str, dict[str, list[LinkPoint]]]:
+    """Same (latency, busbw) for every collective and group size; ring latency grows with log2 of the group."""
+    out: dict[str, dict[str, list[LinkPoint]]] = {}
+    for kind in COLLECTIVES:
+        out[kind] = {
+            scope: [
+                LinkPoint(group_size=n, latency=lat * (1 + math.log2(n)), bus_bandwidth=bw)
+                for n in (2, 4, 8, 16, 64, 1024)
+            ]
+            for scope, (lat, bw) in (("intra", intra), ("inter", inter))
+        }
+    return out
+
+
+def _saturating_gemm(peak_fraction: float, half_flops: float) -> list[tuple[float, float]]:
+    """GEMM efficiency points ``eff(F) = peak_fraction * F / (F + half_flops)`` from 1 MFLOP to 100 TFLOP."""
+    return [(f, peak_fraction * f / (f + half_flops)) for f in (10.0**e for e in range(6, 15))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """One device type and its links, as the cost model sees them (see the module docstring)."""
+
+    name: str = "custom"
+    """Profile name (``h100``, ``a100``, ``h200``, ``calibrated-cpu``...)."""
+    device_type: str = "custom"
+    """Device label; heterogeneous plans map ``hetero_meshes[i].device_type`` to a profile by it."""
+    peak_flops: float = 989e12
+    """Dense bf16 FLOP/s of one device."""
     memory_bytes: float = 80e9
     """Usable device memory."""
-    flops: float = 400e12
-    """Sustained bf16 FLOP/s of one device (about 40% of an H100's dense peak)."""
-    intra_node_bandwidth: float = 150e9
-    """Bytes/s per device inside a node (TP, CP, small DP groups)."""
-    inter_node_bandwidth: float = 25e9
-    """Bytes/s per device across nodes (DP, PP)."""
+    hbm_bandwidth: float = 3.35e12
+    """Bytes/s of device memory: memory-bound kernels (norms, activations, optimizer) run at this rate."""
     devices_per_node: int = 8
-    """Devices that share the fast links."""
+    """Devices that share the fast (``intra``) links."""
+    gemm: list[tuple[float, float]] = field(default_factory=lambda: _saturating_gemm(0.75, 2e10))
+    """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak the fused attention kernel reaches on the FLOPs it does."""
+    links: dict[str, dict[str, list[LinkPoint]]] = field(
+        default_factory=lambda: _flat_links((10e-6, 450e9), (20e-6, 45e9))
+    )
+    """collective -> ``intra``/``inter`` -> points by group size."""
+    compute_scale: float = 1.0
+    """End-to-end factor on every compute time's efficiency, fitted on a measured or published step."""
+    gemm_scale: float = 1.0
+    """Extra factor on GEMM throughput only: a faster GEMM format (Float8 linears) that attention and memory-bound
+    kernels do not share."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        if self.peak_flops <= 0 or self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: peak_flops, memory_bytes, hbm_bandwidth must be > 0.")
+        if not self.gemm or any(e <= 0 for _, e in self.gemm):
+            raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
+        for kind in COLLECTIVES:
+            for scope in ("intra", "inter"):
+                if not self.links.get(kind, {}).get(scope):
+                    raise ValueError(f"HardwareProfile {self.name!r} has no {scope}-node points for {kind}.")
+        object.__setattr__(self, "_link_cache", {})  # not a field: lookups repeat millions of times in a search
+
+    # ---- compute ----
+    def gemm_efficiency(self, flops: float) -> float:
+        """Achieved fraction of peak of one GEMM of ``flops`` (log-linear between points, clamped at the ends)."""
+        pts = sorted(self.gemm)
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        for (f0, e0), (f1, e1) in itertools.pairwise(pts):
+            if flops <= f1:
+                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """Time of ``count`` GEMMs ``(m x k) @ (k x n)``."""
+        flops = 2 * m * n * k
+        if flops <= 0:
+            return 0.0
+        return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale * self.gemm_scale)
+
+    def attention_seconds(self, flops: float) -> float:
+        return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Time of a memory-bound kernel that moves ``nbytes``."""
+        return nbytes / (self.hbm_bandwidth * self.compute_scale)
+
+    # ---- communication ----
+    def link(self, kind: str, group_size: int, scope: Scope) -> LinkPoint:
+        """The point of the nearest group size (in log scale) for ``kind`` over ``scope`` links."""
+        if kind not in COLLECTIVES:
+            raise ValueError(f"Unknown collective {kind!r}; use one of {COLLECTIVES}.")
+        key = (kind, group_size, scope)
+        cache = self._link_cache  # type: ignore[attr-defined]
+        if key not in cache:
+            pts = self.links[kind][scope]
+            cache[key] = min(
+                pts, key=lambda p: (abs(math.log(p.group_size) - math.log(max(group_size, 1))), p.group_size)
+            )
+        return cache[key]
+
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int, *, inter_node: bool = False) -> float:
+        """alpha + factor(n) * bytes / busbw for one call over ``group_size`` ranks (0 for a group of one)."""
+        if nbytes <= 0 or (group_size <= 1 and kind != "p2p"):
+            return 0.0
+        point = self.link(kind, group_size, "inter" if inter_node else "intra")
+        return point.latency + algorithm_factor(kind, group_size) * nbytes / point.bus_bandwidth
+
+    # ---- JSON ----
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gemm"] = [list(p) for p in self.gemm]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Hardware profile has unknown keys {unknown}; valid keys: {sorted(known)}.")
+        data = dict(data)
+        if "gemm" in data:
+            data["gemm"] = [tuple(map(float, p)) for p in data["gemm"]]
+        if "links" in data:
+            data["links"] = {
+                kind: {
+                    scope: [p if isinstance(p, LinkPoint) else LinkPoint(**p) for p in pts]
+                    for scope, pts in scopes.items()
+                }
+                for kind, scopes in data["links"].items()
+            }
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def replace(self, **changes: Any) -> HardwareProfile:
+        return dataclasses.replace(self, **changes)
+
+
+_LEGACY = ("flops", "intra_node_bandwidth", "inter_node_bandwidth")
+
+
+def Hardware(**kwargs: Any) -> HardwareProfile:  # the pre-profile class name, kept for callers
+    """A :class:`HardwareProfile` from its fields, or from the pre-profile ``Hardware`` fields (``flops`` sustained
+    FLOP/s, ``intra_node_bandwidth`` / ``inter_node_bandwidth`` bytes/s, ``memory_bytes``, ``devices_per_node``):
+    every GEMM and attention kernel at ``flops``, latency-free links, no memory-bound time."""
+    if not any(k in kwargs for k in _LEGACY):
+        return HardwareProfile.from_dict(kwargs)  # fields, or a profile's JSON
+    flops = kwargs.pop("flops", 400e12)
+    intra = kwargs.pop("intra_node_bandwidth", 150e9)
+    inter = kwargs.pop("inter_node_bandwidth", 25e9)
+    links = {
+        kind: {scope: [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=bw)] for scope, bw in (("intra", intra),
+               ("inter", inter))} for kind in COLLECTIVES
+    }  # fmt: skip
+    return HardwareProfile(**{"name": "legacy", "peak_flops": flops, "gemm": [(1.0, 1.0)], "attention_efficiency": 1.0,
+                              "hbm_bandwidth": float("inf"), "links": links, **kwargs})  # fmt: skip
+
+
+_SOURCES = "see lightning_flagscale/tune/hardware.py module docstring"
+_FITTED_SCALE = 0.84  # bench/tune_published.py: Llama 3 405B, 16K H100s
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        name="h100", device_type="H100", peak_flops=989e12, memory_bytes=80e9, hbm_bandwidth=3.35e12,
+        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
+        source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
+    ),
+    "h200": HardwareProfile(
+        name="h200", device_type="H200", peak_flops=989e12, memory_bytes=141e9, hbm_bandwidth=4.8e12,
+        links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
+        source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
+    ),
+    "a100": HardwareProfile(
+        name="a100", device_type="A100", peak_flops=312e12, memory_bytes=80e9, hbm_bandwidth=2.04e12,
+        gemm=_saturating_gemm(0.80, 6e9), links=_flat_links((10e-6, 235e9), (20e-6, 22.5e9)), compute_scale=_FITTED_SCALE,
+        source=f"A100 SXM 80GB cluster, 200G/GPU; {_SOURCES}",
+    ),
+}  # fmt: skip
+
+
+def builtin_profile(name: str) -> HardwareProfile:
+    if name.lower() not in BUILTIN_PROFILES:
+        raise ValueError(f"Unknown hardware profile {name!r}; use one of {sorted(BUILTIN_PROFILES)} or a JSON path.")
+    return BUILTIN_PROFILES[name.lower()]
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name (``h100``, ``h200``, ``a100``) or a JSON file written by ``tune --calibrate``."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise ValueError(f"Hardware profile file {str(path)!r} does not exist.")
+        return HardwareProfile.from_dict(json.loads(path.read_text()))
+    return builtin_profile(str(name_or_path))

@@ -1,16 +1,61 @@
-"""Search: enumerate valid layouts, prune by memory, rank by predicted step time."""
+"""Search: enumerate valid layouts, prune by divisibility and memory, rank by predicted throughput (issue 16 item 4).
+
+The space: TP, PP, VPP and schedule, CP and its mode (ring, Ulysses, hybrid), EP, ETP (only the sizes
+``ParallelConfig`` accepts: it refuses ETP > 1 today, so larger values are tried and counted as refused), DP
+(derived), ZeRO stage, sequence parallelism, micro-batch size and recompute policy. Every candidate is a
+``ParallelConfig`` that validated against the world size, the model (heads, experts, layers per stage) and the
+schedule's micro-batch rule (``parallel/schedules.py``); candidates over the device memory are pruned
+(``tune.memory.estimate_memory``); the rest are ranked by the cost model (``tune.cost``).
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.tune.cost import estimate_step_seconds
-from lightning_flagscale.tune.hardware import Hardware
+from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, min_microbatches, validate_schedule
+from lightning_flagscale.tune.cost import StepCost, estimate_step
+from lightning_flagscale.tune.hardware import HardwareProfile
 from lightning_flagscale.tune.memory import estimate_memory
 
-__all__ = ["Candidate", "search"]
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "describe_layout", "enumerate_layouts", "search"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Values tried for each knob (DP is derived from the world size)."""
+
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    virtual_sizes: tuple[int, ...] = (2, 4)
+    """Chunks per rank tried for the interleaved schedules (V schedules always use 2)."""
+    context_parallel_modes: tuple[str, ...] = ("ring", "ulysses", "hybrid")
+    expert_tensor_parallel_sizes: tuple[int, ...] = (1,)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    sequence_parallel: tuple[bool, ...] = (True, False)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    max_tensor_parallel: int | None = None
+    """Upper bound on TP (e.g. the devices of one node); ``None`` allows any divisor."""
+
+
+def describe_layout(c: ParallelConfig) -> str:
+    """Short human form of a layout, e.g. ``tp2 pp4/v2 interleaved_1f1b cp2 ring dp4 zero1 sp mbs1 rc=none``."""
+    parts = [f"tp{c.tensor_parallel_size}"]
+    if c.pp_enabled:
+        vpp = f"/v{c.virtual_pipeline_parallel_size}" if c.virtual_pipeline_parallel_size > 1 else ""
+        parts.append(f"pp{c.pipeline_parallel_size}{vpp} {c.pipeline_schedule}")
+    if c.cp_enabled:
+        parts.append(f"cp{c.context_parallel_size} {c.context_parallel_mode}")
+    if c.ep_enabled:
+        parts.append(f"ep{c.expert_parallel_size}")
+    parts += [f"dp{c.dp}", f"zero{c.zero_stage}"]
+    if c.sequence_parallel:
+        parts.append("sp")
+    parts += [f"mbs{c.micro_batch_size}", f"rc={c.recompute}"]
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -19,19 +64,134 @@ class Candidate:
 
     config: ParallelConfig
     memory_bytes: float
-    step_seconds: float
-    tokens_per_second: float
+    cost: StepCost
+
+    @property
+    def step_seconds(self) -> float:
+        return self.cost.step_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.cost.tokens_per_second
 
     def describe(self) -> str:
-        c = self.config
-        return (
-            f"tp={c.tensor_parallel_size} pp={c.pipeline_parallel_size} cp={c.context_parallel_size} dp={c.dp}"
-            f" zero={c.zero_stage} sp={int(c.sequence_parallel)} mbs={c.micro_batch_size}"
-        )
+        return describe_layout(self.config)
+
+
+@dataclass
+class SearchResult:
+    """Ranked candidates and why the others were dropped."""
+
+    candidates: list[Candidate]
+    considered: int
+    """Layouts that validated (before memory pruning)."""
+    pruned: Counter = field(default_factory=Counter)
+    """Reason -> count: ``memory``, ``invalid: <first words of the ValueError>``, ``batch``, ..."""
+    smallest_memory: float | None = None
+    """Lowest predicted memory among valid layouts (to say by how much nothing fits)."""
+
+    def __iter__(self):  # ``best, considered = search(...)``, the pre-profile form
+        return iter((self.candidates, self.considered))
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for name in space.schedules:
+        if name in ("gpipe", "1f1b"):
+            yield name, 1
+        elif name in ("zbv", "dualpipev"):
+            yield name, 2
+        else:
+            for v in space.virtual_sizes:
+                if layers >= pp * v:
+                    yield name, v
+
+
+def _cp_modes(cp: int, space: SearchSpace) -> Iterator[tuple[str, int | None]]:
+    if cp == 1:
+        yield "ring", None
+        return
+    for mode in space.context_parallel_modes:
+        if mode == "hybrid":
+            if cp >= 4:
+                yield mode, 2
+        else:
+            yield mode, None
+
+
+def _structures(model: TransformerConfig, devices: int, space: SearchSpace) -> Iterator[dict]:
+    """Degrees and schedule (everything but ZeRO, SP, micro-batch and recompute)."""
+    experts = [1] + ([e for e in _divisors(model.num_experts) if e > 1] if model.is_moe else [])
+    for tp, pp, cp in itertools.product(_divisors(devices), repeat=3):
+        if devices % (tp * pp * cp) or (space.max_tensor_parallel and tp > space.max_tensor_parallel):
+            continue
+        for (schedule, vpp), (mode, ulysses), ep, etp in itertools.product(
+            _schedules(pp, model.num_layers, space), _cp_modes(cp, space), experts, space.expert_tensor_parallel_sizes
+        ):
+            yield dict(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp, pipeline_schedule=schedule,
+                virtual_pipeline_parallel_size=vpp, context_parallel_mode=mode, ulysses_size=ulysses,
+                expert_parallel_size=ep, expert_tensor_parallel_size=etp,
+            )  # fmt: skip
+
+
+def _batch_fits(c: ParallelConfig, seq_len: int, global_batch: int) -> str | None:
+    """Why the batch/sequence cannot run this layout, or None."""
+    if global_batch % (c.dp * c.micro_batch_size):
+        return "batch: global batch not divisible by dp x micro_batch_size"
+    m = global_batch // (c.dp * c.micro_batch_size)
+    if m % c.gradient_accumulation_steps:
+        return "batch: micro-batches not divisible by gradient_accumulation_steps"
+    if c.cp_enabled and seq_len % (2 * c.context_parallel_size):
+        return "sequence: seq_len not divisible by 2 x context_parallel_size"
+    if c.sequence_parallel and (seq_len // c.context_parallel_size) % c.tensor_parallel_size:
+        return "sequence: local sequence not divisible by tensor_parallel_size (SP)"
+    if c.pp_enabled:
+        p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
+        if m < min_microbatches(c.pipeline_schedule, p, v):
+            return "pipeline: too few micro-batches for the schedule"
+        try:
+            validate_schedule(c.pipeline_schedule, p, v, m // c.gradient_accumulation_steps)
+        except ValueError:
+            return "pipeline: micro-batch count does not fit the schedule's rounds"
+    return None
+
+
+def enumerate_layouts(
+    model: TransformerConfig, devices: int, *, seq_len: int, global_batch: int, space: SearchSpace | None = None
+) -> tuple[list[ParallelConfig], Counter]:
+    """Every layout of the space that ``ParallelConfig`` accepts and the batch can run; and why others were not."""
+    space = space or SearchSpace()
+    refused: Counter = Counter()
+    out: list[ParallelConfig] = []
+    for structure in _structures(model, devices, space):
+        tp = structure["tensor_parallel_size"]
+        for zero, sp, mbs, rc in itertools.product(
+            space.zero_stages, space.sequence_parallel, space.micro_batch_sizes, space.recompute
+        ):
+            if sp and tp == 1:
+                continue
+            try:
+                c = ParallelConfig(
+                    **structure, zero_stage=zero, sequence_parallel=sp, micro_batch_size=mbs, recompute=rc
+                )
+                c.resolve(devices)
+                c.validate_model(model)
+            except ValueError as err:
+                refused["invalid: " + " ".join(str(err).split()[:4])] += 1
+                continue
+            reason = _batch_fits(c, seq_len, global_batch)
+            if reason:
+                refused[reason] += 1
+                continue
+            out.append(c)
+    return out, refused
 
 
 def search(
@@ -40,39 +200,27 @@ def search(
     *,
     seq_len: int,
     global_batch: int,
-    hardware: Hardware | None = None,
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4),
-    top_k: int = 10,
-) -> tuple[list[Candidate], int]:
-    """The ``top_k`` fastest layouts that fit in memory, and how many valid layouts were considered."""
-    hw = hardware or Hardware()
+    hardware: HardwareProfile | None = None,
+    space: SearchSpace | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    top_k: int | None = 10,
+) -> SearchResult:
+    """The ``top_k`` fastest layouts that fit in memory (``None``: all), with the pruning counts."""
+    hw = hardware or HardwareProfile()
+    space = space or SearchSpace()
+    if micro_batch_sizes is not None:
+        space = SearchSpace(**{**space.__dict__, "micro_batch_sizes": tuple(micro_batch_sizes)})
+    layouts, pruned = enumerate_layouts(model, devices, seq_len=seq_len, global_batch=global_batch, space=space)
     found: list[Candidate] = []
-    considered = 0
-    for tp, pp, cp in itertools.product(_divisors(devices), repeat=3):
-        if devices % (tp * pp * cp):
+    smallest: float | None = None
+    cache: dict = {}
+    for c in layouts:
+        m = global_batch // (c.dp * c.micro_batch_size)
+        memory = estimate_memory(model, c, seq_len, m)
+        smallest = memory if smallest is None else min(smallest, memory)
+        if memory > hw.memory_bytes:
+            pruned["memory"] += 1
             continue
-        dp = devices // (tp * pp * cp)
-        for zero, sp, mbs in itertools.product((0, 1, 2, 3), (False, True), micro_batch_sizes):
-            if (sp and tp == 1) or global_batch % (dp * mbs):
-                continue
-            try:
-                c = ParallelConfig(
-                    tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp, zero_stage=zero,
-                    sequence_parallel=sp, micro_batch_size=mbs, data_parallel_size=dp,
-                ).resolve(devices)  # fmt: skip
-                c.validate_model(model)
-            except ValueError:
-                continue
-            if seq_len % (2 * cp) or (sp and seq_len % tp):
-                continue
-            m = global_batch // (dp * mbs)
-            if pp > 1 and m < pp:
-                continue
-            considered += 1
-            memory = estimate_memory(model, c, seq_len, m)
-            if memory > hw.memory_bytes:
-                continue
-            seconds = estimate_step_seconds(model, c, seq_len, global_batch, hw)
-            found.append(Candidate(c, memory, seconds, global_batch * seq_len / seconds))
+        found.append(Candidate(c, memory, estimate_step(model, c, seq_len, global_batch, hw, cache=cache)))
     found.sort(key=lambda cand: (cand.step_seconds, cand.memory_bytes))  # equal speed: the leaner layout first
-    return found[:top_k], considered
+    return SearchResult(found if top_k is None else found[:top_k], len(layouts), pruned, smallest)

@@ -1,0 +1,278 @@
+"""Published-scale predictions of the tuner's cost model (issue 16 item 6) -> ``bench/results/tune_published.md``.
+
+    python bench/tune_published.py [--out bench/results/tune_published.md]
+
+The built-in ``h100`` profile (``tune/hardware.py``: datasheet peak, nccl-tests bus bandwidths, an assumed GEMM
+efficiency curve) gets **one** end-to-end factor, ``compute_scale``, fitted on one published bf16 point (Llama 3
+405B on 16,384 H100s); every other bf16 H100 point is then predicted with nothing refitted. Float8 runs cannot be
+predicted from a bf16 calibration (a different GEMM rate), so they get a second, separately stated calibration on
+one Float8 point. Each published number is quoted with its source; where a layout detail was not published, the
+assumption is written next to the row. Nothing here is measured on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.flops import flops_per_token
+from lightning_flagscale.tune.cost import calibrate_compute_scale, estimate_step
+from lightning_flagscale.tune.hardware import HardwareProfile, builtin_profile
+from lightning_flagscale.tune.memory import estimate_memory
+
+TT = "torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` (Grand Teton, H100 96GB HBM2e at 500 W, 400 Gb/s/GPU)"
+TT_DOC = "torchtitan `docs/performance.md` (Llama 3.1 405B, 128 H100)"
+LLAMA3 = ("Llama 3 paper (arXiv:2407.21783) Table 4, also Balaji, SC'24 slide quoted at"
+          " https://glennklockwood.com/garden/llama-3.1 (H100 SXM 80GB 700 W)")  # fmt: skip
+MEGATRON = "Megatron-LM README, strong scaling of GPT-3 175B on H100 (batch 1152 sequences)"
+
+LLAMA3_405B = TransformerConfig(
+    name="llama3-405b", vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126,
+    num_attention_heads=128, num_key_value_heads=8, max_seq_len=262144,
+)  # fmt: skip
+# GPT-3 175B as Megatron benchmarks it (vocab 131072 per its README); its 4h GELU MLP (8h^2 weights) is modelled as a
+# SwiGLU MLP of the same FLOPs (3 x h x 8h/3).
+GPT3_175B = TransformerConfig(
+    name="gpt3-175b", vocab_size=131072, hidden_size=12288, intermediate_size=32768, num_layers=96,
+    num_attention_heads=96, num_key_value_heads=96, max_seq_len=4096,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    """One published run: model, layout, batch, and the published throughput (tokens/s per GPU or MFU)."""
+
+    label: str
+    model: TransformerConfig
+    layout: dict
+    devices: int
+    seq_len: int
+    global_batch: int
+    source: str
+    tokens_per_gpu: float | None = None
+    mfu: float | None = None
+    family: str = "bf16"
+    note: str = ""
+
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(**self.layout).resolve(self.devices)
+
+    def published_tokens_per_gpu(self) -> float:
+        if self.tokens_per_gpu is not None:
+            return self.tokens_per_gpu
+        return self.mfu * 989e12 / flops_per_token(self.model, self.seq_len)
+
+
+def _llama3(devices: int, cp: int, seq: int, tflops: float) -> Point:
+    return Point(
+        label=f"Llama 3 405B, {devices} GPUs, seq {seq}", model=LLAMA3_405B, devices=devices, seq_len=seq,
+        layout=dict(tensor_parallel_size=8, context_parallel_size=cp, pipeline_parallel_size=16, sequence_parallel=True,
+                    pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=4, zero_stage=1),
+        global_batch=16 * 1024 * 1024 // seq, mfu=tflops / 989, source=LLAMA3,
+        note=f"{tflops:.0f} TFLOPs/GPU published; 16M tokens/step; assumed: vpp 4, mbs 1, no recompute, ZeRO-1",
+    )  # fmt: skip
+
+
+def _titan8b(devices: int, tps: float, family: str, **kw) -> Point:
+    rc = "selective" if "recompute" not in kw else kw.pop("recompute")
+    seq = kw.pop("seq_len", 8192)
+    cp = kw.get("context_parallel_size", 1)
+    mbs = kw.pop("mbs", 2)
+    dp = devices // cp
+    return Point(
+        label=f"Llama 3.1 8B FSDP, {devices} GPUs" + (f", CP {cp}, seq {seq}" if cp > 1 or seq != 8192 else ""),
+        model=TransformerConfig.from_preset("llama3.1-8b", max_seq_len=max(seq, 8192)), devices=devices, seq_len=seq,
+        layout=dict(zero_stage=3, micro_batch_size=mbs, recompute=rc, **kw), global_batch=mbs * dp,
+        tokens_per_gpu=tps, source=TT, family=family,
+    )  # fmt: skip
+
+
+def points() -> list[Point]:
+    tt405 = dict(tensor_parallel_size=8, pipeline_parallel_size=8, sequence_parallel=True, zero_stage=3,
+                 recompute="full")  # fmt: skip
+    return [
+        _llama3(16384, 1, 8192, 400),
+        _llama3(8192, 1, 8192, 430),
+        _llama3(16384, 16, 131072, 380),
+        Point(label="GPT-3 175B, 96 GPUs", model=GPT3_175B, devices=96, seq_len=4096, global_batch=1152, mfu=0.47,
+              layout=dict(tensor_parallel_size=4, pipeline_parallel_size=8, sequence_parallel=True, zero_stage=1,
+                          pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=6),
+              source=MEGATRON, note="layout not in the README text (a figure): assumed TP4 PP8 (its parallelism"
+              " guide) with vpp 6, seq 4096, mbs 1"),
+        Point(label="GPT-3 175B, 4608 GPUs", model=GPT3_175B, devices=4608, seq_len=4096, global_batch=1152,
+              mfu=0.42, layout=dict(tensor_parallel_size=4, pipeline_parallel_size=8, sequence_parallel=True,
+                                    zero_stage=1, pipeline_schedule="interleaved_1f1b",
+                                    virtual_pipeline_parallel_size=6),
+              source=MEGATRON, note="as above"),
+        _titan8b(8, 5762, "bf16-500W"),
+        _titan8b(128, 5605, "bf16-500W"),
+        Point(label="Llama 3.1 405B FSDP16 TP8, 128 GPUs", model=LLAMA3_405B, devices=128, seq_len=8192,
+              global_batch=32, tokens_per_gpu=109, source=TT_DOC, family="bf16-500W",
+              layout=dict(tensor_parallel_size=8, sequence_parallel=True, zero_stage=3, micro_batch_size=2,
+                          recompute="full"), note="local batch 2, full AC, 29.0% MFU published"),
+        _titan8b(8, 8532, "float8"),
+        _titan8b(128, 8380, "float8"),
+        _titan8b(8, 3890, "float8", recompute="full", seq_len=32768, mbs=1),
+        _titan8b(8, 2540, "float8", recompute="full", seq_len=65536, mbs=1, context_parallel_size=2),
+        _titan8b(8, 1071, "float8", recompute="full", seq_len=131072, mbs=1, context_parallel_size=4),
+        _titan8b(8, 548, "float8", recompute="full", seq_len=262144, mbs=1, context_parallel_size=8),
+        Point(label="Llama 3.1 70B FSDP32 TP8, 256 GPUs", model=TransformerConfig.from_preset("llama3-70b"),
+              devices=256, seq_len=8192, global_batch=512, tokens_per_gpu=829, source=TT, family="float8",
+              layout=dict(tensor_parallel_size=8, sequence_parallel=True, zero_stage=3, micro_batch_size=16,
+                          recompute="full")),
+        Point(label="Llama 3.1 405B FSDP8 TP8 PP8 1F1B, 512 GPUs", model=LLAMA3_405B, devices=512, seq_len=8192,
+              global_batch=256, tokens_per_gpu=100, source=TT, family="float8", layout=dict(**tt405),
+              note="local batch 32 as 32 micro-batches of 1 (assumed)"),
+        Point(label="Llama 3.1 405B FSDP8 TP8 PP8 interleaved, 512 GPUs", model=LLAMA3_405B, devices=512,
+              seq_len=8192, global_batch=256, tokens_per_gpu=128, source=TT, family="float8",
+              layout=dict(**tt405, pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=2),
+              note="vpp 2 assumed"),
+        *[
+            Point(label=f"Llama 3.1 405B TP8 PP8 FSDP{8 // cp} CP{cp}, seq {32768 * cp}", model=LLAMA3_405B,
+                  devices=512, seq_len=32768 * cp, global_batch=8 * (8 // cp), tokens_per_gpu=tps, source=TT,
+                  family="float8", layout=dict(**tt405, context_parallel_size=cp), note="local batch 8")
+            for cp, tps in ((1, 76), (2, 47), (4, 31), (8, 16))
+        ],
+    ]  # fmt: skip
+
+
+CALIBRATION = {"bf16": 0, "bf16-500W": 5, "float8": 8}  # index into points(): the one point each family is fitted on
+
+
+def predict(hw: HardwareProfile) -> list[tuple[Point, float, float, float, bool]]:
+    """(point, published tokens/s/GPU, predicted tokens/s/GPU, predicted memory, calibration point?)."""
+    pts = points()
+    scaled = {}
+    for family, index in CALIBRATION.items():  # bf16 families first: Float8 builds on the 500 W platform's fit
+        p = pts[index]
+        base, field = (scaled["bf16-500W"], "gemm_scale") if family == "float8" else (hw, "compute_scale")
+        scaled[family] = calibrate_compute_scale(p.model, p.config(), p.seq_len, p.global_batch, base,
+                                                 p.published_tokens_per_gpu() * p.devices, field=field)  # fmt: skip
+    rows = []
+    for i, p in enumerate(pts):
+        c = p.config()
+        cost = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled[p.family])
+        if p.family == "bf16-500W":  # what the production-fitted factor alone predicts for this platform
+            cross = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled["bf16"]).tokens_per_second / p.devices
+            extra = f"with the Llama 3 (700 W) factor: {cross:,.0f} ({cross / p.published_tokens_per_gpu() - 1:+.0%})"
+            p = dataclasses.replace(p, note=f"{p.note}; {extra}" if p.note else extra)
+        memory = estimate_memory(p.model, c, p.seq_len, p.global_batch // (c.dp * c.micro_batch_size))
+        rows.append((p, p.published_tokens_per_gpu(), cost.tokens_per_second / p.devices, memory,
+                     i == CALIBRATION[p.family]))  # fmt: skip
+    return rows, scaled
+
+
+def korthikanti_rows() -> list[tuple[str, float, float]]:
+    """Per-layer activation bytes: our memory model vs Korthikanti et al. Table 2 for GPT-3 175B (s=2048, b=1, t=8)."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    model = dataclasses.replace(GPT3_175B, max_seq_len=s)
+    formulas = {
+        "TP (no SP)": (dict(tensor_parallel_size=t), s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+        "TP + SP": (dict(tensor_parallel_size=t, sequence_parallel=True), s * b * h / t * (34 + 5 * a * s / h)),
+        "TP + SP + selective recompute": (
+            dict(tensor_parallel_size=t, sequence_parallel=True, recompute="selective"), 34 * s * b * h / t,
+        ),
+        "full recompute (TP + SP)": (
+            dict(tensor_parallel_size=t, sequence_parallel=True, recompute="full"), 2 * s * b * h / t,
+        ),
+    }  # fmt: skip
+    rows = []
+    for name, (layout, formula) in formulas.items():
+        c = ParallelConfig(**layout).resolve(t)
+        # activations of one micro-batch: the growth from 1 to 2 micro-batches without PP (states cancel out)
+        per_microbatch = estimate_memory(model, c, s, 2) - estimate_memory(model, c, s, 1)
+        rows.append((name, per_microbatch / model.num_layers, formula))
+    return rows
+
+
+MISSES = [
+    "Where it misses (read with the table): the over-predictions concentrate on long-sequence context parallelism",
+    "(CP >= 4 in torchtitan's 8B and 405B tables, Llama 3's CP16 long-context stage). The cost model keeps the",
+    "attention kernel at its full-sequence efficiency on every ring step and hides the K/V exchange under it; the",
+    "published runs lose more per CP doubling than that (shorter kernels per ring step, load-balancing and",
+    "online-softmax corrections are not modelled). torchtitan's 405B 1F1B row is over-predicted too, while its",
+    "interleaved twin is within 20%: the published 1F1B penalty (28%) is larger than the 1F1B bubble formula gives",
+    "for 32 micro-batches on 8 stages (18%). Layout details the sources do not publish (virtual stages, micro-batch",
+    "size, ZeRO flavour) are assumptions named in the last column and move these numbers by several percent.",
+]
+
+
+def report(hw: HardwareProfile) -> str:
+    rows, scaled = predict(hw)
+    lines = [
+        "# Published-scale predictions of the tuner's cost model",
+        "",
+        "Generated by `python bench/tune_published.py` (no measurement: the built-in `h100` profile of",
+        "`lightning_flagscale/tune/hardware.py` and the cost model of `tune/cost.py`). One end-to-end factor",
+        "(`compute_scale`) is fitted per platform on the row marked **cal**; nothing else is fitted:",
+        f"- **bf16** (H100 SXM 700 W, Meta's production cluster): {scaled['bf16'].compute_scale:.3f}, on Llama 3 405B at"
+        " 16K GPUs;",
+        f"- **bf16-500W** (torchtitan's Grand Teton H100s, HBM2e, power-limited to 500 W):"
+        f" {scaled['bf16-500W'].compute_scale:.3f}, on Llama 3.1 8B FSDP at 8 GPUs; the note column also shows what the"
+        " 700 W factor alone predicts for these rows (a cross-platform miss, kept visible);",
+        "- **float8** (torchtitan's platform with Float8 linears + torch.compile): the bf16-500W factor, and a GEMM-only"
+        f" speed-up (`gemm_scale` = {scaled['float8'].gemm_scale:.3f}; attention and memory-bound kernels stay bf16)"
+        " fitted on Llama 3.1 8B FSDP at 8 GPUs.",
+        "",
+        "Published MFU is converted to tokens/s with `parallel/flops.py`'s `flops_per_token` at 989 TFLOP/s (the source's own FLOP convention may",
+        "differ). Error = predicted / published - 1; target |error| <= 20% on rows not used for calibration.",
+        "",
+        "The memory column is `tune.memory.estimate_memory` at generation time. On this branch that is still the",
+        "pre-issue-16 memory model (no recompute, materialised attention scores), which is being replaced in parallel;",
+        "its numbers here are not a validated prediction: regenerate after the new memory model lands.",
+        "",
+        "| run | layout | published tok/s/GPU | predicted | error | within 20% | pred. memory/GPU | source / assumptions |",
+        "|---|---|---:|---:|---:|:---:|---:|---|",
+    ]
+    from lightning_flagscale.tune.search import describe_layout
+
+    hits = total = 0
+    for p, pub, pred, mem, cal in rows:
+        err = pred / pub - 1
+        ok = "cal" if cal else ("yes" if abs(err) <= 0.2 else "**no**")
+        if not cal:
+            total, hits = total + 1, hits + (abs(err) <= 0.2)
+        lines.append(
+            f"| {p.label} ({p.family}) | {describe_layout(p.config())} | {pub:,.0f} | {pred:,.0f} | {err:+.0%} | {ok}"
+            f" | {mem / 1e9:.0f} GB | {p.source}{'; ' + p.note if p.note else ''} |"
+        )
+    lines += ["", f"**{hits} of {total} predicted rows within 20%.**", "", *MISSES, ""]
+    lines += [
+        "## Activation memory per layer vs Korthikanti et al. (2022), Table 2",
+        "",
+        "GPT-3 175B shape (h=12288, a=96, s=2048, b=1, t=8; the configuration the paper's Table 2 formulas are",
+        "evaluated for). Ours = the growth of `tune.memory.estimate_memory` from one to two micro-batches (no PP)",
+        "divided by the layers. Our decoder is Llama-style (SwiGLU, RMSNorm, no dropout), so exact agreement is not",
+        "expected where the model's layers differ from the paper's GPT (GELU MLP of 4h, dropout masks); the other",
+        "GPT rows of the paper's Table 3 (22B, 530B, 1T) are not reproduced here because their shapes could not be",
+        "retrieved from a source we can cite.",
+        "",
+        "| setting | ours (GB/layer) | formula (GB/layer) | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, ours, formula in korthikanti_rows():
+        lines.append(f"| {name} | {ours / 1e9:.3f} | {formula / 1e9:.3f} | {ours / formula:.2f} |")
+    lines += [
+        "",
+        "On this branch `tune/memory.py` still *is* the paper's TP / TP+SP formula (so those rows agree by",
+        "construction) and ignores recompute (so the recompute rows are off by the factors shown): the",
+        "comparison becomes informative once the code-matching memory model (issue 16 item 1) replaces it.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tune_published.md"))
+    parser.add_argument("--profile", default="h100")
+    args = parser.parse_args()
+    text = report(builtin_profile(args.profile))
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``tune --calibrate``: micro-benchmarks that turn this machine into a :class:`HardwareProfile` (issue 16 item 2).
+
+- **GEMM throughput by shape**: square and tall-skinny matmuls of growing size; the fastest sets ``peak_flops``,
+  each one's rate over it is a ``gemm`` point. Small shapes include the per-call dispatch overhead on purpose: a
+  tiny model on a CPU is overhead-bound, and that is what its step time will show.
+- **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
+  fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``.
+- **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.
+- **Collectives**: a small gloo process world (spawned here, CPU) times all-reduce, all-gather, reduce-scatter,
+  all-to-all and P2P send/recv per group size and message size; a least-squares line through
+  ``time = alpha + factor(n) * bytes / busbw`` gives each ``LinkPoint`` (nccl-tests conventions, ``hardware.py``).
+  One machine has no inter-node link: ``inter`` points copy the ``intra`` ones (say so when planning clusters:
+  use a built-in or a profile measured on the cluster).
+
+Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
+medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on a measured step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, algorithm_factor
+
+# torch >= 2.12 names the tensor forms *_single and deprecates the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["calibrate", "fit_alpha_beta", "measure_collectives", "measure_gemms"]
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_gemms(
+    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3
+) -> list[tuple[float, float]]:
+    """``(flops, flop/s)`` of square ``n x n x n`` and tall-skinny ``8n x n x n`` matmuls."""
+    out = []
+    for n in sizes:
+        for rows in (n, 8 * n):
+            a, b = torch.randn(rows, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            flops = 2.0 * rows * n * n
+            out.append((flops, flops / _median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)))
+    return sorted(out)
+
+
+def measure_attention(seq_lens: Sequence[int], heads: int = 4, head_dim: int = 64, repeats: int = 3) -> float:
+    """Best achieved FLOP/s of causal SDPA forward (on the causal half of the score FLOPs)."""
+    best = 0.0
+    for s in seq_lens:
+        q, k, v = (torch.randn(1, heads, s, head_dim) for _ in range(3))
+        flops = 0.5 * 4 * s * s * heads * head_dim
+
+        def run(q=q, k=k, v=v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        best = max(best, flops / _median_seconds(run, repeats))
+    return best
+
+
+def measure_memory_bandwidth(numel: int = 8 * 1024 * 1024, repeats: int = 3) -> float:
+    """Bytes/s of an out-of-place fp32 add (two reads, one write)."""
+    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    return 3 * 4 * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``time = alpha + x / busbw`` over ``(x = factor * bytes, time)``; returns (alpha, busbw)."""
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / var if var else 0.0
+    if slope <= 0:  # latency-bound everywhere: bandwidth from the largest message alone
+        x_max, t_max = max(points)
+        return min(ts), x_max / max(t_max, 1e-9)
+    return max(0.0, mt - slope * mx), 1.0 / slope
+
+
+def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callable[[], object]:
+    numel = max(n, nbytes // 4 // n * n)
+    x = torch.ones(numel)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":  # nccl-tests' size is the gathered output
+        shard, out = torch.ones(numel // n), torch.empty(numel)
+        return lambda: _ALL_GATHER(out, shard, group=group)
+    if kind == "reduce_scatter":
+        out = torch.empty(numel // n)
+        return lambda: _REDUCE_SCATTER(out, x, group=group)
+    if kind == "all_to_all":
+        out = torch.empty(numel)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    peer = 1 - rank  # p2p: ranks 0 and 1 exchange one buffer each way per call (send then receive)
+
+    def p2p():
+        if rank == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+
+    return p2p
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], groups: list[int], repeats: int, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
+        for n in groups:
+            group = dist.new_group(list(range(n)))
+            for kind in COLLECTIVES:
+                if kind == "p2p" and n != 2:
+                    continue
+                for nbytes in sizes:
+                    if rank < n:
+                        fn = _run_collective(kind, nbytes, group, n, rank)
+                        dist.barrier(group=group)
+                        seconds = _median_seconds(fn, repeats)
+                        if kind == "p2p":
+                            seconds /= 2  # one call moves the buffer both ways
+                        results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
+            dist.barrier()
+        if rank == 0:
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_collectives(
+    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3
+) -> dict[str, dict[int, LinkPoint]]:
+    """Fitted alpha-beta points per collective and group size, from a spawned gloo world of ``max(group_sizes)``."""
+    world = max(max(group_sizes), 2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, queue)
+    mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    raw = queue.get(timeout=60)
+    out: dict[str, dict[int, LinkPoint]] = {}
+    for kind, by_n in raw.items():
+        out[kind] = {}
+        for n, pts in by_n.items():
+            alpha, busbw = fit_alpha_beta(pts)
+            out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
+    return out
+
+
+def calibrate(
+    *,
+    group_sizes: Sequence[int] = (2, 4),
+    message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20),
+    gemm_sizes: Sequence[int] = (64, 128, 256, 512, 1024),
+    seq_lens: Sequence[int] = (256, 1024),
+    repeats: int = 3,
+    memory_bytes: float | None = None,
+    name: str = "calibrated",
+) -> HardwareProfile:
+    """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
+    group measured (the processes that share this machine's links)."""
+    gemms = measure_gemms(gemm_sizes, repeats=repeats)
+    peak = max(rate for _, rate in gemms)
+    attention = measure_attention(seq_lens, repeats=repeats)
+    links = measure_collectives(group_sizes, message_bytes, repeats=repeats)
+    world = max(max(group_sizes), 2)
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
+    return HardwareProfile(
+        name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
+        hbm_bandwidth=measure_memory_bandwidth(repeats=repeats), devices_per_node=world,
+        gemm=[(f, rate / peak) for f, rate in gemms], attention_efficiency=min(1.0, attention / peak),
+        links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
+        source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, fp32;"
+        " inter-node points copy the intra-node ones)",
+    )  # fmt: skip

@@ -1,0 +1,218 @@
+"""Heterogeneous planning: per-mesh layouts, the layer split and hetero-DP shares that balance stage times (issue 16
+item 5).
+
+Given device groups in rank order (a device type, a count and its :class:`HardwareProfile`), two plan kinds:
+
+- **meshes** (FlagScale's heterogeneous pipeline, ``config/hetero.py``): each group becomes one mesh with its own
+  TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
+  can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
+  mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
+  bisection on the stage time. The step is ``(m + S - 1) x slowest stage`` (1F1B over S stages, m micro-batches).
+- **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
+  each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times.
+
+Plans come out as the keyword arguments ``ParallelConfig`` / ``FlagScaleStrategy`` take (``hetero_meshes``,
+``hetero_layers`` or ``hetero_dp_batch_sizes``) and are validated by constructing the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.tune.cost import _block_pass, _tokens, estimate_step
+from lightning_flagscale.tune.hardware import HardwareProfile
+from lightning_flagscale.tune.memory import estimate_memory
+
+__all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """``count`` devices of one type, consecutive in rank order."""
+
+    device_type: str
+    count: int
+    profile: HardwareProfile
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeteroPlan:
+    """A heterogeneous layout, its predicted stage times and step time."""
+
+    kind: str
+    """``meshes`` or ``hetero_dp``."""
+    parallel: dict[str, Any]
+    """Keyword arguments for ``ParallelConfig`` / ``FlagScaleStrategy``."""
+    stage_seconds: list[float]
+    """Per micro-batch (meshes) or per step (hetero-DP) time of each stage / rank."""
+    step_seconds: float
+    memory_bytes: list[float]
+    """Predicted peak bytes per stage (meshes) or rank (hetero-DP)."""
+
+    def config(self, world_size: int) -> ParallelConfig:
+        return ParallelConfig(**self.parallel).resolve(world_size)
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest over mean stage time (1 = balanced)."""
+        return max(self.stage_seconds) * len(self.stage_seconds) / sum(self.stage_seconds)
+
+
+def balance_layers(per_layer: Sequence[float], extra: Sequence[float], num_layers: int) -> list[int]:
+    """Layers per stage (each >= 1) minimising ``max(l_i * per_layer[i] + extra[i])`` with ``sum(l_i) = num_layers``."""
+    n = len(per_layer)
+    if num_layers < n:
+        raise ValueError(f"num_layers={num_layers} is fewer than the {n} pipeline stages of the plan.")
+
+    def counts(limit: float) -> list[int]:
+        return [max(1, int((limit - e) / t)) if limit > e + t else 1 for t, e in zip(per_layer, extra, strict=True)]
+
+    lo, hi = 0.0, max(t * num_layers + e for t, e in zip(per_layer, extra, strict=True))
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(counts(mid)) < num_layers else (lo, mid)
+    out = counts(hi)
+    while sum(out) > num_layers:  # take surplus from the stage whose time drops the most
+        i = max((j for j in range(n) if out[j] > 1), key=lambda j: out[j] * per_layer[j] + extra[j])
+        out[i] -= 1
+    return out
+
+
+def _mesh_layouts(group: DeviceGroup, model: TransformerConfig, max_pp: int) -> list[tuple[int, int, int]]:
+    """(tp, dp, pp) of a mesh on ``group``: TP inside a node and dividing the heads."""
+    out = []
+    for tp, pp in itertools.product(range(1, group.count + 1), range(1, max_pp + 1)):
+        if group.count % (tp * pp) or tp > group.profile.devices_per_node:
+            continue
+        if model.num_attention_heads % tp or model.num_key_value_heads % tp or model.intermediate_size % tp:
+            continue
+        out.append((tp, group.count // (tp * pp), pp))
+    return out
+
+
+def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tuple[float, float, ParallelConfig]:
+    """(block seconds per micro-batch, LM head seconds) on one stage of this mesh, and its homogeneous config."""
+    tp, dp, _ = layout
+    c = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, zero_stage=zero,
+                       micro_batch_size=samples // dp, recompute=recompute).resolve(tp * dp)  # fmt: skip
+    block = _block_pass(model, c, seq_len, group.profile, model.is_moe, recompute)
+    head = group.profile.gemm_seconds(_tokens(model, c, seq_len), model.vocab_size / tp, model.hidden_size, count=3)
+    return block.f + block.b, head, c
+
+
+def plan_hetero(
+    model: TransformerConfig,
+    groups: Sequence[DeviceGroup],
+    *,
+    seq_len: int,
+    global_batch: int,
+    micro_batch_size: int = 1,
+    zero_stage: int = 1,
+    recompute: str = "none",
+    max_pp_per_mesh: int = 2,
+) -> list[HeteroPlan]:
+    """Mesh plans (one mesh per device group) that fit in memory, fastest first."""
+    if len(groups) < 1 or sum(g.count for g in groups) < 2:
+        raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
+    plans = []
+    for layouts in itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups)):
+        if sum(pp for _, _, pp in layouts) < 2:
+            continue
+        samples = micro_batch_size * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
+        if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
+            continue
+        plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero_stage, recompute)
+        if plan is not None:
+            plans.append(plan)
+    plans.sort(key=lambda p: p.step_seconds)
+    return plans
+
+
+def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute) -> HeteroPlan | None:
+    per_layer, extra, configs, stage_groups = [], [], [], []
+    for g, layout in zip(groups, layouts, strict=True):
+        block, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
+        for _ in range(layout[2]):
+            per_layer.append(block)
+            extra.append(0.0)
+            configs.append(c)
+            stage_groups.append(g)
+    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[1]
+    try:
+        layers = balance_layers(per_layer, extra, model.num_layers)
+    except ValueError:
+        return None
+    m = global_batch // samples
+    stages = len(layers)
+    memory = []
+    for s, (count, c, g) in enumerate(zip(layers, configs, stage_groups, strict=True)):
+        in_flight = min(m, stages - s)  # 1F1B: stage s holds S - s micro-batches
+        mem = estimate_memory(dataclasses.replace(model, num_layers=count), c, seq_len, in_flight)
+        if mem > g.profile.memory_bytes:
+            return None
+        memory.append(mem)
+    times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
+    meshes = [
+        dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, device_type=g.device_type)
+        for (tp, dp, pp), g in zip(layouts, groups, strict=True)
+    ]
+    parallel = dict(hetero_meshes=meshes, hetero_layers=layers, pipeline_schedule="1f1b", zero_stage=zero,
+                    micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
+    return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
+                      step_seconds=(m + stages - 1) * max(times), memory_bytes=memory)  # fmt: skip
+
+
+def plan_hetero_dp(
+    model: TransformerConfig,
+    groups: Sequence[DeviceGroup],
+    *,
+    seq_len: int,
+    global_batch: int,
+    micro_batch_size: int = 1,
+    zero_stage: int = 1,
+    recompute: str = "none",
+) -> HeteroPlan:
+    """Every device a DP rank; samples per rank in proportion to speed (multiples of ``micro_batch_size``)."""
+    world = sum(g.count for g in groups)
+    if global_batch % micro_batch_size or global_batch // micro_batch_size < world:
+        raise ValueError(
+            f"global_batch={global_batch} must give every one of the {world} ranks at least one micro-batch of"
+            f" {micro_batch_size}; raise the batch or lower micro_batch_size."
+        )
+    one = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(1)
+    per_sample = {g.device_type: estimate_step(model, one, seq_len, micro_batch_size, g.profile).step_seconds
+                  / micro_batch_size for g in groups}  # fmt: skip
+    ranks = [g for g in groups for _ in range(g.count)]
+    speed = [1 / per_sample[g.device_type] for g in ranks]
+    chunks = global_batch // micro_batch_size
+    exact = [chunks * s / sum(speed) for s in speed]
+    share = [max(1, int(x)) for x in exact]
+    while sum(share) < chunks:  # give the next chunk to the rank that would finish it soonest
+        i = min(range(world), key=lambda j: (share[j] + 1) / speed[j])
+        share[i] += 1
+    while sum(share) > chunks:
+        i = max((j for j in range(world) if share[j] > 1), key=lambda j: share[j] / speed[j])
+        share[i] -= 1
+    sizes = [s * micro_batch_size for s in share]
+    times = [b * per_sample[g.device_type] for b, g in zip(sizes, ranks, strict=True)]
+    c = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(world)
+    memory = [estimate_memory(model, c, seq_len, b // micro_batch_size) for b in sizes]
+    over = [i for i, (mem, g) in enumerate(zip(memory, ranks, strict=True)) if mem > g.profile.memory_bytes]
+    if over:
+        raise ValueError(
+            f"hetero-DP does not fit: rank {over[0]} ({ranks[over[0]].device_type}) needs"
+            f" {memory[over[0]] / 1e9:.1f} GB against {ranks[over[0]].profile.memory_bytes / 1e9:.1f} GB (memory"
+            " constraint); raise zero_stage or use hetero meshes."
+        )
+    # the gradient reduction over all ranks, exposed as on the slowest link of the groups
+    slowest = min((g.profile for g in groups), key=lambda p: p.links["all_reduce"]["inter"][0].bus_bandwidth)
+    reduce = estimate_step(model, c, seq_len, world * micro_batch_size, slowest).comm.get("dp", 0.0)
+    parallel = dict(hetero_dp_batch_sizes=sizes, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
+                    recompute=recompute)  # fmt: skip
+    return HeteroPlan(kind="hetero_dp", parallel=parallel, stage_seconds=times, step_seconds=max(times) + reduce,
+                      memory_bytes=memory)  # fmt: skip

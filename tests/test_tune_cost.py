@@ -1,0 +1,87 @@
+"""The cost model's structure (issue 16 item 2): schedule bubbles, recompute overhead, DP reduction hidden under
+backward, exposed TP traffic, MoE active FLOPs and MFU, on profiles whose every rate is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.flops import flops_per_token
+from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
+from lightning_flagscale.tune.cost import _rank_pass
+from lightning_flagscale.tune.hardware import COLLECTIVES
+
+MODEL = TransformerConfig.from_preset("llama3-8b")
+
+
+def _profile(bandwidth: float = float("inf"), latency: float = 0.0, hbm: float = 1e12) -> HardwareProfile:
+    link = [LinkPoint(group_size=2, latency=latency, bus_bandwidth=bandwidth)]
+    return HardwareProfile(
+        peak_flops=1e15, hbm_bandwidth=hbm, gemm=[(1.0, 1.0)], attention_efficiency=1.0,
+        links={kind: {"intra": link, "inter": link} for kind in COLLECTIVES},
+    )  # fmt: skip
+
+
+def _layout(**kw) -> ParallelConfig:
+    return ParallelConfig(**kw).resolve(8)
+
+
+def test_bubbles_follow_each_schedule():
+    hw, p, gb = _profile(), 4, 16  # 2 data-parallel replicas x 8 micro-batches
+    bubbles = {}
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)):
+        c = _layout(pipeline_parallel_size=p, pipeline_schedule=schedule, virtual_pipeline_parallel_size=v)
+        one = _rank_pass(MODEL, c, 4096, hw)
+        f, b, w = one.f / v, one.b / v, one.w / v
+        want = {"1f1b": (p - 1) * (f + b), "interleaved_1f1b": (p - 1) * (f + b), "zero_bubble": (p - 1) * (f + b - 2 * w),
+                "zbv": (p - 1) * (f + b - 2 * w), "dualpipev": (p - 1) * (f + 2 * b - 3 * w)}[schedule]  # fmt: skip
+        bubbles[schedule] = estimate_step(MODEL, c, 4096, gb, hw).bubble_seconds
+        assert bubbles[schedule] == pytest.approx(want)
+    # interleaving halves the 1F1B bubble; splitting weight gradients (zero-bubble family) shrinks it further
+    assert bubbles["1f1b"] == pytest.approx(2 * bubbles["interleaved_1f1b"], rel=0.02)
+    assert bubbles["zero_bubble"] < bubbles["interleaved_1f1b"] and bubbles["zbv"] < bubbles["interleaved_1f1b"]
+    no_pp = estimate_step(MODEL, _layout(), 4096, gb, hw)
+    assert no_pp.bubble_seconds == 0.0
+
+
+def test_full_recompute_costs_about_one_extra_forward():
+    hw = _profile(hbm=float("inf"))  # GEMMs and attention only (no optimizer or memory-bound time)
+    none = estimate_step(MODEL, _layout(), 4096, 8, hw).compute_seconds
+    full = estimate_step(MODEL, _layout(recompute="full"), 4096, 8, hw).compute_seconds
+    selective = estimate_step(MODEL, _layout(recompute="selective"), 4096, 8, hw).compute_seconds
+    assert 1.25 < full / none < 1.36  # forward is a third of the GEMM work, a bit less with attention's 2.5x backward
+    assert selective == none < full  # selective re-runs memory-bound kernels only: free at infinite bandwidth
+    hw = _profile()
+    selective = estimate_step(MODEL, _layout(recompute="selective"), 4096, 8, hw).compute_seconds
+    assert estimate_step(MODEL, _layout(), 4096, 8, hw).compute_seconds < selective
+
+
+def test_data_parallel_reduction_hides_under_backward():
+    c = _layout(zero_stage=0)
+    fast = estimate_step(MODEL, c, 4096, 8, _profile(bandwidth=1e12))
+    psi = MODEL.num_params()
+    reduce = 2 * 7 / 8 * 4 * psi / 1e12  # fp32 all-reduce over 8 ranks
+    assert fast.comm["dp"] < 0.05 * reduce  # only the last bucket shows
+    slow = estimate_step(MODEL, c, 4096, 8, _profile(bandwidth=1e9))
+    backward = _rank_pass(MODEL, c, 4096, _profile()).b
+    assert slow.comm["dp"] == pytest.approx(2 * 7 / 8 * 4 * psi / 1e9 - backward, rel=1e-3)
+
+
+def test_tensor_parallel_traffic_is_exposed_per_layer():
+    c = _layout(tensor_parallel_size=8, sequence_parallel=True)
+    bw = 1e11
+    cost = estimate_step(MODEL, c, 4096, 1, _profile(bandwidth=bw))
+    act = 4096 * MODEL.hidden_size * 2  # one bf16 activation of a micro-batch
+    # forward and backward: 2 all-gathers + 2 reduce-scatters each, per layer
+    want = MODEL.num_layers * 2 * 2 * 2 * (7 / 8 * act / bw)
+    assert cost.comm["tp"] == pytest.approx(want, rel=1e-6)
+    assert cost.step_seconds > estimate_step(MODEL, c, 4096, 1, _profile()).step_seconds + 0.9 * want
+
+
+def test_mfu_uses_model_flops_and_the_profile_peak():
+    mixtral = TransformerConfig.from_preset("mixtral-8x7b")
+    hw = _profile()
+    c = ParallelConfig(expert_parallel_size=8).resolve(8)
+    cost = estimate_step(mixtral, c, 4096, 8, hw)
+    assert cost.mfu == pytest.approx(cost.tokens_per_second * flops_per_token(mixtral, 4096) / (8 * hw.peak_flops))
+    assert 0 < cost.mfu < 1

@@ -1,0 +1,227 @@
+"""Tuner search, profiles, CLI and heterogeneous plans (issue 16 items 2, 4, 5, 7): every candidate is a valid
+``ParallelConfig``, profiles and ``--json`` round-trip, hetero plans validate, errors name the constraint, and the
+written recipe parses and builds the strategy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
+from lightning_flagscale.tune import (
+    BUILTIN_PROFILES,
+    Hardware,
+    HardwareProfile,
+    SearchSpace,
+    load_profile,
+    search,
+    tune_main,
+)
+from lightning_flagscale.tune.cost import estimate_step
+from lightning_flagscale.tune.hardware import builtin_profile
+from lightning_flagscale.tune.hetero import DeviceGroup, balance_layers, plan_hetero, plan_hetero_dp
+from lightning_flagscale.tune.runner import HistoryPruner, _strategy_args
+from lightning_flagscale.tune.search import enumerate_layouts
+
+TINY = TransformerConfig.from_preset("llama-tiny")
+MOE = TransformerConfig.from_preset("mixtral-tiny", num_layers=8)  # enough blocks for 4 stages x 2 chunks
+
+
+def test_every_candidate_of_the_full_space_constructs_and_validates():
+    space = SearchSpace(expert_tensor_parallel_sizes=(1, 2))  # ETP 2 is refused by ParallelConfig: counted, dropped
+    layouts, refused = enumerate_layouts(MOE, 8, seq_len=64, global_batch=16, space=space)
+    assert len(layouts) > 500
+    assert any(reason.startswith("invalid: expert_tensor_parallel_size=2") for reason in refused)
+    seen = {
+        "schedules": {c.pipeline_schedule for c in layouts if c.pp_enabled},
+        "vpp": {c.virtual_pipeline_parallel_size for c in layouts},
+        "cp_modes": {c.context_parallel_mode for c in layouts if c.cp_enabled},
+        "ep": {c.expert_parallel_size for c in layouts},
+        "zero": {c.zero_stage for c in layouts},
+        "recompute": {c.recompute for c in layouts},
+        "mbs": {c.micro_batch_size for c in layouts},
+        "tp": {c.tensor_parallel_size for c in layouts},
+        "etp": {c.expert_tensor_parallel_size for c in layouts},
+    }
+    assert seen["schedules"] == set(SCHEDULE_NAMES) and seen["vpp"] >= {1, 2, 4}
+    assert seen["cp_modes"] == {"ring", "ulysses", "hybrid"} and seen["ep"] >= {1, 2, 4, 8}
+    assert seen["zero"] == {0, 1, 2, 3} and seen["recompute"] == {"none", "selective", "full"}
+    assert seen["mbs"] == {1, 2, 4} and seen["tp"] >= {1, 2} and seen["etp"] == {1}
+    for c in layouts:  # the strategy's keyword arguments rebuild exactly this layout, and it validates
+        rebuilt = ParallelConfig(**_strategy_args(c)).resolve(8)
+        rebuilt.validate_model(MOE)
+        assert rebuilt == c and c.world_size == 8
+
+
+def test_search_ranks_by_predicted_time_within_the_budget():
+    hw = builtin_profile("h100").replace(memory_bytes=2e7)
+    result = search(MOE, 8, seq_len=64, global_batch=16, hardware=hw, top_k=None)
+    assert result.candidates and result.pruned["memory"] > 0
+    times = [c.step_seconds for c in result.candidates]
+    assert times == sorted(times)
+    assert all(c.memory_bytes <= 2e7 for c in result.candidates)
+    best = result.candidates[0].cost
+    assert best.step_seconds >= best.bubble_seconds >= 0 and 0 < best.mfu < 1
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_PROFILES))
+def test_profile_json_round_trip(name, tmp_path):
+    profile = builtin_profile(name).replace(compute_scale=0.61)
+    profile.save(tmp_path / "p.json")
+    loaded = load_profile(tmp_path / "p.json")
+    assert loaded == profile
+    assert loaded.collective_seconds("all_reduce", 1e9, 8) == profile.collective_seconds("all_reduce", 1e9, 8)
+    assert loaded.gemm_efficiency(1e12) == profile.gemm_efficiency(1e12)
+
+
+def test_profile_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"a100.*h100.*h200"):
+        load_profile("b300")
+    bad = builtin_profile("h100").to_dict() | {"flops": 1.0}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown keys \\['flops'\\]"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_link_model_is_alpha_beta_per_collective():
+    p = builtin_profile("h100")
+    n, size = 8, 1e9
+    ar = p.link("all_reduce", n, "intra")
+    assert p.collective_seconds("all_reduce", size, n) == pytest.approx(
+        ar.latency + 2 * 7 / 8 * size / ar.bus_bandwidth
+    )
+    ag = p.link("all_gather", n, "inter")
+    assert p.collective_seconds("all_gather", size, n, inter_node=True) == pytest.approx(
+        ag.latency + 7 / 8 * size / ag.bus_bandwidth
+    )
+    assert p.collective_seconds("all_reduce", size, 1) == 0.0
+    assert p.gemm_efficiency(1e6) < p.gemm_efficiency(1e10) < p.gemm_efficiency(1e14) <= 1.0
+    legacy = Hardware(flops=1e12, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9, memory_bytes=4e9)
+    assert legacy.peak_flops == 1e12 and legacy.memory_bytes == 4e9 and legacy.gemm_efficiency(1.0) == 1.0
+    assert legacy.collective_seconds("p2p", 1e9, 2, inter_node=True) == 1.0  # the pre-profile fields still work
+
+
+def _tune_json(capsys, *argv: str) -> dict:
+    tune_main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_round_trips_to_configs(capsys):
+    out = _tune_json(capsys, "--preset", "mixtral-tiny", "--devices", "4", "--seq-len", "64", "--global-batch", "8",
+                     "--top", "7", "--profile", "a100")  # fmt: skip
+    assert out["profile"] == "a100" and len(out["candidates"]) == 7
+    for row in out["candidates"]:
+        c = ParallelConfig(**row["parallel"]).resolve(4)
+        assert c.dp == row["data_parallel_size"]
+        assert row["memory_bytes"] <= row["memory_budget_bytes"] == 80e9
+        for key in ("tokens_per_second", "mfu", "bubble_seconds", "exposed_comm_seconds", "step_seconds"):
+            assert row[key] >= 0
+    assert [r["step_seconds"] for r in out["candidates"]] == sorted(r["step_seconds"] for r in out["candidates"])
+
+
+def test_cli_errors_name_the_constraint(capsys):
+    with pytest.raises(SystemExit, match=r"needs .* GB per device against the 0.0 GB budget \(memory constraint\)"):
+        tune_main(["--preset", "llama-tiny", "--devices", "4", "--seq-len", "64", "--global-batch", "8",
+                   "--memory-gb", "0.001"])  # fmt: skip
+    with pytest.raises(
+        SystemExit,
+        match=r"No valid layout for 5 devices: every candidate was refused: .*batch: global batch not divisible",
+    ):
+        tune_main(["--preset", "llama-tiny", "--devices", "5", "--seq-len", "64", "--global-batch", "4"])
+    with pytest.raises(SystemExit, match="Unknown hardware profile 'tpu'"):
+        tune_main(["--preset", "llama-tiny", "--devices", "2", "--profile", "tpu"])
+    with pytest.raises(SystemExit, match="TYPE:COUNT:PROFILE"):
+        tune_main(["--preset", "llama-tiny", "--hetero", "H100-8"])
+
+
+def test_written_recipe_parses_and_constructs_the_strategy(tmp_path, capsys):
+    from lightning_flagscale import FlagScaleStrategy
+    from lightning_flagscale.cli import main
+    from lightning_flagscale.data import LMDataModule
+    from lightning_flagscale.models import CausalLMModule
+
+    cpu = HardwareProfile(name="cpu-test", device_type="cpu-1threads", peak_flops=5e10, hbm_bandwidth=1e10)
+    cpu.save(tmp_path / "cpu.json")
+    path = tmp_path / "best.yaml"
+    tune_main(["--preset", "llama-tiny", "--devices", "4", "--seq-len", "64", "--global-batch", "8",
+               "--profile", str(tmp_path / "cpu.json"), "--write-recipe", str(path), "--top", "1"])  # fmt: skip
+    capsys.readouterr()
+    recipe = yaml.safe_load(path.read_text())
+    assert recipe["trainer"]["accelerator"] == "cpu" and recipe["trainer"]["devices"] == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert parsed["trainer"]["strategy"]["class_path"].endswith("FlagScaleStrategy")
+    strategy = FlagScaleStrategy(**recipe["trainer"]["strategy"]["init_args"])
+    best = search(TINY, 4, seq_len=64, global_batch=8, hardware=cpu, top_k=1).candidates[0]
+    assert strategy.parallel.resolve(4) == best.config
+    CausalLMModule(**recipe["model"])
+    LMDataModule(**recipe["data"])
+
+
+def test_history_pruning_skips_dominated_layouts():
+    def layout(**kw) -> ParallelConfig:
+        return ParallelConfig(**{"tensor_parallel_size": 2, **kw}).resolve(4)
+
+    pruner = HistoryPruner()
+    pruner.record(layout(micro_batch_size=2), "oom")
+    assert "memory" in pruner.prune_reason(layout(micro_batch_size=4))
+    assert pruner.prune_reason(layout(micro_batch_size=2, zero_stage=1)) is None  # ZeRO-1 holds less
+    assert pruner.prune_reason(layout(micro_batch_size=1)) is None  # less memory: worth a try
+    assert pruner.prune_reason(layout(micro_batch_size=2, recompute="full")) is None
+    pruner.record(layout(zero_stage=1), "ok")
+    assert "slower" in pruner.prune_reason(layout(zero_stage=3))
+    assert pruner.prune_reason(layout(zero_stage=0)) is None
+    pruner.record(layout(recompute="selective"), "ok")
+    assert "slower" in pruner.prune_reason(layout(recompute="full"))
+    assert pruner.prune_reason(layout(tensor_parallel_size=4)) is None  # a different structure: no rule
+
+
+def test_balance_layers_equalises_stage_times():
+    assert balance_layers([1.0, 3.0], [0.0, 0.0], 32) == [24, 8]
+    counts = balance_layers([1.0, 1.0, 1.0], [0.0, 0.0, 4.0], 12)
+    assert counts == [5, 5, 2] and sum(counts) == 12
+    with pytest.raises(ValueError, match="fewer than the 3 pipeline stages"):
+        balance_layers([1.0] * 3, [0.0] * 3, 2)
+
+
+def test_hetero_plans_validate_and_give_faster_devices_more_work():
+    groups = [
+        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
+        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
+    ]
+    model = TransformerConfig.from_preset("llama3-8b")
+    plans = plan_hetero(model, groups, seq_len=4096, global_batch=64)
+    assert plans and [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
+    for plan in plans:
+        c = plan.config(16)  # ParallelConfig validates the meshes and the layer split
+        stage_configs = c.stage_group_configs(model.num_layers)
+        assert sum(plan.parallel["hetero_layers"]) == model.num_layers and len(stage_configs) >= 2
+        assert plan.imbalance < 1.3
+    best = plans[0].parallel
+    h100_stages = best["hetero_meshes"][0]["pipeline_parallel_size"]
+    per_stage = best["hetero_layers"]
+    assert min(per_stage[:h100_stages]) > max(per_stage[h100_stages:])  # H100 stages take more blocks
+    shallow = TransformerConfig.from_preset("llama3-8b", num_layers=4)  # whole model on each device
+    dp = plan_hetero_dp(shallow, groups, seq_len=1024, global_batch=64, zero_stage=3)
+    sizes = dp.parallel["hetero_dp_batch_sizes"]
+    assert sum(sizes) == 64 and min(sizes[:8]) > max(sizes[8:])
+    dp.config(16)
+    with pytest.raises(ValueError, match="memory constraint"):
+        plan_hetero_dp(model, groups, seq_len=4096, global_batch=64, zero_stage=0)
+    for tiny in plan_hetero(TINY, [DeviceGroup(device_type=g.device_type, count=2, profile=g.profile) for g in groups],
+                            seq_len=128, global_batch=8):  # fmt: skip
+        tiny.config(4).stage_group_configs(TINY.num_layers)
+
+
+def test_calibrated_scale_reproduces_a_measured_step():
+    from lightning_flagscale.tune import calibrate_compute_scale
+
+    c = ParallelConfig(tensor_parallel_size=2).resolve(4)
+    hw = builtin_profile("h100")
+    fitted = calibrate_compute_scale(TINY, c, 64, 8, hw, tokens_per_second=1e5)
+    assert estimate_step(TINY, c, 64, 8, fitted).tokens_per_second == pytest.approx(1e5, rel=1e-6)
