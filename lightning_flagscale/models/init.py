@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 
-from torch import Tensor
+from lightning_flagscale.parallel.data import copy_global_into
 
 __all__ = ["canonical_fqn", "copy_global_into", "seed_for"]
 
@@ -26,19 +26,3 @@ def canonical_fqn(fqn: str) -> str:
 
 def seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def copy_global_into(param: Tensor, full: Tensor) -> None:
-    """Copy the part of ``full`` (global values) that ``param`` holds: all of it, or its DTensor shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        # Slice locally instead of distribute_tensor: no communication, and every rank computes the same full
-        # tensor from the same seed anyway.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        param.to_local().copy_(full[index])
-    else:
-        param.copy_(full)

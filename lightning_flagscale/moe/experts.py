@@ -19,15 +19,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from lightning_flagscale.parallel.data import local_tensor
+
 __all__ = ["GroupedExperts", "SwiGLUMLP", "grouped_linear", "grouped_mm_usable", "local_tensor"]
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The local shard of a DTensor parameter (differentiable), or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:

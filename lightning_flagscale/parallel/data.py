@@ -37,6 +37,7 @@ __all__ = [
     "DistributedOptimizer",
     "apply_fsdp",
     "clip_grad_norm_",
+    "copy_global_into",
     "distributed_optimizers",
     "found_inf",
     "local_tensor",
@@ -48,6 +49,20 @@ __all__ = [
 def local_tensor(t: Tensor) -> Tensor:
     """The part of ``t`` this rank holds (the local shard of a DTensor, or ``t`` itself)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def copy_global_into(dst: Tensor, full: Tensor) -> None:
+    """Copy the part of ``full`` (global values) that ``dst`` holds: all of it, or its DTensor shard. Slices locally
+    instead of ``distribute_tensor``: no communication, for callers where every rank holds the same ``full``."""
+    if isinstance(dst, DTensor):
+        # Private torch helper: the shard's local shape and global offset under any placements.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        dst.to_local().copy_(full[index])
+    else:
+        dst.copy_(full)
 
 
 def num_shards(p: Tensor) -> int:

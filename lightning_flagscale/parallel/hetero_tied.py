@@ -26,25 +26,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config.hetero import StageGroup
+from lightning_flagscale.parallel.data import copy_global_into
 
 __all__ = ["TiedAcrossMeshes"]
 
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _write_local(dst: Tensor, full: Tensor) -> None:
-    """Copy the part of ``full`` that ``dst`` holds (all of it, or its DTensor shard), without communication."""
-    if isinstance(dst, DTensor):
-        # Private torch helper (also used by the models' per-parameter init): the shard's shape and global offset.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        dst.to_local().copy_(full[index])
-    else:
-        dst.copy_(full)
 
 
 class TiedAcrossMeshes:
@@ -73,7 +61,7 @@ class TiedAcrossMeshes:
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         dist.broadcast(full, src=self._src, group=self._group)
         if not self._in_first:
-            _write_local(param.data if not isinstance(param, DTensor) else param, full)
+            copy_global_into(param.data if not isinstance(param, DTensor) else param, full)
 
     @torch.no_grad()
     def sync_grads(self, param: nn.Parameter) -> None:
@@ -87,4 +75,4 @@ class TiedAcrossMeshes:
             grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
         total = _full(grad).float() / self._size
         dist.all_reduce(total, group=self._group)
-        _write_local(grad, total.to(grad.dtype))
+        copy_global_into(grad, total.to(grad.dtype))
