@@ -34,6 +34,7 @@ __all__ = [
     "optimizer_state",
     "optimizer_template",
     "restore_moe_router_state",
+    "restore_local_training_state",
     "restore_optimizer_hparams",
     "restore_training_meta",
     "rng_state",
@@ -42,19 +43,20 @@ __all__ = [
 ]
 
 
-def optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> dict[str, Any]:
-    """A template holding exactly the optimizer-state keys the checkpoint has, in this rank's layout."""
-    prefix = f"optimizer_{index}.state."
-    keys: set[str] = set()
-    for key in checkpoint_keys(path):
-        if key.startswith(prefix):
-            keys.add(key.rsplit(".", 1)[-1])
+def optimizer_template(dopt: DistributedOptimizer, keys: Iterable[str]) -> dict[str, Any]:
+    """A template holding exactly the optimizer-state ``keys`` a checkpoint has, in this rank's layout."""
+    keys = set(keys)
     tensor_keys = sorted(k for k in keys if k != "step")
     template = dopt.state_dict_template(tensor_keys)
     if "step" not in keys:
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def _checkpoint_state_keys(path: Path, index: int) -> set[str]:
+    prefix = f"optimizer_{index}.state."
+    return {key.rsplit(".", 1)[-1] for key in checkpoint_keys(path) if key.startswith(prefix)}
 
 
 def optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:
@@ -146,35 +148,43 @@ def optimizer_state(
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
 
 
-def load_training_state(
-    path: Path,
+def _state_templates(
     model: torch.nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
-    *,
-    strict: bool,
-) -> None:
-    """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        _init_optim_state,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    state_keys: Callable[[int], set[str]],
+) -> dict[str, Any]:
+    """Model and optimizer state in this rank's layout, to be filled in place (``state_keys(i)``: the keys of
+    optimizer ``i``'s per-parameter state in the source)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state, get_optimizer_state_dict
 
     dopts = [d for d in (dist_opt(o) for o in optimizers) if d is not None]
     state: dict[str, Any] = {"state_dict": model_state(model, dopts)}  # fp32 templates where masters exist
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)
         if dopt is not None:
-            state[f"optimizer_{i}"] = optimizer_template(dopt, path, i)
+            state[f"optimizer_{i}"] = optimizer_template(dopt, state_keys(i))
         else:
             _init_optim_state(opt)
             state[f"optimizer_{i}"] = get_optimizer_state_dict(
                 model, opt, options=StateDictOptions(full_state_dict=False)
             )
-    load_sharded(path, state)
+    return state
+
+
+def _apply_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    strict: bool,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)
@@ -186,6 +196,47 @@ def load_training_state(
             set_optimizer_state_dict(
                 model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
             )
+
+
+def load_training_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    *,
+    strict: bool,
+) -> None:
+    """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
+    state = _state_templates(model, optimizers, dist_opt, lambda i: _checkpoint_state_keys(path, i))
+    load_sharded(path, state)
+    _apply_state(state, model, optimizers, dist_opt, strict)
+
+
+def restore_local_training_state(
+    saved_model: dict[str, Any],
+    saved_optimizers: Sequence[dict[str, Any]],
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    *,
+    strict: bool,
+) -> None:
+    """Load this rank's own shards, as ``lightning_module_state_dict`` / ``optimizer_state`` returned them in the
+    same layout (an in-memory snapshot), through the same templates and setters as a DCP load."""
+    from lightning_flagscale.checkpoint.memory import fill_state
+
+    if len(saved_optimizers) != len(optimizers):
+        raise ValueError(
+            f"The snapshot holds {len(saved_optimizers)} optimizer(s) but `configure_optimizers` returned"
+            f" {len(optimizers)}; resume with the same optimizers."
+        )
+
+    def state_keys(i: int) -> set[str]:
+        return {key for s in saved_optimizers[i].get("state", {}).values() for key in s}
+
+    template = _state_templates(model, optimizers, dist_opt, state_keys)
+    saved = {"state_dict": saved_model, **{f"optimizer_{i}": s for i, s in enumerate(saved_optimizers)}}
+    _apply_state(fill_state(template, saved), model, optimizers, dist_opt, strict)
 
 
 def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
@@ -280,6 +331,10 @@ class CheckpointHooks:
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning_flagscale.strategies._memory import NEWEST, restore_newest
+
+        if checkpoint_path == NEWEST:  # a MemoryCheckpoint callback: memory snapshot or disk, chosen collectively
+            return restore_newest(self)
         self.wait_for_checkpoint()
         self._mark("load_checkpoint: DCP read, barriers")
         path = Path(self.broadcast(str(checkpoint_path)))

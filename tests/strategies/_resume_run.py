@@ -14,6 +14,8 @@ on ``devices`` CPU processes started by Lightning's own launcher, writing a shar
 - ``kill_event``: ``[event, text]``: SIGKILL (1 s later) at that step of the save whose path contains ``text``
   (see ``checkpoint.sharded._save_event``).
 - ``accumulate``: ``Trainer(accumulate_grad_batches=...)``; ``batch_size``: per data-parallel rank (default 2).
+- ``memory_every``: add ``MemoryCheckpoint(every_n_train_steps=...)``; ``kill_after_snapshot``: every rank SIGKILLs
+  itself once its snapshot of that step is written.
 """
 
 from __future__ import annotations
@@ -61,7 +63,23 @@ def _callbacks(spec: dict[str, Any], out: Path) -> list:
         dirpath=out / "ckpt", every_n_train_steps=spec["every_n_steps"], save_top_k=spec.get("save_top_k", 1),
         monitor="step", mode="max", save_last=spec.get("save_last", True),
     )  # fmt: skip
-    return [RecordAndKill(), checkpoint]
+    if not spec.get("memory_every"):
+        return [RecordAndKill(), checkpoint]
+    from lightning_flagscale.callbacks import MemoryCheckpoint
+
+    memory = MemoryCheckpoint(every_n_train_steps=spec["memory_every"])
+
+    class KillAfterSnapshot(L.Callback):
+        """Runs after MemoryCheckpoint: waits for this rank's snapshot of step ``kill_after_snapshot`` to be written,
+        then SIGKILLs the rank (a crash right after a snapshot newer than the last disk checkpoint)."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == spec.get("kill_after_snapshot"):
+                memory.wait()
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return [RecordAndKill(), memory, KillAfterSnapshot(), checkpoint]
 
 
 def _inject_save_kill(event: str, text: str) -> None:
