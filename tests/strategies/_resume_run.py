@@ -14,6 +14,7 @@ on ``devices`` CPU processes started by Lightning's own launcher, writing a shar
 - ``kill_event``: ``[event, text]``: SIGKILL (1 s later) at that step of the save whose path contains ``text``
   (see ``checkpoint.sharded._save_event``).
 - ``accumulate``: ``Trainer(accumulate_grad_batches=...)``; ``batch_size``: per data-parallel rank (default 2).
+- ``num_nodes``: ``Trainer(num_nodes=...)``; ``record_layout``: every rank writes ``layout-<rank>.json``.
 - ``memory_every``: add ``MemoryCheckpoint(every_n_train_steps=...)``; ``kill_after_snapshot``: every rank SIGKILLs
   itself once its snapshot of that step is written.
 """
@@ -59,12 +60,24 @@ def _callbacks(spec: dict[str, Any], out: Path) -> list:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class RecordLayout(L.Callback):
+        """Every rank writes ``layout-<rank>.json``: its node (as the cluster environment reports it), its local rank
+        and the global ranks of its tensor-parallel group."""
+
+        def on_train_start(self, trainer, pl_module):
+            strategy = trainer.strategy
+            tp = dist.get_process_group_ranks(strategy.meshes["tp"].get_group())
+            row = {"rank": trainer.global_rank, "node": strategy.node_rank, "local": trainer.local_rank, "tp": tp,
+                   "env": type(strategy.cluster_environment).__name__}  # fmt: skip
+            (out / f"layout-{trainer.global_rank}.json").write_text(json.dumps(row))
+
     checkpoint = ModelCheckpoint(
         dirpath=out / "ckpt", every_n_train_steps=spec["every_n_steps"], save_top_k=spec.get("save_top_k", 1),
         monitor="step", mode="max", save_last=spec.get("save_last", True),
     )  # fmt: skip
+    extra = [RecordLayout()] if spec.get("record_layout") else []
     if not spec.get("memory_every"):
-        return [RecordAndKill(), checkpoint]
+        return [RecordAndKill(), *extra, checkpoint]
     from lightning_flagscale.callbacks import MemoryCheckpoint
 
     memory = MemoryCheckpoint(every_n_train_steps=spec["memory_every"])
@@ -79,7 +92,7 @@ def _callbacks(spec: dict[str, Any], out: Path) -> list:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    return [RecordAndKill(), memory, KillAfterSnapshot(), checkpoint]
+    return [RecordAndKill(), *extra, memory, KillAfterSnapshot(), checkpoint]
 
 
 def _inject_save_kill(event: str, text: str) -> None:
@@ -119,6 +132,7 @@ def main(spec: dict[str, Any]) -> None:
         max_steps=spec["max_steps"], logger=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, limit_val_batches=0, num_sanity_val_steps=0,
         accumulate_grad_batches=spec.get("accumulate", 1), callbacks=_callbacks(spec, out),
+        num_nodes=spec.get("num_nodes", 1),
     )  # fmt: skip
     trainer.fit(module, data, ckpt_path=spec.get("ckpt_path"))
     trainer.save_checkpoint(out / "final.ckpt")
