@@ -229,7 +229,7 @@ class SnapshotWriter:
                 steps = list_snapshots(self.folder, self.tag)
                 remove_snapshots(self.folder, keep=set(steps[-self.keep :]), tag=self.tag)
                 self.last_write_seconds = time.perf_counter() - start
-            except BaseException as error:  # noqa: BLE001 - reported to the training thread at the next snapshot
+            except BaseException as error:  # reported to the training thread at the next snapshot
                 self._error = error
             finally:
                 buffer.free.set()

@@ -33,8 +33,8 @@ __all__ = [
     "optimizer_hparams",
     "optimizer_state",
     "optimizer_template",
-    "restore_moe_router_state",
     "restore_local_training_state",
+    "restore_moe_router_state",
     "restore_optimizer_hparams",
     "restore_training_meta",
     "rng_state",
@@ -278,6 +278,21 @@ class CheckpointHooks:
     _pending_save: PendingSave | None = None
     _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
     _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if trainer.global_step == 0:
+            return
+        # Resumed at step S: Lightning's ModelCheckpoint forgets that S is saved, and with gradient accumulation the
+        # first micro-batch of the next window (still at step S) saves S again, mid-window, over `last` (the window's
+        # first gradients are not in a checkpoint): a kill before S + 1 then resumes inexactly (issue 14).
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._last_global_step_saved = max(callback._last_global_step_saved, trainer.global_step)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
