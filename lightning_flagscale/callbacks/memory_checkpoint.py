@@ -12,8 +12,8 @@ Usage (re-running the same command after a crash continues from the newest state
 
 Each rank snapshots what a disk checkpoint holds for it (its model/optimizer shards, Lightning's loop, scheduler,
 callback and data-position state, its RNG, MoE router state, param-group hyperparameters) into ``/dev/shm`` (see
-``checkpoint/memory.py``): training is blocked only for a copy into CPU staging buffers; a background thread writes
-the file. ``FlagScaleStrategy`` restores the newest snapshot that every rank holds completely when it is newer than the
+``checkpoint/memory.py``): training is blocked for Lightning's checkpoint dict (ZeRO-1/2 shards taken as they are,
+without the gathers a disk checkpoint needs) and a copy into CPU staging buffers; a background thread writes the file. ``FlagScaleStrategy`` restores the newest snapshot that every rank holds completely when it is newer than the
 newest complete disk checkpoint (``strategies/_memory.py``), else the disk checkpoint. A snapshot survives a crash of
 the training processes, not of the machine: persist with ``ModelCheckpoint``. Snapshots are removed when ``fit`` ends
 successfully.

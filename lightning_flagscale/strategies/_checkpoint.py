@@ -221,22 +221,41 @@ def restore_local_training_state(
     *,
     strict: bool,
 ) -> None:
-    """Load this rank's own shards, as ``lightning_module_state_dict`` / ``optimizer_state`` returned them in the
-    same layout (an in-memory snapshot), through the same templates and setters as a DCP load."""
+    """Load this rank's own state as an in-memory snapshot took it in the same layout (``CheckpointHooks`` with
+    ``_snapshot_local``): model tensors copied into the live (DTensor) ones, ZeRO-1/2 main-weight and optimizer
+    shards as they are (then all-gathered into the model), other optimizers through DCP's setters."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _init_optim_state,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     from lightning_flagscale.checkpoint.memory import fill_state
+    from lightning_flagscale.strategies._memory import load_local_buckets
 
     if len(saved_optimizers) != len(optimizers):
         raise ValueError(
             f"The snapshot holds {len(saved_optimizers)} optimizer(s) but `configure_optimizers` returned"
             f" {len(optimizers)}; resume with the same optimizers."
         )
-
-    def state_keys(i: int) -> set[str]:
-        return {key for s in saved_optimizers[i].get("state", {}).values() for key in s}
-
-    template = _state_templates(model, optimizers, dist_opt, state_keys)
-    saved = {"state_dict": saved_model, **{f"optimizer_{i}": s for i, s in enumerate(saved_optimizers)}}
-    _apply_state(fill_state(template, saved), model, optimizers, dist_opt, strict)
+    options = StateDictOptions(full_state_dict=False)
+    template = get_model_state_dict(model, options=options)
+    set_model_state_dict(model, fill_state(template, saved_model), options=StateDictOptions(strict=strict))
+    for opt, saved in zip(optimizers, saved_optimizers):
+        dopt = dist_opt(opt)
+        if dopt is not None and "local_buckets" in saved:
+            load_local_buckets(dopt, saved["local_buckets"])
+        elif dopt is not None:
+            keys = {key for s in saved.get("state", {}).values() for key in s}
+            dopt.load_state_dict(fill_state(optimizer_template(dopt, keys), saved))
+            dopt.sync_params()
+        else:
+            _init_optim_state(opt)
+            filled = fill_state(get_optimizer_state_dict(model, opt, options=options), saved)
+            set_optimizer_state_dict(model, opt, filled, options=options)
 
 
 def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
@@ -278,6 +297,7 @@ class CheckpointHooks:
     _pending_save: PendingSave | None = None
     _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
     _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
+    _snapshot_local: bool = False  # set while `_memory.snapshot_state` runs: this rank's shards as they are
 
     @override
     def on_train_start(self) -> None:
@@ -296,6 +316,8 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._snapshot_local:  # the ZeRO main weights travel with the optimizer's local shards: no gather
+            return model_state(self.model, ())
         return model_state(self.model, self._dist_optimizers.values())
 
     @override
@@ -305,7 +327,12 @@ class CheckpointHooks:
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return optimizer_state(self.model, opt, self._dist_opt(opt))
+        dopt = self._dist_opt(opt)
+        if self._snapshot_local and dopt is not None and dopt.master_weights:
+            from lightning_flagscale.strategies._memory import local_buckets
+
+            return {"local_buckets": local_buckets(dopt)}
+        return optimizer_state(self.model, opt, dopt)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

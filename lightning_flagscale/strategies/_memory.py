@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -26,7 +27,15 @@ from lightning_flagscale.strategies._checkpoint import (
     set_rng_state,
 )
 
-__all__ = ["NEWEST", "choose_snapshot", "memory_callback", "restore_newest", "snapshot_state"]
+__all__ = [
+    "NEWEST",
+    "choose_snapshot",
+    "load_local_buckets",
+    "local_buckets",
+    "memory_callback",
+    "restore_newest",
+    "snapshot_state",
+]
 
 NEWEST = "flagscale:newest-of-memory-and-disk"
 """The ``ckpt_path`` the launcher passes when a ``MemoryCheckpoint`` callback is present and a resume is asked."""
@@ -48,14 +57,41 @@ def snapshot_state(trainer: Any) -> dict[str, Any]:
     ``ModelCheckpoint`` calls, with this rank's shards), plus this rank's RNG, router state and param groups."""
     strategy = trainer.strategy
     # Lightning's own assembly of a checkpoint dict (loops, schedulers, callbacks, precision, datamodule, the
-    # strategy's shards); `trainer.save_checkpoint` would add a barrier and a file write we do not want here.
-    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    # strategy's shards); `trainer.save_checkpoint` would add a barrier and a file write we do not want here. The
+    # strategy hands its ZeRO shards as they are (no gathers: a snapshot restores into the same layout only).
+    strategy._snapshot_local = True
+    try:
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        strategy._snapshot_local = False
     state[_EXTRAS] = {
         "rng": rng_state(),
         "moe_router_state": moe_router_state(trainer.lightning_module),
         "optimizer_param_groups": optimizer_hparams(strategy.optimizers),
     }
     return state
+
+
+def local_buckets(dopt: Any) -> list[dict[str, Any]]:
+    """A ZeRO-1/2 optimizer's own shards: each bucket's main (fp32) weight slice and its optimizer state."""
+    state = dopt.optimizer.state
+    return [{"main": b.main_param.detach(), "state": dict(state.get(b.main_param, {}))} for b in dopt.buckets]
+
+
+def load_local_buckets(dopt: Any, saved: list[dict[str, Any]]) -> None:
+    """Put :func:`local_buckets` back (same layout), then all-gather the weights into the model."""
+    if len(saved) != len(dopt.buckets):
+        raise ValueError(f"The snapshot has {len(saved)} gradient buckets, this layout {len(dopt.buckets)}.")
+    for bucket, shard in zip(dopt.buckets, saved):
+        main = bucket.main_param
+        with torch.no_grad():
+            main.copy_(shard["main"])
+        # Per-element states go where the main slice lives; scalars (Adam's `step`) stay where the optimizer keeps them.
+        dopt.optimizer.state[main] = {
+            k: (v.to(main.device).clone() if v.dim() > 0 else v.clone()) if isinstance(v, torch.Tensor) else v
+            for k, v in shard["state"].items()
+        }
+    dopt.sync_params()
 
 
 def _disk_candidate(trainer: Any) -> tuple[str | None, int | None]:
