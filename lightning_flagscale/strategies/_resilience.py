@@ -2,7 +2,8 @@
 
 - :class:`FlagScaleLauncher`: Lightning's script launcher, plus two things done in the launching process before
   any worker exists: the layout checks (one error, once, instead of one traceback per spawned rank) and the
-  choice of the checkpoint to resume from when ``resume="auto"``.
+  choice of the checkpoint to resume from when ``resume="auto"`` (with a ``MemoryCheckpoint`` callback, also for
+  ``ckpt_path="last"``: ``_memory.NEWEST``, chosen collectively in ``load_checkpoint``).
 - :func:`auto_resume_path`: the newest complete checkpoint in the folders of the ``ModelCheckpoint`` callbacks.
 - :class:`StepGuard`: the per-step decision on non-finite losses/gradients (``nan_policy``) and loss spikes.
 - :class:`ResilienceHooks`: how ``FlagScaleStrategy`` uses them (launcher, watchdog, step guard).
