@@ -1,7 +1,9 @@
-"""Lightning callbacks: progress bar and reports, loss plot, slow-rank detection, MoE telemetry, HF export."""
+"""Lightning callbacks: progress bar and reports, loss plot, slow-rank detection, MoE telemetry, HF export, in-memory
+checkpoints."""
 
 from lightning_flagscale.callbacks.hf_export import HFExportCallback
 from lightning_flagscale.callbacks.loss_plot import LossCurvePlot
+from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
 from lightning_flagscale.callbacks.moe import MoETelemetry
 from lightning_flagscale.callbacks.progress import StepProgressBar
 from lightning_flagscale.callbacks.report import LossReport
@@ -11,6 +13,7 @@ __all__ = [
     "HFExportCallback",
     "LossCurvePlot",
     "LossReport",
+    "MemoryCheckpoint",
     "MoETelemetry",
     "SlowRankDetector",
     "StepProgressBar",

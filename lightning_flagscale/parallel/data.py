@@ -221,7 +221,10 @@ class DistributedOptimizer:
             names = []
             for bucket in buckets:
                 names.extend(self.names[p] for p in bucket.params)
-                for key, value in opt.state.get(bucket.main_param, {}).items():
+                # Sorted: `gather_state` is a collective, so every rank must gather the keys in one order, and the
+                # state's insertion order differs between ranks after `load_state_dict` (issue 14: exp_avg and
+                # exp_avg_sq of different ranks were mixed in the second checkpoint after a resume).
+                for key, value in sorted(opt.state.get(bucket.main_param, {}).items()):
                     if isinstance(value, Tensor) and value.numel() == bucket.shard_numel:
                         for name, t in self._per_param(bucket, bucket.gather_state(value)).items():
                             state[name][key] = t
@@ -257,7 +260,7 @@ class DistributedOptimizer:
             return
         for bucket in self.buckets:
             main = bucket.main_param
-            keys = set().union(*(state.get(self.names[p], {}).keys() for p in bucket.params))
+            keys = sorted(set().union(*(state.get(self.names[p], {}).keys() for p in bucket.params)))
             new_state: dict[str, Tensor] = {}
             for key in keys:
                 values = [state[self.names[p]][key] for p in bucket.params]

@@ -33,6 +33,7 @@ __all__ = [
     "optimizer_hparams",
     "optimizer_state",
     "optimizer_template",
+    "restore_local_training_state",
     "restore_moe_router_state",
     "restore_optimizer_hparams",
     "restore_training_meta",
@@ -42,19 +43,20 @@ __all__ = [
 ]
 
 
-def optimizer_template(dopt: DistributedOptimizer, path: Path, index: int) -> dict[str, Any]:
-    """A template holding exactly the optimizer-state keys the checkpoint has, in this rank's layout."""
-    prefix = f"optimizer_{index}.state."
-    keys: set[str] = set()
-    for key in checkpoint_keys(path):
-        if key.startswith(prefix):
-            keys.add(key.rsplit(".", 1)[-1])
+def optimizer_template(dopt: DistributedOptimizer, keys: Iterable[str]) -> dict[str, Any]:
+    """A template holding exactly the optimizer-state ``keys`` a checkpoint has, in this rank's layout."""
+    keys = set(keys)
     tensor_keys = sorted(k for k in keys if k != "step")
     template = dopt.state_dict_template(tensor_keys)
     if "step" not in keys:
         for s in template["state"].values():
             s.pop("step", None)
     return template
+
+
+def _checkpoint_state_keys(path: Path, index: int) -> set[str]:
+    prefix = f"optimizer_{index}.state."
+    return {key.rsplit(".", 1)[-1] for key in checkpoint_keys(path) if key.startswith(prefix)}
 
 
 def optimizer_hparams(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:
@@ -146,35 +148,43 @@ def optimizer_state(
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
 
 
-def load_training_state(
-    path: Path,
+def _state_templates(
     model: torch.nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
-    *,
-    strict: bool,
-) -> None:
-    """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        _init_optim_state,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    state_keys: Callable[[int], set[str]],
+) -> dict[str, Any]:
+    """Model and optimizer state in this rank's layout, to be filled in place (``state_keys(i)``: the keys of
+    optimizer ``i``'s per-parameter state in the source)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state, get_optimizer_state_dict
 
     dopts = [d for d in (dist_opt(o) for o in optimizers) if d is not None]
     state: dict[str, Any] = {"state_dict": model_state(model, dopts)}  # fp32 templates where masters exist
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)
         if dopt is not None:
-            state[f"optimizer_{i}"] = optimizer_template(dopt, path, i)
+            state[f"optimizer_{i}"] = optimizer_template(dopt, state_keys(i))
         else:
             _init_optim_state(opt)
             state[f"optimizer_{i}"] = get_optimizer_state_dict(
                 model, opt, options=StateDictOptions(full_state_dict=False)
             )
-    load_sharded(path, state)
+    return state
+
+
+def _apply_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    strict: bool,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)
@@ -186,6 +196,66 @@ def load_training_state(
             set_optimizer_state_dict(
                 model, opt, state[f"optimizer_{i}"], options=StateDictOptions(full_state_dict=False)
             )
+
+
+def load_training_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    *,
+    strict: bool,
+) -> None:
+    """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
+    state = _state_templates(model, optimizers, dist_opt, lambda i: _checkpoint_state_keys(path, i))
+    load_sharded(path, state)
+    _apply_state(state, model, optimizers, dist_opt, strict)
+
+
+def restore_local_training_state(
+    saved_model: dict[str, Any],
+    saved_optimizers: Sequence[dict[str, Any]],
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
+    *,
+    strict: bool,
+) -> None:
+    """Load this rank's own state as an in-memory snapshot took it in the same layout (``CheckpointHooks`` with
+    ``_snapshot_local``): model tensors copied into the live (DTensor) ones, ZeRO-1/2 main-weight and optimizer
+    shards as they are (then all-gathered into the model), other optimizers through DCP's setters."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _init_optim_state,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from lightning_flagscale.checkpoint.memory import fill_state
+    from lightning_flagscale.strategies._memory import load_local_buckets
+
+    if len(saved_optimizers) != len(optimizers):
+        raise ValueError(
+            f"The snapshot holds {len(saved_optimizers)} optimizer(s) but `configure_optimizers` returned"
+            f" {len(optimizers)}; resume with the same optimizers."
+        )
+    options = StateDictOptions(full_state_dict=False)
+    template = get_model_state_dict(model, options=options)
+    set_model_state_dict(model, fill_state(template, saved_model), options=StateDictOptions(strict=strict))
+    for opt, saved in zip(optimizers, saved_optimizers):
+        dopt = dist_opt(opt)
+        if dopt is not None and "local_buckets" in saved:
+            load_local_buckets(dopt, saved["local_buckets"])
+        elif dopt is not None:
+            keys = {key for s in saved.get("state", {}).values() for key in s}
+            dopt.load_state_dict(fill_state(optimizer_template(dopt, keys), saved))
+            dopt.sync_params()
+        else:
+            _init_optim_state(opt)
+            filled = fill_state(get_optimizer_state_dict(model, opt, options=options), saved)
+            set_optimizer_state_dict(model, opt, filled, options=options)
 
 
 def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
@@ -227,9 +297,27 @@ class CheckpointHooks:
     _pending_save: PendingSave | None = None
     _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
     _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
+    _snapshot_local: bool = False  # set while `_memory.snapshot_state` runs: this rank's shards as they are
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if trainer.global_step == 0:
+            return
+        # Resumed at step S: Lightning's ModelCheckpoint forgets that S is saved, and with gradient accumulation the
+        # first micro-batch of the next window (still at step S) saves S again, mid-window, over `last` (the window's
+        # first gradients are not in a checkpoint): a kill before S + 1 then resumes inexactly (issue 14).
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._last_global_step_saved = max(callback._last_global_step_saved, trainer.global_step)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._snapshot_local:  # the ZeRO main weights travel with the optimizer's local shards: no gather
+            return model_state(self.model, ())
         return model_state(self.model, self._dist_optimizers.values())
 
     @override
@@ -239,7 +327,12 @@ class CheckpointHooks:
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return optimizer_state(self.model, opt, self._dist_opt(opt))
+        dopt = self._dist_opt(opt)
+        if self._snapshot_local and dopt is not None and dopt.master_weights:
+            from lightning_flagscale.strategies._memory import local_buckets
+
+            return {"local_buckets": local_buckets(dopt)}
+        return optimizer_state(self.model, opt, dopt)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -280,6 +373,10 @@ class CheckpointHooks:
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning_flagscale.strategies._memory import NEWEST, restore_newest
+
+        if checkpoint_path == NEWEST:  # a MemoryCheckpoint callback: memory snapshot or disk, chosen collectively
+            return restore_newest(self)
         self.wait_for_checkpoint()
         self._mark("load_checkpoint: DCP read, barriers")
         path = Path(self.broadcast(str(checkpoint_path)))

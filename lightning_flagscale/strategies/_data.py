@@ -10,7 +10,8 @@
 Which loader is the training one is read from the trainer's state (Lightning processes the training loader while
 ``trainer.training`` is set), not from the sampler's ``shuffle`` flag: Lightning wraps custom samplers (e.g. the
 data module's own epoch-seeded shuffling) with ``shuffle=False``. Replacing the batch sampler keeps the dataset and
-collate function but not a custom ``DataLoader`` subclass (e.g. ``LMDataModule``'s resumable position).
+collate function and the batches a resumed ``LMDataModule`` loader skips, but not other custom ``DataLoader``
+subclasses.
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ def distribute_loader(
 
 
 def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> DataLoader:
-    return DataLoader(
+    # A resumed run's loader (``ResumableDataLoader``) skips the batches its epoch already consumed: the skip must
+    # survive the new batch sampler, or a run resumed mid-epoch re-reads the epoch from its start (issue 14).
+    from lightning_flagscale.data.module import ResumableDataLoader
+
+    return ResumableDataLoader(
         dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
         num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory,
+        skip_batches=getattr(dataloader, "skip_batches", 0),
     )  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 - :class:`FlagScaleLauncher`: Lightning's script launcher, plus two things done in the launching process before
   any worker exists: the layout checks (one error, once, instead of one traceback per spawned rank) and the
-  choice of the checkpoint to resume from when ``resume="auto"``.
+  choice of the checkpoint to resume from when ``resume="auto"`` (with a ``MemoryCheckpoint`` callback, also for
+  ``ckpt_path="last"``: ``_memory.NEWEST``, chosen collectively in ``load_checkpoint``).
 - :func:`auto_resume_path`: the newest complete checkpoint in the folders of the ``ModelCheckpoint`` callbacks.
 - :class:`StepGuard`: the per-step decision on non-finite losses/gradients (``nan_policy``) and loss spikes.
 - :class:`ResilienceHooks`: how ``FlagScaleStrategy`` uses them (launcher, watchdog, step guard).
@@ -98,12 +99,8 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
         fit = fit_arguments(function, args)
         self._validate(fit["datamodule"] if fit else None)
         chosen = None
-        if fit is not None and self._resume == "auto" and fit["ckpt_path"] is None and trainer is not None:
-            if trainer.ckpt_path is None:
-                chosen = auto_resume_path(trainer)
-            if chosen is not None:
-                rank_zero_info(f"FlagScaleStrategy(resume='auto'): resuming from {chosen}")
-                trainer.ckpt_path = str(chosen)  # Lightning's own (public) way to choose the checkpoint of `fit`
+        if fit is not None and trainer is not None:
+            chosen, args = self._resume_choice(fit, trainer, args)
         try:
             if self._spawn:
                 return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -111,6 +108,23 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
         finally:
             if chosen is not None:
                 trainer.ckpt_path = None  # a later `validate`/`test` must not reload it
+
+    def _resume_choice(self, fit: dict[str, Any], trainer: Any, args: tuple) -> tuple[str | None, tuple]:
+        """The checkpoint ``fit`` resumes from (set as ``trainer.ckpt_path``, Lightning's public way to choose it)."""
+        from lightning_flagscale.strategies._memory import NEWEST, memory_callback
+
+        auto = self._resume == "auto" and fit["ckpt_path"] is None and trainer.ckpt_path is None
+        chosen = None
+        if memory_callback(trainer) is not None and (auto or fit["ckpt_path"] == "last"):
+            # Memory snapshots live in each node's /dev/shm: the ranks choose together in `load_checkpoint(NEWEST)`.
+            chosen = NEWEST
+            args = (*args[:_FIT_CKPT], None, *args[_FIT_CKPT + 1 :])
+        elif auto:
+            chosen = auto_resume_path(trainer)
+        if chosen is not None:
+            rank_zero_info(f"FlagScaleStrategy: resuming from {chosen}")
+            trainer.ckpt_path = str(chosen)
+        return chosen, args
 
 
 NanPolicy = Literal["raise", "skip_step", "rollback"]

@@ -16,11 +16,48 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_JOB_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK",
+            "LOCAL_WORLD_SIZE", "FLAGSCALE_TEST_WORKER")  # fmt: skip
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh job (not a worker of the test launcher), plus ``extra``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in _JOB_ENV:
+        env.pop(key, None)
+    return {**env, **extra}
+
+
+def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[tuple[int, str]]:
+    """Start every ``(argv, env)`` at once (e.g. one launcher per "node"), each in a session of its own; return each
+    one's ``(returncode, stdout + stderr)``. On a timeout every job and the ranks it started are killed."""
+    procs = [
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+        for argv, env in commands
+    ]  # fmt: skip
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    except subprocess.TimeoutExpired:
+        logs = []
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            logs.append(proc.communicate()[0][-2000:])
+        raise AssertionError(f"jobs did not finish within {timeout:.0f}s:\n" + "\n---\n".join(logs)) from None
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return results
+
+
 def launch(spec: dict[str, Any], timeout: float = 600.0) -> subprocess.CompletedProcess:
     """Run ``python -m tests.strategies._resume_run spec`` (Lightning's launcher starts the other ranks)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "FLAGSCALE_TEST_WORKER"):
-        env.pop(key, None)  # a fresh job, not a worker of the test launcher
+    env = job_env()
     # A session of its own: on a timeout the whole job (Lightning's launcher and the ranks it started) is killed, so
     # no orphaned rank keeps running into the following tests.
     proc = subprocess.Popen(
