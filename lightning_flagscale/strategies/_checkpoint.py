@@ -24,6 +24,7 @@ from lightning_flagscale.checkpoint.sharded import (
     save_sharded,
 )
 from lightning_flagscale.parallel.data import DistributedOptimizer
+from lightning_flagscale.parallel.zero3_flat_state import FlatZero3Optimizer
 
 __all__ = [
     "CheckpointHooks",
@@ -175,6 +176,9 @@ def load_training_state(
                 model, opt, options=StateDictOptions(full_state_dict=False)
             )
     load_sharded(path, state)
+    for dopt in dopts:
+        if isinstance(dopt, FlatZero3Optimizer):  # flat shards are not parameter-shaped: set from the Shard(0) rows
+            state["state_dict"] = dopt.load_model_state(state["state_dict"])
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)

@@ -147,10 +147,13 @@ def trainer_run(
     if save_path is not None:
         trainer.save_checkpoint(save_path)
         strategy.wait_for_checkpoint()  # a no-op unless the save was asynchronous
+    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+
     params = {}
-    for name, p in module.model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[name] = full.detach().float().clone()
+    with summon_full_params(module.model):  # flat ZeRO-3 holds row ranges; a no-op for every other layout
+        for name, p in module.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            params[name] = full.detach().float().clone()
     if recorder.norms:
         params[GRAD_NORMS] = torch.tensor(recorder.norms)
     return recorder.losses, params
