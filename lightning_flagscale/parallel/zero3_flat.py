@@ -49,6 +49,9 @@ from lightning_flagscale.parallel.data import num_shards
 __all__ = ["FlatUnit", "FlatZero3", "apply_flat_zero3", "find_flat_zero3", "summon_full_params"]
 
 _ATTR = "_fs_flat_zero3"
+# torch >= 2.10 names them *_single; the old names warn.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(kw_only=True)
@@ -161,7 +164,7 @@ class FlatUnit:
         self._repack()
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         self._src = self.flat_shard.detach().to(self.param_dtype)
-        self._work = dist.all_gather_into_tensor(self.full, self._src, group=self.group, async_op=True)
+        self._work = _all_gather(self.full, self._src, group=self.group, async_op=True)
         if trace is not None:
             trace.append(("all_gather", self.index))
 
@@ -288,7 +291,7 @@ class FlatZero3:
         """Launch the reduce-scatter of a unit's complete flat gradient and free its full buffer."""
         grad = grad.to(unit.reduce_dtype)
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
-        work = dist.reduce_scatter_tensor(out, grad, group=unit.group, async_op=True)
+        work = _reduce_scatter(out, grad, group=unit.group, async_op=True)
         if self.trace is not None:
             self.trace.append(("reduce_scatter", unit.index))
         self._pending.append((unit, out, work, grad))

@@ -30,7 +30,7 @@ def test_flat_zero3_matches_single_process(launcher, reference, world, kwargs, a
 
     dp = world // kwargs.get("tensor_parallel_size", 1)
     results = launcher(
-        world, trainer_run, kwargs, tiny_config(), STEPS * accumulate, clip=1.0, accumulate=accumulate,
+        world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, accumulate=accumulate,
         batch_size=GLOBAL_BATCH // dp // accumulate,
     )  # fmt: skip
     assert_matches_reference(results, reference, "flat", every_rank_holds_all=True, losses_per_step=accumulate)
