@@ -43,3 +43,49 @@ def test_flat_zero3_refuses_unsupported_layouts():
         ParallelConfig(zero_stage=3, zero3_impl="flat", recompute="full")
     with pytest.raises(ValueError, match="zero3_impl='bogus'"):
         ParallelConfig(zero3_impl="bogus")
+
+
+def test_flat_zero3_bf16_mixed_trains_like_fp32(launcher, reference):
+    from tests.strategies.test_precision_parity import _check
+
+    results = launcher(2, trainer_run, FLAT, tiny_config(), STEPS, clip=1.0, precision="bf16-mixed")
+    _check(results, reference, "bf16-mixed")
+
+
+def _trace_one_step(num_layers: int) -> list:
+    """Forward + backward of a flat-ZeRO-3 model on dp=2, recording collective launches next to each block's
+    compute (a forward hook registered after the unit's: it runs once the block's forward has computed)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.models.decoder import CausalLM
+    from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(num_layers=num_layers))
+    model.init_weights(seed=0)
+    blocks = list(model.layers.values())
+    flat = apply_flat_zero3(model, init_device_mesh("cpu", (2,)), blocks=blocks, param_dtype=None, reduce_dtype=None)
+    flat.trace = trace = []
+    for i, block in enumerate(blocks, start=1):
+        block.register_forward_hook(lambda m, a, o, i=i: trace.append(("forward_done", i)))
+    tokens = torch.randint(0, 256, (2, 8))
+    model(tokens).float().pow(2).mean().backward()
+    return trace
+
+
+def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher):
+    layers = 3
+    trace = launcher(2, _trace_one_step, layers)[0]
+    units = range(1, layers + 1)  # unit 0 is the root (embedding, norm, head), 1.. the blocks
+    launches = [(k, e) for k, e in enumerate(trace) if e[0] == "all_gather"]
+    forward = {e: k for k, e in reversed(launches)}  # first launch of each unit
+    backward = {e: k for k, e in launches}  # last launch: the re-gather for backward
+    for i in units[:-1]:  # forward: unit i+1's all-gather is launched before unit i has computed
+        assert forward[("all_gather", i + 1)] < trace.index(("forward_done", i)), trace
+    for i in units[1:]:  # backward: unit i-1's re-gather is launched before unit i's gradient is reduced
+        assert trace.index(("forward_done", layers)) < backward[("all_gather", i - 1)], trace
+        assert backward[("all_gather", i - 1)] < trace.index(("reduce_scatter", i)), trace
+    # every block is gathered twice (forward, backward) and reduced once; the root once (kept full) and reduced once
+    assert sorted(trace.count(("all_gather", i)) for i in units) == [2] * layers, trace
+    assert trace.count(("all_gather", 0)) == 1 and trace.count(("reduce_scatter", 0)) == 1, trace
