@@ -38,6 +38,12 @@ def _chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+def _size(s: _Slot, world: int, rank: int) -> int:
+    """Elements of ``s`` in ``rank``'s ``Shard(0)`` rows."""
+    lo, hi = _chunk(_rows(s), world, rank)
+    return (hi - lo) * s.row
+
+
 def _rows(s: _Slot) -> int:
     return s.shape[0] if s.shape else 1
 
@@ -76,8 +82,7 @@ class _Converter:
 
     def from_params(self, unit: FlatUnit, values: list[Tensor | None], dtype: torch.dtype) -> Tensor:
         """Collectively: the unit's flat shard vector from each parameter's ``Shard(0)`` value (None: zeros)."""
-        per_rank = [[(b - a) * s.row for a, b in (_chunk(_rows(s), unit.world, r) for s in unit.slots)]
-                    for r in range(unit.world)]  # fmt: skip
+        per_rank = [[_size(s, unit.world, r) for s in unit.slots] for r in range(unit.world)]
         width = max(1, max(sum(row) for row in per_rank))
         local = torch.zeros(width, dtype=dtype, device=unit.device)
         offset = 0

@@ -59,6 +59,7 @@ def reference_run(
     global_batch: int = GLOBAL_BATCH,
     ragged: bool = True,
     skip_steps: tuple[int, ...] = (),
+    optimizer: str = "sgd",
 ) -> tuple[list[float], dict]:
     """Single-process fp32 training: the oracle every layout must match (``skip_steps``: batches seen, not stepped).
 
@@ -66,7 +67,7 @@ def reference_run(
     the key ``"__grad_norms__"`` of the parameter dict, the gradient norm of every step before clipping.
     """
     torch.manual_seed(0)
-    module = make_module(config)
+    module = make_module(config, optimizer)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
     data = TokenDataset(config.vocab_size, num_samples, ragged=ragged)
