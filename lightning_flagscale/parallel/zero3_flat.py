@@ -195,7 +195,9 @@ class FlatUnit:
             t = base[s.offset : s.offset + s.numel].view(s.shape)
             if s.dtensor is not None:
                 d = s.dtensor
-                t = DTensor.from_local(t, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+                t = DTensor.from_local(
+                    t, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+                )
             if as_params:
                 t = nn.Parameter(t, requires_grad=False)
             for module, attr in s.aliases:

@@ -86,7 +86,7 @@ class _Converter:
         width = max(1, max(sum(row) for row in per_rank))
         local = torch.zeros(width, dtype=dtype, device=unit.device)
         offset = 0
-        for s, value, n in zip(unit.slots, values, per_rank[unit.rank]):
+        for value, n in zip(values, per_rank[unit.rank]):
             if value is not None and n:
                 v = value.to_local() if isinstance(value, DTensor) else value
                 local[offset : offset + n] = v.reshape(-1).to(dtype)
@@ -214,7 +214,9 @@ class FlatZero3Optimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Collectively: load a ``state_dict``-format dict (filled by DCP for this layout) into the optimizer."""
         state = state_dict["state"]
-        keys = _agree(sorted({k for s in state.values() for k, v in s.items() if isinstance(v, Tensor) and v.dim() > 0}))
+        keys = _agree(
+            sorted({k for s in state.values() for k, v in s.items() if isinstance(v, Tensor) and v.dim() > 0})
+        )
         for conv, unit in self._units():
             for key in keys:
                 values = [state.get(self.names[s.shard], {}).get(key) for s in unit.slots]
