@@ -100,9 +100,17 @@ class FlatUnit:
                                     row=row, dtensor=p if isinstance(p, DTensor) else None))  # fmt: skip
             offset += local.numel()
         self.numel = offset
+        self._split_sizes: list[int] = []  # padding gap, parameter, gap, parameter, ..., tail
+        self._split_index: list[int] = []
+        end = 0
+        for slot in self.slots:
+            self._split_sizes += [slot.offset - end, slot.numel]
+            self._split_index.append(len(self._split_sizes) - 1)
+            end = slot.offset + slot.numel
         self.shard_numel = max(1, math.ceil(offset / self.world / lcm)) * lcm
         self.padded = self.shard_numel * self.world
         self.start = self.rank * self.shard_numel
+        self._split_sizes.append(self.padded - end)
         first = params[next(iter(params))][0]
         p0 = first[1]._parameters[first[2]]
         self.master_dtype = (p0.to_local() if isinstance(p0, DTensor) else p0).dtype
@@ -191,8 +199,11 @@ class FlatUnit:
             # ``self.full`` for backward does not invalidate the views autograd saved).
             self.leaf = base = self.full.data.requires_grad_(True)
             self.leaf.register_post_accumulate_grad_hook(self._on_grad)
-        for s in self.slots:
-            t = base[s.offset : s.offset + s.numel].view(s.shape)
+        # One ``split`` for the whole unit: its backward concatenates every parameter's gradient into one flat
+        # gradient in a single node (slicing per parameter would build a zero-padded full-size gradient per view).
+        pieces = torch.split(base, self._split_sizes)
+        for s, k in zip(self.slots, self._split_index):
+            t = pieces[k].view(s.shape)
             if s.dtensor is not None:
                 d = s.dtensor
                 t = DTensor.from_local(
