@@ -384,6 +384,8 @@ def apply_flat_zero3(
     spmd_mesh=None,
 ) -> FlatZero3:
     """Flat ZeRO-3 over ``dp_mesh`` on a materialised ``model``: one unit per block, then the root (the rest)."""
+    if _ATTR in model.__dict__:  # already flat (``setup`` ran again on the same module): nothing left to flatten
+        return model.__dict__[_ATTR]
     group = dp_mesh.get_group()
     blocks = list(blocks)
     root_params = _collect(model, {id(b) for b in blocks})

@@ -52,9 +52,12 @@ def test_flat_zero3_bf16_mixed_trains_like_fp32(launcher, reference):
     _check(results, reference, "bf16-mixed")
 
 
-def _trace_one_step(num_layers: int) -> list:
+def _trace_one_step(num_layers: int) -> tuple[list, float, float]:
     """Forward + backward of a flat-ZeRO-3 model on dp=2, recording collective launches next to each block's
-    compute (a forward hook registered after the unit's: it runs once the block's forward has computed)."""
+    compute (a forward hook registered after the unit's: it runs once the block's forward has computed); then an
+    inference-mode forward. Returns the trace and both forwards' largest deviation from the unsharded model."""
+    import copy
+
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -64,20 +67,27 @@ def _trace_one_step(num_layers: int) -> list:
     torch.manual_seed(0)
     model = CausalLM(tiny_config(num_layers=num_layers))
     model.init_weights(seed=0)
+    unsharded = copy.deepcopy(model)
     blocks = list(model.layers.values())
     flat = apply_flat_zero3(model, init_device_mesh("cpu", (2,)), blocks=blocks, param_dtype=None, reduce_dtype=None)
     flat.trace = trace = []
     for i, block in enumerate(blocks, start=1):
         block.register_forward_hook(lambda m, a, o, i=i: trace.append(("forward_done", i)))
     tokens = torch.randint(0, 256, (2, 8))
-    model(tokens).float().pow(2).mean().backward()
-    return trace
+    want = unsharded(tokens).detach()
+    out = model(tokens)
+    out.float().pow(2).mean().backward()
+    with torch.inference_mode():
+        evaluated = model(tokens)
+    return trace, (out.detach() - want).abs().max().item(), (evaluated - want).abs().max().item()
 
 
 def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher):
     layers = 3
-    trace = launcher(2, _trace_one_step, layers)[0]
+    trace, train_err, eval_err = launcher(2, _trace_one_step, layers)[0]
+    assert train_err == 0 and eval_err == 0, (train_err, eval_err)  # the gathered views are the weights, bit for bit
     units = range(1, layers + 1)  # unit 0 is the root (embedding, norm, head), 1.. the blocks
+    trace = trace[: trace.index(("reduce_scatter", 0)) + 1]  # the training step (the eval forward gathers again)
     launches = [(k, e) for k, e in enumerate(trace) if e[0] == "all_gather"]
     forward = {e: k for k, e in reversed(launches)}  # first launch of each unit
     backward = {e: k for k, e in launches}  # last launch: the re-gather for backward
