@@ -7,6 +7,7 @@ per-step gradient norms (before clipping) within 1e-5. Checkpoint resharding liv
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_flagscale.config import ParallelConfig
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
@@ -52,10 +53,11 @@ def test_flat_zero3_bf16_mixed_trains_like_fp32(launcher, reference):
     _check(results, reference, "bf16-mixed")
 
 
-def _trace_one_step(num_layers: int) -> tuple[list, float, float]:
+def _trace_one_step(num_layers: int, out_dir: str) -> tuple[list, float, float]:
     """Forward + backward of a flat-ZeRO-3 model on dp=2, recording collective launches next to each block's
     compute (a forward hook registered after the unit's: it runs once the block's forward has computed); then an
-    inference-mode forward. Returns the trace and both forwards' largest deviation from the unsharded model."""
+    inference-mode forward and a live HF export. Returns the trace and both forwards' largest deviation from the
+    unsharded model."""
     import copy
 
     import torch
@@ -79,13 +81,22 @@ def _trace_one_step(num_layers: int) -> tuple[list, float, float]:
     out.float().pow(2).mean().backward()
     with torch.inference_mode():
         evaluated = model(tokens)
+    from lightning_flagscale.convert import export_hf
+
+    with torch.no_grad():  # no optimizer step ran: both hold the initial weights
+        export_hf(model, f"{out_dir}/flat")
+        export_hf(unsharded, f"{out_dir}/unsharded")
     return trace, (out.detach() - want).abs().max().item(), (evaluated - want).abs().max().item()
 
 
-def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher):
+def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher, tmp_path):
+    from safetensors.torch import load_file
+
     layers = 3
-    trace, train_err, eval_err = launcher(2, _trace_one_step, layers)[0]
+    trace, train_err, eval_err = launcher(2, _trace_one_step, layers, str(tmp_path))[0]
     assert train_err == 0 and eval_err == 0, (train_err, eval_err)  # the gathered views are the weights, bit for bit
+    flat, unsharded = (load_file(tmp_path / d / "model.safetensors") for d in ("flat", "unsharded"))
+    assert flat.keys() == unsharded.keys() and all(torch.equal(flat[k], unsharded[k]) for k in flat)
     units = range(1, layers + 1)  # unit 0 is the root (embedding, norm, head), 1.. the blocks
     trace = trace[: trace.index(("reduce_scatter", 0)) + 1]  # the training step (the eval forward gathers again)
     launches = [(k, e) for k, e in enumerate(trace) if e[0] == "all_gather"]
