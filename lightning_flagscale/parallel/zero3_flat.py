@@ -287,15 +287,14 @@ class FlatZero3:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if unit.backward_started:
-                return
-            unit.backward_started = True
-            unit.unshard_async(self.trace)
-            # Prefetch the unit whose backward runs next (the previous one in forward order; the root stays full).
-            if unit.index > 1:
-                self.units[unit.index - 1].unshard_async(self.trace)
-            elif unit is self.root and len(self.units) > 1:
-                self.units[-1].unshard_async(self.trace)
+            unit.unshard_async(self.trace)  # a no-op when still full (the root) or prefetched
+            if not unit.backward_started:
+                unit.backward_started = True
+                # Prefetch the unit whose backward runs next (the previous one in forward order; the root stays full).
+                if unit.index > 1:
+                    self.units[unit.index - 1].unshard_async(self.trace)
+                elif unit is self.root and len(self.units) > 1:
+                    self.units[-1].unshard_async(self.trace)
             unit.wait()
 
         return hook

@@ -23,13 +23,18 @@ def reference():
 
 @pytest.mark.parametrize(
     ("world", "kwargs", "accumulate"),
-    [(2, FLAT, 1), (2, FLAT, 2), (4, dict(FLAT, tensor_parallel_size=2), 1)],
-    ids=["flat", "flat-accumulate2", "tp2xflat"],
+    [
+        (2, FLAT, 1),
+        (2, FLAT, 2),
+        (4, dict(FLAT, tensor_parallel_size=2), 1),
+        (2, dict(FLAT, context_parallel_size=2), 1),
+    ],
+    ids=["flat", "flat-accumulate2", "tp2xflat", "cp2xflat"],
 )
 def test_flat_zero3_matches_single_process(launcher, reference, world, kwargs, accumulate):
     from tests.strategies._lm import GLOBAL_BATCH
 
-    dp = world // kwargs.get("tensor_parallel_size", 1)
+    dp = world // kwargs.get("tensor_parallel_size", 1) // kwargs.get("context_parallel_size", 1)
     results = launcher(
         world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, accumulate=accumulate,
         batch_size=GLOBAL_BATCH // dp // accumulate,
