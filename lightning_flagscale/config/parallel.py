@@ -49,7 +49,9 @@ class ParallelConfig:
     data_parallel_size: int | None = None
     """Data-parallel replicas; ``None`` derives it from the world size."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2)."""
+    """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2 or flat, see ``zero3_impl``)."""
+    zero3_impl: Literal["fsdp2", "flat"] = "fsdp2"
+    """ZeRO-3 engine: torch's FSDP2 (per-parameter shards) or our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``)."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
     every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
@@ -110,6 +112,7 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        self._check_zero3_impl()
         if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
@@ -149,6 +152,26 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"
                 f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
+            )
+
+    def _check_zero3_impl(self) -> None:
+        if self.zero3_impl not in ("fsdp2", "flat"):
+            raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'fsdp2' or 'flat'.")
+        if self.zero3_impl != "flat" or self.zero_stage != 3:
+            return
+        modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
+        unsupported = [
+            name for name, on in (
+                ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+                ("expert_parallel_size > 1", self.expert_parallel_size > 1),
+                ("hetero_meshes", self.hetero_meshes is not None),
+                ("recompute", any(m != "none" for m in modes)),
+            ) if on
+        ]  # fmt: skip
+        if unsupported:
+            raise ValueError(
+                f"zero3_impl='flat' with {', '.join(unsupported)} is not supported yet (flat ZeRO-3 composes with DP,"
+                " CP and TP); use zero3_impl='fsdp2' for this layout."
             )
 
     def _check_hetero(self) -> None:

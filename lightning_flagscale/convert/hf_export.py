@@ -14,6 +14,7 @@ existing output folder is refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -80,7 +81,34 @@ def export_hf(
     ``push_to_hub="org/name"`` then uploads the folder with ``huggingface_hub`` (rank 0; the repo is created if
     missing, ``hub_revision`` names a branch, ``hub_private`` its visibility on creation).
     """
-    source = _DCPSource(Path(src), config) if isinstance(src, (str, os.PathLike)) else _ModuleSource(src)
+    kwargs = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, dtype=dtype, model_type=model_type,
+                  config=config, generation_config=generation_config, push_to_hub=push_to_hub,
+                  hub_revision=hub_revision, hub_private=hub_private)  # fmt: skip
+    if isinstance(src, (str, os.PathLike)):
+        return _export(_DCPSource(Path(src), config), out_dir, **kwargs)
+    with contextlib.ExitStack() as stack:
+        # Flat ZeRO-3 (parallel/zero3_flat.py) holds row ranges of each parameter: every rank gathers the full
+        # parameters for the export (found by the attribute it documents; convert/ does not import parallel/).
+        for m in src.modules():
+            if "_fs_flat_zero3" in m.__dict__:
+                stack.enter_context(m.__dict__["_fs_flat_zero3"].full_params())
+        return _export(_ModuleSource(src), out_dir, **kwargs)
+
+
+def _export(
+    source: _DCPSource | _ModuleSource,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str,
+    tokenizer_dir: str | os.PathLike | None,
+    dtype: torch.dtype | None,
+    model_type: str | None,
+    config: TransformerConfig | None,
+    generation_config: dict[str, Any] | None,
+    push_to_hub: str | None,
+    hub_revision: str | None,
+    hub_private: bool | None,
+) -> Path:
     config = source.config
     hf_base = source.hf_config or {}
     family = family_for({"model_type": model_type}) if model_type else _family_from(hf_base, config)

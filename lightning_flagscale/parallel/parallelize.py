@@ -17,6 +17,9 @@ knowing. The order, and why:
 7. **Materialise and initialise**: parameters were on the meta device until now; each rank allocates only its
    shards and fills them from per-parameter seeds (or streams HF weights via the module's ``initialize_weights``),
    so the result does not depend on the layout.
+8. **Flat ZeRO-3** (``zero3_impl="flat"``, instead of step 6): flattens the *materialised* TP-local parameters of
+   each block and of the root into per-unit flat buffers and keeps this rank's shard (``zero3_flat.py``); each rank
+   holds its TP-local model only while this runs.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
         result.parts = list(result.pipeline.stage_modules)
     for part in result.parts:
         _apply_model_parallelisms(part, layout)
-    if p.zero_stage == 3:
+    flat = p.zero_stage == 3 and p.zero3_impl == "flat"
+    if p.zero_stage == 3 and not flat:
         targets = result.parts or [module]
         if p.ep_enabled:
             for target in targets:
@@ -110,7 +114,31 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
             )  # fmt: skip
         result.fsdp_roots.extend(targets)
     materialize(module, module.model if result.pipeline is not None else model, layout.device)
+    if flat:
+        _apply_flat_zero3(result, layout)
     return result
+
+
+def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
+    """Step 8: flat ZeRO-3 on each materialised model part (a protocol model: its blocks are the units)."""
+    from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
+
+    if not result.parts:
+        raise ValueError(
+            "zero3_impl='flat' needs a protocol model (see models/protocol.py) whose blocks become the flat units;"
+            " use zero3_impl='fsdp2' for other modules."
+        )
+    meshes = layout.meshes
+    spmd = meshes.world[("dp_cp", "tp")] if layout.config.tp_enabled else None
+    for part in result.parts:
+        blocks = _blocks(part)
+        if blocks is None:
+            layers = getattr(part, "layers", None)
+            blocks = [] if layers is None else list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+        apply_flat_zero3(
+            part, meshes.dp_cp, blocks=blocks, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
+            spmd_mesh=spmd,
+        )  # fmt: skip
 
 
 def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:

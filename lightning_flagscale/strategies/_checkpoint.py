@@ -24,6 +24,7 @@ from lightning_flagscale.checkpoint.sharded import (
     save_sharded,
 )
 from lightning_flagscale.parallel.data import DistributedOptimizer
+from lightning_flagscale.parallel.zero3_flat_state import FlatZero3Optimizer
 
 __all__ = [
     "CheckpointHooks",
@@ -185,6 +186,9 @@ def _apply_state(
         set_optimizer_state_dict,
     )
 
+    for dopt in (d for d in (dist_opt(o) for o in optimizers) if d is not None):
+        if isinstance(dopt, FlatZero3Optimizer):  # flat shards are not parameter-shaped: set from the Shard(0) rows
+            state["state_dict"] = dopt.load_model_state(state["state_dict"])
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)

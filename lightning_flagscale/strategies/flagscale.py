@@ -54,6 +54,7 @@ from lightning_flagscale.parallel.pipeline_model import (
     zero_grad_now,
 )
 from lightning_flagscale.parallel.schedules import ScheduleName
+from lightning_flagscale.parallel.zero3_flat_state import flat_zero3_optimizers
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision, check_precision_layout
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
@@ -98,6 +99,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         expert_tensor_parallel_size: int = 1,
         data_parallel_size: int | None = None,
         zero_stage: Literal[0, 1, 2, 3] = 0,
+        zero3_impl: Literal["fsdp2", "flat"] = "fsdp2",
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
         gradient_accumulation_steps: int = 1,
@@ -311,7 +313,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._dist_optimizers = {}
         if self._pipeline is not None:
             defer_zero_grad(self.optimizers)
-        if self.parallel.zero_stage == 3:
+        if self.parallel.zero_stage == 3:  # flat ZeRO-3's checkpoint/step interface; FSDP2 needs none
+            self._dist_optimizers = flat_zero3_optimizers(self.optimizers, self.lightning_module)
             return
         self._dist_optimizers = distributed_optimizers(
             self.optimizers, self.lightning_module, self.meshes, self.parallel,

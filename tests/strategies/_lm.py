@@ -73,6 +73,7 @@ def reference_run(
     ragged: bool = True,
     skip_steps: tuple[int, ...] = (),
     packed: bool = False,
+    optimizer: str = "sgd",
 ) -> tuple[list[float], dict]:
     """Single-process fp32 training: the oracle every layout must match (``skip_steps``: batches seen, not stepped).
 
@@ -80,7 +81,7 @@ def reference_run(
     the key ``"__grad_norms__"`` of the parameter dict, the gradient norm of every step before clipping.
     """
     torch.manual_seed(0)
-    module = make_module(config)
+    module = make_module(config, optimizer)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
     data = TokenDataset(config.vocab_size, num_samples, ragged=ragged, packed=packed)
@@ -162,10 +163,13 @@ def trainer_run(
     if save_path is not None:
         trainer.save_checkpoint(save_path)
         strategy.wait_for_checkpoint()  # a no-op unless the save was asynchronous
+    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+
     params = {}
-    for name, p in module.model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[name] = full.detach().float().clone()
+    with summon_full_params(module.model):  # flat ZeRO-3 holds row ranges; a no-op for every other layout
+        for name, p in module.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            params[name] = full.detach().float().clone()
     if recorder.norms:
         params[GRAD_NORMS] = torch.tensor(recorder.norms)
     return recorder.losses, params

@@ -29,7 +29,7 @@ NON_DEFAULTS = dict(
     context_parallel_mode="hybrid", ulysses_size=2, expert_parallel_size=2,
     data_parallel_size=3, zero_stage=1, sequence_parallel=True, micro_batch_size=2, gradient_accumulation_steps=2,
     pipeline_schedule="interleaved_1f1b", pipeline_layers=[1, 2, 1, 2], hetero_dp_batch_sizes=[1, 2, 3],
-    pipeline_balance="cost", recompute="full",
+    pipeline_balance="cost", recompute="full", zero3_impl="flat",
 )  # fmt: skip
 
 

@@ -1,0 +1,117 @@
+"""Flat-buffer ZeRO-3 (``zero3_impl="flat"``): parity with one process, prefetch order, refused layouts.
+
+Parity uses the Trainer-level oracle of ``tests/strategies/_lm.py`` (SGD lr 0.5, 3 steps, ragged labels): weights and
+per-step gradient norms (before clipping) within 1e-5. Checkpoint resharding lives in ``test_zero3_flat_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flagscale.config import ParallelConfig
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
+
+STEPS = 3
+FLAT = dict(zero_stage=3, zero3_impl="flat")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(tiny_config(), STEPS, clip=1.0)
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "accumulate"),
+    [
+        (2, FLAT, 1),
+        (2, FLAT, 2),
+        (4, dict(FLAT, tensor_parallel_size=2), 1),
+        (2, dict(FLAT, context_parallel_size=2), 1),
+    ],
+    ids=["flat", "flat-accumulate2", "tp2xflat", "cp2xflat"],
+)
+def test_flat_zero3_matches_single_process(launcher, reference, world, kwargs, accumulate):
+    from tests.strategies._lm import GLOBAL_BATCH
+
+    dp = world // kwargs.get("tensor_parallel_size", 1) // kwargs.get("context_parallel_size", 1)
+    results = launcher(
+        world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, accumulate=accumulate,
+        batch_size=GLOBAL_BATCH // dp // accumulate,
+    )  # fmt: skip
+    assert_matches_reference(results, reference, "flat", every_rank_holds_all=True, losses_per_step=accumulate)
+
+
+def test_flat_zero3_refuses_unsupported_layouts():
+    with pytest.raises(ValueError, match="zero3_impl='flat' with pipeline_parallel_size > 1"):
+        ParallelConfig(zero_stage=3, zero3_impl="flat", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="recompute"):
+        ParallelConfig(zero_stage=3, zero3_impl="flat", recompute="full")
+    with pytest.raises(ValueError, match="zero3_impl='bogus'"):
+        ParallelConfig(zero3_impl="bogus")
+
+
+def test_flat_zero3_bf16_mixed_trains_like_fp32(launcher, reference):
+    from tests.strategies.test_precision_parity import _check
+
+    results = launcher(2, trainer_run, FLAT, tiny_config(), STEPS, clip=1.0, precision="bf16-mixed")
+    _check(results, reference, "bf16-mixed")
+
+
+def _trace_one_step(num_layers: int, out_dir: str) -> tuple[list, float, float]:
+    """Forward + backward of a flat-ZeRO-3 model on dp=2, recording collective launches next to each block's
+    compute (a forward hook registered after the unit's: it runs once the block's forward has computed); then an
+    inference-mode forward and a live HF export. Returns the trace and both forwards' largest deviation from the
+    unsharded model."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.models.decoder import CausalLM
+    from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(num_layers=num_layers))
+    model.init_weights(seed=0)
+    unsharded = copy.deepcopy(model)
+    blocks = list(model.layers.values())
+    flat = apply_flat_zero3(model, init_device_mesh("cpu", (2,)), blocks=blocks, param_dtype=None, reduce_dtype=None)
+    flat.trace = trace = []
+    for i, block in enumerate(blocks, start=1):
+        block.register_forward_hook(lambda m, a, o, i=i: trace.append(("forward_done", i)))
+    tokens = torch.randint(0, 256, (2, 8))
+    want = unsharded(tokens).detach()
+    out = model(tokens)
+    out.float().pow(2).mean().backward()
+    with torch.inference_mode():
+        evaluated = model(tokens)
+    from lightning_flagscale.convert import export_hf
+
+    with torch.no_grad():  # no optimizer step ran: both hold the initial weights
+        export_hf(model, f"{out_dir}/flat")
+        export_hf(unsharded, f"{out_dir}/unsharded")
+    return trace, (out.detach() - want).abs().max().item(), (evaluated - want).abs().max().item()
+
+
+def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher, tmp_path):
+    from safetensors.torch import load_file
+
+    layers = 3
+    trace, train_err, eval_err = launcher(2, _trace_one_step, layers, str(tmp_path))[0]
+    assert train_err == 0 and eval_err == 0, (train_err, eval_err)  # the gathered views are the weights, bit for bit
+    flat, unsharded = (load_file(tmp_path / d / "model.safetensors") for d in ("flat", "unsharded"))
+    assert flat.keys() == unsharded.keys() and all(torch.equal(flat[k], unsharded[k]) for k in flat)
+    units = range(1, layers + 1)  # unit 0 is the root (embedding, norm, head), 1.. the blocks
+    trace = trace[: trace.index(("reduce_scatter", 0)) + 1]  # the training step (the eval forward gathers again)
+    launches = [(k, e) for k, e in enumerate(trace) if e[0] == "all_gather"]
+    forward = {e: k for k, e in reversed(launches)}  # first launch of each unit
+    backward = {e: k for k, e in launches}  # last launch: the re-gather for backward
+    for i in units[:-1]:  # forward: unit i+1's all-gather is launched before unit i has computed
+        assert forward[("all_gather", i + 1)] < trace.index(("forward_done", i)), trace
+    for i in units[1:]:  # backward: unit i-1's re-gather is launched before unit i's gradient is reduced
+        assert trace.index(("forward_done", layers)) < backward[("all_gather", i - 1)], trace
+        assert backward[("all_gather", i - 1)] < trace.index(("reduce_scatter", i)), trace
+    # every block is gathered twice (forward, backward) and reduced once; the root once (kept full) and reduced once
+    assert sorted(trace.count(("all_gather", i)) for i in units) == [2] * layers, trace
+    assert trace.count(("all_gather", 0)) == 1 and trace.count(("reduce_scatter", 0)) == 1, trace
