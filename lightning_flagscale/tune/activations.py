@@ -40,7 +40,7 @@ all-gathered inputs of the column-parallel projections (``E*h`` twice per layer)
 DTensor styles. Context parallelism divides the tokens. Recompute (``parallel/pipeline_recompute.py``): ``full``
 keeps only the block input (``E*h``); ``selective`` keeps the block input and the outputs of matmuls and attention
 (q, k, v, o, gate, up, down, SDPA out + lse) and recomputes norms and elementwise ops; both rebuild one layer's
-activations during its backward. MoE blocks (``moe/layer.py``): the fp32 router input (``4h``) and scores
+activations during its backward, and keep the CPU RNG state (5056 bytes) per block. MoE blocks (``moe/layer.py``): the fp32 router input (``4h``) and scores
 (``4n``), per routed copy (``k`` per token) the permuted input, fc1 output ``[2I]``, SwiGLU output and product,
 fc2 output (``E*(2h + 4I)``), plus the combine buffer and routing indices (``E*h + 48k``, measured); shared
 experts add a dense SwiGLU of their width (``4*E*S + E*h``). Routing is assumed balanced.
@@ -62,6 +62,8 @@ __all__ = [
 ]
 
 Recompute = Literal["none", "selective", "full"]
+CHECKPOINT_RNG_BYTES = 5056
+"""``torch.utils.checkpoint`` keeps the CPU generator's state per recomputed region (``preserve_rng_state``)."""
 
 
 def _norm(h: float, tokens: float, e: int) -> float:
@@ -107,6 +109,7 @@ def layer_activation_bytes(
     block_input = (norm_tokens if sequence_parallel else tokens) * e * h
     if recompute == "none":
         return full, full
+    block_input += CHECKPOINT_RNG_BYTES
     if recompute == "full":
         return block_input, block_input + full
     if recompute == "selective":

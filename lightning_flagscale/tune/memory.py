@@ -15,8 +15,8 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
   torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss;
 - **transients** on top of that peak: the loss's fp32 ``[tokens, vocab]`` temporaries (on the rank holding the last
   stage), the re-materialised layer under recompute, FSDP2's unsharded parameters and gradients under ZeRO-3;
-- the **optimizer step** (AdamW's foreach temporaries: one fp32 tensor the size of the stepped parameters), whose
-  peak replaces the backward one when it is higher.
+- the **optimizer step** (AdamW's temporaries: two fp32 copies of one bucket's main parameters per tensor on CPU,
+  one fp32 copy of all of them with foreach on GPUs), whose peak replaces the backward one when it is higher.
 
 What is not modelled: routing imbalance (MoE activations assume every expert gets its share), allocator
 fragmentation and the memory of the framework itself (CUDA context, NCCL buffers, Python objects).
@@ -139,9 +139,11 @@ def memory_breakdown(
     precision: Precision = "bf16-mixed",
     vocab_multiple: int = 64,
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
+    foreach_optimizer: bool = False,
 ) -> MemoryBreakdown:
     """Per pipeline rank bytes for ``num_microbatches`` micro-batches of ``config.micro_batch_size`` sequences of
-    ``seq_len`` tokens per data-parallel rank and optimizer step (module docstring)."""
+    ``seq_len`` tokens per data-parallel rank and optimizer step (module docstring). ``foreach_optimizer``: the
+    optimizer steps all parameters at once (torch's default on GPUs) rather than one tensor at a time (CPU)."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
@@ -175,10 +177,15 @@ def memory_breakdown(
             root = p.dense + p.expert - sum(blocks)
             transient += e * root + (2 * e + 4) * max(blocks, default=0.0)
         params, grads, master, opt = _states(p, c, precision, bucket_numel)
-        stepped = master if master else params  # fp32 (master) parameters the optimizer steps
+        # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` makes two
+        # fp32 temporaries of one main parameter, i.e. of one bucket (shard). GPU runs default to foreach: one fp32
+        # temporary of all the stepped parameters at once.
+        stepped = (master if master else params) / 4  # numel of the fp32 parameters the optimizer steps
+        shards = 1 if c.zero_stage == 0 else c.dp * c.context_parallel_size
+        temporaries = 4 * stepped if foreach_optimizer else 8 * min(stepped, bucket_numel / shards)
         staging = 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0
         grads_at_step = grads - staging
-        optimizer_step = params + grads_at_step + master + opt + stepped
+        optimizer_step = params + grads_at_step + master + opt + temporaries
         out.append(RankMemory(
             pp_rank=p.pp_rank, stages=p.stages, params=params, grads=grads, master_params=master,
             optimizer_states=opt, activations=activations, live_microbatches=live, transient=transient,
