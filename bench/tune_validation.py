@@ -172,7 +172,15 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--profile", help="JSON of tune.hardware.Hardware fields (default: calibrate here)")
     parser.add_argument("--out", default="bench/results/tune_validation")
+    parser.add_argument("--from-json", help="rewrite the report from a saved JSON of measurements (no runs)")
     args = parser.parse_args()
+    from bench._tune_report import write_report
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        args.rounds = len(next(iter(results["runs"].values())))
+        write_report(results, args, _predict, Path(args.out + ".md"))
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -185,8 +193,6 @@ def main() -> None:
     for p in procs:
         p.join()
     Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
-    from bench._tune_report import write_report
-
     write_report(results, args, _predict, Path(args.out + ".md"))
 
 

@@ -99,7 +99,7 @@ def _count_live(schedule: str) -> int:
             state["live"] += 1
             state["peak"] = max(state["peak"], state["live"])
             weakref.finalize(token, _dead)
-            return x.view_as(x)
+            return x.clone()  # not a view: zero-bubble's input-gradient pass detaches outputs in place
 
         @staticmethod
         def backward(ctx, grad):
