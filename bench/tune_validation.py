@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,8 +50,15 @@ LAYOUTS: dict[str, tuple[str, dict]] = {
     "tp2-sp-dp2": ("dense", dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1)),
     "pp2-1f1b-dp2": ("dense", dict(pipeline_parallel_size=2, zero_stage=1)),
     "pp4-gpipe": ("dense", dict(pipeline_parallel_size=4, pipeline_schedule="gpipe", pipeline_layers=[2, 1, 1, 2])),
-    "pp2-interleaved": ("dense", dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b",
-                                      virtual_pipeline_parallel_size=2, pipeline_layers=[2, 1, 1, 2])),
+    "pp2-interleaved": (
+        "dense",
+        dict(
+            pipeline_parallel_size=2,
+            pipeline_schedule="interleaved_1f1b",
+            virtual_pipeline_parallel_size=2,
+            pipeline_layers=[2, 1, 1, 2],
+        ),
+    ),
     "pp2-zbv": ("dense", dict(pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_layers=[2, 1, 1, 2])),
     "cp2-dp2": ("dense", dict(context_parallel_size=2, zero_stage=1)),
     "moe-ep2-dp4": ("moe", dict(expert_parallel_size=2, zero_stage=1)),

@@ -5,13 +5,13 @@
 The search space is every ``ParallelConfig`` (tp, pp, cp, dp, ZeRO stage, micro-batch size) that validates for the
 model and the world size. Each candidate gets
 
-- a memory estimate per rank: model states as this package holds them under ``bf16-mixed`` at the backward peak
-  (``parallel.memory.expected_state_bytes``: bf16 params, full bf16 gradients until the reduction below ZeRO-3,
-  fp32 main gradients, masters and Adam states, divided as each ZeRO stage divides them) for the parameters of the
-  busiest pipeline stage (embedding and head counted on the end stages) plus activations (Korthikanti et al.,
-  "Reducing Activation Recomputation in Large Transformer Models": ``s*b*h*(34 + 5*a*s/h)`` bytes per layer per
-  micro-batch, with the TP/SP and CP divisions, times the micro-batches a 1F1B stage keeps alive, or without PP
-  all micro-batches of the per-rank batch, which run as one);
+- a memory estimate per rank (``tune.memory.memory_breakdown``, per pipeline rank, the heaviest one decides): model
+  states as this package holds them (``parallel.memory.expected_state_bytes`` per ZeRO stage and precision, dense
+  parameters sharded over data x context ranks, experts over expert-data ranks; TP/EP splits, vocab padding, uneven
+  pipeline splits), the activations our own layers keep per recompute policy (``tune.activations``, derived op by op
+  and checked against autograd's saved tensors; Korthikanti's formula kept for comparison) times the (stage,
+  micro-batch) pairs the schedule keeps alive (``tune.inflight``, read off torch's schedules), plus the loss's fp32
+  temporaries, FSDP2 gathers and the optimizer step; validated in ``bench/results/tune_validation.md``;
 - a step-time estimate: compute ``6 * active params * tokens / (devices * flops)`` (MoE: routed top-k experts
   only) inflated by the pipeline bubble ``(p-1)/(m+p-1)``, plus data-parallel traffic
   (``parallel.memory.comm_theory_bytes``: bf16 parameters gathered, fp32 gradients reduced), tensor-parallel
@@ -25,7 +25,16 @@ deliberately simple and documented: it orders layouts, it does not promise absol
 from lightning_flagscale.tune.cli import tune_main
 from lightning_flagscale.tune.cost import estimate_step_seconds
 from lightning_flagscale.tune.hardware import Hardware
-from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.memory import MemoryBreakdown, estimate_memory, memory_breakdown
 from lightning_flagscale.tune.search import Candidate, search
 
-__all__ = ["Candidate", "Hardware", "estimate_memory", "estimate_step_seconds", "search", "tune_main"]
+__all__ = [
+    "Candidate",
+    "Hardware",
+    "MemoryBreakdown",
+    "estimate_memory",
+    "estimate_step_seconds",
+    "memory_breakdown",
+    "search",
+    "tune_main",
+]

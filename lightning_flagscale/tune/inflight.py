@@ -85,7 +85,7 @@ def live_activation_peak(actions: Sequence[tuple[str, int, int]], weight: dict[i
 def max_live_microbatches(schedule: str, p: int, v: int, m: int) -> list[int]:
     """Per pipeline rank, the most (stage, micro-batch) activation sets alive at once (every stage weighing 1)."""
     out = []
-    for rank, actions in enumerate(schedule_actions(schedule, p, v, m)):
+    for actions in schedule_actions(schedule, p, v, m):
         stages = {s for _, s, _ in actions}
         out.append(live_activation_peak(actions, dict.fromkeys(stages, 1.0))[1])
     return out
