@@ -35,7 +35,7 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def _measured(runs: list[list[dict]]) -> tuple[float, float, float, float, int]:
+def _measured(runs: list[list[dict]]) -> tuple[float, float, float, float, float]:
     """(peak bytes of the largest rank, its state bytes, median step seconds, min, max) over rounds."""
     peaks, states, times = [], [], []
     for ranks in runs:
@@ -83,7 +83,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         rows.append(
             f"| {n} | {heavy.states / MIB:.1f} | {state / MIB:.1f} | {(heavy.activations + heavy.transient) / MIB:.1f}"
             f" | {heavy.live_microbatches} | {breakdown.peak / MIB:.1f} | {peak / MIB:.1f} | {mem_err:+.1%}"
-            f" | {seconds:.2f} | {t_med:.2f} ({t_min:.2f}-{t_max:.2f}) | {t_err:+.1%} |"
+            f" | {seconds:.2f} | {t_med:.2f} ({t_min:.2f}-{t_max:.2f}) | {t_err:+.1%} | {len(results['runs'][n])} |"
         )
     mem_ok = sum(abs(a / b - 1) <= 0.10 for a, b in zip(pm, mm))
     time_ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pt, mt))
@@ -92,7 +92,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
     lines = [
         "# Tuner validation: predicted vs measured, 4 CPU processes",
         "",
-        f"Measured under load (a 2-core machine shared by ~5 engineers), {args.rounds} interleaved round(s); "
+        f"Measured under load (a 2-core machine shared by ~5 engineers), up to {args.rounds} interleaved round(s) "
+        "(column `rounds`); "
         "`python bench/tune_validation.py` regenerates this file.",
         "Model: Llama-shaped 26.1M parameters (h=512, 6 layers, 8 heads / 4 KV, SwiGLU 1408, vocab 8192 padded to a "
         "multiple of 64); MoE layouts: 4 layers, 4 experts top-2 of width 704 (29M). Sequence 64, global batch 4, "
@@ -106,8 +107,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         f"seconds` with {hw_note}.",
         "",
         "| layout | pred. states MiB | meas. states MiB | pred. act.+transient MiB | live mb | pred. peak MiB"
-        " | meas. peak MiB | mem err | pred. s | meas. s | time err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | meas. peak MiB | mem err | pred. s | meas. s | time err | rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"- memory within 10%: {mem_ok}/{len(names)} layouts; Spearman(pred, meas) memory = {spearman(pm, mm):.2f}",

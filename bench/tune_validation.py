@@ -152,7 +152,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
             gathered = [None] * WORLD
             dist.all_gather_object(gathered, got)
             results["runs"].setdefault(name, []).append(gathered)
-            if rank == 0:
+            if rank == 0:  # saved after every run: a crash late in the sweep keeps what was measured
+                Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
                 print(f"round {r} {name}: {max(max(g['times']) for g in gathered):.2f}s", flush=True)
     if rank == 0:
         queue.put(results)
@@ -184,7 +185,7 @@ def main() -> None:
 
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
-        args.rounds = len(next(iter(results["runs"].values())))
+        args.rounds = max(len(v) for v in results["runs"].values())
         write_report(results, args, _predict, Path(args.out + ".md"))
         return
     with socket.socket() as s:
@@ -198,7 +199,6 @@ def main() -> None:
     results = queue.get()
     for p in procs:
         p.join()
-    Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
     write_report(results, args, _predict, Path(args.out + ".md"))
 
 
