@@ -170,7 +170,7 @@ def _predict(name: str, hw) -> tuple[object, float]:
     c = ParallelConfig(**kwargs).resolve(WORLD)
     m = GLOBAL_BATCH // (c.dp * c.micro_batch_size)
     seconds = estimate_step_seconds(model, c, SEQ, GLOBAL_BATCH, hw) if hw is not None else float("nan")
-    return memory_breakdown(model, c, SEQ, m), seconds
+    return memory_breakdown(model, c, SEQ, m, backend="gloo"), seconds
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
   forward/backward), or the (stage, micro-batch) pairs the pipeline schedule keeps alive (``tune.inflight``, read off
   torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss;
 - **transients** on top of that peak: the loss's fp32 ``[tokens, vocab]`` temporaries (on the rank holding the last
-  stage), the re-materialised layer under recompute, FSDP2's unsharded parameters and gradients under ZeRO-3;
+  stage), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
+  (ZeRO-1/2 reduce-scatter outputs, gloo's input copies, FSDP2's unsharded unit and its gradients under ZeRO-3)
+  replace the activations when larger;
 - the **optimizer step** (AdamW's temporaries: two fp32 copies of one bucket's main parameters per tensor on CPU,
   one fp32 copy of all of them with foreach on GPUs), whose peak replaces the backward one when it is higher.
 
@@ -73,9 +75,12 @@ class RankMemory:
     def states(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_states
 
+    reduction: float = 0.0
+    """Buffers of the gradient reduction, alive at the end of backward once the activations are gone."""
+
     @property
     def backward_peak(self) -> float:
-        return self.states + self.activations + self.transient
+        return self.states + max(self.activations + self.transient, self.reduction)
 
     @property
     def peak(self) -> float:
@@ -126,6 +131,31 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
     return kept, extra
 
 
+def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: int, bucket_numel: float, *,
+                     gloo: bool) -> float:  # fmt: skip
+    """Gradient-reduction buffers at the end of backward (``parallel/grad_buckets.py``, FSDP2).
+
+    ZeRO-1 launches every bucket's reduce-scatter during backward and waits for them at the end: their fp32 output
+    shards (``4Ψ/N``) are alive together; ZeRO-2 at most two buckets. gloo has no native reduce-scatter: torch
+    reduces a copy of the whole input bucket, one fp32 copy per bucket in flight (measured in
+    ``bench/tune_validation.py``). ZeRO-3 (FSDP2): the largest unit (usually the root: embedding + head) unsharded
+    in the model dtype, its gradients in the model dtype and in fp32 for the reduce-scatter (+ gloo's copy).
+    """
+    psi = p.dense + p.expert
+    shards = c.dp * c.context_parallel_size
+    if c.zero_stage == 1:
+        return 4 * psi / shards + (4 * psi if gloo else 0.0)
+    if c.zero_stage == 2:
+        in_flight = min(psi, ZERO2_MAX_STAGING * bucket_numel)
+        return 4 * in_flight / shards + (4 * in_flight if gloo else 0.0)
+    if c.zero_stage == 3:
+        blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_parallel_size))
+                  for ls in p.layers for i in ls]  # fmt: skip
+        unit = max([psi - sum(blocks), *blocks])
+        return (2 * e + 4 + (4 if gloo else 0)) * unit
+    return 0.0
+
+
 def _recompute_modes(c: ParallelConfig) -> list[str]:
     return [c.recompute] * c.num_stages if isinstance(c.recompute, str) else list(c.recompute)
 
@@ -140,10 +170,12 @@ def memory_breakdown(
     vocab_multiple: int = 64,
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
     foreach_optimizer: bool = False,
+    backend: Literal["nccl", "gloo"] = "nccl",
 ) -> MemoryBreakdown:
     """Per pipeline rank bytes for ``num_microbatches`` micro-batches of ``config.micro_batch_size`` sequences of
     ``seq_len`` tokens per data-parallel rank and optimizer step (module docstring). ``foreach_optimizer``: the
-    optimizer steps all parameters at once (torch's default on GPUs) rather than one tensor at a time (CPU)."""
+    optimizer steps all parameters at once (torch's default on GPUs) rather than one tensor at a time (CPU);
+    ``backend="gloo"``: CPU runs, whose reduce-scatter copies its input."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
@@ -172,23 +204,21 @@ def memory_breakdown(
         if n - 1 in p.stages:
             extra = max(extra, head.forward_transient, head.backward_transient)
         transient = scale * extra
-        if c.zero_stage == 3:  # FSDP2: the root (embedding/head) stays gathered; a block and the next one gathered
-            blocks = [sum(layer_params(m, i, tp=tp, ep=c.expert_parallel_size)) for ls in p.layers for i in ls]
-            root = p.dense + p.expert - sum(blocks)
-            transient += e * root + (2 * e + 4) * max(blocks, default=0.0)
         params, grads, master, opt = _states(p, c, precision, bucket_numel)
-        # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` makes two
-        # fp32 temporaries of one main parameter, i.e. of one bucket (shard). GPU runs default to foreach: one fp32
+        reduction = _reduction_bytes(m, c, p, e, bucket_numel, gloo=backend == "gloo")
+        # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` and the
+        # bf16 copy for ``sync_params`` make ~3 fp32-sized temporaries of one main parameter (one bucket shard). GPU runs default to foreach: one fp32
         # temporary of all the stepped parameters at once.
         stepped = (master if master else params) / 4  # numel of the fp32 parameters the optimizer steps
         shards = 1 if c.zero_stage == 0 else c.dp * c.context_parallel_size
-        temporaries = 4 * stepped if foreach_optimizer else 8 * min(stepped, bucket_numel / shards)
+        temporaries = 4 * stepped if foreach_optimizer else 12 * min(stepped, bucket_numel / shards)  # 3 measured
         staging = 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0
         grads_at_step = grads - staging
         optimizer_step = params + grads_at_step + master + opt + temporaries
         out.append(RankMemory(
             pp_rank=p.pp_rank, stages=p.stages, params=params, grads=grads, master_params=master,
             optimizer_states=opt, activations=activations, live_microbatches=live, transient=transient,
+            reduction=reduction,
             optimizer_step=optimizer_step,
         ))  # fmt: skip
     return MemoryBreakdown(ranks=tuple(out))
@@ -203,9 +233,11 @@ def estimate_memory(
     precision: Precision = "bf16-mixed",
     vocab_multiple: int = 64,
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
+    foreach_optimizer: bool = False,
+    backend: Literal["nccl", "gloo"] = "nccl",
 ) -> float:
     """Bytes at the step's peak on the heaviest rank of ``config`` (see :func:`memory_breakdown`)."""
     return memory_breakdown(
         model, config, seq_len, num_microbatches, precision=precision, vocab_multiple=vocab_multiple,
-        bucket_numel=bucket_numel,
+        bucket_numel=bucket_numel, foreach_optimizer=foreach_optimizer, backend=backend,
     ).peak  # fmt: skip
