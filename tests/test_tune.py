@@ -8,6 +8,7 @@ from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.memory import comm_theory_bytes
 from lightning_flagscale.tune import Hardware, LinkPoint, SearchSpace, estimate_memory, estimate_step_seconds, search
 from lightning_flagscale.tune.hardware import COLLECTIVES
+from lightning_flagscale.tune.memory import memory_breakdown
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 # The full space (every schedule, CP mode and recompute policy) takes seconds at 64 devices; the assertions below
@@ -32,8 +33,10 @@ def test_zero_stages_and_sequence_parallel_lower_memory_as_our_code_holds_them()
     staging = 4 * 2 * DEFAULT_BUCKET_NUMEL  # two default buckets of fp32 gradients
     saved_by_zero2 = by_stage[1] - by_stage[2]
     assert abs(saved_by_zero2 - (4 * psi - 4 * psi / dp - staging)) / (4 * psi) < 0.01
-    saved_by_zero3 = by_stage[2] - by_stage[3]
-    assert abs(saved_by_zero3 - (2 * psi + staging)) / (2 * psi) < 0.01
+    # ZeRO-3's states save the bf16 parameters too; FSDP2's gathered parameters come back as transients.
+    states = [memory_breakdown(MODEL, _layout(tensor_parallel_size=4, zero_stage=z), 4096, 8).heaviest.states
+              for z in (2, 3)]  # fmt: skip
+    assert abs(states[0] - states[1] - (2 * psi + staging)) / (2 * psi) < 0.01
     no_sp = estimate_memory(MODEL, _layout(tensor_parallel_size=4), 4096, 8)
     with_sp = estimate_memory(MODEL, _layout(tensor_parallel_size=4, sequence_parallel=True), 4096, 8)
     assert with_sp < no_sp

@@ -5,7 +5,9 @@
 - ``hardware.py``: :class:`HardwareProfile` (peak, memory, GEMM efficiency by size, SDPA efficiency, alpha-beta link
   model per collective and group size, intra/inter node), JSON load/save, built-in ``h100``/``h200``/``a100``.
 - ``calibrate.py``: ``tune --calibrate`` measures this machine (GEMMs, SDPA, memory bandwidth, gloo collectives).
-- ``memory.py``: bytes per rank at the peak (model states as this package holds them + activations).
+- ``memory.py`` (+ ``activations.py``, ``inflight.py``): bytes per rank at the peak, per pipeline rank: model states
+  as this package holds them per ZeRO stage and precision, activations derived from our own layers per recompute
+  policy, times the (stage, micro-batch) pairs each schedule keeps alive; checked in ``bench/tune_validation.py``.
 - ``cost.py``: step time from per-block GEMM/attention/memory-bound times, recompute, each schedule's bubble, and
   exposed TP/SP/CP/EP/PP/DP communication through the link model; ``calibrate_compute_scale`` fits the one
   end-to-end factor on a measured or published step.
@@ -18,7 +20,7 @@
 from lightning_flagscale.tune.cli import tune_main
 from lightning_flagscale.tune.cost import StepCost, calibrate_compute_scale, estimate_step, estimate_step_seconds
 from lightning_flagscale.tune.hardware import BUILTIN_PROFILES, Hardware, HardwareProfile, LinkPoint, load_profile
-from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.memory import MemoryBreakdown, estimate_memory, memory_breakdown
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Hardware",
     "HardwareProfile",
     "LinkPoint",
+    "MemoryBreakdown",
     "SearchResult",
     "SearchSpace",
     "StepCost",
@@ -35,6 +38,7 @@ __all__ = [
     "estimate_step",
     "estimate_step_seconds",
     "load_profile",
+    "memory_breakdown",
     "search",
     "tune_main",
 ]

@@ -1,11 +1,45 @@
-"""Memory model: bytes per rank at the backward peak for one layout."""
+"""Memory model: bytes per rank at the step's peak for one layout, as this package's code holds them.
+
+Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
+
+- **model states** (``parallel.memory.expected_state_bytes``, the formula ``tests/strategies/test_state_bytes.py``
+  checks against a Trainer run): parameters in the model dtype, fp32 gradient buckets (DDP, ZeRO-1) or the fp32
+  main-gradient shard plus at most two staging buckets during backward (ZeRO-2, ``parallel/grad_buckets.py``), fp32
+  master weights and Adam moments, each sharded as its ZeRO stage shards it: dense parameters over data x context
+  ranks, routed experts over the expert-data-parallel ranks (``parallel.data.reduction_groups``); ZeRO-3 (FSDP2)
+  fp32 shards of everything. Parameters per rank: ``tune.stage_params`` (TP/EP splits, vocab padding, uneven and
+  padded pipeline splits, tied embeddings on both end stages);
+- **activations** kept for backward (``tune.activations``, derived from our layers, per recompute policy) of the
+  micro-batches alive at once on this rank: the per-rank batch of one accumulation step without PP (it runs as one
+  forward/backward), or the (stage, micro-batch) pairs the pipeline schedule keeps alive (``tune.inflight``, read off
+  torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss;
+- **transients** on top of that peak: the loss's fp32 ``[tokens, vocab]`` temporaries (on the rank holding the last
+  stage), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
+  (ZeRO-1/2 reduce-scatter outputs, gloo's input copies, FSDP2's unsharded unit and its gradients under ZeRO-3)
+  replace the activations when larger;
+- the **optimizer step** (AdamW's temporaries: two fp32 copies of one bucket's main parameters per tensor on CPU,
+  one fp32 copy of all of them with foreach on GPUs), whose peak replaces the backward one when it is higher.
+
+What is not modelled: routing imbalance (MoE activations assume every expert gets its share), allocator
+fragmentation and the memory of the framework itself (CUDA context, NCCL buffers, Python objects).
+"""
 
 from __future__ import annotations
 
-from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.memory import expected_state_bytes
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["estimate_memory", "stage_params"]
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
+from lightning_flagscale.parallel.memory import expected_state_bytes
+from lightning_flagscale.tune.activations import head_bytes, layer_activation_bytes, model_edge_bytes
+from lightning_flagscale.tune.inflight import live_activation_peak, schedule_actions
+from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
+
+__all__ = ["MemoryBreakdown", "RankMemory", "estimate_memory", "memory_breakdown", "stage_params"]
+
+Precision = Literal["32-true", "bf16-mixed", "16-mixed"]
+_ACT_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
 
 
 def stage_params(model: TransformerConfig, pp: int) -> float:
@@ -17,22 +51,193 @@ def stage_params(model: TransformerConfig, pp: int) -> float:
     return layers * per_layer + ends
 
 
-def estimate_memory(model: TransformerConfig, c: ParallelConfig, seq_len: int, num_microbatches: int) -> float:
-    """Bytes per rank at the backward peak: model states as this package holds them under ``bf16-mixed``
-    (``expected_state_bytes``) + live activations (a 1F1B stage's in-flight micro-batches, or without PP the
-    whole per-rank batch of one accumulation step)."""
-    tp, pp, cp, dp = c.tensor_parallel_size, c.pipeline_parallel_size, c.context_parallel_size, c.dp
-    psi = stage_params(model, pp) / tp
-    # ZeRO shards over data x context ranks; during backward stages 1 and 2 both hold the full bf16 gradients.
-    states = expected_state_bytes(psi, dp * cp, c.zero_stage, "bf16-mixed", when="backward_peak").total
-    s, b, h, a = seq_len / cp, c.micro_batch_size, model.hidden_size, model.num_attention_heads
-    if c.sequence_parallel:  # everything is split over TP
-        per_layer = s * b * h * (34 + 5 * a * s / h) / tp
-    else:  # TP splits attention/MLP insides only; norms and dropouts stay whole (the "10" term)
-        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    if pp > 1:
-        live = min(pp, num_microbatches)  # 1F1B keeps at most p micro-batches alive on stage 0
-    else:  # no schedule: one forward/backward over the whole per-rank batch of an accumulation step
-        live = max(1, num_microbatches // c.gradient_accumulation_steps)
-    activations = per_layer * -(-model.num_layers // pp) * live
-    return states + activations
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Predicted bytes of one pipeline rank (every TP/CP/DP rank of it holds the same)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    params: float
+    grads: float
+    """At the backward peak (ZeRO-2: shard + staging buckets)."""
+    master_params: float
+    optimizer_states: float
+    activations: float
+    """Saved activations of the micro-batches alive at the peak."""
+    live_microbatches: int
+    """(stage, micro-batch) activation sets alive at the peak (without PP: micro-batches run as one batch)."""
+    transient: float
+    """Temporaries on top of the activation peak (loss, recompute, ZeRO-3 gathers)."""
+    optimizer_step: float
+    """Peak during the optimizer step (states + AdamW temporaries)."""
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.master_params + self.optimizer_states
+
+    reduction: float = 0.0
+    """Buffers of the gradient reduction, alive at the end of backward once the activations are gone."""
+
+    @property
+    def backward_peak(self) -> float:
+        return self.states + max(self.activations + self.transient, self.reduction)
+
+    @property
+    def peak(self) -> float:
+        return max(self.backward_peak, self.optimizer_step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Per pipeline rank predictions; ``peak`` is the heaviest rank's."""
+
+    ranks: tuple[RankMemory, ...]
+
+    @property
+    def heaviest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def peak(self) -> float:
+        return self.heaviest.peak
+
+
+def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: float) -> tuple[float, ...]:
+    dp_cp = c.dp * c.context_parallel_size
+    edp = max(1, dp_cp * c.tensor_parallel_size // c.expert_parallel_size)
+    dense = expected_state_bytes(p.dense, dp_cp, c.zero_stage, precision)
+    expert = expected_state_bytes(p.expert, edp, c.zero_stage, precision)
+    grads = dense.grads + expert.grads
+    if c.zero_stage == 2:  # the reducer keeps at most two staging buckets alive across all its buckets
+        grads += 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel)
+    return (dense.params + expert.params, grads, dense.master_params + expert.master_params,
+            dense.optimizer_states + expert.optimizer_states)  # fmt: skip
+
+
+def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: tuple[int, ...], num_stages: int,
+                  tokens: float, e: int, recompute: str) -> tuple[float, float]:  # fmt: skip
+    """(kept bytes of one micro-batch on ``stage``, largest recompute re-materialisation on it)."""
+    tp, sp = c.tensor_parallel_size, c.sequence_parallel
+    kept, extra = model_edge_bytes(m, tokens, act_bytes=e), 0.0
+    for i in layers:
+        k, full = layer_activation_bytes(m, tokens, layer=i, act_bytes=e, tp=tp, sequence_parallel=sp,
+                                         recompute=recompute)  # fmt: skip
+        kept, extra = kept + k, max(extra, full - k)
+    boundary = tokens * e * m.hidden_size / (tp if sp else 1)
+    if stage > 0:
+        kept += boundary  # the received input, kept by the stage for its input gradient
+    if stage < num_stages - 1:
+        kept += boundary  # the output, kept by the stage until its backward
+    return kept, extra
+
+
+def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: int, bucket_numel: float, *,
+                     gloo: bool) -> float:  # fmt: skip
+    """Gradient-reduction buffers at the end of backward (``parallel/grad_buckets.py``, FSDP2).
+
+    ZeRO-1 launches every bucket's reduce-scatter during backward and waits for them at the end: their fp32 output
+    shards (``4Ψ/N``) are alive together; ZeRO-2 at most two buckets. gloo has no native reduce-scatter: torch
+    reduces a copy of the whole input bucket, one fp32 copy per bucket in flight (measured in
+    ``bench/tune_validation.py``). ZeRO-3 (FSDP2): the largest unit (usually the root: embedding + head) unsharded
+    in the model dtype, its gradients in the model dtype and in fp32 for the reduce-scatter (+ gloo's copy).
+    """
+    psi = p.dense + p.expert
+    shards = c.dp * c.context_parallel_size
+    if c.zero_stage == 1:
+        return 4 * psi / shards + (4 * psi if gloo else 0.0)
+    if c.zero_stage == 2:
+        in_flight = min(psi, ZERO2_MAX_STAGING * bucket_numel)
+        return 4 * in_flight / shards + (4 * in_flight if gloo else 0.0)
+    if c.zero_stage == 3:
+        blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_parallel_size))
+                  for ls in p.layers for i in ls]  # fmt: skip
+        unit = max([psi - sum(blocks), *blocks])
+        return (2 * e + 4 + (4 if gloo else 0)) * unit
+    return 0.0
+
+
+def _recompute_modes(c: ParallelConfig) -> list[str]:
+    return [c.recompute] * c.num_stages if isinstance(c.recompute, str) else list(c.recompute)
+
+
+def memory_breakdown(
+    model: TransformerConfig,
+    config: ParallelConfig,
+    seq_len: int,
+    num_microbatches: int,
+    *,
+    precision: Precision = "bf16-mixed",
+    vocab_multiple: int = 64,
+    bucket_numel: float = DEFAULT_BUCKET_NUMEL,
+    foreach_optimizer: bool = False,
+    backend: Literal["nccl", "gloo"] = "nccl",
+) -> MemoryBreakdown:
+    """Per pipeline rank bytes for ``num_microbatches`` micro-batches of ``config.micro_batch_size`` sequences of
+    ``seq_len`` tokens per data-parallel rank and optimizer step (module docstring). ``foreach_optimizer``: the
+    optimizer steps all parameters at once (torch's default on GPUs) rather than one tensor at a time (CPU);
+    ``backend="gloo"``: CPU runs, whose reduce-scatter copies its input."""
+    c, m = config, model
+    if precision not in _ACT_BYTES:
+        raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
+    e = _ACT_BYTES[precision]
+    tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
+    tokens = c.micro_batch_size * seq_len / c.context_parallel_size
+    if pp == 1:  # the per-rank batch of one accumulation step runs as one forward/backward
+        batch = max(1, num_microbatches // c.gradient_accumulation_steps)
+        actions = (tuple(("F", 0, i) for i in range(batch)) + tuple(("B", 0, i) for i in range(batch)),)
+    else:
+        actions = schedule_actions(c.pipeline_schedule, pp, c.virtual_pipeline_parallel_size, num_microbatches)
+    head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
+    modes = _recompute_modes(c)
+    out = []
+    for p in rank_params(m, c, vocab_multiple=vocab_multiple):
+        n = c.num_stages
+        weights, extra = {}, 0.0
+        for s, layers in zip(p.stages, p.layers):
+            kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s])
+            weights[s] = kept + (head.saved if s == n - 1 else 0.0)
+            extra = max(extra, rematerialised)
+        if pp == 1:  # one batch of ``batch`` micro-batches: the transients scale with it
+            weights = {0: weights[0]}
+        activations, live = live_activation_peak(actions[p.pp_rank], weights)
+        scale = live if pp == 1 else 1
+        if n - 1 in p.stages:
+            extra = max(extra, head.forward_transient, head.backward_transient)
+        transient = scale * extra
+        params, grads, master, opt = _states(p, c, precision, bucket_numel)
+        reduction = _reduction_bytes(m, c, p, e, bucket_numel, gloo=backend == "gloo")
+        # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` and the
+        # bf16 copy for ``sync_params`` make ~3 fp32-sized temporaries of one main parameter (one bucket shard). GPU runs default to foreach: one fp32
+        # temporary of all the stepped parameters at once.
+        stepped = (master if master else params) / 4  # numel of the fp32 parameters the optimizer steps
+        shards = 1 if c.zero_stage == 0 else c.dp * c.context_parallel_size
+        temporaries = 4 * stepped if foreach_optimizer else 12 * min(stepped, bucket_numel / shards)  # 3 measured
+        staging = 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0
+        grads_at_step = grads - staging
+        optimizer_step = params + grads_at_step + master + opt + temporaries
+        out.append(RankMemory(
+            pp_rank=p.pp_rank, stages=p.stages, params=params, grads=grads, master_params=master,
+            optimizer_states=opt, activations=activations, live_microbatches=live, transient=transient,
+            reduction=reduction,
+            optimizer_step=optimizer_step,
+        ))  # fmt: skip
+    return MemoryBreakdown(ranks=tuple(out))
+
+
+def estimate_memory(
+    model: TransformerConfig,
+    config: ParallelConfig,
+    seq_len: int,
+    num_microbatches: int,
+    *,
+    precision: Precision = "bf16-mixed",
+    vocab_multiple: int = 64,
+    bucket_numel: float = DEFAULT_BUCKET_NUMEL,
+    foreach_optimizer: bool = False,
+    backend: Literal["nccl", "gloo"] = "nccl",
+) -> float:
+    """Bytes at the step's peak on the heaviest rank of ``config`` (see :func:`memory_breakdown`)."""
+    return memory_breakdown(
+        model, config, seq_len, num_microbatches, precision=precision, vocab_multiple=vocab_multiple,
+        bucket_numel=bucket_numel, foreach_optimizer=foreach_optimizer, backend=backend,
+    ).peak  # fmt: skip

@@ -1,0 +1,206 @@
+"""The tuner's predictions against measured runs: per-rank peak memory and step time of >= 10 layouts on 4 processes.
+
+    python bench/tune_validation.py [--rounds 3] [--profile hw.json] [--out bench/results/tune_validation]
+
+A ~26M-parameter Llama-shaped model (and a ~29M MoE variant for EP) trains with ``FlagScaleStrategy`` +
+``FlagScalePrecision("bf16-mixed")`` (our Megatron layout: bf16 parameters and activations, fp32 masters and
+gradient buckets) and AdamW, on 4 CPU processes (gloo), for each layout in ``LAYOUTS``. Layouts are interleaved:
+every round runs each layout once, so load drifts on this shared machine hit all layouts alike.
+
+Per layout and rank, step 1 (Adam states exist) is measured for memory: the model states held at the start of the
+step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above that level during the step
+(forward, backward, gradient reduction and optimizer step), counted from the allocator's events by
+``tune.measure.AllocationPeak`` (``torch.profiler`` with ``profile_memory=True``: every CPU allocation and free,
+whoever made it). The largest rank is compared with ``tune.memory.memory_breakdown`` for the layout's heaviest
+rank. Step 2 is timed (wall clock from batch start to batch end, slowest rank; median over rounds).
+
+Predicted time is ``tune.cost.estimate_step_seconds`` with ``--profile`` (a JSON of ``tune.hardware.Hardware``
+fields). Without one, the bench calibrates a profile on the spot and says so: ``flops`` so that the first layout
+(DDP) is predicted exactly, the link bandwidth from a 16 MiB all-reduce timed over the 4 processes; the other
+layouts are then predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WORLD, SEQ, GLOBAL_BATCH, STEPS, MEMORY_STEP = 4, 64, 4, 3, 1
+DENSE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=6, num_attention_heads=8,
+             num_key_value_heads=4, max_seq_len=SEQ)  # fmt: skip
+MOE = dict(DENSE, num_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=704)
+# name -> (model, strategy kwargs). Every layout uses 4 ranks.
+LAYOUTS: dict[str, tuple[str, dict]] = {
+    "ddp": ("dense", dict(zero_stage=0)),
+    "zero1": ("dense", dict(zero_stage=1)),
+    "zero2": ("dense", dict(zero_stage=2)),
+    "zero3": ("dense", dict(zero_stage=3)),
+    "zero1-selective": ("dense", dict(zero_stage=1, recompute="selective")),
+    "tp2-dp2": ("dense", dict(tensor_parallel_size=2, zero_stage=1)),
+    "tp2-sp-dp2": ("dense", dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1)),
+    "pp2-1f1b-dp2": ("dense", dict(pipeline_parallel_size=2, zero_stage=1)),
+    "pp4-gpipe": ("dense", dict(pipeline_parallel_size=4, pipeline_schedule="gpipe", pipeline_layers=[2, 1, 1, 2])),
+    "pp2-interleaved": (
+        "dense",
+        dict(
+            pipeline_parallel_size=2,
+            pipeline_schedule="interleaved_1f1b",
+            virtual_pipeline_parallel_size=2,
+            pipeline_layers=[2, 1, 1, 2],
+        ),
+    ),
+    "pp2-zbv": ("dense", dict(pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_layers=[2, 1, 1, 2])),
+    "cp2-dp2": ("dense", dict(context_parallel_size=2, zero_stage=1)),
+    "moe-ep2-dp4": ("moe", dict(expert_parallel_size=2, zero_stage=1)),
+}
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Random token rows (no packing: one document per row, so attention runs SDPA's causal kernel)."""
+
+    def __init__(self, vocab: int, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (n, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+def _run_layout(name: str) -> dict:
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models import CausalLMModule
+    from lightning_flagscale.parallel.memory import state_bytes
+    from lightning_flagscale.tune.measure import AllocationPeak
+
+    kind, kwargs = LAYOUTS[name]
+    out: dict = {"times": []}
+
+    class Measure(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            dist.barrier()
+            if trainer.global_step == MEMORY_STEP:
+                opts = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+                out["state_start"] = vars(state_bytes(pl_module, opts))
+                self.peak = AllocationPeak().__enter__()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            elapsed = time.perf_counter() - self.t0
+            if trainer.global_step - 1 == MEMORY_STEP:
+                self.peak.__exit__(None, None, None)
+                out["peak_delta"] = self.peak.peak_bytes
+            elif trainer.global_step - 1 > MEMORY_STEP:
+                out["times"].append(elapsed)
+
+    config = TransformerConfig(**(DENSE if kind == "dense" else MOE))
+    module = CausalLMModule(config, learning_rate=1e-4, warmup_steps=0)
+    strategy = FlagScaleStrategy(**kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[FlagScalePrecision("bf16-mixed")],
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Measure()],
+    )  # fmt: skip
+    parallel = strategy.parallel
+    dp = parallel.data_parallel_size or WORLD // parallel.model_parallel_size
+    loader = torch.utils.data.DataLoader(_Tokens(config.vocab_size, 64), batch_size=GLOBAL_BATCH // dp)
+    trainer.fit(module, loader)
+    return out
+
+
+def _link_bandwidth() -> float:
+    import torch.distributed as dist
+
+    x = torch.ones(4 << 20)  # 16 MiB fp32
+    dist.all_reduce(x)
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 * (WORLD - 1) / WORLD / best  # ring all-reduce bytes per rank / time
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results: dict = {"bandwidth": _link_bandwidth(), "runs": {}}
+    for r in range(args.rounds):
+        for name in args.layouts:
+            got = _run_layout(name)
+            gathered = [None] * WORLD
+            dist.all_gather_object(gathered, got)
+            results["runs"].setdefault(name, []).append(gathered)
+            if rank == 0:  # saved after every run: a crash late in the sweep keeps what was measured
+                Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
+                print(f"round {r} {name}: {max(max(g['times']) for g in gathered):.2f}s", flush=True)
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def _predict(name: str, hw) -> tuple[object, float]:
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune.cost import estimate_step_seconds
+    from lightning_flagscale.tune.memory import memory_breakdown
+
+    kind, kwargs = LAYOUTS[name]
+    model = TransformerConfig(**(DENSE if kind == "dense" else MOE))
+    c = ParallelConfig(**kwargs).resolve(WORLD)
+    m = GLOBAL_BATCH // (c.dp * c.micro_batch_size)
+    seconds = estimate_step_seconds(model, c, SEQ, GLOBAL_BATCH, hw) if hw is not None else float("nan")
+    return memory_breakdown(model, c, SEQ, m, backend="gloo"), seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--profile", help="JSON of tune.hardware.Hardware fields (default: calibrate here)")
+    parser.add_argument("--out", default="bench/results/tune_validation")
+    parser.add_argument("--from-json", help="rewrite the report from a saved JSON of measurements (no runs)")
+    args = parser.parse_args()
+    from bench._tune_report import write_report
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        args.rounds = max(len(v) for v in results["runs"].values())
+        write_report(results, args, _predict, Path(args.out + ".md"))
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = queue.get()
+    for p in procs:
+        p.join()
+    write_report(results, args, _predict, Path(args.out + ".md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Activation bytes of *our* decoder, derived op by op from ``models/`` (and Korthikanti's formula to compare).
+
+Why not Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022, Table 2:
+``s*b*h*(34 + 5*a*s/h)`` per layer): that counts Megatron's GPT layer (LayerNorm, GeLU MLP of width 4h, dropout
+masks, the materialised ``a*s*s`` attention matrix). Ours (``models/decoder.py``, ``layers.py``, ``attention.py``)
+has RMSNorm with fp32 statistics, a SwiGLU MLP, grouped-query attention through SDPA (no ``s*s`` matrix is kept)
+and no dropout. Per token, with ``E`` the bytes of the activation dtype (2 under bf16 / fp16, 4 under fp32), ``h``
+the width, ``q = heads*head_dim``, ``k = kv_heads*head_dim``, ``i`` the MLP width, ``a`` the query heads, autograd
+keeps (each storage once):
+
+=======================================  ===========================  =======================================
+op (file)                                saved for backward           bytes per token
+=======================================  ===========================  =======================================
+RMSNorm ``x.float()``, ``pow``, ``mul``  fp32 copy of the input       ``4h`` (fp32 runs: the input itself)
+RMSNorm ``rsqrt``                        the per-token statistic      ``4``
+RMSNorm ``weight * x_hat``               normalised input             ``E*h``
+q/k/v projections                        their input (norm output)    ``E*h``
+RoPE ``q*cos + rotate_half(q)*sin``      cos/sin only (per batch)     the projection outputs are *not* kept
+SDPA (flash kernel for CPU / CUDA)       q, k after RoPE, v, out, lse ``E*(2q + 2k) + 4a``
+o projection                             its input (SDPA output)      (same storage as ``out``: bshd layout)
+second RMSNorm                           as the first                 ``4h + 4 + E*h``
+gate/up projections                      their input (norm output)    ``E*h``
+``silu(g) * u``, down projection         g, silu(g), u, product       ``4*E*i``
+=======================================  ===========================  =======================================
+
+i.e. ``8h + 8 + E*(4h + 2q + 2k + 4i) + 4a`` per token and layer; the residual stream is not kept (the next
+norm keeps its own fp32 copy). Outside the layers: the embedding keeps only the token ids (8), RoPE's cos/sin
+(``2*E*head_dim``), the final norm ``4h + 4 + 2*E*h`` and the loss: the non-TP loss keeps fp32 log-probabilities
+(``4V``) and int64 targets (8); the vocab-parallel one keeps the fp32 softmax of its shard (``4V/t``) and 10 bytes
+of indices/masks. The loss also has the largest transients of the step: backward holds two more fp32
+``[tokens, V/t]`` tensors (``8V/t``: the gradient of the log-probabilities and of the logits); the vocab-parallel
+forward holds the half-precision logits, the masked and shifted fp32 logits and the exponentials at once.
+
+These were checked against ``tune.measure.SavedActivations`` on a one- and two-layer model (bf16 and fp32, exact to
+the byte for the layer and within 3% outside it); ``tests/test_tune_memory.py`` keeps the check.
+
+Tensor parallelism (``models/decoder_plan.py``) divides q/k/v/i and the vocabulary by ``t``; without sequence
+parallelism the norms run on the whole sequence on every TP rank; with it the norms run on ``s/t`` tokens but the
+all-gathered inputs of the column-parallel projections (``E*h`` twice per layer) are kept whole by torch's
+DTensor styles. Context parallelism divides the tokens. Recompute (``parallel/pipeline_recompute.py``): ``full``
+keeps only the block input (``E*h``); ``selective`` keeps the block input and the outputs of matmuls and attention
+(q, k, v, o, gate, up, down, SDPA out + lse) and recomputes norms and elementwise ops; both rebuild one layer's
+activations during its backward, and keep the CPU RNG state (5056 bytes) per block. MoE blocks (``moe/layer.py``): the fp32 router input (``4h``) and scores
+(``4n``), per routed copy (``k`` per token) the permuted input, fc1 output ``[2I]``, SwiGLU output and product,
+fc2 output (``E*(2h + 4I)``), plus the combine buffer and routing indices (``E*h + 48k``, measured); shared
+experts add a dense SwiGLU of their width (``4*E*S + E*h``). Routing is assumed balanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_flagscale.config import TransformerConfig
+
+__all__ = [
+    "HeadBytes",
+    "head_bytes",
+    "korthikanti_layer_bytes",
+    "layer_activation_bytes",
+    "model_edge_bytes",
+]
+
+Recompute = Literal["none", "selective", "full"]
+CHECKPOINT_RNG_BYTES = 5056
+"""``torch.utils.checkpoint`` keeps the CPU generator's state per recomputed region (``preserve_rng_state``)."""
+
+
+def _norm(h: float, tokens: float, e: int) -> float:
+    """RMSNorm: fp32 input copy, per-token statistic, normalised input."""
+    return tokens * (4 * h + 4 + e * h)
+
+
+def _moe_bytes(m: TransformerConfig, tokens: float, e: int) -> float:
+    h, n, k, inner = m.hidden_size, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    routed = k * e * (2 * h + 4 * inner) + 4 * h + 4 * n + e * h + 48 * k
+    shared = 0.0
+    if m.num_shared_experts:
+        width = m.shared_expert_intermediate_size or inner * m.num_shared_experts
+        shared = 4 * e * width + e * h
+    return tokens * (routed + shared)
+
+
+def layer_activation_bytes(
+    m: TransformerConfig,
+    tokens: float,
+    *,
+    layer: int = 0,
+    act_bytes: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+) -> tuple[float, float]:
+    """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
+    over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring."""
+    e, h, d = act_bytes, m.hidden_size, m.head_dim
+    q, kv, a = m.num_attention_heads * d / tp, m.num_key_value_heads * d / tp, m.num_attention_heads / tp
+    norm_tokens = tokens / tp if sequence_parallel else tokens
+    norms = 2 * _norm(h, norm_tokens, e)
+    inputs = 2 * tokens * e * h  # the (all-gathered) inputs of the column-parallel projections
+    attention = tokens * (e * (2 * q + 2 * kv) + 4 * a)
+    if m.is_moe_layer(layer):
+        mlp = _moe_bytes(m, tokens, e)
+        mlp_mm = tokens * m.num_experts_per_tok * e * (3 * m.moe_intermediate_size + h)
+    else:
+        mlp = tokens * 4 * e * m.intermediate_size / tp
+        mlp_mm = tokens * e * (2 * m.intermediate_size / tp + h)  # gate, up, down outputs
+    full = norms + inputs + attention + mlp
+    block_input = (norm_tokens if sequence_parallel else tokens) * e * h
+    if recompute == "none":
+        return full, full
+    block_input += CHECKPOINT_RNG_BYTES
+    if recompute == "full":
+        return block_input, block_input + full
+    if recompute == "selective":
+        kept = block_input + tokens * (e * (2 * q + 2 * kv + h) + 4 * a) + mlp_mm  # q, k, v, o, SDPA out, lse
+        return kept, kept + full
+    raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadBytes:
+    """The loss end of the model on one micro-batch (final norm, LM head, cross-entropy)."""
+
+    saved: float
+    """Kept until backward: final norm and the loss's fp32 probabilities."""
+    forward_transient: float
+    """Extra bytes alive at the forward peak of the loss (beyond ``saved``)."""
+    backward_transient: float
+    """Extra bytes alive at the backward peak of the loss (beyond ``saved``)."""
+
+
+def head_bytes(
+    m: TransformerConfig, tokens: float, *, padded_vocab: int, act_bytes: int = 2, tp: int = 1, sp: bool = False
+) -> HeadBytes:
+    """Final norm + LM head + loss on ``tokens`` tokens (module docstring); the LM head sees the whole sequence."""
+    e, h = act_bytes, m.hidden_size
+    norm_tokens = tokens / tp if sp else tokens
+    norm = _norm(h, norm_tokens, e) + tokens * e * h  # + the LM head's (gathered) input
+    if tp > 1:  # vocab-parallel cross-entropy (parallel/tensor.py): fp32 softmax of the shard is kept
+        local = padded_vocab / tp
+        saved = norm + tokens * (4 * local + 10)
+        fwd = tokens * (e * local + 8 * local)  # half logits + masked/shifted fp32 logits next to the exponentials
+    else:
+        local = padded_vocab
+        saved = norm + tokens * (4 * m.vocab_size + 8)
+        # half logits + fp32 copy of the real columns while log_softmax writes its output
+        fwd = tokens * (e * padded_vocab + (4 * m.vocab_size if e != 4 else 0))
+    vocab = local if tp > 1 else m.vocab_size
+    bwd = tokens * 8 * vocab  # fp32 gradient of the probabilities and of the logits
+    return HeadBytes(saved=saved, forward_transient=fwd, backward_transient=bwd)
+
+
+def model_edge_bytes(m: TransformerConfig, tokens: float, *, act_bytes: int = 2) -> float:
+    """Kept once per micro-batch by every stage that runs layers: token ids (8) and RoPE's cos/sin tables."""
+    return tokens * (8 + 2 * act_bytes * m.head_dim)
+
+
+def korthikanti_layer_bytes(
+    seq_len: float,
+    micro_batch: float,
+    hidden: float,
+    heads: float,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+) -> float:
+    """Activation bytes of one Megatron GPT layer in 16-bit (Korthikanti et al. 2022, Table 2), for comparison
+    with published configurations: ``sbh(34 + 5as/h)`` without parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with TP,
+    ``sbh(34 + 5as/h)/t`` with TP+SP, ``sbh(34/t)`` with selective recompute under SP, ``2sbh`` with full."""
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    if recompute == "full":
+        return 2 * s * b * h
+    attention_matrix = 5 * a * s / h
+    if recompute == "selective":
+        attention_matrix = 0.0
+    if sequence_parallel:
+        return s * b * h * (34 + attention_matrix) / t
+    return s * b * h * (10 + 24 / t + attention_matrix / t)

@@ -1,0 +1,91 @@
+"""Micro-batches whose activations a pipeline rank holds at once, read off the schedules torch really runs.
+
+The multi-stage schedules (interleaved 1F1B, zero-bubble, ZBV, DualPipeV) execute ``schedule.pipeline_order``, the
+per-rank action list torch computes in the schedule's constructor; we build that very list (stages are stand-ins
+that carry only the sizes the constructor reads: no process group, no module) and walk it. A forward (``F``) makes
+a micro-batch's activations of that stage alive; a full backward (``B``) frees them; under the zero-bubble family
+the input-gradient pass (``I``) keeps the graph (torch's ``stage_backward_input`` retains it for the weight pass)
+and the weight-gradient pass (``W``) frees it. The single-stage schedules run their own loops
+(``torch.distributed.pipelining.schedules``): GPipe runs every forward before any backward; 1F1B's rank ``r``
+warms up with ``min(m, p - r)`` forwards and then alternates one backward, one forward ("1B1F").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from types import SimpleNamespace
+
+__all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions"]
+
+
+@lru_cache(maxsize=256)
+def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per pipeline rank, the compute actions ``(kind, stage, microbatch)`` in execution order; kind is F, B, I or W
+    (a DualPipeV overlapped F+B is its forward then its backward)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
+    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
+
+    validate_schedule(schedule, p, v, m)
+    spec = SCHEDULE_SPECS[schedule]
+    if spec.stages_per_rank == 1:
+        return tuple(_single_stage_actions(schedule, p, r, m) for r in range(p))
+    n = p * v
+    ranks = []
+    for rank in range(p):
+        ids = stage_ids_for_rank(rank, p, n, spec.placement)
+        stages = [SimpleNamespace(group_size=p, group_rank=rank, num_stages=n, stage_index=s, is_first=s == 0,
+                                  is_last=s == n - 1, submod=None) for s in ids]  # fmt: skip
+        sched = getattr(torch_schedules, spec.torch_class)(stages, m, loss_fn=lambda out, target: out)
+        actions = []
+        for action in sched.pipeline_order[rank]:
+            if action is None:
+                continue
+            for sub in action.sub_actions or (action,):
+                kind = str(sub.computation_type)
+                kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
+                    kind.rsplit(".", 1)[-1], kind
+                )
+                actions.append((kind, sub.stage_index, sub.microbatch_index))
+        ranks.append(tuple(actions))
+    return tuple(ranks)
+
+
+def _single_stage_actions(schedule: str, p: int, rank: int, m: int) -> tuple[tuple[str, int, int], ...]:
+    if schedule == "gpipe":
+        return tuple([("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)])
+    warmup = min(m, p - rank)
+    actions = [("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):  # torch runs "1B1F": the backward first, then the next forward
+        actions += [("B", rank, i), ("F", rank, warmup + i)]
+    actions += [("B", rank, i) for i in range(m - warmup, m)]
+    return tuple(actions)
+
+
+def live_activation_peak(actions: Sequence[tuple[str, int, int]], weight: dict[int, float]) -> tuple[float, int]:
+    """Walk one rank's actions: (largest sum of ``weight[stage]`` over live (stage, micro-batch) pairs, the number
+    of pairs alive at that moment). Freed at ``B`` or ``W``."""
+    live: set[tuple[int, int]] = set()
+    peak, count = 0.0, 0
+    total = 0.0
+    for kind, stage, mb in actions:
+        if kind == "F":
+            live.add((stage, mb))
+            total += weight.get(stage, 0.0)
+            if total > peak:
+                peak, count = total, len(live)
+        elif kind in ("B", "W") and (stage, mb) in live:
+            live.discard((stage, mb))
+            total -= weight.get(stage, 0.0)
+    return peak, count
+
+
+def max_live_microbatches(schedule: str, p: int, v: int, m: int) -> list[int]:
+    """Per pipeline rank, the most (stage, micro-batch) activation sets alive at once (every stage weighing 1)."""
+    out = []
+    for actions in schedule_actions(schedule, p, v, m):
+        stages = {s for _, s, _ in actions}
+        out.append(live_activation_peak(actions, dict.fromkeys(stages, 1.0))[1])
+    return out

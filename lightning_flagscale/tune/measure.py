@@ -1,0 +1,89 @@
+"""Measured memory, to check the memory model against: an allocator counter and a saved-activation counter.
+
+* :class:`AllocationPeak` counts every CPU (and CUDA) allocation and free the PyTorch allocator reports to
+  ``torch.profiler`` (``profile_memory=True``): ``peak_bytes`` is the highest number of bytes allocated *above the
+  level at entry* while the block ran; ``net_bytes`` what was still allocated at exit. It sees temporaries,
+  gradients, communication buffers and saved activations alike, whatever allocated them (autograd, collectives,
+  the optimizer).
+* :class:`SavedActivations` counts the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+  each storage once and parameters excluded: the quantity the activation formulas of ``tune.activations`` predict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["AllocationPeak", "SavedActivations"]
+
+
+class AllocationPeak:
+    """``with AllocationPeak() as m: ...`` then ``m.peak_bytes`` / ``m.net_bytes`` (allocator events, see module doc)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self.net_bytes = 0
+        self._prof: profile | None = None
+
+    def __enter__(self) -> AllocationPeak:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._prof is not None
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        current = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            current += e.nbytes()
+            peak = max(peak, current)
+        self.peak_bytes, self.net_bytes = peak, current
+        self._prof = None
+
+
+class SavedActivations:
+    """Bytes of tensors autograd saves for backward while the block runs (unique storages, parameters excluded).
+
+    ``peak_bytes`` is the largest total alive at once, ``total_bytes`` all storages ever saved (a forward without
+    backward inside the block: the two agree).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
+        self._params = {_key(p) for p in params}
+        self._alive: dict[tuple[str, int], int] = {}
+        self.peak_bytes = 0
+        self.total_bytes = 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @classmethod
+    def of_module(cls, module: nn.Module) -> SavedActivations:
+        return cls(module.parameters())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in self._params and key not in self._alive and t.device.type != "meta":
+            storage = t.untyped_storage()
+            self._alive[key] = storage.nbytes()
+            self.total_bytes += storage.nbytes()
+            import weakref
+
+            weakref.finalize(storage, self._alive.pop, key, None)
+            self.peak_bytes = max(self.peak_bytes, sum(self._alive.values()))
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return (str(t.device), t.untyped_storage().data_ptr())
