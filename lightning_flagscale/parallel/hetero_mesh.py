@@ -64,19 +64,19 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 def group_of_rank(groups: list[StageGroup], rank: int) -> StageGroup:
     for group in groups:
-        if group.first_rank <= rank < group.first_rank + group.size:
+        if rank in group.ranks:
             return group
     raise ValueError(f"Rank {rank} is in no heterogeneous mesh ({sum(g.size for g in groups)} ranks are described).")
 
 
 def _coords(group: StageGroup, rank: int) -> tuple[int, int]:
     """(dp index, tp index) of a global rank inside its group (layout dp, cp, tp with tp fastest; cp = 1)."""
-    local = rank - group.first_rank
+    local = group.local_index(rank)
     return local // group.tensor_parallel_size, local % group.tensor_parallel_size
 
 
 def _rank(group: StageGroup, dp: int, tp: int) -> int:
-    return group.first_rank + dp * group.tensor_parallel_size + tp
+    return group.ranks[dp * group.tensor_parallel_size + tp]
 
 
 @dataclass(frozen=True)
@@ -333,7 +333,7 @@ class HeteroPipelineRunner:
                 dist.all_reduce(out, group=self._token_group)
             if train:
                 out = out / last.token_shards
-        dist.broadcast(out, src=last.first_rank)
+        dist.broadcast(out, src=last.ranks[0])
         return out
 
 
@@ -364,19 +364,19 @@ def build_hetero_pipelined_model(
 
 
 def build_hetero_layout(
-    parallel: Any, num_layers: int, device_type: str
+    parallel: Any, num_layers: int, device_type: str, rank_order: list[int] | None = None
 ) -> tuple[list[StageGroup], ParallelMeshes, Any]:
     """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
     return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
     from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
 
     meshes = parse_hetero_meshes(parallel.hetero_meshes)
-    groups = plan_stage_groups(meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed)
+    groups = plan_stage_groups(meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed, rank_order)
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(
             "Heterogeneous stages: "
-            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.first_rank}-"
-                        f"{g.first_rank + g.size - 1}): {g.num_layers} blocks" for g in groups)
+            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.ranks}):"
+                        f" {g.num_layers} blocks" for g in groups)
         )  # fmt: skip
     configs = parallel.stage_group_configs(num_layers)
     mine = build_group_meshes(groups, configs, device_type)
