@@ -59,9 +59,11 @@ def test_emulated_slowdown_spec_and_timer():
 _SEEN: dict[str, Any] = {}
 
 
-def _run_as_type(types: list[str], slowdown: str | None, strategy: dict, config, steps: int, **kw):
+def _run_as_type(
+    types: list[str], slowdown: str | None, strategy: dict, config, steps: int, export_dir: str | None = None, **kw
+):
     """``trainer_run`` with this rank's ``FLAGSCALE_DEVICE_TYPE`` (and slowdown) set, restored afterwards (the pool
-    workers live on); also returns the blocks per stage the strategy chose."""
+    workers live on); also returns the blocks per stage the strategy chose. ``export_dir``: HF export at fit end."""
     import lightning as L
     import torch.distributed as dist
 
@@ -75,7 +77,12 @@ def _run_as_type(types: list[str], slowdown: str | None, strategy: dict, config,
     if slowdown:
         os.environ[SLOWDOWN_ENV] = slowdown
     try:
-        losses, params = trainer_run(strategy, config, steps, callbacks=[Split()], **kw)
+        callbacks: list = [Split()]
+        if export_dir is not None:
+            from lightning_flagscale.callbacks.hf_export import HFExportCallback
+
+            callbacks.append(HFExportCallback(export_dir))
+        losses, params = trainer_run(strategy, config, steps, callbacks=callbacks, **kw)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
