@@ -112,7 +112,10 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
 
 def _start(ctx: Any, types: list[str], spec: dict, queue: Any) -> list[Any]:
     port = _port()
-    procs = [ctx.Process(target=_rank_main, args=(r, len(types), port, types, spec, queue)) for r in range(len(types))]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, len(types), port, types, spec, queue), daemon=True)
+        for r in range(len(types))
+    ]  # daemons: an interrupted benchmark leaves no rank behind
     for p in procs:
         p.start()
     return procs

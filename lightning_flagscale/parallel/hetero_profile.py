@@ -1,6 +1,7 @@
 """Speed-aware layer split of heterogeneous meshes from a short profiling pass on the real ranks (issue 12, item 6).
 
 With ``hetero_layers=None`` and no ``hetero_device_speed``, every rank times forward + backward of one model block
+with the clock of the emulation hooks (CPU: the thread's CPU time, immune to other jobs' load; see ``hetero_ranks``)
 (a copy of the first block, materialised alone, on a fixed workload: ``micro_batch_size`` samples of
 ``min(max_seq_len, 256)`` tokens, identical on every rank so that the times compare devices, not layouts). Each rank
 takes the median of a few repetitions after a warm-up; one ``all_gather_object`` gives every rank every median, and
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -25,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, speed_aware_layers
-from lightning_flagscale.parallel.hetero_ranks import install_emulated_slowdown, rank_device_type
+from lightning_flagscale.parallel.hetero_ranks import (
+    BusyTimer,
+    attach_busy_timer,
+    install_emulated_slowdown,
+    rank_device_type,
+)
 from lightning_flagscale.parallel.pipeline_plan import build_stage_module, is_layer_unit
 
 __all__ = ["apply_profiled_split", "gather_device_speed", "time_one_block"]
@@ -48,7 +53,10 @@ def time_one_block(
         raise ValueError("The profiling pass needs a model whose pipeline_units() contain blocks ('layers.<i>').")
     pre = _materialise(build_stage_module(model, units[:first]), device) if first else None
     block = _materialise(build_stage_module(model, [units[first]]), device)
-    install_emulated_slowdown([block], device_type)
+    # The training step's hooks (and clock); without emulation the same hooks with factor 1.
+    timer = install_emulated_slowdown([block], device_type, device) or attach_busy_timer(
+        [block], BusyTimer(1.0, device)
+    )
     x = torch.zeros(samples, seq_len, dtype=torch.long, device=device)  # token 0 exists in every vocabulary
     kwargs: dict[str, Any] = {}
     if hasattr(model, "pipeline_inputs"):
@@ -58,9 +66,9 @@ def time_one_block(
     times = []
     for _ in range(reps + 1):  # the first repetition warms up allocators and kernels
         h = hidden.detach().requires_grad_(True)
-        start = time.perf_counter()
+        timer.reset()
         block(h, **kwargs).float().square().mean().backward()
-        times.append(time.perf_counter() - start)
+        times.append(timer.busy_s)  # forward + backward of the block, stretched by the emulated factor
     return statistics.median(times[1:])
 
 

@@ -9,6 +9,10 @@ keeps plain rank order.
 **CPU emulation.** ``FLAGSCALE_EMULATE_SLOWDOWN="slow=2.0,fast=1.0"`` makes every rank of device type ``slow`` twice
 as slow: :func:`install_emulated_slowdown` hooks the rank's stage modules (the whole local model without pipelining)
 and, after each forward and each backward of them, sleeps ``(factor - 1)`` times the compute time just measured.
+On CPU that compute time is the thread's CPU time (``time.thread_time``; intra-op threads are 1 under the launcher
+and the benchmark, and CPU backward runs on the calling thread), not the wall time: on a machine shared with other
+jobs, wall time counts the waits for a core, which would stretch the delay and the profiled speeds by the load
+instead of by the factor. Accelerators use the wall time after a synchronisation.
 Sleeping rather than shrinking ``torch.set_num_threads`` because (1) the slowdown is then exactly the factor whatever
 the load, while thread counts only slow a rank down if it had the cores to use them (tests and benchmarks run one
 thread per process on a shared 2-core machine), and (2) a sleeping rank leaves the cores to the others, as a slow
@@ -35,6 +39,7 @@ __all__ = [
     "DEVICE_TYPE_ENV",
     "SLOWDOWN_ENV",
     "BusyTimer",
+    "attach_busy_timer",
     "emulated_slowdown",
     "gather_rank_order",
     "install_emulated_slowdown",
@@ -103,8 +108,10 @@ def emulated_slowdown(device_type: str | None, spec: str | None = None) -> float
 class BusyTimer:
     """Forward/backward compute time of the hooked modules, stretched by ``factor`` with a sleep (module docs)."""
 
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, device: torch.device | None = None) -> None:
         self.factor = factor
+        self._sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+        self._clock = time.perf_counter if device is not None and device.type != "cpu" else time.thread_time
         self.busy_s = 0.0
         """Compute + emulated delay since the last :meth:`reset`."""
         self.compute_s = 0.0
@@ -112,6 +119,11 @@ class BusyTimer:
 
     def reset(self) -> None:
         self.busy_s = self.compute_s = 0.0
+
+    def now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return self._clock()
 
     def _stretch(self, elapsed: float) -> None:
         delay = (self.factor - 1.0) * elapsed
@@ -121,10 +133,10 @@ class BusyTimer:
         self.busy_s += elapsed + delay
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._fwd_start.append(time.perf_counter())
+        self._fwd_start.append(self.now())
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._stretch(time.perf_counter() - self._fwd_start.pop())
+        self._stretch(self.now() - self._fwd_start.pop())
         out = _first_grad_tensor(output)
         if out is not None and torch.is_grad_enabled():
             out.register_hook(self._backward_started)
@@ -132,8 +144,8 @@ class BusyTimer:
     def _backward_started(self, grad: Tensor) -> None:
         # The gradient of the module's output arrived: its backward starts now and ends with this backward call
         # (one stage module per backward call under pipelining), whose end the engine callback marks.
-        start = time.perf_counter()
-        Variable._execution_engine.queue_callback(lambda: self._stretch(time.perf_counter() - start))
+        start = self.now()
+        Variable._execution_engine.queue_callback(lambda: self._stretch(self.now() - start))
 
 
 def _first_grad_tensor(output: Any) -> Tensor | None:
@@ -143,7 +155,9 @@ def _first_grad_tensor(output: Any) -> Tensor | None:
     return next((t for t in values if isinstance(t, Tensor) and t.requires_grad), None)
 
 
-def install_emulated_slowdown(modules: Iterable[nn.Module], device_type: str | None) -> BusyTimer | None:
+def install_emulated_slowdown(
+    modules: Iterable[nn.Module], device_type: str | None, device: torch.device | None = None
+) -> BusyTimer | None:
     """Hook ``modules`` (this rank's stage modules) with a :class:`BusyTimer` of ``device_type``'s factor.
 
     Nothing is installed when ``FLAGSCALE_EMULATE_SLOWDOWN`` is unset; the timer is also kept as ``_fs_busy_timer``
@@ -152,7 +166,11 @@ def install_emulated_slowdown(modules: Iterable[nn.Module], device_type: str | N
     factor = emulated_slowdown(device_type)
     if factor is None:
         return None
-    timer = BusyTimer(factor)
+    return attach_busy_timer(modules, BusyTimer(factor, device))
+
+
+def attach_busy_timer(modules: Iterable[nn.Module], timer: BusyTimer) -> BusyTimer:
+    """Hook ``timer`` onto every module (forward pre/post hooks; the backward through the output's gradient)."""
     for module in modules:
         module.register_forward_pre_hook(timer.pre_forward)
         module.register_forward_hook(timer.post_forward)

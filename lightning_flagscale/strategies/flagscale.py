@@ -291,7 +291,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         )  # fmt: skip
         result = parallelize(module, inner, layout)
         install_emulated_slowdown(
-            getattr(result.pipeline, "stage_modules", None) or [inner], rank_device_type(self._hetero_groups)
+            getattr(result.pipeline, "stage_modules", None) or [inner],
+            rank_device_type(self._hetero_groups),
+            self.root_device,
         )
         self._pipeline = result.pipeline
         self._fsdp_roots = result.fsdp_roots
