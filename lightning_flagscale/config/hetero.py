@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups", "speed_aware_layers"]
+__all__ = [
+    "MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups", "rank_order_by_type",
+    "speed_aware_layers",
+]  # fmt: skip
 
 MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -33,7 +36,7 @@ class HeteroMesh:
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
     device_type: str | None = None
-    """A free label (e.g. "fast", "A100"); ranks are assigned to meshes in rank order."""
+    """A free label (e.g. "fast", "A100"): ranks reporting this type fill the mesh (``rank_order_by_type``)."""
 
     @property
     def size(self) -> int:
@@ -47,7 +50,8 @@ class HeteroMesh:
 
 @dataclass(frozen=True)
 class StageGroup:
-    """The ranks of one pipeline stage of one mesh: ``first_rank ... first_rank + size - 1``."""
+    """The ranks of one pipeline stage of one mesh: positions ``first_rank ... first_rank + size - 1`` of the
+    world in mesh order, i.e. those global ranks, or ``global_ranks`` when ranks were assigned by device type."""
 
     index: int
     """Global pipeline stage index (over all meshes)."""
@@ -69,13 +73,22 @@ class StageGroup:
         if not self.chunk_layers:
             object.__setattr__(self, "chunk_layers", (self.num_layers,))
 
+    global_ranks: tuple[int, ...] = ()
+    """The group's global ranks in its (dp, cp, tp) order when they are not ``first_rank ...`` (see
+    ``rank_order_by_type``); empty = contiguous."""
+
     @property
     def size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size * self.context_parallel_size
 
     @property
     def ranks(self) -> list[int]:
-        return list(range(self.first_rank, self.first_rank + self.size))
+        """Global ranks in the group's (dp, cp, tp) order, tp fastest."""
+        return list(self.global_ranks) or list(range(self.first_rank, self.first_rank + self.size))
+
+    def local_index(self, rank: int) -> int:
+        """Position of global ``rank`` in :attr:`ranks` (``rank - first_rank`` when contiguous)."""
+        return self.ranks.index(rank)
 
     @property
     def token_shards(self) -> int:
@@ -199,11 +212,20 @@ def plan_stage_groups(
     layers: list[int] | None,
     num_layers: int,
     device_speed: dict[str, float] | None = None,
+    rank_order: list[int] | None = None,
     *,
     virtual: int = 1,
     sequence_parallel: bool = False,
 ) -> list[StageGroup]:
-    """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order."""
+    """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order.
+
+    ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh (from
+    ``rank_order_by_type``); ``None`` = rank order.
+    """
+    if rank_order is not None and sorted(rank_order) != list(range(sum(m.size for m in meshes))):
+        raise ValueError(f"rank_order={rank_order} is not a permutation of the {sum(m.size for m in meshes)} ranks.")
+    if rank_order is not None and list(rank_order) == sorted(rank_order):
+        rank_order = None  # identity: keep the groups contiguous
     if layers is None:
         layers = speed_aware_layers(meshes, num_layers, device_speed)
     if sum(layers) != num_layers:
@@ -212,14 +234,49 @@ def plan_stage_groups(
     groups, rank, index = [], 0, 0
     for m_idx, mesh in enumerate(meshes):
         for _ in range(mesh.pipeline_parallel_size):
+            span = tuple(rank_order[rank : rank + mesh.size // mesh.pipeline_parallel_size]) if rank_order else ()
             group = StageGroup(
                 index=index, mesh=m_idx, first_rank=rank, tensor_parallel_size=mesh.tensor_parallel_size,
                 data_parallel_size=mesh.data_parallel_size, context_parallel_size=mesh.context_parallel_size,
                 expert_parallel_size=mesh.expert_parallel_size, num_layers=sum(chunks[index]),
                 device_type=mesh.device_type, chunk_layers=chunks[index],
-                sequence_parallel=sequence_parallel and mesh.tensor_parallel_size > 1,
+                sequence_parallel=sequence_parallel and mesh.tensor_parallel_size > 1, global_ranks=span,
             )  # fmt: skip
             groups.append(group)
             rank += group.size
             index += 1
     return groups
+
+
+def rank_order_by_type(meshes: list[HeteroMesh], rank_types: list[str | None]) -> list[int]:
+    """The global rank at each position of the mesh-ordered world, from every rank's reported device type.
+
+    Ranks fill the meshes in rank order when every rank reports the same type (or none) or no mesh declares a
+    ``device_type`` (one type: nothing to match). Otherwise each declared type must be reported by exactly as many
+    ranks as the meshes declaring it hold, and the ranks of a type fill its meshes in rank order (stable).
+    """
+    world = sum(m.size for m in meshes)
+    if len(rank_types) != world:
+        raise ValueError(f"{len(rank_types)} ranks reported a device type but hetero_meshes describe {world} ranks.")
+    declared = [m.device_type for m in meshes]
+    if len(set(rank_types)) <= 1 or all(t is None for t in declared):
+        return list(range(world))
+    if any(t is None for t in declared):
+        raise ValueError(
+            f"Ranks report different device types but hetero_meshes{[i for i, t in enumerate(declared) if t is None]}"
+            " declare none; give every mesh a device_type."
+        )
+    need: dict[str, int] = {}
+    for mesh in meshes:
+        need[mesh.device_type] = need.get(mesh.device_type, 0) + mesh.size
+    have: dict[str, int] = {}
+    for t in rank_types:
+        have[str(t)] = have.get(str(t), 0) + 1
+    if need != have:
+        raise ValueError(
+            f"The ranks' device types {dict(sorted(have.items()))} (ranks per type; FLAGSCALE_DEVICE_TYPE or the"
+            f" accelerator's name) do not match the ranks hetero_meshes declare per device_type"
+            f" {dict(sorted(need.items()))}; change the meshes' device_type or sizes."
+        )
+    queues = {t: [r for r, rt in enumerate(rank_types) if str(rt) == t] for t in need}
+    return [queues[m.device_type].pop(0) for m in meshes for _ in range(m.size)]

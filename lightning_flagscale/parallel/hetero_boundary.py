@@ -43,13 +43,13 @@ _HEADER = 10  # dtype, ndim, shape (up to 8 dims)
 
 def coords(group: StageGroup, rank: int) -> tuple[int, int, int]:
     """(dp, cp, tp) indices of a global rank inside its group (layout dp, cp, tp with tp fastest)."""
-    local = rank - group.first_rank
+    local = group.local_index(rank)  # ranks may be permuted by device type (hetero_ranks.py)
     tp, cp = group.tensor_parallel_size, group.context_parallel_size
     return local // (tp * cp), (local // tp) % cp, local % tp
 
 
 def rank_at(group: StageGroup, dp: int, cp: int, tp: int) -> int:
-    return group.first_rank + (dp * group.context_parallel_size + cp) * group.tensor_parallel_size + tp
+    return group.ranks[(dp * group.context_parallel_size + cp) * group.tensor_parallel_size + tp]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _plan(src: StageGroup, dst: StageGroup, rows: int) -> list[Transfer]:
             if ss > 1:  # sequence shards: every source TP rank whose range overlaps
                 sources = [(t, t * den // ss, (t + 1) * den // ss) for t in range(ss)]
             else:  # replicas: one of them, round robin over the destination ranks (spreads the sends)
-                sources = [((dst_rank - dst.first_rank) % src.tensor_parallel_size, 0, den)]
+                sources = [(dst.local_index(dst_rank) % src.tensor_parallel_size, 0, den)]
             for t, s_lo, s_hi in sources:
                 q_lo, q_hi = max(s_lo, d_lo), min(s_hi, d_hi)
                 if q_lo >= q_hi:

@@ -43,7 +43,7 @@ __all__ = [
 
 def group_of_rank(groups: list[StageGroup], rank: int) -> StageGroup:
     for group in groups:
-        if group.first_rank <= rank < group.first_rank + group.size:
+        if rank in group.ranks:
             return group
     raise ValueError(f"Rank {rank} is in no heterogeneous mesh ({sum(g.size for g in groups)} ranks are described).")
 
@@ -108,7 +108,7 @@ def build_hetero_pipelined_model(
 
 
 def build_hetero_layout(
-    parallel: Any, num_layers: int, device_type: str
+    parallel: Any, num_layers: int, device_type: str, rank_order: list[int] | None = None
 ) -> tuple[list[StageGroup], ParallelMeshes, Any]:
     """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
     return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
@@ -117,13 +117,13 @@ def build_hetero_layout(
     meshes = parse_hetero_meshes(parallel.hetero_meshes)
     groups = plan_stage_groups(
         meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed,
-        virtual=parallel.virtual_pipeline_parallel_size, sequence_parallel=parallel.sequence_parallel,
+        rank_order, virtual=parallel.virtual_pipeline_parallel_size, sequence_parallel=parallel.sequence_parallel,
     )  # fmt: skip
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(
             "Heterogeneous stages: "
-            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks {g.first_rank}-"
-                        f"{g.first_rank + g.size - 1}): {'+'.join(map(str, g.chunk_layers))} blocks" for g in groups)
+            + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks "
+                        f"{g.ranks}): {'+'.join(map(str, g.chunk_layers))} blocks" for g in groups)
         )  # fmt: skip
     configs = parallel.stage_group_configs(num_layers)
     mine = build_group_meshes(groups, configs, device_type)

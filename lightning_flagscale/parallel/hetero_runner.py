@@ -296,5 +296,5 @@ class HeteroPipelineRunner:
                 dist.all_reduce(out, group=self._token_group)
             if train:
                 out = out / last.token_shards
-        dist.broadcast(out, src=last.first_rank)
+        dist.broadcast(out, src=last.ranks[0])
         return out

@@ -43,7 +43,7 @@ class TiedAcrossMeshes:
         self._ranks = sorted(set(first.ranks) | set(last.ranks))
         # Created by every rank in the same order (group creation is collective over the default group).
         self._group = dist.new_group(self._ranks)
-        self._src = first.first_rank
+        self._src = first.ranks[0]
         me = dist.get_rank()
         self._in_first = me in first.ranks
         self._size = first.size if self._in_first else last.size if me in last.ranks else 0

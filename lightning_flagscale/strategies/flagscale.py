@@ -46,6 +46,8 @@ from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, distributed_optimizers
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.hetero_profile import apply_profiled_split
+from lightning_flagscale.parallel.hetero_ranks import gather_rank_order, install_emulated_slowdown, rank_device_type
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import (
@@ -249,8 +251,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
         if num_layers is None:
             raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
+        order = gather_rank_order(self.hetero_parallel.hetero_meshes, self.root_device)  # ranks by device type
         self._hetero_groups, self._meshes, self.parallel = build_hetero_layout(
-            self.hetero_parallel, num_layers, self.root_device.type
+            self.hetero_parallel, num_layers, self.root_device.type, order
         )
 
     def _set_world_ranks(self) -> None:
@@ -279,12 +282,21 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         precision = self.precision_plugin
         # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
         precision.select_layout(module, self.root_device.type)
+        if self._hetero_groups is not None:  # hetero_layers=None: the split of a profiling pass on these ranks
+            self._hetero_groups = apply_profiled_split(
+                self.hetero_parallel, self._hetero_groups, inner, self.root_device
+            )
         layout = RankLayout(
             config=p, meshes=self.meshes, device=self.root_device, hetero_groups=self._hetero_groups,
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
             reduce_dtype=precision.reduce_dtype,
         )  # fmt: skip
         result = parallelize(module, inner, layout)
+        install_emulated_slowdown(
+            getattr(result.pipeline, "stage_modules", None) or [inner],
+            rank_device_type(self._hetero_groups),
+            self.root_device,
+        )
         self._pipeline = result.pipeline
         self._fsdp_roots = result.fsdp_roots
         self._expert_grad_scale = result.expert_grad_scale

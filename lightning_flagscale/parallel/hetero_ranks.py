@@ -1,0 +1,178 @@
+"""Device types of heterogeneous jobs: which rank is which device, and emulated slow devices on CPU (issue 12).
+
+**Rank mapping.** Every rank reports its device type once (:func:`local_device_type`: the ``FLAGSCALE_DEVICE_TYPE``
+environment variable, else the CUDA device name, else none); one ``all_gather_object`` gives every rank the same list,
+and ``config.hetero.rank_order_by_type`` turns it into the rank permutation that ``plan_stage_groups`` applies: the
+ranks of a type fill the meshes declaring that ``device_type`` in rank order. A job whose ranks all report one type
+keeps plain rank order.
+
+**CPU emulation.** ``FLAGSCALE_EMULATE_SLOWDOWN="slow=2.0,fast=1.0"`` makes every rank of device type ``slow`` twice
+as slow: :func:`install_emulated_slowdown` hooks the rank's stage modules (the whole local model without pipelining)
+and, after each forward and each backward of them, sleeps ``(factor - 1)`` times the compute time just measured.
+On CPU that compute time is the thread's CPU time (``time.thread_time``; intra-op threads are 1 under the launcher
+and the benchmark, and CPU backward runs on the calling thread), not the wall time: on a machine shared with other
+jobs, wall time counts the waits for a core, which would stretch the delay and the profiled speeds by the load
+instead of by the factor. Accelerators use the wall time after a synchronisation.
+Sleeping rather than shrinking ``torch.set_num_threads`` because (1) the slowdown is then exactly the factor whatever
+the load, while thread counts only slow a rank down if it had the cores to use them (tests and benchmarks run one
+thread per process on a shared 2-core machine), and (2) a sleeping rank leaves the cores to the others, as a slow
+device on its own hardware would. The same hooks count each rank's busy time (compute + emulated delay), which the
+benchmark plots, and the profiling pass (``parallel/hetero_profile.py``) runs under them, so it sees the slowdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import Variable
+
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, rank_order_by_type
+
+__all__ = [
+    "DEVICE_TYPE_ENV",
+    "SLOWDOWN_ENV",
+    "BusyTimer",
+    "attach_busy_timer",
+    "emulated_slowdown",
+    "gather_rank_order",
+    "install_emulated_slowdown",
+    "local_device_type",
+    "rank_device_type",
+]
+
+DEVICE_TYPE_ENV = "FLAGSCALE_DEVICE_TYPE"
+"""Names this process's device type (matched against ``hetero_meshes[i].device_type``)."""
+SLOWDOWN_ENV = "FLAGSCALE_EMULATE_SLOWDOWN"
+"""``type=factor`` pairs, comma-separated: compute of ranks of that device type is stretched by ``factor``."""
+_log = logging.getLogger(__name__)
+
+
+def local_device_type(device: torch.device | None = None) -> str | None:
+    """This process's device type: ``FLAGSCALE_DEVICE_TYPE``, else the CUDA device's name, else ``None``."""
+    name = os.environ.get(DEVICE_TYPE_ENV, "").strip()
+    if name:
+        return name
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return None
+
+
+def gather_rank_order(hetero_meshes: list[Any], device: torch.device | None = None) -> list[int]:
+    """Every rank's device type, gathered once, as the permutation for ``plan_stage_groups(rank_order=...)``."""
+    meshes = parse_hetero_meshes(hetero_meshes)
+    types: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(types, local_device_type(device))
+    order = rank_order_by_type(meshes, types)
+    if dist.get_rank() == 0 and order != sorted(order):
+        _log.info("Ranks assigned to heterogeneous meshes by device type %s: mesh positions -> ranks %s", types, order)
+    return order
+
+
+def rank_device_type(groups: list[StageGroup] | None = None) -> str | None:
+    """The device type emulation applies to on this rank: its reported type, else its stage group's declared one."""
+    reported = local_device_type()
+    if reported is not None or not groups or not dist.is_initialized():
+        return reported
+    return next((g.device_type for g in groups if dist.get_rank() in g.ranks), None)
+
+
+def emulated_slowdown(device_type: str | None, spec: str | None = None) -> float | None:
+    """The factor ``FLAGSCALE_EMULATE_SLOWDOWN`` (or ``spec``) gives ``device_type``: ``None`` when the variable is
+    unset (no hooks at all), 1.0 for types it does not name. Raises ``ValueError`` on a malformed entry."""
+    spec = os.environ.get(SLOWDOWN_ENV) if spec is None else spec
+    if not spec:
+        return None
+    factors = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = -1.0
+        if not sep or not name.strip() or factor < 1.0:
+            raise ValueError(
+                f"{SLOWDOWN_ENV}={spec!r}: each entry must be device_type=factor with factor >= 1 (e.g."
+                f" 'slow=2.0'); got {item!r}."
+            )
+        factors[name.strip()] = factor
+    return factors.get(str(device_type), 1.0)
+
+
+class BusyTimer:
+    """Forward/backward compute time of the hooked modules, stretched by ``factor`` with a sleep (module docs)."""
+
+    def __init__(self, factor: float, device: torch.device | None = None) -> None:
+        self.factor = factor
+        self._sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+        self._clock = time.perf_counter if device is not None and device.type != "cpu" else time.thread_time
+        self.busy_s = 0.0
+        """Compute + emulated delay since the last :meth:`reset`."""
+        self.compute_s = 0.0
+        self._fwd_start: list[float] = []
+
+    def reset(self) -> None:
+        self.busy_s = self.compute_s = 0.0
+
+    def now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return self._clock()
+
+    def _stretch(self, elapsed: float) -> None:
+        delay = (self.factor - 1.0) * elapsed
+        if delay > 0:
+            time.sleep(delay)
+        self.compute_s += elapsed
+        self.busy_s += elapsed + delay
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._fwd_start.append(self.now())
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._stretch(self.now() - self._fwd_start.pop())
+        out = _first_grad_tensor(output)
+        if out is not None and torch.is_grad_enabled():
+            out.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: Tensor) -> None:
+        # The gradient of the module's output arrived: its backward starts now and ends with this backward call
+        # (one stage module per backward call under pipelining), whose end the engine callback marks.
+        start = self.now()
+        Variable._execution_engine.queue_callback(lambda: self._stretch(self.now() - start))
+
+
+def _first_grad_tensor(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((t for t in values if isinstance(t, Tensor) and t.requires_grad), None)
+
+
+def install_emulated_slowdown(
+    modules: Iterable[nn.Module], device_type: str | None, device: torch.device | None = None
+) -> BusyTimer | None:
+    """Hook ``modules`` (this rank's stage modules) with a :class:`BusyTimer` of ``device_type``'s factor.
+
+    Nothing is installed when ``FLAGSCALE_EMULATE_SLOWDOWN`` is unset; the timer is also kept as ``_fs_busy_timer``
+    on every hooked module, where benchmarks read the busy time.
+    """
+    factor = emulated_slowdown(device_type)
+    if factor is None:
+        return None
+    return attach_busy_timer(modules, BusyTimer(factor, device))
+
+
+def attach_busy_timer(modules: Iterable[nn.Module], timer: BusyTimer) -> BusyTimer:
+    """Hook ``timer`` onto every module (forward pre/post hooks; the backward through the output's gradient)."""
+    for module in modules:
+        module.register_forward_pre_hook(timer.pre_forward)
+        module.register_forward_hook(timer.post_forward)
+        module._fs_busy_timer = timer
+    return timer

@@ -1,0 +1,114 @@
+"""Heterogeneous meshes by device type (issue 12, items 1, 6, 7): ranks assigned to meshes by their reported type,
+the speed-aware split from a profiling pass, and the emulated slowdown; training matches the single-process run."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups, rank_order_by_type
+from lightning_flagscale.parallel.hetero_mesh import boundary_transfers, group_of_rank
+from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV, BusyTimer, emulated_slowdown
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
+
+FAST = dict(tensor_parallel_size=2, device_type="fast")
+SLOW = dict(data_parallel_size=2, device_type="slow")
+INTERLEAVED = ["slow", "fast", "slow", "fast"]  # ranks 0, 2 slow; 1, 3 fast
+
+
+def test_ranks_fill_meshes_by_device_type():
+    meshes = parse_hetero_meshes([FAST, SLOW])
+    assert rank_order_by_type(meshes, INTERLEAVED) == [1, 3, 0, 2]
+    assert rank_order_by_type(meshes, [None] * 4) == [0, 1, 2, 3]  # nobody reports a type: rank order
+    assert rank_order_by_type(meshes, ["A100"] * 4) == [0, 1, 2, 3]  # one type: rank order
+    groups = plan_stage_groups(meshes, [3, 1], 4, rank_order=[1, 3, 0, 2])
+    assert [g.ranks for g in groups] == [[1, 3], [0, 2]]
+    assert group_of_rank(groups, 2).index == 1 and groups[1].local_index(2) == 1
+    # Rows of the fast mesh's micro-batch reach the slow mesh's data-parallel ranks 0 and 2, from TP ranks 1 and 3.
+    fwd = boundary_transfers(groups[0], groups[1], rows=4)
+    assert sorted((t.src, t.dst, t.src_lo, t.src_hi) for t in fwd) == [(1, 0, 0, 2), (1, 2, 2, 4)]
+    with pytest.raises(ValueError, match=r"\{'fast': 3, 'slow': 1\}.*\{'fast': 2, 'slow': 2\}"):
+        rank_order_by_type(meshes, ["fast", "fast", "slow", "fast"])
+    with pytest.raises(ValueError, match="declare none"):
+        rank_order_by_type(parse_hetero_meshes([FAST, dict(data_parallel_size=2)]), INTERLEAVED)
+    with pytest.raises(ValueError, match="not a permutation"):
+        plan_stage_groups(meshes, [3, 1], 4, rank_order=[0, 0, 1, 2])
+
+
+def test_emulated_slowdown_spec_and_timer():
+    assert emulated_slowdown("slow", "") is None
+    assert emulated_slowdown("slow", "slow=2.5, fast=1") == 2.5
+    assert emulated_slowdown("other", "slow=2.5") == 1.0
+    for bad in ("slow", "slow=0.5", "=2", "slow=x"):
+        with pytest.raises(ValueError, match="device_type=factor"):
+            emulated_slowdown("slow", bad)
+    import torch
+
+    timer = BusyTimer(3.0)
+    layer = torch.nn.Linear(8, 8)
+    layer.register_forward_pre_hook(timer.pre_forward)
+    layer.register_forward_hook(timer.post_forward)
+    layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    # Busy time is compute plus (factor - 1) x compute, for the forward and the backward (the sleep itself may last
+    # longer than asked, which only the wall clock would see).
+    assert timer.compute_s > 0 and timer.busy_s == pytest.approx(3.0 * timer.compute_s, rel=1e-9)
+
+
+_SEEN: dict[str, Any] = {}
+
+
+def _run_as_type(
+    types: list[str], slowdown: str | None, strategy: dict, config, steps: int, export_dir: str | None = None, **kw
+):
+    """``trainer_run`` with this rank's ``FLAGSCALE_DEVICE_TYPE`` (and slowdown) set, restored afterwards (the pool
+    workers live on); also returns the blocks per stage the strategy chose. ``export_dir``: HF export at fit end."""
+    import lightning as L
+    import torch.distributed as dist
+
+    class Split(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            _SEEN["layers"] = [g.num_layers for g in trainer.strategy._hetero_groups]
+            _SEEN["ranks"] = [g.ranks for g in trainer.strategy._hetero_groups]
+
+    saved = {k: os.environ.get(k) for k in (DEVICE_TYPE_ENV, SLOWDOWN_ENV)}
+    os.environ[DEVICE_TYPE_ENV] = types[dist.get_rank()]
+    if slowdown:
+        os.environ[SLOWDOWN_ENV] = slowdown
+    try:
+        callbacks: list = [Split()]
+        if export_dir is not None:
+            from lightning_flagscale.callbacks.hf_export import HFExportCallback
+
+            callbacks.append(HFExportCallback(export_dir))
+        losses, params = trainer_run(strategy, config, steps, callbacks=callbacks, **kw)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return losses, params, dict(_SEEN)
+
+
+def test_interleaved_device_types_train_like_one_process(launcher):
+    config = tiny_config(num_layers=4)
+    strategy = dict(hetero_meshes=[FAST, SLOW], hetero_layers=[3, 1], micro_batch_size=2, pipeline_schedule="1f1b")
+    reference = reference_run(config, 3, clip=1.0)
+    out = launcher(4, _run_as_type, INTERLEAVED, None, strategy, config, 3, clip=1.0, batch_size=4)
+    assert_matches_reference([(losses, params) for losses, params, _ in out], reference, "interleaved types")
+    assert out[0][2]["ranks"] == [[1, 3], [0, 2]]
+    held = [set(params) for _, params, _ in out]
+    assert all(any("embed_tokens" in n for n in held[r]) for r in (1, 3))  # the fast ranks run the first stage
+    assert not any("embed_tokens" in n for n in held[0] | held[2])  # the slow ranks run the last stage only
+
+
+def test_profiled_split_under_emulated_slowdown(launcher):
+    """hetero_layers=None, no speeds: every rank times a block (the slow type 4x slower by emulation); the split is
+    agreed on by all ranks, valid, and training through it still equals the single-process run."""
+    config = tiny_config(num_layers=4)
+    strategy = dict(hetero_meshes=[FAST, SLOW], micro_batch_size=2, pipeline_schedule="gpipe")
+    reference = reference_run(config, 3, clip=1.0)
+    out = launcher(4, _run_as_type, INTERLEAVED, "slow=4", strategy, config, 3, clip=1.0, batch_size=4)
+    assert_matches_reference([(losses, params) for losses, params, _ in out], reference, "profiled split")
+    splits = [seen["layers"] for _, _, seen in out]
+    assert all(s == splits[0] for s in splits), splits  # every rank chose the same split
+    assert sum(splits[0]) == 4 and min(splits[0]) >= 1, splits
