@@ -26,9 +26,10 @@ def test_ranks_fill_meshes_by_device_type():
     groups = plan_stage_groups(meshes, [3, 1], 4, rank_order=[1, 3, 0, 2])
     assert [g.ranks for g in groups] == [[1, 3], [0, 2]]
     assert group_of_rank(groups, 2).index == 1 and groups[1].local_index(2) == 1
-    # Rows of the fast mesh's micro-batch reach the slow mesh's data-parallel ranks 0 and 2, from TP ranks 1 and 3.
+    # Rows of the fast mesh's micro-batch reach the slow mesh's data-parallel ranks 0 and 2 from the fast mesh's
+    # global ranks 1 and 3 (its two TP replicas, taken in turn): addressed through the permuted rank lists.
     fwd = boundary_transfers(groups[0], groups[1], rows=4)
-    assert sorted((t.src, t.dst, t.src_lo, t.src_hi) for t in fwd) == [(1, 0, 0, 2), (1, 2, 2, 4)]
+    assert sorted((t.src, t.dst, t.src_lo, t.src_hi) for t in fwd) == [(1, 0, 0, 2), (3, 2, 2, 4)]
     with pytest.raises(ValueError, match=r"\{'fast': 3, 'slow': 1\}.*\{'fast': 2, 'slow': 2\}"):
         rank_order_by_type(meshes, ["fast", "fast", "slow", "fast"])
     with pytest.raises(ValueError, match="declare none"):
