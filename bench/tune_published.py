@@ -220,9 +220,10 @@ def report(hw: HardwareProfile) -> str:
         "Published MFU is converted to tokens/s with `parallel/flops.py`'s `flops_per_token` at 989 TFLOP/s (the source's own FLOP convention may",
         "differ). Error = predicted / published - 1; target |error| <= 20% on rows not used for calibration.",
         "",
-        "The memory column is `tune.memory.estimate_memory` at generation time. On this branch that is still the",
-        "pre-issue-16 memory model (no recompute, materialised attention scores), which is being replaced in parallel;",
-        "its numbers here are not a validated prediction: regenerate after the new memory model lands.",
+        "The memory column is `tune.memory.estimate_memory`: what *this package's* pure-torch layers would hold per",
+        "GPU in that layout (activations derived op by op from our decoder, checked on CPU runs in",
+        "`bench/results/tune_validation.*`). The published runs use fused kernels (flash attention, fused norms and",
+        "cross-entropy) and tuned recompute, so the column is not a prediction of their footprint.",
         "",
         "| run | layout | published tok/s/GPU | predicted | error | within 20% | pred. memory/GPU | source / assumptions |",
         "|---|---|---:|---:|---:|:---:|---:|---|",
@@ -257,9 +258,9 @@ def report(hw: HardwareProfile) -> str:
         lines.append(f"| {name} | {ours / 1e9:.3f} | {formula / 1e9:.3f} | {ours / formula:.2f} |")
     lines += [
         "",
-        "On this branch `tune/memory.py` still *is* the paper's TP / TP+SP formula (so those rows agree by",
-        "construction) and ignores recompute (so the recompute rows are off by the factors shown): the",
-        "comparison becomes informative once the code-matching memory model (issue 16 item 1) replaces it.",
+        "`tune/memory.py` models our own layers (Llama-style SwiGLU, RMSNorm, SDPA, no dropout), not the paper's GPT,",
+        "so the ratios above measure how far our decoder's activation footprint is from Megatron's GPT, per recompute",
+        "policy; they are not an error of the formula.",
     ]
     return "\n".join(lines) + "\n"
 
