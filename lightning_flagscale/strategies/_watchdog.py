@@ -51,6 +51,7 @@ class Watchdog:
         self._seen: dict[int, tuple[str, float]] = {}
         self._sigterm_at: float | None = None
         self._wakeup_r: int | None = None
+        self._wakeup_w: int | None = None
         self._old_wakeup: int | None = None
         self._thread = threading.Thread(target=self._run, name="flagscale-watchdog", daemon=True)
 
@@ -70,11 +71,19 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wakeup_w is not None:  # the thread sleeps in select() on the wakeup pipe: wake it now, not in 5 s
+            with contextlib.suppress(OSError):
+                os.write(self._wakeup_w, b"\0")
         self._thread.join(timeout=2 * self.interval + 1)
         with contextlib.suppress(Exception):
             self._store.set(f"hb{self.rank}", "done")
         if self._old_wakeup is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(self._old_wakeup)
+            if not self._thread.is_alive():
+                for fd in (self._wakeup_r, self._wakeup_w):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._wakeup_r = self._wakeup_w = None
 
     def diagnose(self) -> str:
         """After a failed collective: which ranks' heartbeats stopped (waits 1.5 heartbeat intervals)."""
@@ -101,7 +110,7 @@ class Watchdog:
             os.close(r)
             os.close(w)
             return
-        self._wakeup_r, self._old_wakeup = r, old
+        self._wakeup_r, self._wakeup_w, self._old_wakeup = r, w, old
 
     def _run(self) -> None:
         beat = 0

@@ -11,7 +11,8 @@ resumed from ``last.ckpt``. Two chains, each against its own uninterrupted run:
   micro-batch 2 of step 3's window (micro-batch 1's backward is done, its gradients sit unreduced in the buckets):
   the resume must restart that window from its first micro-batch, and ``last.ckpt`` must still be the end of step 2
   (Lightning's ModelCheckpoint used to save step 2 again after micro-batch 1, mid-window); resumed to step 9, across
-  the epoch boundary (6 steps per epoch).
+  the epoch boundary (6 steps per epoch). Every resumed step's LR is compared too: before the fix the first resumed
+  step ran at the LR the scheduler set when built (warmup step 0), as the optimizer's param groups were not restored.
 - MoE under expert parallelism (``mixtral-tiny``, ``expert_parallel_size=2``, aux-loss-free router biases updated
   every step, one hot expert replicated): killed in the backward of step 4; resumed to step 6. The router biases
   (buffers) and the replicated-expert choice (kept in ``meta.pt``) must be restored for the losses to match.
