@@ -3,8 +3,8 @@
 The runner of ``test_fault_injection.py`` (``_resume_run``: main recipe module, warmup + cosine, clipping,
 ``LMDataModule``, fp32, here a checkpoint every 3 steps). A ZeRO-3 run (DP=2) is killed after step 8; its step-6
 checkpoint resumes under PP=2 (DP=1, twice the per-rank batch: the same global batch), which is killed after step 13;
-its step-12 checkpoint resumes under ZeRO-3 to step 16. Both layouts save and load; every step's LR must equal the oracle's exactly and every loss
-and the final weights within 1e-5 (the layouts sum in other orders).
+its step-12 checkpoint resumes under ZeRO-3 to step 16. Both layouts save and load; every step's LR must equal the
+oracle's exactly and every loss and the final weights within 1e-5 (the layouts sum in other orders).
 """
 
 from __future__ import annotations
