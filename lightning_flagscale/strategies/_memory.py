@@ -1,45 +1,42 @@
-"""The strategy's side of in-memory checkpoints (``callbacks.MemoryCheckpoint``): what a snapshot holds, and the
-collective choice, at restart, between the newest snapshot every rank holds and the newest complete disk checkpoint.
+"""The strategy's side of in-memory checkpoints (``callbacks.MemoryCheckpoint``): taking a snapshot through Lightning's
+public ``Trainer.save_checkpoint``, and the collective choice, at restart, between the newest snapshot and the newest
+complete disk checkpoint.
 
-The launcher cannot make that choice (no process group yet, and on several nodes each node sees only its own
-``/dev/shm``), so with a ``MemoryCheckpoint`` callback a resume (``resume="auto"`` or ``ckpt_path="last"``) goes through
-``load_checkpoint(NEWEST)``, where every rank takes part: the ranks all-gather the steps of their complete snapshots,
-take the newest step all of them hold, and restore it if it is newer than the disk checkpoint rank 0 finds.
+A snapshot is ``trainer.save_checkpoint(folder, storage_options=MemorySnapshot())``: Lightning assembles its
+checkpoint dict (loops, schedulers, callbacks, precision, data position, the strategy's shards) exactly as for
+``ModelCheckpoint``, and ``CheckpointHooks.save_checkpoint`` writes it as an asynchronous sharded (DCP) checkpoint:
+training waits only for the shards to be staged in CPU memory; a background thread writes them.
+
+The launcher cannot choose (no process group yet), so with a ``MemoryCheckpoint`` callback a resume
+(``resume="auto"`` or ``ckpt_path="last"``) goes through ``load_checkpoint(NEWEST)``, where every rank takes part:
+rank 0 finds the newest complete snapshot and the newest complete disk checkpoint, the newer one is loaded by the
+ordinary (resharding) path, so a snapshot resumes under any layout. A snapshot some rank cannot see (another node's
+``/dev/shm``) is skipped with a warning naming the ranks.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_flagscale.checkpoint.memory import read_snapshot
-from lightning_flagscale.strategies._checkpoint import (
-    moe_router_state,
-    optimizer_hparams,
-    restore_local_training_state,
-    restore_moe_router_state,
-    restore_optimizer_hparams,
-    rng_state,
-    set_rng_state,
-)
+from lightning_flagscale.checkpoint.memory import list_snapshots, snapshot_path
+from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
 
-__all__ = [
-    "NEWEST",
-    "choose_snapshot",
-    "load_local_buckets",
-    "local_buckets",
-    "memory_callback",
-    "restore_newest",
-    "snapshot_state",
-]
+__all__ = ["NEWEST", "MemorySnapshot", "choose", "ensure_checkpoint_group", "memory_callback", "restore_newest", "take"]
 
 NEWEST = "flagscale:newest-of-memory-and-disk"
 """The ``ckpt_path`` the launcher passes when a ``MemoryCheckpoint`` callback is present and a resume is asked."""
-_EXTRAS = "flagscale_memory"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySnapshot:
+    """``storage_options`` of ``Trainer.save_checkpoint`` asking ``FlagScaleStrategy`` for an in-memory snapshot:
+    an asynchronous save (the strategy's checkpoint process group) whose non-tensor part is copied at once."""
 
 
 def memory_callback(trainer: Any) -> Any:
@@ -52,46 +49,19 @@ def memory_callback(trainer: Any) -> Any:
     return found[0] if found else None
 
 
-def snapshot_state(trainer: Any) -> dict[str, Any]:
-    """This rank's full training state, as a disk checkpoint holds it (Lightning's dict from the same hooks
-    ``ModelCheckpoint`` calls, with this rank's shards), plus this rank's RNG, router state and param groups."""
-    strategy = trainer.strategy
-    # Lightning's own assembly of a checkpoint dict (loops, schedulers, callbacks, precision, datamodule, the
-    # strategy's shards); `trainer.save_checkpoint` would add a barrier and a file write we do not want here. The
-    # strategy hands its ZeRO shards as they are (no gathers: a snapshot restores into the same layout only).
-    strategy._snapshot_local = True
-    try:
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    finally:
-        strategy._snapshot_local = False
-    state[_EXTRAS] = {
-        "rng": rng_state(),
-        "moe_router_state": moe_router_state(trainer.lightning_module),
-        "optimizer_param_groups": optimizer_hparams(strategy.optimizers),
-    }
-    return state
+def ensure_checkpoint_group(strategy: Any) -> None:
+    """Collectively: the process group asynchronous saves run their collectives on (never interleaved with
+    training's), created by the strategy for ``async_checkpoint=True``, else here."""
+    if strategy._checkpoint_group is None:
+        strategy._checkpoint_group = dist.new_group(backend="gloo")
 
 
-def local_buckets(dopt: Any) -> list[dict[str, Any]]:
-    """A ZeRO-1/2 optimizer's own shards: each bucket's main (fp32) weight slice and its optimizer state."""
-    state = dopt.optimizer.state
-    return [{"main": b.main_param.detach(), "state": dict(state.get(b.main_param, {}))} for b in dopt.buckets]
-
-
-def load_local_buckets(dopt: Any, saved: list[dict[str, Any]]) -> None:
-    """Put :func:`local_buckets` back (same layout), then all-gather the weights into the model."""
-    if len(saved) != len(dopt.buckets):
-        raise ValueError(f"The snapshot has {len(saved)} gradient buckets, this layout {len(dopt.buckets)}.")
-    for bucket, shard in zip(dopt.buckets, saved):
-        main = bucket.main_param
-        with torch.no_grad():
-            main.copy_(shard["main"])
-        # Per-element states go where the main slice lives; scalars (Adam's `step`) stay where the optimizer keeps them.
-        dopt.optimizer.state[main] = {
-            k: (v.to(main.device).clone() if v.dim() > 0 else v.clone()) if isinstance(v, torch.Tensor) else v
-            for k, v in shard["state"].items()
-        }
-    dopt.sync_params()
+def take(trainer: Any, folder: Path) -> float:
+    """Collectively start the snapshot of the current step in ``folder``; returns the seconds training was blocked
+    (waiting for the previous snapshot's write, building the checkpoint dict, staging the shards)."""
+    start = time.perf_counter()
+    trainer.save_checkpoint(snapshot_path(folder, trainer.global_step), storage_options=MemorySnapshot())
+    return time.perf_counter() - start
 
 
 def _disk_candidate(trainer: Any) -> tuple[str | None, int | None]:
@@ -107,60 +77,46 @@ def _disk_candidate(trainer: Any) -> tuple[str | None, int | None]:
     return (str(path), int(read_meta(path).get("global_step", -1))) if path is not None else (None, None)
 
 
-def choose_snapshot(steps_per_rank: list[list[int]], disk_step: int | None) -> tuple[int | None, str]:
-    """The snapshot step to restore (the newest one every rank holds, if newer than the disk checkpoint) or None,
-    and a warning naming the ranks that miss a newer snapshot some rank holds."""
-    common = set(steps_per_rank[0]).intersection(*map(set, steps_per_rank[1:]))
-    newest_common = max(common) if common else None
-    newest = max((s for steps in steps_per_rank for s in steps), default=None)
-    warning = ""
-    if newest is not None and newest != newest_common:
-        missing = [r for r, steps in enumerate(steps_per_rank) if newest not in steps]
-        warning = (
-            f"In-memory snapshot of step {newest} is missing or incomplete on rank(s) {missing};"
-            f" the newest step every rank holds is {newest_common}."
+def choose(memory_step: int | None, disk_step: int | None, missing: list[int]) -> tuple[bool, str]:
+    """Whether to restore the snapshot of ``memory_step`` (newer than the disk checkpoint and seen by every rank;
+    ``missing``: the ranks that cannot see it), and a warning when a newer snapshot is skipped."""
+    if memory_step is None or (disk_step is not None and memory_step <= disk_step):
+        return False, ""
+    if missing:
+        return False, (
+            f"The in-memory snapshot of step {memory_step} is not visible on rank(s) {missing} (a node-local"
+            " /dev/shm?): resuming from the newest disk checkpoint instead. Give MemoryCheckpoint a `dirpath` every"
+            " rank sees."
         )
-    if newest_common is not None and (disk_step is None or newest_common > disk_step):
-        return newest_common, warning
-    return None, warning
+    return True, ""
 
 
 def restore_newest(strategy: Any) -> dict[str, Any]:
-    """Collectively restore the newest state: a memory snapshot complete on every rank if newer than the newest disk
+    """Collectively restore the newest state: the newest complete memory snapshot if it is newer than the newest disk
     checkpoint, else that checkpoint, else nothing (a fresh start). Returns Lightning's checkpoint dict."""
     trainer = strategy.lightning_module.trainer
-    callback = memory_callback(trainer)
-    folder, tag = callback.rank_folder(trainer), callback.tag(trainer)
-    every: list[Any] = [None] * strategy.world_size
-    dist.all_gather_object(every, callback.complete_steps(trainer))
-    disk_path, disk_step = strategy.broadcast(_disk_candidate(trainer) if strategy.is_global_zero else None)
-    memory_step, warning = choose_snapshot(every, disk_step)
+    folder = memory_callback(trainer).folder(trainer)
+    candidates = None
+    if strategy.is_global_zero:
+        steps = list_snapshots(folder)
+        candidates = (steps[-1] if steps else None, *_disk_candidate(trainer))
+    memory_step, disk_path, disk_step = strategy.broadcast(candidates)
+    missing: list[int] = []
+    if memory_step is not None:
+        seen: list[Any] = [None] * strategy.world_size
+        dist.all_gather_object(seen, is_sharded_checkpoint(snapshot_path(folder, memory_step)))
+        missing = [rank for rank, ok in enumerate(seen) if not ok]
+    use_memory, warning = choose(memory_step, disk_step, missing)
     if warning:
         rank_zero_warn(warning)
-    if memory_step is not None:
+    if use_memory:
         rank_zero_info(f"Resuming from the in-memory snapshot of step {memory_step} (newest disk: {disk_path}).")
-        return _load_snapshot(strategy, folder, memory_step, tag)
+        return strategy.load_checkpoint(snapshot_path(folder, memory_step))
     if disk_path is not None:
-        rank_zero_info(f"Resuming from {disk_path} (step {disk_step}): no newer in-memory snapshot held by every rank.")
+        rank_zero_info(f"Resuming from {disk_path} (step {disk_step}): no newer in-memory snapshot.")
         return strategy.load_checkpoint(Path(disk_path))
     rank_zero_info("No in-memory snapshot and no complete checkpoint to resume from: training starts from scratch.")
     return _nothing(trainer)
-
-
-def _load_snapshot(strategy: Any, folder: Path, step: int, tag: str) -> dict[str, Any]:
-    checkpoint = read_snapshot(folder, step, tag)
-    extras = checkpoint.pop(_EXTRAS)
-    module = strategy.lightning_module
-    restore_local_training_state(
-        checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", []), strategy.model, strategy.optimizers,
-        strategy._dist_opt, strict=getattr(module, "strict_loading", True),
-    )  # fmt: skip
-    set_rng_state(extras["rng"])
-    if strategy.optimizers:
-        restore_optimizer_hparams(strategy.optimizers, extras["optimizer_param_groups"])
-    restore_moe_router_state(module, extras["moe_router_state"])
-    strategy.barrier()
-    return checkpoint
 
 
 def _nothing(trainer: Any) -> dict[str, Any]:
