@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from typing_extensions import override
 
+from lightning_flagscale.checkpoint.memory import ChunkStager
 from lightning_flagscale.checkpoint.recovery import clean_interrupted
 from lightning_flagscale.checkpoint.sharded import (
     PendingSave,
@@ -255,6 +256,7 @@ class CheckpointHooks:
     _pending_save: PendingSave | None = None
     _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
     _async_checkpoint: bool = False
+    _snapshot_local: bool = False  # set while `_memory.take` runs: ZeRO-1/2 slices as they lie, no gathers
     _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
 
     @override
@@ -274,6 +276,10 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._snapshot_local:  # MemoryCheckpoint: ZeRO slices saved as they lie (`_memory.local_model_state`)
+            from lightning_flagscale.strategies._memory import local_model_state
+
+            return local_model_state(self.model, list(self._dist_optimizers.values()))
         return model_state(self.model, self._dist_optimizers.values())
 
     @override
@@ -284,6 +290,12 @@ class CheckpointHooks:
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         dopt = self._dist_opt(opt)
+        if self._snapshot_local and dopt is not None:
+            from lightning_flagscale.strategies._memory import local_optimizer_state
+
+            local = local_optimizer_state(dopt)
+            if local is not None:
+                return local
         return optimizer_state(self.model, opt, dopt)
 
     @override
@@ -308,7 +320,8 @@ class CheckpointHooks:
         group = self._checkpoint_group if snapshot or self._async_checkpoint else None
         if group is not None:  # meta.pt is written in the background: not the live objects training goes on changing
             checkpoint = copy.deepcopy(checkpoint)
-        self._pending_save = save_sharded(path, state, checkpoint, async_group=group)
+        stager = ChunkStager() if snapshot else None  # copies all but the `LocalChunks`, already private copies
+        self._pending_save = save_sharded(path, state, checkpoint, async_group=group, async_stager=stager)
         if self._pending_save is None:
             self._last_checkpoint = path
 

@@ -16,18 +16,34 @@ ordinary (resharding) path, so a snapshot resumes under any layout. A snapshot s
 
 from __future__ import annotations
 
+import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.checkpoint.memory import list_snapshots, snapshot_path
+from lightning_flagscale.checkpoint.memory import LocalChunks, flat_blocks, list_snapshots, snapshot_path
 from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
+from lightning_flagscale.parallel.data import DistributedOptimizer
 
-__all__ = ["NEWEST", "MemorySnapshot", "choose", "ensure_checkpoint_group", "memory_callback", "restore_newest", "take"]
+__all__ = [
+    "NEWEST",
+    "MemorySnapshot",
+    "choose",
+    "ensure_checkpoint_group",
+    "local_model_state",
+    "local_optimizer_state",
+    "memory_callback",
+    "restore_newest",
+    "take",
+]
 
 NEWEST = "flagscale:newest-of-memory-and-disk"
 """The ``ckpt_path`` the launcher passes when a ``MemoryCheckpoint`` callback is present and a resume is asked."""
@@ -60,8 +76,76 @@ def take(trainer: Any, folder: Path) -> float:
     """Collectively start the snapshot of the current step in ``folder``; returns the seconds training was blocked
     (waiting for the previous snapshot's write, building the checkpoint dict, staging the shards)."""
     start = time.perf_counter()
-    trainer.save_checkpoint(snapshot_path(folder, trainer.global_step), storage_options=MemorySnapshot())
+    strategy = trainer.strategy
+    strategy._snapshot_local = True  # the strategy's state hooks hand ZeRO-1/2 slices as `LocalChunks`: no gathers
+    try:
+        trainer.save_checkpoint(snapshot_path(folder, trainer.global_step), storage_options=MemorySnapshot())
+    finally:
+        strategy._snapshot_local = False
     return time.perf_counter() - start
+
+
+def _chunks_of(dopt: DistributedOptimizer, bucket: Any, shard: Tensor) -> dict[str, LocalChunks]:
+    """A ZeRO bucket's flat slice ``shard`` (main weights or one optimizer state) as per-parameter ``LocalChunks``:
+    each parameter's part of the slice cut into rectangular blocks at their global offsets (TP/EP shards included)."""
+    lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
+    out = {}
+    for p, offset, numel, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
+        start, stop = max(offset, lo), min(offset + numel, hi)
+        if start >= stop:
+            continue  # another rank's slice holds this parameter
+        origin = [0] * len(shape)
+        if isinstance(p, DTensor):
+            # Private torch helper (as DCP uses): this rank's shard offset in the global parameter.
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, origin = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        chunks = []
+        for block_offsets, sizes, flat in flat_blocks(shape, start - offset, stop - offset):
+            first = offset + flat - lo
+            block = shard[first : first + math.prod(sizes)].detach().view(sizes).to("cpu", copy=True)
+            chunks.append((tuple(o + g for o, g in zip(block_offsets, origin)), block))
+        out[dopt.names[p]] = LocalChunks(p.shape, shard.dtype, chunks)
+    return out
+
+
+def _local(dopt: Any) -> bool:
+    return type(dopt) is DistributedOptimizer and dopt.master_weights  # flat ZeRO-3 and plain DDP: the usual path
+
+
+def local_model_state(model: torch.nn.Module, dopts: Any) -> dict[str, Any]:
+    """``model_state`` for a snapshot: the ZeRO main weights as this rank's ``LocalChunks`` instead of gathered."""
+    from lightning_flagscale.strategies._checkpoint import model_state
+
+    state = model_state(model, [d for d in dopts if not _local(d)])
+    for dopt in filter(_local, dopts):
+        for bucket in dopt.buckets:
+            for p in bucket.params:  # the live weight, also where another rank's slice holds the parameter
+                state.pop(dopt.names[p], None)
+            state.update(_chunks_of(dopt, bucket, bucket.main_param))
+    return state
+
+
+def local_optimizer_state(dopt: Any) -> dict[str, Any] | None:
+    """``DistributedOptimizer.state_dict`` for a snapshot, per-element states as ``LocalChunks`` (None: not ZeRO)."""
+    if not _local(dopt):
+        return None
+    opt = dopt.optimizer
+    state: dict[str, dict[str, Any]] = defaultdict(dict)
+    groups = []
+    for group, buckets in zip(opt.param_groups, dopt.group_buckets):
+        names = []
+        for bucket in buckets:
+            names.extend(dopt.names[p] for p in bucket.params)
+            for key, value in opt.state.get(bucket.main_param, {}).items():
+                if isinstance(value, Tensor) and value.numel() == bucket.shard_numel:
+                    for name, chunks in _chunks_of(dopt, bucket, value).items():
+                        state[name][key] = chunks
+                else:  # scalars such as Adam's `step`: every parameter of the bucket, as `state_dict` does
+                    for p in bucket.params:
+                        state[dopt.names[p]][key] = value.clone() if isinstance(value, Tensor) else value
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return {"state": dict(state), "param_groups": groups}
 
 
 def _disk_candidate(trainer: Any) -> tuple[str | None, int | None]:

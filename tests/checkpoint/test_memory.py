@@ -1,15 +1,25 @@
-"""The in-memory snapshot folder (``checkpoint/memory.py``), the restore choice (``strategies/_memory.py``) and the
-``MemoryCheckpoint`` arguments, in one process. Taking and restoring snapshots under every layout is tested in
+"""The in-memory snapshot folder and ZeRO-slice chunks (``checkpoint/memory.py``), the restore choice
+(``strategies/_memory.py``) and the ``MemoryCheckpoint`` arguments, in one process. Taking and restoring snapshots under every layout is tested in
 ``tests/strategies/test_memory_checkpoint.py``."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_flagscale.callbacks import MemoryCheckpoint
-from lightning_flagscale.checkpoint.memory import list_snapshots, remove_snapshots, run_folder, snapshot_path
+from lightning_flagscale.checkpoint.memory import (
+    ChunkStager,
+    LocalChunks,
+    flat_blocks,
+    list_snapshots,
+    remove_snapshots,
+    run_folder,
+    snapshot_path,
+)
 from lightning_flagscale.checkpoint.sharded import COMPLETE_MARKER
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._memory import choose
@@ -66,3 +76,37 @@ def test_memory_checkpoint_arguments_are_checked():
     with pytest.raises(ValueError, match="every node sees"):
         MemoryCheckpoint().setup(trainer, None, "fit")
     MemoryCheckpoint(dirpath="/shared/snapshots").setup(trainer, None, "fit")  # a shared folder is fine
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (4, 1, 3)])
+def test_flat_blocks_cover_a_flat_range_with_contiguous_rectangles(shape):
+    numel = max(1, math.prod(shape))
+    values = torch.arange(numel).view(shape)
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            covered = torch.zeros(shape, dtype=torch.long)
+            for offsets, sizes, flat in flat_blocks(shape, start, stop):
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                covered[index] += 1
+                assert torch.equal(values[index].reshape(-1), torch.arange(flat, flat + math.prod(sizes)))
+            want = torch.zeros(numel, dtype=torch.long)
+            want[start:stop] = 1
+            assert torch.equal(covered.reshape(-1), want), (start, stop)
+
+
+def test_local_chunks_save_with_dcp_and_load_into_a_whole_tensor(tmp_path):
+    """A (3, 5) weight saved as the blocks of two ZeRO slices, [0, 7) and [7, 15), loads back whole (DCP, 1 process)."""
+    import torch.distributed.checkpoint as dcp
+
+    weight = torch.randn(3, 5)
+    flat = weight.reshape(-1)
+    chunks = [(o, flat[f : f + math.prod(s)].view(s).clone()) for a, b in ((0, 7), (7, 15))
+              for o, s, f in flat_blocks((3, 5), a, b)]  # fmt: skip
+    assert len(chunks) == 4  # row 0 + 2 elements of row 1 | 3 elements of row 1 + row 2
+    saved = {"w": LocalChunks((3, 5), torch.float32, chunks), "b": torch.ones(2)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    staged = ChunkStager().stage(saved)
+    assert staged["w"] is saved["w"] and staged["b"] is not saved["b"] and torch.equal(staged["b"], saved["b"])
+    loaded = {"w": torch.zeros(3, 5), "b": torch.zeros(2)}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(loaded["w"], weight) and torch.equal(loaded["b"], torch.ones(2))
