@@ -5,9 +5,9 @@
 Trains the main recipe's module (AdamW, fp32, ZeRO-1) with ``FlagScaleStrategy`` on ``--world`` CPU processes. From
 the second optimizer step on (Adam states exist), each round takes, in alternating order, one ``MemoryCheckpoint``
 snapshot (``strategies/_memory.take``: ``Trainer.save_checkpoint`` as an asynchronous sharded checkpoint into
-``/dev/shm``; training waits for Lightning's checkpoint dict, the ZeRO-1 gathers into per-parameter tensors and the
-copy of the shards into CPU memory; the files are written by a background thread, whose remaining time is waited for
-and reported separately) and one synchronous ``trainer.save_checkpoint`` (DCP folder on disk: the same state, every
+``/dev/shm``; training waits for Lightning's checkpoint dict, with each rank's ZeRO-1 slices cut into rectangular
+blocks and copied to CPU memory, no gathers; the files are written by a background thread, whose remaining time is
+waited for and reported separately) and one synchronous ``trainer.save_checkpoint`` (DCP folder on disk: the same state, every
 rank's shards written, metadata, rename, barriers). A round's time is the slowest rank's. Reports the median and
 min-max over rounds and writes ``flash_checkpoint.md`` / ``.json`` to ``--out``.
 """
@@ -143,17 +143,17 @@ def main() -> None:
         "",
         "| what training waits for | median (min-max) over rounds, slowest rank |",
         "|---|---|",
-        "| MemoryCheckpoint snapshot (checkpoint dict, ZeRO-1 gathers, copy of the shards to CPU memory) |"
+        "| MemoryCheckpoint snapshot (checkpoint dict, this rank's ZeRO-1 slices copied to CPU memory) |"
         f" {_summary(mem)} |",
         f"| synchronous DCP save (`trainer.save_checkpoint`) | {_summary(dcp)} |",
         f"| (not blocking) rest of the snapshot's background write to /dev/shm | {_summary(write)} |",
         "",
-        f"Ratio of medians (DCP / snapshot): {statistics.median(dcp) / statistics.median(mem):.1f}x. Both write the"
-        " same sharded checkpoint (gathered per parameter, deduplicated across ranks, reshardable): the snapshot to"
-        " /dev/shm in the background, the DCP save to the local disk while training waits for every rank. Most of"
-        " the snapshot's blocking time is building the checkpoint dict, i.e. the ZeRO-1 all-gathers into"
-        " per-parameter tensors (fast on NCCL, slow on CPU gloo): the price of a snapshot that restores under any"
-        " layout.",
+        f"Ratio of medians (DCP / snapshot): {statistics.median(dcp) / statistics.median(mem):.1f}x. Both write a"
+        " sharded checkpoint that any layout loads (DCP reshards it). The synchronous save gathers every ZeRO-1"
+        " slice into per-parameter tensors and writes them to the local disk while training waits for every rank;"
+        " the snapshot saves each rank's slices as they lie (rectangular blocks at their global offsets), so"
+        " training waits only for the checkpoint dict and a copy of this rank's shards, and /dev/shm is written in"
+        " the background.",
         "",
         "| step | order | snapshot blocking (s) | DCP sync (s) | snapshot write (s) |",
         "|---|---|---|---|---|",

@@ -13,8 +13,9 @@ Usage (re-running the same command after a crash continues from the newest state
 A snapshot is a sharded checkpoint like the disk ones (model and optimizer shards keyed by parameter name, Lightning's
 loop, scheduler, callback and data-position state, per-rank RNG, MoE router state, param-group hyperparameters),
 saved through Lightning's public ``Trainer.save_checkpoint`` asynchronously into ``/dev/shm`` (``checkpoint/memory.py``,
-``strategies/_memory.py``): training waits for the checkpoint dict and a copy of its shards into CPU memory (and for
-the previous snapshot's write, one save being in flight at a time); a background thread writes the files. The two
+``strategies/_memory.py``): training waits for the checkpoint dict and a copy of this rank's shards into CPU memory
+(ZeRO-1/2 slices saved as they lie, without the gathers of a disk checkpoint), and for the previous snapshot's write
+(one save in flight at a time); a background thread writes the files. The two
 newest complete snapshots are kept. At restart ``FlagScaleStrategy`` restores the newest complete snapshot when it is
 newer than the newest complete disk checkpoint, under any layout (DCP reshards it like a disk checkpoint). A snapshot
 survives a crash of the training processes, not of the machine: persist with ``ModelCheckpoint``. Snapshots are

@@ -9,7 +9,9 @@ a crash of the training processes but not a reboot of the machine)::
 
 Being an ordinary sharded checkpoint, a snapshot resumes under any layout (DCP reshards it, as a disk checkpoint),
 and a folder with its final name is complete (``sharded.py`` renames it into place once every rank has written).
-Nothing here is collective: taking and choosing snapshots is ``strategies/_memory.py``'s.
+``LocalChunks`` lets a rank save the part of a tensor it holds as any set of rectangular blocks (a ZeRO slice cut
+along the flattened parameter), without gathering it. Nothing here is collective: taking and choosing snapshots is
+``strategies/_memory.py``'s.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ complete disk checkpoint.
 A snapshot is ``trainer.save_checkpoint(folder, storage_options=MemorySnapshot())``: Lightning assembles its
 checkpoint dict (loops, schedulers, callbacks, precision, data position, the strategy's shards) exactly as for
 ``ModelCheckpoint``, and ``CheckpointHooks.save_checkpoint`` writes it as an asynchronous sharded (DCP) checkpoint:
-training waits only for the shards to be staged in CPU memory; a background thread writes them.
+training waits only for the shards to be copied to CPU memory; a background thread writes them. ZeRO-1/2 slices are
+not gathered into per-parameter tensors as for a disk checkpoint: each rank saves its flat slices as they lie, cut
+into rectangular blocks at their global offsets (``LocalChunks``), which DCP stores and reshards like any shard.
 
 The launcher cannot choose (no process group yet), so with a ``MemoryCheckpoint`` callback a resume
 (``resume="auto"`` or ``ckpt_path="last"``) goes through ``load_checkpoint(NEWEST)``, where every rank takes part:
