@@ -19,7 +19,9 @@ saved through Lightning's public ``Trainer.save_checkpoint`` asynchronously into
 newest complete snapshots are kept. At restart ``FlagScaleStrategy`` restores the newest complete snapshot when it is
 newer than the newest complete disk checkpoint, under any layout (DCP reshards it like a disk checkpoint). A snapshot
 survives a crash of the training processes, not of the machine: persist with ``ModelCheckpoint``. Snapshots are
-removed when ``fit`` ends successfully.
+removed when ``fit`` ends successfully. A snapshot folder is an ordinary checkpoint: ``fit(ckpt_path=<folder>)`` and
+``consolidate_checkpoint`` take it. ``on_save_checkpoint`` hooks see the ZeRO-1/2 weights and optimizer states of a
+snapshot as ``LocalChunks`` (this rank's blocks; data only, no tensor operations).
 """
 
 from __future__ import annotations

@@ -110,3 +110,7 @@ def test_local_chunks_save_with_dcp_and_load_into_a_whole_tensor(tmp_path):
     loaded = {"w": torch.zeros(3, 5), "b": torch.zeros(2)}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(loaded["w"], weight) and torch.equal(loaded["b"], torch.ones(2))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # what `consolidate_checkpoint` uses
+
+    dcp_to_torch_save(tmp_path, tmp_path / "whole.pt")
+    assert torch.equal(torch.load(tmp_path / "whole.pt")["w"], weight)

@@ -4,7 +4,7 @@ In the shared workers (world 4, tiny model, plain SGD, ragged labels): a run of 
 step-4 snapshot is then deleted (a crash before it was complete) and the snapshot folder copied. A fresh Trainer on the
 same workers resumes with ``ckpt_path="last"`` (the newest of memory and disk, chosen collectively):
 
-- under the same layout (TP, PP, EP, flat ZeRO-3): steps 3-4 and the final weights equal the uninterrupted run's to
+- under the same layout (TP, PP, EP, flat ZeRO-3, FSDP2 over TP; ZeRO-1 slices saved without gathers): steps 3-4 and the final weights equal the uninterrupted run's to
   the last bit;
 - under another layout (TP=2 -> ZeRO-1 DP=4, PP=2 -> flat ZeRO-3, flat ZeRO-3 -> TP=2 x PP=2): losses and weights
   match the single-process oracle within 1e-5 (the layouts sum in other orders), as a disk checkpoint does.
@@ -33,6 +33,7 @@ PP2 = dict(pipeline_parallel_size=2, micro_batch_size=1, zero_stage=1)
 FLAT3 = dict(zero_stage=3, zero3_impl="flat")
 TP2PP2 = dict(tensor_parallel_size=2, pipeline_parallel_size=2, micro_batch_size=1)
 EP2 = dict(expert_parallel_size=2, zero_stage=1)
+TP2FSDP = dict(tensor_parallel_size=2, zero_stage=3)  # FSDP2 over TP: DTensor shards, staged as DTensors
 
 
 def _moe_config():
@@ -91,6 +92,7 @@ def _assert_bitwise(resumed: tuple, full: tuple, what: str) -> None:
         pytest.param(FLAT3, [FLAT3, TP2PP2], False, id="flat-zero3-then-flat-zero3-and-tp2pp2"),
         pytest.param(TP2, [TP2, ZERO1], False, id="tp2-then-tp2-and-zero1"),
         pytest.param(EP2, [EP2], True, id="ep2"),
+        pytest.param(TP2FSDP, [TP2FSDP], False, id="tp2-fsdp2"),
     ],
 )
 def test_snapshot_resumes_bit_exact_in_its_layout_and_resharded_in_another(launcher, tmp_path, first, others, moe):
