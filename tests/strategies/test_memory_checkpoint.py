@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from lightning_flagscale.callbacks import MemoryCheckpoint
-from lightning_flagscale.checkpoint.memory import default_snapshot_root, list_snapshots, run_folder, snapshot_path
+from lightning_flagscale.checkpoint.memory import (
+    default_snapshot_root,
+    list_snapshots,
+    remove_snapshots,
+    run_folder,
+    snapshot_path,
+)
 from tests.strategies._kill import final_weights, launch, launch_ok, losses
 from tests.strategies._lm import GRAD_NORMS, assert_matches_reference, reference_run, tiny_config, trainer_run
 
@@ -121,24 +127,27 @@ def test_sigkill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path):
     launch_ok({**SPEC, "out": str(ref)})
     assert not run_folder(default_snapshot_root(), str((ref / "ckpt").resolve())).exists(), "removed at fit end"
 
-    killed = launch({**SPEC, "out": str(out), "kill_after_snapshot": 7, "resume": "auto"})
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("epoch")) == ["epoch=0-step=4.ckpt"]
     folder = run_folder(default_snapshot_root(), str((out / "ckpt").resolve()))
-    # The two newest are kept (step 5's deletion, queued behind step 7's write, may not have run before the kill).
-    assert list_snapshots(folder)[-2:] == [6, 7]
+    try:
+        killed = launch({**SPEC, "out": str(out), "kill_after_snapshot": 7, "resume": "auto"})
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("epoch")) == ["epoch=0-step=4.ckpt"]
+        # The two newest are kept (step 5's deletion, queued behind step 7's write, may not have run before the kill).
+        assert list_snapshots(folder)[-2:] == [6, 7]
 
-    resumed = launch({**SPEC, "out": str(out), "resume": "auto"})
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    log = resumed.stdout + resumed.stderr
-    assert "in-memory snapshot of step 7" in log, log[-3000:]
-    assert not folder.exists()
-    want, got = losses(ref), losses(out)
-    assert sorted(got) == list(range(1, 9))
-    for step in range(1, 9):  # same LR, same batch, same loss as the uninterrupted run, to the last bit
-        assert got[step]["lr"] == want[step]["lr"], (step, got[step], want[step])
-        assert got[step]["loss"] == want[step]["loss"], (step, got[step], want[step])
-    ref_weights, weights = final_weights(ref), final_weights(out)
-    assert weights.keys() == ref_weights.keys()
-    for name, value in ref_weights.items():
-        assert torch.equal(weights[name], value), name
+        resumed = launch({**SPEC, "out": str(out), "resume": "auto"})
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        log = resumed.stdout + resumed.stderr
+        assert "in-memory snapshot of step 7" in log, log[-3000:]
+        assert not folder.exists()
+        want, got = losses(ref), losses(out)
+        assert sorted(got) == list(range(1, 9))
+        for step in range(1, 9):  # same LR, same batch, same loss as the uninterrupted run, to the last bit
+            assert got[step]["lr"] == want[step]["lr"], (step, got[step], want[step])
+            assert got[step]["loss"] == want[step]["loss"], (step, got[step], want[step])
+        ref_weights, weights = final_weights(ref), final_weights(out)
+        assert weights.keys() == ref_weights.keys()
+        for name, value in ref_weights.items():
+            assert torch.equal(weights[name], value), name
+    finally:
+        remove_snapshots(folder)  # a failing run leaves nothing in /dev/shm
