@@ -4,11 +4,12 @@
 
 Trains the main recipe's module (AdamW, fp32, ZeRO-1) with ``FlagScaleStrategy`` on ``--world`` CPU processes. From
 the second optimizer step on (Adam states exist), each round takes, in alternating order, one ``MemoryCheckpoint``
-snapshot (what training waits for: Lightning's checkpoint dict with this rank's shards, copied into CPU staging
-buffers; the file in ``/dev/shm`` is written by a background thread, timed separately and waited for before the
-next measurement) and one synchronous ``trainer.save_checkpoint`` (DCP folder on disk: the same dict, every rank's
-shards written, metadata, rename, barriers). A round's time is the slowest rank's. Reports the median and min-max
-over rounds and writes ``flash_checkpoint.md`` / ``.json`` to ``--out``.
+snapshot (``strategies/_memory.take``: ``Trainer.save_checkpoint`` as an asynchronous sharded checkpoint into
+``/dev/shm``; training waits for Lightning's checkpoint dict, with each rank's ZeRO-1 slices cut into rectangular
+blocks and copied to CPU memory, no gathers; the files are written by a background thread, whose remaining time is
+waited for and reported separately) and one synchronous ``trainer.save_checkpoint`` (DCP folder on disk: the same state, every
+rank's shards written, metadata, rename, barriers). A round's time is the slowest rank's. Reports the median and
+min-max over rounds and writes ``flash_checkpoint.md`` / ``.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -38,17 +39,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
     import torch.distributed as dist
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
-    from lightning_flagscale.checkpoint.memory import SnapshotWriter, remove_snapshots
+    from lightning_flagscale.checkpoint.memory import remove_snapshots
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule, TransformerConfig
-    from lightning_flagscale.strategies._memory import snapshot_state
+    from lightning_flagscale.strategies._memory import ensure_checkpoint_group, take
 
     rows: list[dict] = []
+    folder = Path(tempfile.gettempdir() if args.no_shm else "/dev/shm") / f"flash-bench-{port}"
 
     class Measure(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.writer = SnapshotWriter(Path(tempfile.gettempdir() if args.no_shm else "/dev/shm")
-                                         / f"flash-bench-{port}" / f"rank-{rank}", tag="bench")  # fmt: skip
+            ensure_checkpoint_group(trainer.strategy)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
@@ -59,13 +60,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
             for kind in order:
                 dist.barrier()
                 if kind == "memory":
+                    row["memory_blocking_s"] = take(trainer, folder)
                     start = time.perf_counter()
-                    state = snapshot_state(trainer)
-                    row["memory_dict_s"] = time.perf_counter() - start
-                    self.writer.snapshot(step, state)
-                    row["memory_blocking_s"] = time.perf_counter() - start
-                    self.writer.wait()
-                    row["memory_background_write_s"] = self.writer.last_write_seconds
+                    trainer.strategy.wait_for_checkpoint()
+                    row["memory_background_write_s"] = time.perf_counter() - start
+                    if rank == 0:
+                        remove_snapshots(folder, keep={step})
                 else:
                     start = time.perf_counter()
                     trainer.save_checkpoint(Path(scratch) / f"step{step}.ckpt")
@@ -73,8 +73,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
             rows.append(row)
 
         def on_train_end(self, trainer, pl_module):
-            self.writer.close()
-            remove_snapshots(self.writer.folder)
+            dist.barrier()
+            if rank == 0:
+                remove_snapshots(folder)
 
     config = TransformerConfig.from_preset(
         "llama-tiny", hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers,
@@ -128,7 +129,6 @@ def main() -> None:
     mem = [r["memory_blocking_s"] for r in rounds]
     dcp = [r["dcp_sync_s"] for r in rounds]
     write = [r["memory_background_write_s"] for r in rounds]
-    build = [r["memory_dict_s"] for r in rounds]
     load = os.getloadavg()
     state_mb = params * 4 * 3 / 1e6  # fp32 weights + two Adam moments (ZeRO-1: the moments are sharded over ranks)
     lines = [
@@ -143,14 +143,17 @@ def main() -> None:
         "",
         "| what training waits for | median (min-max) over rounds, slowest rank |",
         "|---|---|",
-        f"| MemoryCheckpoint snapshot (checkpoint dict + copy to CPU staging buffers) | {_summary(mem)} |",
-        f"| of which: building the checkpoint dict (Lightning's hooks; ZeRO-1 shards as they are, no gathers) | {_summary(build)} |",
+        "| MemoryCheckpoint snapshot (checkpoint dict, this rank's ZeRO-1 slices copied to CPU memory) |"
+        f" {_summary(mem)} |",
         f"| synchronous DCP save (`trainer.save_checkpoint`) | {_summary(dcp)} |",
-        f"| (not blocking) background write of the snapshot to /dev/shm | {_summary(write)} |",
+        f"| (not blocking) rest of the snapshot's background write to /dev/shm | {_summary(write)} |",
         "",
-        f"Ratio of medians (DCP / snapshot): {statistics.median(dcp) / statistics.median(mem):.1f}x. The first two"
-        " snapshots also allocate the two staging buffers (reused afterwards). The DCP save writes the same state"
-        " (gathered per parameter, deduplicated across ranks) to the local disk and waits for every rank.",
+        f"Ratio of medians (DCP / snapshot): {statistics.median(dcp) / statistics.median(mem):.1f}x. Both write a"
+        " sharded checkpoint that any layout loads (DCP reshards it). The synchronous save gathers every ZeRO-1"
+        " slice into per-parameter tensors and writes them to the local disk while training waits for every rank;"
+        " the snapshot saves each rank's slices as they lie (rectangular blocks at their global offsets), so"
+        " training waits only for the checkpoint dict and a copy of this rank's shards, and /dev/shm is written in"
+        " the background.",
         "",
         "| step | order | snapshot blocking (s) | DCP sync (s) | snapshot write (s) |",
         "|---|---|---|---|---|",

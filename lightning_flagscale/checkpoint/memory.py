@@ -1,20 +1,17 @@
-"""In-memory ("flash") snapshots of one rank's training state, kept in host memory that outlives the process.
+"""Where in-memory ("flash") snapshots live: one sharded (DCP) checkpoint folder per step in host memory that outlives
+the training processes.
 
-A snapshot is what a disk checkpoint holds for this rank (its model and optimizer shards, Lightning's loop, scheduler,
-callback and data-position state, its RNG), written as one file per rank and step into a folder of ``/dev/shm``
-(RAM-backed on Linux, so it survives a crash of the training process but not a reboot of the machine)::
+A snapshot is a checkpoint like the disk ones (``sharded.py``: model and optimizer shards keyed by parameter name,
+``meta.pt``, ``COMPLETE``), written asynchronously into a folder of ``/dev/shm`` (RAM-backed on Linux, so it survives
+a crash of the training processes but not a reboot of the machine)::
 
-    /dev/shm/lightning-flagscale-<run>/rank-00001/step-000000012-<layout>.pt
+    /dev/shm/lightning-flagscale-<run>/step-000000012/
 
-Taking a snapshot blocks training only for a copy of the tensors into CPU staging buffers (:meth:`SnapshotWriter.
-snapshot`); a background thread serialises the staged copy to ``*.tmp`` and renames it into place, so a file with its
-final name is always complete. Two staging buffers alternate (double buffering): the copy of snapshot ``k`` waits only
-for the write of snapshot ``k - 2``. The two newest complete snapshots are kept, so when a crash interrupts a write,
-every rank still holds the previous step and the ranks can agree on a common one (``newest_common_step``).
-
-DLRover's flash checkpoint does the same with shared memory kept by an agent process; files in ``/dev/shm`` need no
-agent. Nothing here is collective: the restore decision (which step every rank holds, memory vs disk) is made by the
-caller.
+Being an ordinary sharded checkpoint, a snapshot resumes under any layout (DCP reshards it, as a disk checkpoint),
+and a folder with its final name is complete (``sharded.py`` renames it into place once every rank has written).
+``LocalChunks`` lets a rank save the part of a tensor it holds as any set of rectangular blocks (a ZeRO slice cut
+along the flattened parameter), without gathering it. Nothing here is collective: taking and choosing snapshots is
+``strategies/_memory.py``'s.
 """
 
 from __future__ import annotations
@@ -22,34 +19,35 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 import os
-import queue
 import re
 import shutil
 import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
 
 __all__ = [
-    "SnapshotWriter",
+    "ChunkStager",
+    "LocalChunks",
     "default_snapshot_root",
-    "fill_state",
-    "layout_tag",
+    "flat_blocks",
     "list_snapshots",
-    "read_snapshot",
     "remove_snapshots",
-    "snapshot_folder",
+    "run_folder",
+    "snapshot_path",
 ]
 
 ENV_ROOT = "FLAGSCALE_MEMORY_CHECKPOINT_DIR"
-_NAME = re.compile(r"^step-(\d{9})-([0-9a-f]+)\.pt$")
-KEEP = 2  # complete snapshots kept per rank: a write interrupted by a crash still leaves the previous step everywhere
+_NAME = re.compile(r"^step-(\d{9})$")
 
 
 def default_snapshot_root() -> Path:
@@ -60,209 +58,147 @@ def default_snapshot_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def snapshot_folder(root: str | os.PathLike, run_key: str, rank: int) -> Path:
-    """This rank's folder for the run identified by ``run_key`` (e.g. the absolute checkpoint folder) and the user."""
+def run_folder(root: str | os.PathLike, run_key: str) -> Path:
+    """The snapshot folder of the run identified by ``run_key`` (e.g. the absolute checkpoint folder) and the user."""
     digest = hashlib.sha1(f"{os.getuid() if hasattr(os, 'getuid') else 0}:{run_key}".encode()).hexdigest()[:12]
-    return Path(root) / f"lightning-flagscale-{digest}" / f"rank-{rank:05d}"
+    return Path(root) / f"lightning-flagscale-{digest}"
 
 
-def layout_tag(*parts: Any) -> str:
-    """A short tag of what a snapshot can only be restored into (world size, this rank's layout)."""
-    return hashlib.sha1(repr(parts).encode()).hexdigest()[:10]
+def snapshot_path(folder: str | os.PathLike, step: int) -> Path:
+    """The checkpoint folder of the snapshot taken after optimizer step ``step``."""
+    return Path(folder) / f"step-{step:09d}"
 
 
-def list_snapshots(folder: str | os.PathLike, tag: str) -> list[int]:
-    """Steps of the complete snapshots in ``folder`` taken under ``tag``, ascending."""
+def list_snapshots(folder: str | os.PathLike) -> list[int]:
+    """Steps of the complete snapshots in ``folder``, ascending (unfinished ``*.tmp-*`` folders are not listed)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     steps = []
     for path in folder.iterdir():
         match = _NAME.match(path.name)
-        if match and match.group(2) == tag:
+        if match and is_sharded_checkpoint(path):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
 
-def _path(folder: Path, step: int, tag: str) -> Path:
-    return folder / f"step-{step:09d}-{tag}.pt"
-
-
-def remove_snapshots(folder: str | os.PathLike, keep: set[int] | None = None, tag: str | None = None) -> None:
-    """Remove this rank's snapshots (and unfinished ``*.tmp`` files) except the steps in ``keep`` taken under ``tag``;
-    with ``keep=None`` the whole folder, and its run folder when no other rank's folder is left."""
+def remove_snapshots(folder: str | os.PathLike, keep: set[int] | None = None) -> None:
+    """Remove the snapshots (and unfinished saves) in ``folder`` except the steps in ``keep``; with ``keep=None`` the
+    whole folder."""
     folder = Path(folder)
     if keep is None:
         shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            folder.parent.rmdir()  # the last rank to finish removes the run folder
         return
     if not folder.is_dir():
         return
     for path in folder.iterdir():
         match = _NAME.match(path.name)
-        if match and match.group(2) == tag and int(match.group(1)) in keep:
+        if match and int(match.group(1)) in keep:
             continue
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-# ---------------------------------------------------------------------------------------------------- staging
-class _Ref:
-    """Where a tensor sat in the state tree (its index in the flat tensor list)."""
+# ---------------------------------------------------------------------------------------------------- local chunks
+def flat_blocks(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The rectangular blocks (offsets, sizes, flat start) that cover the row-major flat range ``[start, stop)`` of a
+    tensor of ``shape``: at most two partial blocks per dimension around one block of whole rows."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
+    zeros = (0,) * (len(shape) - 1)
 
-    __slots__ = ("index",)
+    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in flat_blocks(shape[1:], a, b)]
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    if r0 == r1:
+        return in_row(r0, c0, c1)
+    blocks = in_row(r0, c0, inner) if c0 else []
+    first = r0 + 1 if c0 else r0
+    if r1 > first:
+        blocks.append(((first, *zeros), (r1 - first, *shape[1:]), first * inner))
+    return blocks + (in_row(r1, 0, c1) if c1 else [])
 
-    def __reduce__(self):
-        return (_Ref, (self.index,))
+
+class LocalChunks(Tensor):
+    """A tensor of global shape ``size`` of which this rank saves only ``chunks`` (global offsets, block: a private
+    CPU copy). It speaks DCP's checkpointable protocol (as DTensor does), so a ZeRO-1/2 slice is saved as it lies,
+    without gathering it into per-parameter tensors first, and any layout reads it back like a gathered one. Holds
+    data only: no tensor operation runs on it."""
+
+    chunks: list[tuple[tuple[int, ...], Tensor]]
+
+    @staticmethod
+    def __new__(cls, size: Sequence[int], dtype: torch.dtype, chunks: list[tuple[tuple[int, ...], Tensor]]):
+        tensor = Tensor._make_wrapper_subclass(cls, tuple(size), dtype=dtype, device="cpu")
+        tensor.chunks = chunks
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"LocalChunks only carries checkpoint data; {func} does not apply to it.")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.shape),
+                    properties=TensorProperties.create_from_tensor(block),
+                    size=self.shape,
+                ),
+            )
+            for offsets, block in self.chunks
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=b.shape) for o, b in self.chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> Tensor:
+        for offsets, block in self.chunks:
+            if torch.Size(offsets) == index.offset:
+                return block
+        raise ValueError(f"LocalChunks {index.fqn}: no chunk at offset {tuple(index.offset)}.")
 
 
-def _split(tree: Any, tensors: list[Tensor]) -> Any:
-    """The tree with every tensor replaced by a ``_Ref`` (tensors appended to ``tensors``), other leaves deep-copied:
-    training may mutate them (a callback's live dict) while the background thread writes."""
+def _stage(tree: Any) -> Any:
+    if isinstance(tree, LocalChunks):
+        return tree  # its blocks are private copies already
+    if isinstance(tree, DTensor):
+        local = tree.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
+                                  stride=tree.stride())  # fmt: skip
     if isinstance(tree, Tensor):
-        tensors.append(tree.to_local() if hasattr(tree, "to_local") else tree)
-        return _Ref(len(tensors) - 1)
+        return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
-        out = copy.copy(tree)  # shallow, keeps the type (OrderedDict, defaultdict...)
-        for k, v in tree.items():
-            out[k] = _split(v, tensors)
-        return out
-    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-        return type(tree)(_split(v, tensors) for v in tree)
+        return {key: _stage(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_stage(value) for value in tree)
     return copy.deepcopy(tree)
 
 
-def _join(tree: Any, tensors: list[Tensor]) -> Any:
-    if isinstance(tree, _Ref):
-        return tensors[tree.index]
-    if isinstance(tree, dict):
-        out = copy.copy(tree)
-        for k, v in tree.items():
-            out[k] = _join(v, tensors)
-        return out
-    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-        return type(tree)(_join(v, tensors) for v in tree)
-    return tree
+class ChunkStager(AsyncStager):
+    """``dcp.async_save``'s staging for snapshots: a CPU copy of every tensor (training goes on changing the live
+    ones) except ``LocalChunks``, whose blocks were copied when they were cut."""
 
+    _synchronize_after_execute = False
 
-@dataclass(kw_only=True)
-class _Buffer:
-    """CPU staging tensors reused across snapshots with the same structure; ``free`` is set once written."""
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _stage(state_dict)
 
-    tensors: list[Tensor] = field(default_factory=list)
-    free: threading.Event = field(default_factory=threading.Event)
-
-    def stage(self, sources: list[Tensor]) -> None:
-        same = len(sources) == len(self.tensors) and all(
-            s.shape == t.shape and s.dtype == t.dtype for s, t in zip(sources, self.tensors)
-        )
-        if not same:  # first use, or the state grew (optimizer states appear at the first step)
-            self.tensors = [torch.empty(s.shape, dtype=s.dtype, device="cpu") for s in sources]
-        with torch.no_grad():
-            for src, dst in zip(sources, self.tensors):
-                dst.copy_(src.detach())
-
-
-class SnapshotWriter:
-    """Takes this rank's snapshots: a blocking copy into a staging buffer, then a background write and rename."""
-
-    def __init__(self, folder: str | os.PathLike, tag: str, keep: int = KEEP) -> None:
-        self.folder = Path(folder)
-        self.tag = tag
-        self.keep = keep
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._buffers = [_Buffer(), _Buffer()]
-        for buffer in self._buffers:
-            buffer.free.set()
-        self._count = 0
-        self._jobs: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self.last_write_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="flagscale-memory-checkpoint", daemon=True)
-        self._thread.start()
-
-    def snapshot(self, step: int, state: dict[str, Any]) -> float:
-        """Stage ``state`` (tensors copied to CPU, the rest deep-copied) and queue its write; returns the seconds
-        training was blocked."""
-        start = time.perf_counter()
-        self._raise_if_failed()
-        buffer = self._buffers[self._count % 2]
-        self._count += 1
-        buffer.free.wait()  # the write of the snapshot two before this one, which used the same buffer
-        self._raise_if_failed()
-        sources: list[Tensor] = []
-        skeleton = _split(state, sources)
-        buffer.free.clear()
-        buffer.stage(sources)
-        self._jobs.put((step, skeleton, buffer))
-        return time.perf_counter() - start
-
-    def wait(self) -> None:
-        """Block until every queued snapshot is written."""
-        for buffer in self._buffers:
-            buffer.free.wait()
-        self._raise_if_failed()
+    def synchronize_staging(self) -> None:
+        pass  # staging is synchronous
 
     def close(self) -> None:
-        with contextlib.suppress(BaseException):
-            self.wait()
-        self._jobs.put(None)
-        self._thread.join(timeout=60)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"Writing an in-memory snapshot to {self.folder} failed") from self._error
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            step, skeleton, buffer = job
-            try:
-                start = time.perf_counter()
-                final = _path(self.folder, step, self.tag)
-                tmp = final.with_name(final.name + ".tmp")
-                torch.save({"skeleton": skeleton, "tensors": buffer.tensors}, tmp)
-                os.replace(tmp, final)  # atomic: a file with its final name is complete
-                steps = list_snapshots(self.folder, self.tag)
-                remove_snapshots(self.folder, keep=set(steps[-self.keep :]), tag=self.tag)
-                self.last_write_seconds = time.perf_counter() - start
-            except BaseException as error:  # reported to the training thread at the next snapshot
-                self._error = error
-            finally:
-                buffer.free.set()
-
-
-def read_snapshot(folder: str | os.PathLike, step: int, tag: str) -> dict[str, Any]:
-    """The state tree of a complete snapshot, tensors on the CPU."""
-    path = _path(Path(folder), step, tag)
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise RuntimeError(f"Cannot read the in-memory snapshot {path}: {error}") from error
-    return _join(saved["skeleton"], saved["tensors"])
-
-
-def fill_state(template: Any, saved: Any) -> Any:
-    """``template`` (this rank's live layout: DTensors, device tensors) with the values of ``saved`` (the same tree
-    as a snapshot stored it: local shards on the CPU) copied in place into its tensors; non-tensor leaves from
-    ``saved``. Template keys missing from ``saved`` keep the template's value."""
-    if isinstance(template, Tensor):
-        if not isinstance(saved, Tensor):
-            return saved
-        local = template.to_local() if hasattr(template, "to_local") else template
-        if local.shape != saved.shape:
-            raise ValueError(f"In-memory snapshot tensor of shape {tuple(saved.shape)} != {tuple(local.shape)}.")
-        with torch.no_grad():
-            local.copy_(saved)
-        return template
-    if isinstance(template, dict) and isinstance(saved, dict):
-        out = copy.copy(saved)
-        for key, value in template.items():
-            out[key] = fill_state(value, saved[key]) if key in saved else value
-        return out
-    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
-        return type(saved)(fill_state(t, s) for t, s in zip(template, saved))
-    return saved
+        pass

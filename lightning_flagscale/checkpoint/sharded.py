@@ -71,12 +71,14 @@ def save_sharded(
     meta: dict[str, Any],
     *,
     async_group: dist.ProcessGroup | None = None,
+    async_stager: Any = None,
 ) -> PendingSave | None:
     """Collectively save ``state`` (DCP, every rank) and ``meta`` (rank 0) to ``path``, atomically.
 
     With ``async_group`` (a process group used only by checkpointing, so the writer thread's collectives never mix
     with training's) the tensors are staged to CPU memory, written by a background thread, and the checkpoint is
     renamed into place when the write has finished on every rank; the returned ``PendingSave`` waits for that.
+    ``async_stager``: DCP's staging to use instead of the writer's (a copy of every tensor).
     """
     path = Path(path)
     tmp = Path(_broadcast_object(str(path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
@@ -95,7 +97,7 @@ def save_sharded(
             _finalize(tmp, path, meta)
         _barrier()
         return None
-    future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
+    future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_group, async_stager=async_stager)
     _save_event("async_started", tmp)
     return PendingSave(future, (lambda: _finalize(tmp, path, meta)) if rank == 0 else None, path)
 

@@ -3,6 +3,7 @@ and out of DCP folders, per-rank RNG state and the rest of the training state.""
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from typing_extensions import override
 
+from lightning_flagscale.checkpoint.memory import ChunkStager
 from lightning_flagscale.checkpoint.recovery import clean_interrupted
 from lightning_flagscale.checkpoint.sharded import (
     PendingSave,
@@ -34,7 +36,6 @@ __all__ = [
     "optimizer_hparams",
     "optimizer_state",
     "optimizer_template",
-    "restore_local_training_state",
     "restore_moe_router_state",
     "restore_optimizer_hparams",
     "restore_training_meta",
@@ -216,52 +217,6 @@ def load_training_state(
     _apply_state(state, model, optimizers, dist_opt, strict)
 
 
-def restore_local_training_state(
-    saved_model: dict[str, Any],
-    saved_optimizers: Sequence[dict[str, Any]],
-    model: torch.nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    dist_opt: Callable[[torch.optim.Optimizer], DistributedOptimizer | None],
-    *,
-    strict: bool,
-) -> None:
-    """Load this rank's own state as an in-memory snapshot took it in the same layout (``CheckpointHooks`` with
-    ``_snapshot_local``): model tensors copied into the live (DTensor) ones, ZeRO-1/2 main-weight and optimizer
-    shards as they are (then all-gathered into the model), other optimizers through DCP's setters."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        _init_optim_state,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    from lightning_flagscale.checkpoint.memory import fill_state
-    from lightning_flagscale.strategies._memory import load_local_buckets
-
-    if len(saved_optimizers) != len(optimizers):
-        raise ValueError(
-            f"The snapshot holds {len(saved_optimizers)} optimizer(s) but `configure_optimizers` returned"
-            f" {len(optimizers)}; resume with the same optimizers."
-        )
-    options = StateDictOptions(full_state_dict=False)
-    template = get_model_state_dict(model, options=options)
-    set_model_state_dict(model, fill_state(template, saved_model), options=StateDictOptions(strict=strict))
-    for opt, saved in zip(optimizers, saved_optimizers):
-        dopt = dist_opt(opt)
-        if dopt is not None and "local_buckets" in saved:
-            load_local_buckets(dopt, saved["local_buckets"])
-        elif dopt is not None:
-            keys = {key for s in saved.get("state", {}).values() for key in s}
-            dopt.load_state_dict(fill_state(optimizer_template(dopt, keys), saved))
-            dopt.sync_params()
-        else:
-            _init_optim_state(opt)
-            filled = fill_state(get_optimizer_state_dict(model, opt, options=options), saved)
-            set_optimizer_state_dict(model, opt, filled, options=options)
-
-
 def training_meta(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], world_size: int) -> dict:
     """Collectively: what a checkpoint's ``meta.pt`` needs beyond Lightning's dict for an exact resume (per-rank RNG,
     MoE router state of every pipeline stage, param-group hyperparameters)."""
@@ -300,8 +255,9 @@ class CheckpointHooks:
 
     _pending_save: PendingSave | None = None
     _last_checkpoint: Path | None = None  # newest complete checkpoint this run wrote (the rollback target)
+    _async_checkpoint: bool = False
+    _snapshot_local: bool = False  # set while `_memory.take` runs: ZeRO-1/2 slices as they lie, no gathers
     _checkpoint_group: dist.ProcessGroup | None = None  # async saves: collectives never interleaved with training's
-    _snapshot_local: bool = False  # set while `_memory.snapshot_state` runs: this rank's shards as they are
 
     @override
     def on_train_start(self) -> None:
@@ -320,8 +276,10 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._snapshot_local:  # the ZeRO main weights travel with the optimizer's local shards: no gather
-            return model_state(self.model, ())
+        if self._snapshot_local:  # MemoryCheckpoint: ZeRO slices saved as they lie (`_memory.local_model_state`)
+            from lightning_flagscale.strategies._memory import local_model_state
+
+            return local_model_state(self.model, list(self._dist_optimizers.values()))
         return model_state(self.model, self._dist_optimizers.values())
 
     @override
@@ -332,10 +290,12 @@ class CheckpointHooks:
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         dopt = self._dist_opt(opt)
-        if self._snapshot_local and dopt is not None and dopt.master_weights:
-            from lightning_flagscale.strategies._memory import local_buckets
+        if self._snapshot_local and dopt is not None:
+            from lightning_flagscale.strategies._memory import local_optimizer_state
 
-            return {"local_buckets": local_buckets(dopt)}
+            local = local_optimizer_state(dopt)
+            if local is not None:
+                return local
         return optimizer_state(self.model, opt, dopt)
 
     @override
@@ -344,7 +304,10 @@ class CheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
+        from lightning_flagscale.strategies._memory import MemorySnapshot
+
+        snapshot = isinstance(storage_options, MemorySnapshot)  # MemoryCheckpoint: asynchronous, into host memory
+        if storage_options is not None and not snapshot:
             raise TypeError("FlagScaleStrategy.save_checkpoint does not take storage_options (it writes DCP folders).")
         self._mark("save_checkpoint: DCP write, all_gather_object, barriers")
         path = Path(self.broadcast(str(filepath)))
@@ -354,7 +317,11 @@ class CheckpointHooks:
         checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
         checkpoint["parallel_config"] = vars(self.parallel).copy()
         self.wait_for_checkpoint()  # one save in flight at a time
-        self._pending_save = save_sharded(path, state, checkpoint, async_group=self._checkpoint_group)
+        group = self._checkpoint_group if snapshot or self._async_checkpoint else None
+        if group is not None:  # meta.pt is written in the background: not the live objects training goes on changing
+            checkpoint = copy.deepcopy(checkpoint)
+        stager = ChunkStager() if snapshot else None  # copies all but the `LocalChunks`, already private copies
+        self._pending_save = save_sharded(path, state, checkpoint, async_group=group, async_stager=stager)
         if self._pending_save is None:
             self._last_checkpoint = path
 
