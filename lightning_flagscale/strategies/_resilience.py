@@ -116,7 +116,7 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
         auto = self._resume == "auto" and fit["ckpt_path"] is None and trainer.ckpt_path is None
         chosen = None
         if memory_callback(trainer) is not None and (auto or fit["ckpt_path"] == "last"):
-            # Memory snapshots live in each node's /dev/shm: the ranks choose together in `load_checkpoint(NEWEST)`.
+            # Snapshot or disk checkpoint: rank 0 picks the newest complete one in `load_checkpoint(NEWEST)`.
             chosen = NEWEST
             args = (*args[:_FIT_CKPT], None, *args[_FIT_CKPT + 1 :])
         elif auto:
