@@ -80,11 +80,13 @@ def _row(shape: torch.Size) -> int:
 class FlatUnit:
     """One unit: flat layout, this rank's shard, the full buffer and its collectives."""
 
-    def __init__(self, index: int, module: nn.Module, params: dict[int, list[tuple[str, nn.Module, str]]], group,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:  # fmt: skip
+    def __init__(self, index: int, module: nn.Module, params: dict[int, list[tuple[str, nn.Module, str]]], mesh,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, spmd_mesh=None) -> None:  # fmt: skip
         self.index = index
         self.module = module
-        self.group = group
+        self.mesh = mesh  # the ranks sharing the unit: dp x cp, or edp for expert units
+        self.spmd_mesh = spmd_mesh  # (mesh, model-parallel dim) under TP / EP: the mesh of the checkpoint DTensors
+        self.group = group = mesh.get_group()
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slots: list[_Slot] = []
@@ -126,6 +128,11 @@ class FlatUnit:
         self._src: Tensor | None = None
         self.leaf: Tensor | None = None
         self.backward_started = False
+        # A recompute-wrapped block (``pipeline_recompute.py``): its forward hooks run outside the checkpointed
+        # region, so the recomputation in backward reads whatever the module holds: the pre-backward hook puts
+        # views of the re-gathered buffer back.
+        self.recompute = getattr(module, "_recompute_mode", None) not in (None, "none")
+        self.grad_acc: Tensor | None = None  # full gradient summed over micro-batches (deferred reduction, PP)
 
     # ---- layout ----------------------------------------------------------------------------------------------
     def _fill_shard_from_params(self) -> None:
@@ -189,11 +196,14 @@ class FlatUnit:
             self.gathered = False
 
     # ---- views -----------------------------------------------------------------------------------------------
-    def use_full_views(self, as_params: bool = False) -> None:
-        """Set views of the full buffer as the module's parameters (autograd leaf when grad is enabled)."""
+    def use_full_views(self, as_params: bool = False, detached: bool = False) -> None:
+        """Set views of the full buffer as the module's parameters (autograd leaf when grad is enabled; ``detached``:
+        views of a leaf without hooks, for a recomputation in backward, whose graph is never differentiated)."""
         base = self.full
         if as_params:
             base = self.full.detach()
+        elif detached:  # requires grad as in forward, so autograd saves the same tensors (checkpoint checks that)
+            base = self.full.detach().requires_grad_(True)
         elif torch.is_grad_enabled() and any(s.shard.requires_grad for s in self.slots):
             # A new TensorImpl over the same storage (``.data``: own version counter, so re-gathering into
             # ``self.full`` for backward does not invalidate the views autograd saved).
@@ -222,18 +232,32 @@ class FlatUnit:
     # ---- gradients -------------------------------------------------------------------------------------------
     def _on_grad(self, leaf: Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        self.use_shards()  # views a recomputation set
         self.owner.reduce_scatter(self, grad)
 
     owner: FlatZero3
 
 
 class FlatZero3:
-    """The flat ZeRO-3 units of one model part, in forward order (root first), and their hook logic."""
+    """The flat ZeRO-3 units of one model part, in forward order (root first, if any), and their hook logic.
 
-    def __init__(self, units: list[FlatUnit], dp_mesh, spmd_mesh=None) -> None:
+    ``backward_order``: the units in the order their backward begins (the reverse of the order their forwards
+    end: a nested expert unit right after its block); default: the root, then the others reversed.
+    ``defer_reduce`` (pipeline stages): gradients of every micro-batch are summed in full and reduce-scattered once,
+    by :meth:`reduce_deferred` after the stage's last backward (the pipeline stage calls it).
+    """
+
+    def __init__(self, units: list[FlatUnit], dp_mesh, spmd_mesh=None, *, has_root: bool = True,
+                 backward_order: list[FlatUnit] | None = None, defer_reduce: bool = False) -> None:  # fmt: skip
         self.units = units
         self.dp_mesh = dp_mesh
         self.spmd_mesh = spmd_mesh  # (dp_cp, tp) under TP: the mesh of the checkpoint DTensors
+        self.has_root = has_root
+        self.defer_reduce = defer_reduce
+        if backward_order is None:
+            backward_order = units[:1] + units[:0:-1] if has_root else units[::-1]
+        self.backward_order = backward_order
+        self._backward_next = {id(u): n for u, n in zip(backward_order, backward_order[1:])}
         self.trace: list | None = None  # set to a list to record collective launches (tests)
         self._pending: list[tuple[FlatUnit, Tensor, dist.Work, Tensor]] = []
         self._callback_queued = False
@@ -247,8 +271,8 @@ class FlatZero3:
             self._handles.extend(hooks)
 
     @property
-    def root(self) -> FlatUnit:
-        return self.units[0]
+    def root(self) -> FlatUnit | None:
+        return self.units[0] if self.has_root else None
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for unit in self.units:
@@ -258,19 +282,21 @@ class FlatZero3:
     # ---- forward ---------------------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: FlatUnit) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            if torch._C._current_graph_task_id() != -1:
-                raise RuntimeError("flat ZeRO-3 does not support recomputation inside backward (refused by config).")
+            # Inside backward: a recomputation (a unit nested in a checkpointed region, e.g. experts in a block).
+            in_backward = torch._C._current_graph_task_id() != -1
             unit.unshard_async(self.trace)
-            if unit.index + 1 < len(self.units):  # prefetch: the next unit's gather overlaps this unit's compute
+            if not in_backward and unit.index + 1 < len(self.units):  # prefetch: overlaps this unit's compute
                 self.units[unit.index + 1].unshard_async(self.trace)
             unit.wait()
-            unit.use_full_views()
+            unit.use_full_views(detached=in_backward)
 
         return hook
 
     def _post_forward_hook(self, unit: FlatUnit) -> Callable:
         def hook(module: nn.Module, args: tuple, output) -> None:
             unit.use_shards()
+            if torch._C._current_graph_task_id() != -1:
+                return  # recomputed: stay gathered (the saved tensors read the buffer) until the gradient is reduced
             training = unit.leaf is not None and torch.is_grad_enabled()
             if not (training and unit is self.root):  # the root is needed again at once by backward (its head)
                 unit.reshard()
@@ -290,24 +316,51 @@ class FlatZero3:
             unit.unshard_async(self.trace)  # a no-op when still full (the root) or prefetched
             if not unit.backward_started:
                 unit.backward_started = True
-                # Prefetch the unit whose backward runs next (the previous one in forward order; the root stays full).
-                if unit.index > 1:
-                    self.units[unit.index - 1].unshard_async(self.trace)
-                elif unit is self.root and len(self.units) > 1:
-                    self.units[-1].unshard_async(self.trace)
+                nxt = self._backward_next.get(id(unit))  # prefetch the unit whose backward runs next
+                if nxt is not None:
+                    nxt.unshard_async(self.trace)
             unit.wait()
+            if unit.recompute:
+                with torch.enable_grad():  # as in forward: views that require grad (backward runs without grad)
+                    unit.use_full_views(detached=True)
 
         return hook
 
     def reduce_scatter(self, unit: FlatUnit, grad: Tensor) -> None:
-        """Launch the reduce-scatter of a unit's complete flat gradient and free its full buffer."""
+        """Launch the reduce-scatter of a unit's complete flat gradient and free its full buffer (deferred: add it
+        to the unit's micro-batch sum instead)."""
         grad = grad.to(unit.reduce_dtype)
+        if self.defer_reduce:
+            unit.grad_acc = grad if unit.grad_acc is None else unit.grad_acc.add_(grad)
+            unit.reshard()
+            return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
         work = _reduce_scatter(out, grad, group=unit.group, async_op=True)
         if self.trace is not None:
             self.trace.append(("reduce_scatter", unit.index))
         self._pending.append((unit, out, work, grad))
         unit.reshard()
+
+    def reduce_deferred(self) -> None:
+        """After a pipeline stage's last backward: reduce-scatter every unit's summed gradient (backward order)."""
+        defer, self.defer_reduce = self.defer_reduce, False
+        try:
+            for unit in self.backward_order:
+                grad, unit.grad_acc = unit.grad_acc, None
+                if grad is not None:
+                    self.reduce_scatter(unit, grad)
+            self._finish_backward()
+        finally:
+            self.defer_reduce = defer
+
+    def discard_grads(self) -> None:
+        """Drop the gradients of a backward that was not training (the pipeline's first-step shape inference)."""
+        for unit in self.units:
+            unit.grad_acc = None
+            for s in unit.slots:
+                s.shard.grad = None
+            unit.use_shards()
+            unit.reshard()
 
     def _finish_backward(self) -> None:
         """End of backward: wait for every reduction, average it into the shard parameters' ``.grad``."""
@@ -327,6 +380,7 @@ class FlatZero3:
         for unit in self.units:
             unit.backward_started = False
             unit.leaf = None
+            unit.use_shards()
             unit.reshard()  # the root, and any prefetch a skipped backward left in flight
 
     # ---- whole-model access ----------------------------------------------------------------------------------
@@ -381,21 +435,41 @@ def apply_flat_zero3(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     spmd_mesh=None,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh=None,
+    expert_spmd_mesh=None,
+    own_units: Sequence[nn.Module] = (),
+    defer_reduce: bool = False,
 ) -> FlatZero3:
-    """Flat ZeRO-3 over ``dp_mesh`` on a materialised ``model``: one unit per block, then the root (the rest)."""
+    """Flat ZeRO-3 over ``dp_mesh`` on a materialised ``model``: one unit per block and per module of ``own_units``
+    (a tied pipeline weight: the same layout on both stages), then the root (the rest; absent when nothing is
+    left, e.g. a middle pipeline stage). ``experts`` (expert-parallel modules inside the blocks) get units of their
+    own, sharded over ``expert_mesh`` (the expert-data-parallel ranks), as FSDP2 shards them over edp."""
     if _ATTR in model.__dict__:  # already flat (``setup`` ran again on the same module): nothing left to flatten
         return model.__dict__[_ATTR]
-    group = dp_mesh.get_group()
-    blocks = list(blocks)
-    root_params = _collect(model, {id(b) for b in blocks})
-    units = [FlatUnit(0, model, root_params, group, param_dtype, reduce_dtype)] if root_params else []
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    top = sorted([*blocks, *own_units], key=lambda m: order[id(m)])  # forward order = registration order
+    expert_ids = {id(e) for e in experts}
+    root_params = _collect(model, {id(m) for m in top} | expert_ids)
+    units = [FlatUnit(0, model, root_params, dp_mesh, param_dtype, reduce_dtype, spmd_mesh)] if root_params else []
+    ends: list[FlatUnit] = []  # the order forwards end in (children before their parent)
+    for module in top:
+        params = _collect(module, expert_ids)
+        outer = FlatUnit(len(units), module, params, dp_mesh, param_dtype, reduce_dtype, spmd_mesh) if params else None
+        units += [outer] if outer is not None else []
+        for sub in module.modules():
+            if id(sub) in expert_ids:
+                units.append(FlatUnit(len(units), sub, _collect(sub, set()), expert_mesh, param_dtype, reduce_dtype,
+                                      expert_spmd_mesh))  # fmt: skip
+                ends.append(units[-1])
+        ends += [outer] if outer is not None else []
     if not units:
-        raise ValueError("flat ZeRO-3 needs parameters outside the blocks (the root unit: embedding, norm, head).")
-    for block in blocks:
-        params = _collect(block, set())
-        if params:
-            units.append(FlatUnit(len(units), block, params, group, param_dtype, reduce_dtype))
-    flat = FlatZero3(units, dp_mesh, spmd_mesh)
+        raise ValueError("flat ZeRO-3 found no parameters to shard in this model part.")
+    if len(ends) + bool(root_params) != len(units):
+        raise ValueError("flat ZeRO-3: every expert module must sit inside one of the blocks.")
+    ends += units[:1] if root_params else []
+    flat = FlatZero3(units, dp_mesh, spmd_mesh, has_root=bool(root_params), backward_order=ends[::-1],
+                     defer_reduce=defer_reduce)  # fmt: skip
     setattr(model, _ATTR, flat)
     return flat
 
