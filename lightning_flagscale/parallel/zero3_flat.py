@@ -475,8 +475,14 @@ def apply_flat_zero3(
 
 
 def find_flat_zero3(module: nn.Module) -> list[FlatZero3]:
-    """Every flat ZeRO-3 model part inside ``module``."""
-    return [m.__dict__[_ATTR] for m in module.modules() if _ATTR in m.__dict__]
+    """Every flat ZeRO-3 model part inside ``module`` (pipeline stage modules included: a ``PipelinedModel`` holds
+    its stages' units under the unsplit names, but not the stage modules themselves as submodules)."""
+    found: dict[int, FlatZero3] = {}
+    for m in module.modules():
+        for sub in (m, *getattr(m, "stage_modules", ())):
+            if _ATTR in sub.__dict__:
+                found.setdefault(id(sub), sub.__dict__[_ATTR])
+    return list(found.values())
 
 
 @contextmanager
