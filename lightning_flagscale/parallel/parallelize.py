@@ -19,7 +19,8 @@ knowing. The order, and why:
    so the result does not depend on the layout.
 8. **Flat ZeRO-3** (``zero3_impl="flat"``, instead of step 6): flattens the *materialised* TP-local parameters of
    each block and of the root into per-unit flat buffers and keeps this rank's shard (``zero3_flat.py``); each rank
-   holds its TP-local model only while this runs.
+   holds its TP-local model only while this runs. Expert modules become units of their own over ``edp`` and, under
+   PP, each stage is a part whose units reduce-scatter once after the stage's last backward.
 """
 
 from __future__ import annotations

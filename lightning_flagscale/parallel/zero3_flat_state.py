@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_flagscale.parallel.zero3_flat import FlatUnit, FlatZero3, _all_gather, _Slot, find_flat_zero3
+from lightning_flagscale.parallel.zero3_flat import FlatZero3, find_flat_zero3
+from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _all_gather, _Slot
 
 __all__ = ["FlatZero3Optimizer", "flat_zero3_optimizers"]
 
