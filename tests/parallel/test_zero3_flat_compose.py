@@ -31,3 +31,11 @@ def test_flat_zero3_with_expert_parallel_and_selective_recompute(launcher):
     kwargs = dict(FLAT, expert_parallel_size=2, recompute="selective")
     results = launcher(4, trainer_run, kwargs, moe_config(), STEPS, clip=1.0, ragged=True)
     assert_matches_reference(results, reference, "ep2 x flat x selective", every_rank_holds_all=True)
+
+
+def test_flat_zero3_expert_checkpoint_reshards_to_fsdp2(launcher, tmp_path):
+    # Expert units write FSDP2's layout for experts: Shard(0) over edp on top of the ep shards.
+    from tests.parallel._zero3_flat_hops import check_hops
+
+    ep = dict(expert_parallel_size=2, zero_stage=3)
+    check_hops(launcher, tmp_path, [dict(ep, zero3_impl="flat"), dict(ep, zero3_impl="fsdp2")], 4, moe_config())
