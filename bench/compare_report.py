@@ -123,10 +123,7 @@ def markdown(report: dict[str, Any]) -> str:
     for r in rows:
         vs = ""
         if r["peer"] and r["peer"] in by_name:
-            ratio = r["tokens_per_s"] / by_name[r["peer"]]["tokens_per_s"]
-            target = report.get("targets", {}).get(r["name"])
-            mark = "" if target is None else (" ✓" if ratio >= target else f" ✗ (target {target:.2f})")
-            vs = f"{ratio:.2f}x {r['peer']}{mark}"
+            vs = _versus(r, by_name[r["peer"]], report.get("targets", {}).get(r["name"]))
         samples = r.get("tokens_per_s_samples") or [r["tokens_per_s"]]
         spread = f" ({min(samples):.0f}-{max(samples):.0f})" if len(samples) > 1 else ""
         ov = r.get("overlap")
@@ -153,14 +150,34 @@ def markdown(report: dict[str, Any]) -> str:
         "step's length; comm ops started in backward: collectives that began before the step's last backward node "
         "finished, of all collectives in the step.",
         "",
-        "Timing runs 4 processes on a shared 2-core machine: tokens/s are noisy; only ratios measured in the same "
-        "run are meaningful.",
+        "Timing runs 4 processes on a shared 2-core machine, measured under load from other jobs: tokens/s are "
+        "noisy; only ratios measured in the same run are meaningful. vs peer: median of the same-round ratios "
+        "(each round runs every configuration once, in order), with their min-max; a target is met (✓) only when "
+        "the whole min-max range clears it, missed (✗) when the whole range is below it, and undecided (~) when "
+        "the range straddles it.",
     ]
     for name, err in report.get("failed", {}).items():
         lines += ["", f"{name} failed: `{err}`"]
     if report.get("notes"):
         lines += ["", "## Findings", "", *report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def same_round_ratios(row: dict[str, Any], peer: dict[str, Any]) -> list[float]:
+    """tokens/s of ``row`` over its peer's, round by round (the rounds interleave every configuration)."""
+    mine = row.get("tokens_per_s_samples") or [row["tokens_per_s"]]
+    theirs = peer.get("tokens_per_s_samples") or [peer["tokens_per_s"]]
+    return [a / b for a, b in zip(mine, theirs)]
+
+
+def _versus(row: dict[str, Any], peer: dict[str, Any], target: float | None) -> str:
+    ratios = same_round_ratios(row, peer)
+    lo, hi = min(ratios), max(ratios)
+    spread = f" ({lo:.2f}-{hi:.2f})" if len(ratios) > 1 else ""
+    mark = ""
+    if target is not None:
+        mark = " ✓" if lo >= target else (f" ✗ (target {target:.2f})" if hi < target else f" ~ (target {target:.2f})")
+    return f"{statistics.median(ratios):.2f}x{spread} {peer['name']}{mark}"
 
 
 def _moved(row: dict[str, Any]) -> float:

@@ -9,7 +9,8 @@ engines once and the rounds interleave them (the order rotates each round), so t
 sample is the mean step time (forward, backward with its all-gathers / reduce-scatters, SGD step) of ``--steps``
 steps after one warm-up step per engine. Reported: median and min-max over rounds of tokens/s, the ratio of the
 medians to FSDP1, and the parameters + gradient bytes each rank holds after backward. Timing is never a test.
-``--size large`` is a 160M-parameter decoder (issue 15's >= 100M row; one round is enough when slow).
+``--size large`` is a 160M-parameter decoder (issue 15's >= 100M row). Ratios are taken round by round
+(same load), reported as median (min-max).
 """
 
 from __future__ import annotations
@@ -137,6 +138,13 @@ def _num_params(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _ratios(samples: dict[str, list[float]], peer: str, engine: str) -> str:
+    """tokens/s of ``engine`` over ``peer``'s in the same round (step time ratio), median (min-max)."""
+    ratios = sorted(p / e for p, e in zip(samples[peer], samples[engine]))
+    spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
@@ -158,7 +166,6 @@ def main(argv: list[str]) -> None:
         tps = sorted(tokens / s for s in result["samples"][name])
         rows.append({"engine": name, "tokens_per_s": statistics.median(tps), "min": tps[0], "max": tps[-1],
                      "held_mib": result["held_bytes"][name] / 2**20})  # fmt: skip
-    base = rows[0]["tokens_per_s"]
     report = {
         "command": "python bench/zero3_flat.py " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -176,12 +183,14 @@ def main(argv: list[str]) -> None:
         f" under load from other jobs (load average {load_before:.0f} -> {os.getloadavg()[0]:.0f}): only ratios"
         f" within this run mean anything. {report['date']}, wall {report['wall_s']:.0f} s.",
         "",
-        "| engine | tokens/s median | min - max | vs FSDP1 (median) | params + grads held per rank MiB |",
-        "|---|---:|---|---:|---:|",
+        "| engine | tokens/s median | min - max | vs FSDP1, same-round median (min-max) | vs FSDP2, same-round median"
+        " (min-max) | params + grads held per rank MiB |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['min']:.0f} - {r['max']:.0f} |"
-                     f" {r['tokens_per_s'] / base:.2f}x | {r['held_mib']:.1f} |")  # fmt: skip
+                     f" {_ratios(result['samples'], 'fsdp1', r['engine'])} |"
+                     f" {_ratios(result['samples'], 'fsdp2', r['engine'])} | {r['held_mib']:.1f} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     stem = Path(args.out) / f"zero3_flat_{args.size}_w{args.world}"

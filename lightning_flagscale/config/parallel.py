@@ -159,19 +159,23 @@ class ParallelConfig:
             raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'fsdp2' or 'flat'.")
         if self.zero3_impl != "flat" or self.zero_stage != 3:
             return
-        modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
+        from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+
+        spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
+        split = self.pipeline_parallel_size > 1 and spec is not None and spec.split_backward
+        whole = " / ".join(name for name, sp in SCHEDULE_SPECS.items() if not sp.split_backward)
         unsupported = [
             name for name, on in (
-                ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
-                ("expert_parallel_size > 1", self.expert_parallel_size > 1),
+                # Their weight-gradient passes differentiate the modules' parameters, which flat ZeRO-3 swaps out.
+                (f"pipeline_schedule={self.pipeline_schedule!r} (split backward)", split),
+                # Each mesh group would need its own flat units and gradient reduction across groups.
                 ("hetero_meshes", self.hetero_meshes is not None),
-                ("recompute", any(m != "none" for m in modes)),
             ) if on
         ]  # fmt: skip
         if unsupported:
             raise ValueError(
-                f"zero3_impl='flat' with {', '.join(unsupported)} is not supported yet (flat ZeRO-3 composes with DP,"
-                " CP and TP); use zero3_impl='fsdp2' for this layout."
+                f"zero3_impl='flat' with {', '.join(unsupported)} is not supported (flat ZeRO-3 composes with DP, CP,"
+                f" TP, EP, recompute and the {whole} pipeline schedules); use zero3_impl='fsdp2' for this layout."
             )
 
     def _check_hetero(self) -> None:

@@ -19,7 +19,8 @@ knowing. The order, and why:
    so the result does not depend on the layout.
 8. **Flat ZeRO-3** (``zero3_impl="flat"``, instead of step 6): flattens the *materialised* TP-local parameters of
    each block and of the root into per-unit flat buffers and keeps this rank's shard (``zero3_flat.py``); each rank
-   holds its TP-local model only while this runs.
+   holds its TP-local model only while this runs. Expert modules become units of their own over ``edp`` and, under
+   PP, each stage is a part whose units reduce-scatter once after the stage's last backward.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
 
 def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
     """Step 8: flat ZeRO-3 on each materialised model part (a protocol model: its blocks are the units)."""
+    from lightning_flagscale.moe.balance import moe_layers
     from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
 
     if not result.parts:
@@ -128,17 +130,46 @@ def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
             "zero3_impl='flat' needs a protocol model (see models/protocol.py) whose blocks become the flat units;"
             " use zero3_impl='fsdp2' for other modules."
         )
-    meshes = layout.meshes
-    spmd = meshes.world[("dp_cp", "tp")] if layout.config.tp_enabled else None
+    p, meshes = layout.config, layout.meshes
+    spmd = meshes.world[("dp_cp", "tp")] if p.tp_enabled else None
+    tied = result.pipeline.runner.tied if result.pipeline is not None else None
     for part in result.parts:
         blocks = _blocks(part)
         if blocks is None:
             layers = getattr(part, "layers", None)
             blocks = [] if layers is None else list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+        experts = []
+        if p.ep_enabled:  # as FSDP2's `_shard_experts`: expert units over edp, nested in their block's
+            layers = [layer for _, layer in moe_layers(part)]
+            if any(getattr(layer, "hot_expert_config", None) is not None for layer in layers):
+                raise ValueError("zero3_impl='flat' with hot-expert replication is not supported; use 'fsdp2'.")
+            experts = [layer.experts for layer in layers]
         apply_flat_zero3(
             part, meshes.dp_cp, blocks=blocks, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
-            spmd_mesh=spmd,
+            spmd_mesh=spmd, experts=experts, expert_mesh=meshes["edp"] if experts else None,
+            expert_spmd_mesh=meshes[("edp", "ep")] if experts else None, own_units=_tied_owners(part, tied),
+            defer_reduce=result.pipeline is not None,
         )  # fmt: skip
+    if p.ep_enabled:  # the shards are averaged over edp: the further 1/ep of FSDP2's expert path
+        result.expert_grad_scale = 1.0 / p.expert_parallel_size
+
+
+def _tied_owners(part: nn.Module, tied: tuple[str, str] | None) -> list[nn.Module]:
+    """The modules of ``part`` holding a pipeline-tied weight (embedding / LM head on the first / last stage): each
+    its own flat unit, so that both copies are sharded into the same rows and their gradients can be summed."""
+    owners = []
+    for fqn in tied or ():
+        module_name, _, attr = fqn.rpartition(".")
+        try:
+            owner = part.get_submodule(module_name)
+        except AttributeError:
+            continue
+        if attr not in owner._parameters:
+            continue
+        if len(list(owner.parameters())) != 1:
+            raise ValueError(f"zero3_impl='flat' with a tied {fqn!r}: its module must hold that weight only.")
+        owners.append(owner)
+    return owners
 
 
 def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:

@@ -56,6 +56,7 @@ from lightning_flagscale.parallel.pipeline_plan import (
 )
 from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
 from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
+from lightning_flagscale.parallel.zero3_flat import find_flat_zero3
 
 __all__ = [
     "SCHEDULES",
@@ -135,6 +136,16 @@ class StatelessInferenceStage(PipelineStage):
             with torch.no_grad():
                 for buf, value in saved:
                     buf.copy_(value)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        for part in find_flat_zero3(self.submod):  # that backward is not training: drop its (summed) gradients
+            part.discard_grads()
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        for part in find_flat_zero3(self.submod):  # flat ZeRO-3: one reduce-scatter per unit after the last backward
+            part.reduce_deferred()
+        super().perform_reduce_grad(grad_scale_factor)
 
 
 class PipelineRunner:

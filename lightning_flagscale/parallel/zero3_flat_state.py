@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_flagscale.parallel.zero3_flat import FlatUnit, FlatZero3, _all_gather, _Slot, find_flat_zero3
+from lightning_flagscale.parallel.zero3_flat import FlatZero3, find_flat_zero3
+from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _all_gather, _Slot
 
 __all__ = ["FlatZero3Optimizer", "flat_zero3_optimizers"]
 
@@ -58,15 +59,16 @@ class _Converter:
     def __init__(self, part: FlatZero3) -> None:
         self.part = part
 
-    def _dtensor(self, s: _Slot, chunk: Tensor) -> Tensor:
+    def _dtensor(self, unit: FlatUnit, s: _Slot, chunk: Tensor) -> Tensor:
+        # The unit's own meshes: dp x cp (and tp), or edp (and ep) for expert units, as FSDP2 shards them.
         if not s.shape:
-            return DTensor.from_local(chunk.reshape(()), self.part.dp_mesh, [Replicate()], run_check=False)
+            return DTensor.from_local(chunk.reshape(()), unit.mesh, [Replicate()], run_check=False)
         if s.dtensor is None:
-            return DTensor.from_local(chunk, self.part.dp_mesh, [Shard(0)], run_check=False, shape=s.shape,
+            return DTensor.from_local(chunk, unit.mesh, [Shard(0)], run_check=False, shape=s.shape,
                                       stride=_contiguous_stride(s.shape))  # fmt: skip
         (tp,) = s.dtensor.placements
         dp = _StridedShard(0, split_factor=s.dtensor.device_mesh.size()) if tp == Shard(0) else Shard(0)
-        mesh = self.part.spmd_mesh
+        mesh = unit.spmd_mesh
         return DTensor.from_local(chunk, mesh, [dp, tp], run_check=False, shape=s.dtensor.shape,
                                   stride=_contiguous_stride(s.dtensor.shape))  # fmt: skip
 
@@ -78,7 +80,7 @@ class _Converter:
             value = full[s.offset : s.offset + s.numel].view(_rows(s), -1)
             lo, hi = _chunk(_rows(s), unit.world, unit.rank)
             chunk = value[lo:hi].reshape(hi - lo, *s.shape[1:]).clone()
-            yield s, self._dtensor(s, chunk)
+            yield s, self._dtensor(unit, s, chunk)
 
     def from_params(self, unit: FlatUnit, values: list[Tensor | None], dtype: torch.dtype) -> Tensor:
         """Collectively: the unit's flat shard vector from each parameter's ``Shard(0)`` value (None: zeros)."""

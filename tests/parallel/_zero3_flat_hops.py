@@ -9,13 +9,14 @@ NUM_SAMPLES = 12  # global batch 4: one epoch is 3 steps, every checkpoint sits 
 FLAT = dict(zero_stage=3, zero3_impl="flat")
 
 
-def check_hops(launcher, tmp_path, hops: list[dict], world: int = 2) -> None:
-    _, ref_params = reference_run(tiny_config(), 3 * len(hops), num_samples=NUM_SAMPLES, optimizer="adamw")
+def check_hops(launcher, tmp_path, hops: list[dict], world: int = 2, config=None) -> None:
+    config = config or tiny_config()
+    _, ref_params = reference_run(config, 3 * len(hops), num_samples=NUM_SAMPLES, optimizer="adamw")
     previous = None
     for hop, layout in enumerate(hops, start=1):
         path = str(tmp_path / f"hop{hop}.ckpt")
         results = launcher(
-            world, trainer_run, layout, tiny_config(), 3 * hop, max_epochs=hop, num_samples=NUM_SAMPLES,
+            world, trainer_run, layout, config, 3 * hop, max_epochs=hop, num_samples=NUM_SAMPLES,
             ckpt_path=previous, save_path=path if hop < len(hops) else None, optimizer="adamw",
         )  # fmt: skip
         for losses, _ in results:

@@ -43,10 +43,12 @@ def test_flat_zero3_matches_single_process(launcher, reference, world, kwargs, a
 
 
 def test_flat_zero3_refuses_unsupported_layouts():
-    with pytest.raises(ValueError, match="zero3_impl='flat' with pipeline_parallel_size > 1"):
-        ParallelConfig(zero_stage=3, zero3_impl="flat", pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="recompute"):
-        ParallelConfig(zero_stage=3, zero3_impl="flat", recompute="full")
+    with pytest.raises(ValueError, match="zero3_impl='flat' with pipeline_schedule='zbv' \\(split backward\\)"):
+        ParallelConfig(zero_stage=3, zero3_impl="flat", pipeline_parallel_size=2, pipeline_schedule="zbv")
+    with pytest.raises(ValueError, match="zero3_impl='flat' with hetero_meshes"):
+        ParallelConfig(zero_stage=3, zero3_impl="flat", hetero_meshes=[dict(data_parallel_size=2)] * 2)
+    # What composes since issue 15 (parity in test_zero3_flat_compose.py): accepted.
+    ParallelConfig(zero_stage=3, zero3_impl="flat", pipeline_parallel_size=2, recompute="full", expert_parallel_size=2)
     with pytest.raises(ValueError, match="zero3_impl='bogus'"):
         ParallelConfig(zero3_impl="bogus")
 

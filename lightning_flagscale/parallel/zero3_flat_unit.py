@@ -1,0 +1,211 @@
+"""One flat ZeRO-3 unit: the flat layout of its parameters, this rank's shard, the full buffer and its collectives.
+
+The hook logic that drives the units (forward, backward, prefetch, reductions) is ``zero3_flat.py``'s
+:class:`FlatZero3`; the module docstring there describes the design.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_flagscale.parallel.data import num_shards
+
+if TYPE_CHECKING:
+    from lightning_flagscale.parallel.zero3_flat import FlatZero3
+
+__all__ = ["FlatUnit"]
+
+# torch >= 2.10 names them *_single; the old names warn.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(kw_only=True)
+class _Slot:
+    """One original parameter inside a unit's flat buffer."""
+
+    name: str  # FQN relative to the unit's module (first alias)
+    aliases: list[tuple[nn.Module, str]]  # every (module, attribute) that holds it (tied weights: several)
+    shape: torch.Size  # local (TP-local) shape
+    offset: int  # start in the full flat buffer
+    row: int  # elements per dim-0 row
+    dtensor: DTensor | None  # the original TP DTensor (mesh, placements, global shape), None for plain tensors
+    shard: nn.Parameter | None = None  # this rank's rows, a view of the flat shard: what the optimizer steps
+    lo: int = 0  # this rank's part of the parameter in the flat buffer: [lo, hi)
+    hi: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _row(shape: torch.Size) -> int:
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+class FlatUnit:
+    """One unit: flat layout, this rank's shard, the full buffer and its collectives."""
+
+    def __init__(self, index: int, module: nn.Module, params: dict[int, list[tuple[str, nn.Module, str]]], mesh,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, spmd_mesh=None) -> None:  # fmt: skip
+        self.index = index
+        self.module = module
+        self.mesh = mesh  # the ranks sharing the unit: dp x cp, or edp for expert units
+        self.spmd_mesh = spmd_mesh  # (mesh, model-parallel dim) under TP / EP: the mesh of the checkpoint DTensors
+        self.group = group = mesh.get_group()
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.slots: list[_Slot] = []
+        offset, lcm = 0, 1
+        for uses in params.values():
+            name, owner, attr = uses[0]
+            p = owner._parameters[attr]
+            local = p.to_local() if isinstance(p, DTensor) else p
+            row = _row(local.shape)
+            offset = math.ceil(offset / row) * row  # whole rows on every rank (module docstring)
+            lcm = math.lcm(lcm, row)
+            self.slots.append(_Slot(name=name, aliases=[(m, a) for _, m, a in uses], shape=local.shape, offset=offset,
+                                    row=row, dtensor=p if isinstance(p, DTensor) else None))  # fmt: skip
+            offset += local.numel()
+        self.numel = offset
+        self._split_sizes: list[int] = []  # padding gap, parameter, gap, parameter, ..., tail
+        self._split_index: list[int] = []
+        end = 0
+        for slot in self.slots:
+            self._split_sizes += [slot.offset - end, slot.numel]
+            self._split_index.append(len(self._split_sizes) - 1)
+            end = slot.offset + slot.numel
+        self.shard_numel = max(1, math.ceil(offset / self.world / lcm)) * lcm
+        self.padded = self.shard_numel * self.world
+        self.start = self.rank * self.shard_numel
+        self._split_sizes.append(self.padded - end)
+        first = params[next(iter(params))][0]
+        p0 = first[1]._parameters[first[2]]
+        self.master_dtype = (p0.to_local() if isinstance(p0, DTensor) else p0).dtype
+        self.device = (p0.to_local() if isinstance(p0, DTensor) else p0).device
+        self.param_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.device)
+        self._fill_shard_from_params()
+        self.full = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
+        self._free_storage()
+        self.gathered = False
+        self._work: dist.Work | None = None
+        self._src: Tensor | None = None
+        self.leaf: Tensor | None = None
+        self.backward_started = False
+        # A recompute-wrapped block (``pipeline_recompute.py``): its forward hooks run outside the checkpointed
+        # region, so the recomputation in backward reads whatever the module holds: the pre-backward hook puts
+        # views of the re-gathered buffer back.
+        self.recompute = getattr(module, "_recompute_mode", None) not in (None, "none")
+        self.grad_acc: Tensor | None = None  # full gradient summed over micro-batches (deferred reduction, PP)
+
+    # ---- layout ----------------------------------------------------------------------------------------------
+    def _fill_shard_from_params(self) -> None:
+        """Copy this rank's rows of the original parameters into the shard and register the shard parameters."""
+        end = self.start + self.shard_numel
+        for s in self.slots:
+            p = s.aliases[0][0]._parameters[s.aliases[0][1]]
+            local = (p.to_local() if isinstance(p, DTensor) else p).detach()
+            s.lo, s.hi = max(s.offset, self.start), min(s.offset + s.numel, end)
+            s.hi = max(s.hi, s.lo)
+            rows = slice((s.lo - s.offset) // s.row, (s.hi - s.offset) // s.row)
+            view = self._shard_view(s)
+            with torch.no_grad():
+                view.copy_(local.reshape(s.shape[0] if s.shape else 1, -1)[rows].reshape(view.shape))
+            s.shard = nn.Parameter(view, requires_grad=p.requires_grad)
+            # Each rank of the stage holds distinct rows (and TP shards): the global norm sums them once.
+            s.shard._fs_num_shards = self.world * num_shards(p)
+            s.shard._fs_norm_scale = getattr(p, "_fs_norm_scale", 1.0)
+            for module, attr in s.aliases:
+                module._parameters[attr] = s.shard
+
+    def _shard_view(self, s: _Slot) -> Tensor:
+        flat = self.flat_shard[s.lo - self.start : s.hi - self.start]
+        rows = (s.hi - s.lo) // s.row
+        return flat.view(rows, *s.shape[1:]) if s.shape else flat.view(rows)
+
+    def _repack(self) -> None:
+        """Re-point shard parameters whose storage something replaced (``p.data = ...``) back into the shard."""
+        for s in self.slots:
+            view = self._shard_view(s)
+            if s.shard.numel() and s.shard.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(s.shard.detach())
+                s.shard.data = view
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    def _free_storage(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def unshard_async(self, trace: list | None = None) -> None:
+        """Launch the all-gather of the shards into the full buffer (no-op when gathered or in flight)."""
+        if self.gathered or self._work is not None:
+            return
+        self._repack()
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        self._src = self.flat_shard.detach().to(self.param_dtype)
+        self._work = _all_gather(self.full, self._src, group=self.group, async_op=True)
+        if trace is not None:
+            trace.append(("all_gather", self.index))
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._src = None, None
+            self.gathered = True
+
+    def reshard(self) -> None:
+        self.wait()
+        if self.gathered:
+            self._free_storage()
+            self.gathered = False
+
+    # ---- views -----------------------------------------------------------------------------------------------
+    def use_full_views(self, as_params: bool = False, detached: bool = False) -> None:
+        """Set views of the full buffer as the module's parameters (autograd leaf when grad is enabled; ``detached``:
+        views of a leaf without hooks, for a recomputation in backward, whose graph is never differentiated)."""
+        base = self.full
+        if as_params:
+            base = self.full.detach()
+        elif detached:  # requires grad as in forward, so autograd saves the same tensors (checkpoint checks that)
+            base = self.full.detach().requires_grad_(True)
+        elif torch.is_grad_enabled() and any(s.shard.requires_grad for s in self.slots):
+            # A new TensorImpl over the same storage (``.data``: own version counter, so re-gathering into
+            # ``self.full`` for backward does not invalidate the views autograd saved).
+            self.leaf = base = self.full.data.requires_grad_(True)
+            self.leaf.register_post_accumulate_grad_hook(self._on_grad)
+        # One ``split`` for the whole unit: its backward concatenates every parameter's gradient into one flat
+        # gradient in a single node (slicing per parameter would build a zero-padded full-size gradient per view).
+        pieces = torch.split(base, self._split_sizes)
+        for s, k in zip(self.slots, self._split_index):
+            t = pieces[k].view(s.shape)
+            if s.dtensor is not None:
+                d = s.dtensor
+                t = DTensor.from_local(
+                    t, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+                )
+            if as_params:
+                t = nn.Parameter(t, requires_grad=False)
+            for module, attr in s.aliases:
+                module._parameters[attr] = t
+
+    def use_shards(self) -> None:
+        for s in self.slots:
+            for module, attr in s.aliases:
+                module._parameters[attr] = s.shard
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+    def _on_grad(self, leaf: Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        self.use_shards()  # views a recomputation set
+        self.owner.reduce_scatter(self, grad)
+
+    owner: FlatZero3
