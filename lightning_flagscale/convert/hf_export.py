@@ -118,6 +118,10 @@ def _export(
         raise FileExistsError(f"Output folder {str(out_dir)!r} already exists; remove it or choose another path.")
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"tokenizer_dir {str(tokenizer_dir)!r} does not exist.")
+    if dist.is_initialized():
+        # Every rank has checked before rank 0 creates the folder: without this, a rank that reaches the check late
+        # (a source without collectives, e.g. flat ZeRO-3 gathered beforehand) would see rank 0's finished output.
+        dist.barrier()
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         if isinstance(source, _ModuleSource):
