@@ -197,11 +197,6 @@ class ParallelConfig:
             raise ValueError("hetero_dp_batch_sizes and hetero_meshes cannot be combined; give each mesh its own DP.")
         if self.hetero_device_speed is not None and self.hetero_layers is not None:
             raise ValueError("Give hetero_layers or hetero_device_speed, not both (the speeds only choose the split).")
-        if self.pipeline_schedule == "zero_bubble" and self.zero_stage == 3:
-            raise ValueError(
-                "pipeline_schedule='zero_bubble' with hetero_meshes needs zero_stage <= 2: its deferred weight-gradient"
-                " passes write .grad outside FSDP2's post-backward hooks; use zero_stage=1/2 or another schedule."
-            )
         check_hetero_layout(
             meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
             virtual=self.virtual_pipeline_parallel_size or 1,

@@ -159,7 +159,6 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
     [
         (dict(hetero_meshes=[CP2, TP2]), "differs between hetero_meshes"),
         (dict(hetero_meshes=[DP2, DP2], sequence_parallel=True), "at least one of the hetero_meshes"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zero_bubble", zero_stage=3), "needs zero_stage <= 2"),
         (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "V-shaped schedules"),
         (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev"), "V-shaped schedules"),
         (dict(hetero_meshes=[TP2, DP2], virtual_pipeline_parallel_size=2), "needs pipeline_schedule='interleaved_1f1b'"),
