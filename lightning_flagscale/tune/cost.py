@@ -4,7 +4,8 @@ Per micro-batch and pipeline rank, a block costs
 
 - its **GEMMs** (q/k/v/o projections, SwiGLU MLP or router + routed experts at the per-expert row count + shared
   experts, split by TP; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
-  GEMMs of the same size (input gradient and weight gradient);
+  GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout relative
+  to the forward one (equal on GPUs; not on a CPU without native bf16);
 - **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
   backward 2.5x forward (FlashAttention-2's five matmuls against two);
 - **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
@@ -51,6 +52,8 @@ class StepCost:
     exposed_comm_seconds: float
     comm: dict[str, float] = field(default_factory=dict)
     """Exposed seconds per kind: ``tp``, ``cp``, ``ep``, ``pp``, ``dp``."""
+    optimizer_seconds: float = 0.0
+    """The optimizer step (part of ``compute_seconds``)."""
     tokens_per_second: float
     mfu: float
     """Model FLOPs (``parallel.flops.flops_per_token``) per second over the devices' peak."""
@@ -155,8 +158,8 @@ def _block_pass(
     gemm, attn, mem = _block_compute(model, c, seq_len, hw, moe)
     fwd_comm, bwd_comm = _block_comm(model, c, seq_len, hw, moe, attn)
     f = gemm + attn + mem + sum(fwd_comm.values())
-    w = gemm  # weight gradients: one GEMM per forward GEMM
-    b = 2 * gemm + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
+    dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
+    b = dgrad + w + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
     if recompute == "full":
         b += f
     elif recompute == "selective":
@@ -215,7 +218,8 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
             if s == c.num_stages - 1:  # LM head (vocab-parallel over TP) and loss
                 t, vocab = _tokens(model, c, seq_len), model.padded_vocab_size(c.tensor_parallel_size)
                 head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
-                f, b, w = f + head, b + 2 * head, w + head
+                head_dgrad, head_w = hw.backward_gemm_seconds(head)
+                f, b, w = f + head, b + head_dgrad + head_w, w + head_w
         if best is None or f + b > best.f + best.b:
             best = _Pass(f, b, w, comm)
     assert best is not None
@@ -357,7 +361,8 @@ def estimate_step(
     in_compute = sum(v for k, v in comm.items() if k not in ("pp", "dp"))
     return StepCost(
         step_seconds=step, compute_seconds=busy - in_compute + optimizer, bubble_seconds=bubble,
-        exposed_comm_seconds=sum(comm.values()), comm=comm, tokens_per_second=tokens / step, mfu=mfu,
+        exposed_comm_seconds=sum(comm.values()), comm=comm, optimizer_seconds=optimizer,
+        tokens_per_second=tokens / step, mfu=mfu,
     )  # fmt: skip
 
 

@@ -121,6 +121,12 @@ class HardwareProfile:
     """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
     attention_efficiency: float = 0.5
     """Fraction of peak the fused attention kernel reaches on the FLOPs it does."""
+    input_grad_gemm_factor: float = 1.0
+    """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
+    same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
+    without native bf16 the non-transposed layout falls off a fast path and runs ~10x slower."""
+    weight_grad_gemm_factor: float = 1.0
+    """Same for the weight-gradient GEMM (``dY^T @ X``)."""
     links: dict[str, dict[str, list[LinkPoint]]] = field(
         default_factory=lambda: _flat_links((10e-6, 450e9), (20e-6, 45e9))
     )
@@ -136,6 +142,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
             raise ValueError(f"HardwareProfile {self.name!r}: peak_flops, memory_bytes, hbm_bandwidth must be > 0.")
+        if self.input_grad_gemm_factor <= 0 or self.weight_grad_gemm_factor <= 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: backward GEMM factors must be > 0.")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         for kind in COLLECTIVES:
@@ -162,6 +170,10 @@ class HardwareProfile:
         if flops <= 0:
             return 0.0
         return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale * self.gemm_scale)
+
+    def backward_gemm_seconds(self, forward_seconds: float) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the backward of GEMMs that take ``forward_seconds``."""
+        return forward_seconds / self.input_grad_gemm_factor, forward_seconds / self.weight_grad_gemm_factor
 
     def attention_seconds(self, flops: float) -> float:
         return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)
