@@ -224,6 +224,7 @@ def calibrate(
     return HardwareProfile(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
+        compute_units_per_node=float(os.cpu_count() or 0),
         gemm=[(f, fwd / peak) for f, fwd, _, _ in linear], attention_efficiency=min(1.0, attention / peak),
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},

@@ -24,6 +24,10 @@ data x context ranks (``parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 t
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
 (prefetched: only the excess over compute and the first gather show). The Adam step is memory-bound.
+
+When the ranks of a node share fewer compute units than there are ranks (``compute_units_per_node``: CPU processes
+on a few cores), the step takes at least the node's summed busy time over its units: a rank waiting in a pipeline
+bubble or on a peer lends its core to the others, so bubbles cost nothing until the critical path dominates.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class _Pass:
     b: float
     w: float
     comm: dict[str, float]
+    mean_fb: float = 0.0
+    """Forward + backward averaged over the pipeline ranks (the heaviest rank's ``f + b`` without PP)."""
 
 
 def _tokens(model: TransformerConfig, c: ParallelConfig, seq_len: int) -> float:
@@ -200,6 +206,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}
     best: _Pass | None = None
+    total = 0.0
     for stages in _rank_stages(c):
         f = b = w = 0.0
         comm: dict[str, float] = {}
@@ -220,10 +227,11 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
                 f, b, w = f + head, b + head_dgrad + head_w, w + head_w
+        total += f + b
         if best is None or f + b > best.f + best.b:
             best = _Pass(f, b, w, comm)
     assert best is not None
-    return best
+    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=total / c.pipeline_parallel_size)
 
 
 def _bubble(c: ParallelConfig, one: _Pass) -> float:
@@ -310,6 +318,16 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     return exposed, optimizer
 
 
+def _shared_node_seconds(c: ParallelConfig, hw: HardwareProfile, mean_busy: float) -> float:
+    """Time the ranks of one node need for their work when they share ``hw.compute_units_per_node`` compute units
+    (0 when each device computes on its own): the node's summed busy time over its units."""
+    units = hw.compute_units_per_node
+    ranks = min(c.world_size, hw.devices_per_node)
+    if units <= 0 or ranks <= units:
+        return 0.0
+    return mean_busy * ranks / units
+
+
 def _pass_key(c: ParallelConfig) -> tuple:
     """Everything ``_rank_pass`` depends on besides the model, sequence and hardware (not ZeRO or DP)."""
     layers = tuple(c.pipeline_layers) if c.pipeline_layers is not None else None
@@ -355,12 +373,16 @@ def estimate_step(
     dp_exposed, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
+    compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
+    shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + optimizer)
+    if shared + comm.get("pp", 0.0) + dp_exposed > step:
+        # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
+        step, bubble, compute = shared + comm.get("pp", 0.0) + dp_exposed, 0.0, shared
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)
-    in_compute = sum(v for k, v in comm.items() if k not in ("pp", "dp"))
     return StepCost(
-        step_seconds=step, compute_seconds=busy - in_compute + optimizer, bubble_seconds=bubble,
+        step_seconds=step, compute_seconds=compute, bubble_seconds=bubble,
         exposed_comm_seconds=sum(comm.values()), comm=comm, optimizer_seconds=optimizer,
         tokens_per_second=tokens / step, mfu=mfu,
     )  # fmt: skip

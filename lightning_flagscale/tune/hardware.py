@@ -117,6 +117,10 @@ class HardwareProfile:
     """Bytes/s of device memory: memory-bound kernels (norms, activations, optimizer) run at this rate."""
     devices_per_node: int = 8
     """Devices that share the fast (``intra``) links."""
+    compute_units_per_node: float = 0.0
+    """0: every device computes on its own (GPUs). Otherwise the ``devices_per_node`` ranks of a node share this many
+    compute units (CPU processes on a host's cores; ``tune --calibrate`` records ``os.cpu_count()``): a rank idle in a
+    pipeline bubble lends its share to the busy ones."""
     gemm: list[tuple[float, float]] = field(default_factory=lambda: _saturating_gemm(0.75, 2e10))
     """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
     attention_efficiency: float = 0.5
