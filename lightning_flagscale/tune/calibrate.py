@@ -195,6 +195,15 @@ def measure_collectives(
     return out
 
 
+def _gemm_points(linear: list[tuple[float, float, float, float]], peak: float) -> list[tuple[float, float]]:
+    """``(flops, fraction of peak)`` per distinct GEMM size: shapes of equal FLOPs (square, tall, short) get their
+    median rate, so the log-linear interpolation sees one point per size."""
+    by_flops: dict[float, list[float]] = {}
+    for flops, fwd, _, _ in linear:
+        by_flops.setdefault(flops, []).append(fwd / peak)
+    return [(f, statistics.median(effs)) for f, effs in sorted(by_flops.items())]
+
+
 def calibrate(
     *,
     group_sizes: Sequence[int] = (2, 4),
@@ -225,7 +234,7 @@ def calibrate(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=float(os.cpu_count() or 0),
-        gemm=[(f, fwd / peak) for f, fwd, _, _ in linear], attention_efficiency=min(1.0, attention / peak),
+        gemm=_gemm_points(linear, peak), attention_efficiency=min(1.0, attention / peak),
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
