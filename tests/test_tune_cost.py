@@ -85,3 +85,32 @@ def test_mfu_uses_model_flops_and_the_profile_peak():
     cost = estimate_step(mixtral, c, 4096, 8, hw)
     assert cost.mfu == pytest.approx(cost.tokens_per_second * flops_per_token(mixtral, 4096) / (8 * hw.peak_flops))
     assert 0 < cost.mfu < 1
+
+
+def test_backward_gemm_factors_slow_only_the_backward():
+    # A CPU without native bf16 runs dY @ W ~10x slower than X @ W^T: the profile's factor moves backward time only.
+    hw = _profile(hbm=float("inf"))
+    slow = hw.replace(input_grad_gemm_factor=0.1)
+    base, dgrad = _rank_pass(MODEL, _layout(), 4096, hw), _rank_pass(MODEL, _layout(), 4096, slow)
+    assert dgrad.f == pytest.approx(base.f) and dgrad.w == pytest.approx(base.w)
+    gemm = base.w  # forward GEMM time (= weight-gradient time at factor 1)
+    assert dgrad.b - base.b == pytest.approx(9 * gemm)
+    fast_w = _rank_pass(MODEL, _layout(), 4096, hw.replace(weight_grad_gemm_factor=2.0))
+    assert fast_w.w == pytest.approx(gemm / 2) and fast_w.b == pytest.approx(base.b - gemm / 2)
+
+
+def test_ranks_sharing_cores_absorb_the_pipeline_bubble():
+    # 8 ranks on 4 cores: a rank waiting in the bubble lends its core, so the step is the node's work over 4 cores.
+    hw = _profile(hbm=float("inf")).replace(devices_per_node=8)  # no optimizer time: DDP's would be 4x PP's
+    shared = hw.replace(compute_units_per_node=4.0)
+    ddp, pp = _layout(), _layout(pipeline_parallel_size=4)
+    dedicated = estimate_step(MODEL, pp, 4096, 16, hw)
+    assert dedicated.bubble_seconds > 0
+    on_cores = estimate_step(MODEL, pp, 4096, 16, shared)
+    assert on_cores.bubble_seconds == 0.0 and on_cores.step_seconds > dedicated.step_seconds
+    # same work per node as DDP (the embedding/head sit on one stage: per-rank work differs, the sum does not much)
+    ddp_cores = estimate_step(MODEL, ddp, 4096, 16, shared)
+    assert ddp_cores.step_seconds == pytest.approx(2 * estimate_step(MODEL, ddp, 4096, 16, hw).step_seconds, rel=1e-6)
+    assert on_cores.step_seconds == pytest.approx(ddp_cores.step_seconds, rel=0.05)
+    # enough cores: nothing changes
+    assert estimate_step(MODEL, pp, 4096, 16, hw.replace(compute_units_per_node=8.0)) == dedicated

@@ -1,7 +1,8 @@
 """``tune --calibrate``: micro-benchmarks that turn this machine into a :class:`HardwareProfile` (issue 16 item 2).
 
 - **GEMM throughput by shape**: square and tall-skinny linear-layer GEMMs of growing size in the training dtype
-  (``--calibrate-dtype``); the fastest forward sets ``peak_flops``, each one's rate over it is a ``gemm`` point, and
+  (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``,
+  each size's rate over it is a ``gemm`` point, and
   the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
   tiny model on a CPU is overhead-bound, and that is what its step time will show.
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
@@ -195,13 +196,13 @@ def measure_collectives(
     return out
 
 
-def _gemm_points(linear: list[tuple[float, float, float, float]], peak: float) -> list[tuple[float, float]]:
-    """``(flops, fraction of peak)`` per distinct GEMM size: shapes of equal FLOPs (square, tall, short) get their
+def _gemm_rates(linear: list[tuple[float, float, float, float]]) -> list[tuple[float, float]]:
+    """``(flops, forward flop/s)`` per distinct GEMM size: shapes of equal FLOPs (square, tall, short) get their
     median rate, so the log-linear interpolation sees one point per size."""
     by_flops: dict[float, list[float]] = {}
     for flops, fwd, _, _ in linear:
-        by_flops.setdefault(flops, []).append(fwd / peak)
-    return [(f, statistics.median(effs)) for f, effs in sorted(by_flops.items())]
+        by_flops.setdefault(flops, []).append(fwd)
+    return [(f, statistics.median(rates)) for f, rates in sorted(by_flops.items())]
 
 
 def calibrate(
@@ -219,7 +220,8 @@ def calibrate(
     group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
     GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``)."""
     linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
-    peak = max(fwd for _, fwd, _, _ in linear)
+    rates = _gemm_rates(linear)
+    peak = max(rate for _, rate in rates)
     # backward layouts relative to the forward one at the same size: the median over shapes
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
@@ -234,7 +236,7 @@ def calibrate(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=float(os.cpu_count() or 0),
-        gemm=_gemm_points(linear, peak), attention_efficiency=min(1.0, attention / peak),
+        gemm=[(f, rate / peak) for f, rate in rates], attention_efficiency=min(1.0, attention / peak),
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
