@@ -5,6 +5,9 @@ A :class:`HardwareProfile` holds
 - the device's dense bf16 peak and memory, and the HBM bandwidth memory-bound kernels run at;
 - **GEMM efficiency by size**: measured points ``(flops of one GEMM, achieved fraction of peak)``, interpolated
   log-linearly (small GEMMs run far below peak, large ones approach the cuBLAS ceiling);
+- **backward GEMM factors**: the rate of a linear layer's input-gradient (``dY @ W``) and weight-gradient
+  (``dY^T @ X``) GEMMs relative to its forward one (1 on GPUs; measured by ``tune --calibrate``);
+- **compute units per node** (0 for GPUs): how many cores the ranks of a CPU host share;
 - **attention efficiency**: achieved fraction of peak of the fused SDPA kernel on the FLOPs it really does
   (causal kernels skip the masked half);
 - an **alpha-beta link model per collective and group size**, inside a node (``intra``) and across nodes (``inter``):
