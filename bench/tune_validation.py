@@ -23,6 +23,7 @@ layouts are then predictions.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -152,9 +153,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
 
     dist.init_process_group("gloo")
     results: dict = {"bandwidth": _link_bandwidth(), "runs": {}}
+    if args.resume and Path(args.out + ".json").exists():  # every rank reads the same file: same runs skipped
+        results = json.loads(Path(args.out + ".json").read_text())
     for r in range(args.rounds):
         for name in args.layouts:
+            if len(results["runs"].get(name, [])) > r:
+                continue
             got = _run_layout(name, measure_memory=r == 0)
+            gc.collect()  # one process runs every layout: free the last Trainer's model and optimizer now
             gathered = [None] * WORLD
             dist.all_gather_object(gathered, got)
             results["runs"].setdefault(name, []).append(gathered)
@@ -196,6 +202,7 @@ def main() -> None:
     parser.add_argument("--profile", help="profile JSON from `tune --calibrate --calibrate-dtype bf16` (default: "
                         "bench/results/tune_cpu_profile.json)")  # fmt: skip
     parser.add_argument("--out", default="bench/results/tune_validation")
+    parser.add_argument("--resume", action="store_true", help="keep the runs saved in OUT.json, run the missing ones")
     parser.add_argument("--from-json", help="rewrite the report from a saved JSON of measurements (no runs)")
     args = parser.parse_args()
     args.setup = _setup
