@@ -215,10 +215,33 @@ def calibrate(
     memory_bytes: float | None = None,
     name: str = "calibrated",
     dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
     group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
-    GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``)."""
+    GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``). ``threads``: the intra-op
+    threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run single-threaded; on a loaded
+    machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms per call, which is not what a
+    single-threaded rank sees); default: this process's setting."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(group_sizes, message_bytes, gemm_sizes, seq_lens, repeats, memory_bytes, name, dtype)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _calibrate(
+    group_sizes: Sequence[int],
+    message_bytes: Sequence[int],
+    gemm_sizes: Sequence[int],
+    seq_lens: Sequence[int],
+    repeats: int,
+    memory_bytes: float | None,
+    name: str,
+    dtype: torch.dtype,
+) -> HardwareProfile:
     linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
     rates = _gemm_rates(linear)
     peak = max(rate for _, rate in rates)

@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
     p.add_argument("--calibrate-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the GEMM/attention/memory benchmarks: the one training computes in")  # fmt: skip
+    p.add_argument(
+        "--calibrate-threads", type=int, help="intra-op threads of one rank (1 for CPU ranks that share a host)"
+    )
     p.add_argument("--run", type=int, default=0, metavar="K", help="train the top K layouts for a few steps here")
     p.add_argument("--run-steps", type=int, default=5)
     p.add_argument("--run-dir", default="tune_runs")
@@ -93,10 +96,11 @@ def _calibrate(args: argparse.Namespace) -> None:
     from lightning_flagscale.tune.calibrate import calibrate
 
     groups = tuple(int(x) for x in args.calibrate_groups.split(","))
+    kw = dict(group_sizes=groups, threads=args.calibrate_threads)
     if args.calibrate_dtype == "bf16":  # CPU bf16 GEMMs can run at ~1 GFLOP/s: keep the shapes small
-        profile = calibrate(group_sizes=groups, dtype=torch.bfloat16, gemm_sizes=(64, 128, 256, 512))
+        profile = calibrate(**kw, dtype=torch.bfloat16, gemm_sizes=(64, 128, 256, 512))
     else:
-        profile = calibrate(group_sizes=groups)
+        profile = calibrate(**kw)
     profile.save(args.calibrate_out)
     ar = profile.link("all_reduce", max(groups), "intra")
     print(f"wrote {args.calibrate_out}: peak {profile.peak_flops / 1e9:.1f} GFLOP/s, attention"
