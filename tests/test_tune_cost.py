@@ -32,9 +32,12 @@ def test_bubbles_follow_each_schedule():
     for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)):
         c = _layout(pipeline_parallel_size=p, pipeline_schedule=schedule, virtual_pipeline_parallel_size=v)
         one = _rank_pass(MODEL, c, 4096, hw)
-        f, b, w = one.f / v, one.b / v, one.w / v
-        want = {"1f1b": (p - 1) * (f + b), "interleaved_1f1b": (p - 1) * (f + b), "zero_bubble": (p - 1) * (f + b - 2 * w),
-                "zbv": (p - 1) * (f + b - 2 * w), "dualpipev": (p - 1) * (f + 2 * b - 3 * w)}[schedule]  # fmt: skip
+        assert len(one.others) == p - 1  # the pipeline fills and drains through the other ranks
+        want = 0.0
+        for f, b, w in one.others:
+            f, b, w = f / v, b / v, w / v
+            want += {"1f1b": f + b, "interleaved_1f1b": f + b, "zero_bubble": f + b - 2 * w, "zbv": f + b - 2 * w,
+                     "dualpipev": f + 2 * b - 3 * w}[schedule]  # fmt: skip
         bubbles[schedule] = estimate_step(MODEL, c, 4096, gb, hw).bubble_seconds
         assert bubbles[schedule] == pytest.approx(want)
     # interleaving halves the 1F1B bubble; splitting weight gradients (zero-bubble family) shrinks it further
@@ -42,6 +45,16 @@ def test_bubbles_follow_each_schedule():
     assert bubbles["zero_bubble"] < bubbles["interleaved_1f1b"] and bubbles["zbv"] < bubbles["interleaved_1f1b"]
     no_pp = estimate_step(MODEL, _layout(), 4096, gb, hw)
     assert no_pp.bubble_seconds == 0.0
+
+
+def test_uneven_split_fills_through_the_light_stages():
+    # 29 + 1 + 1 + 1 layers: the heavy first stage waits (p-1) slots of one-layer stages, not of itself
+    hw = _profile()
+    c = _layout(pipeline_parallel_size=4, pipeline_layers=[29, 1, 1, 1])
+    one = _rank_pass(MODEL, c, 4096, hw)
+    light = sum(f + b for f, b, _ in one.others)
+    assert estimate_step(MODEL, c, 4096, 16, hw).bubble_seconds == pytest.approx(light)
+    assert light < 0.25 * (one.f + one.b)  # the heaviest-stage formula would charge 3 (F+B) of the 29-layer stage
 
 
 def test_full_recompute_costs_about_one_extra_forward():

@@ -16,9 +16,10 @@ Per micro-batch and pipeline rank, a block costs
   **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
 
 The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
-weight-gradient part ``w`` of the heaviest rank (``p`` ranks, ``v`` chunks; the DualPipe README's bubble table,
+weight-gradient part ``w`` of each of the other ``p - 1`` ranks the heaviest one waits on while the pipeline fills
+and drains (``v`` chunks; the DualPipe README's bubble table,
 https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
-gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
+for an even split gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
 ``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. Data parallelism reduces fp32 gradients over
 data x context ranks (``parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
@@ -78,6 +79,8 @@ class _Pass:
     comm: dict[str, float]
     mean_fb: float = 0.0
     """Forward + backward averaged over the pipeline ranks (the heaviest rank's ``f + b`` without PP)."""
+    others: tuple[tuple[float, float, float], ...] = ()
+    """``(f, b, w)`` of every other pipeline rank: the pipeline fills and drains through them."""
 
 
 def _tokens(model: TransformerConfig, c: ParallelConfig, seq_len: int) -> float:
@@ -205,8 +208,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}
-    best: _Pass | None = None
-    total = 0.0
+    ranks: list[_Pass] = []
     for stages in _rank_stages(c):
         f = b = w = 0.0
         comm: dict[str, float] = {}
@@ -227,27 +229,35 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
                 f, b, w = f + head, b + head_dgrad + head_w, w + head_w
-        total += f + b
-        if best is None or f + b > best.f + best.b:
-            best = _Pass(f, b, w, comm)
-    assert best is not None
-    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=total / c.pipeline_parallel_size)
+        ranks.append(_Pass(f, b, w, comm))
+    heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)
+    best = ranks[heaviest]
+    others = tuple((r.f, r.b, r.w) for i, r in enumerate(ranks) if i != heaviest)
+    mean_fb = sum(r.f + r.b for r in ranks) / len(ranks)
+    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=mean_fb, others=others)
 
 
 def _bubble(c: ParallelConfig, one: _Pass) -> float:
-    """Idle time of one schedule run on the heaviest rank (see the module docstring)."""
+    """Idle time of one schedule run on the heaviest rank (see the module docstring): the fill and drain run through
+    the *other* ranks' chunks, so each of the ``p - 1`` bubble slots costs that rank's time, not the heaviest's
+    (equal for an even split; an uneven split's light stages fill faster)."""
     p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
     if p == 1:
         return 0.0
-    f, b, w = one.f / v, one.b / v, one.w / v
+    others = one.others or ((one.f, one.b, one.w),) * (p - 1)
     name = c.pipeline_schedule
-    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
-        return (p - 1) * (f + b)
-    if name in ("zero_bubble", "zbv"):
-        return (p - 1) * max(0.0, f + b - 2 * w)
-    # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without overlapping a
-    # forward and a backward chunk (torch on CPU does not), F&B = f + b.
-    return (p - 1) * max(0.0, f + 2 * b - 3 * w)
+    total = 0.0
+    for f, b, w in others:
+        f, b, w = f / v, b / v, w / v
+        if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+            total += f + b
+        elif name in ("zero_bubble", "zbv"):
+            total += max(0.0, f + b - 2 * w)
+        else:
+            # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without
+            # overlapping a forward and a backward chunk (torch on CPU does not), F&B = f + b.
+            total += max(0.0, f + 2 * b - 3 * w)
+    return total
 
 
 def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
