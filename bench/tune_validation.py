@@ -1,6 +1,9 @@
 """The tuner's predictions against measured runs: per-rank peak memory and step time of >= 10 layouts on 4 processes.
 
-    python bench/tune_validation.py [--rounds 3] [--profile hw.json] [--out bench/results/tune_validation]
+    lightning-flagscale tune --calibrate --calibrate-dtype bf16 --calibrate-threads 1 \
+        --calibrate-out bench/results/tune_cpu_profile.json          # first, on this machine
+    python bench/tune_validation.py [--rounds 3] [--resume] [--profile hw.json] [--out bench/results/tune_validation]
+    python bench/tune_validation.py --from-json bench/results/tune_validation.json   # rewrite the report only
 
 A ~26M-parameter Llama-shaped model (and a ~29M MoE variant for EP) trains with ``FlagScaleStrategy`` +
 ``FlagScalePrecision("bf16-mixed")`` (our Megatron layout: bf16 parameters and activations, fp32 masters and
@@ -12,12 +15,14 @@ step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above th
 (forward, backward, gradient reduction and optimizer step), counted from the allocator's events by
 ``tune.measure.AllocationPeak`` (``torch.profiler`` with ``profile_memory=True``: every CPU allocation and free,
 whoever made it). The largest rank is compared with ``tune.memory.memory_breakdown`` for the layout's heaviest
-rank. Step 2 is timed (wall clock from batch start to batch end, slowest rank; median over rounds).
+rank. Memory is measured in the first round only; every later round runs two steps and times step 1 (wall clock
+from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``; median over rounds).
 
-Predicted time is ``tune.cost.estimate_step_seconds`` with ``--profile`` (a JSON of ``tune.hardware.Hardware``
-fields). Without one, the bench calibrates a profile on the spot and says so: ``flops`` so that the first layout
-(DDP) is predicted exactly, the link bandwidth from a 16 MiB all-reduce timed over the 4 processes; the other
-layouts are then predictions.
+Predicted time is ``tune.cost.estimate_step`` on the profile that ``tune --calibrate`` measured here (bf16 kernels
+with one thread, as each rank runs them; gloo links; the host's cores), with its one end-to-end factor
+(``compute_scale``) fitted on the first layout (DDP): every other layout is a prediction. ``--resume`` keeps the
+runs saved in the JSON and runs only the missing ones (rank processes run every layout in one process; a run
+killed half-way loses nothing already measured).
 """
 
 from __future__ import annotations
