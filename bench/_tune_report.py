@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import statistics
 from pathlib import Path
 
@@ -35,87 +33,199 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def _measured(runs: list[list[dict]]) -> tuple[float, float, float, float, float]:
-    """(peak bytes of the largest rank, its state bytes, median step seconds, min, max) over rounds."""
-    peaks, states, times = [], [], []
+def _median_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _measured(runs: list[list[dict]]) -> dict:
+    """Peak bytes of the largest rank and its state bytes (from the profiled round), and the step time and its
+    forward+backward part (until ``on_before_optimizer_step``) of the slowest rank: (median, min, max) over steps."""
+    peaks, states, times, fwd_bwd = [], [], [], []
     for ranks in runs:
-        per_rank = [(sum(r["state_start"].values()) + r["peak_delta"], sum(r["state_start"].values())) for r in ranks]
-        peak, state = max(per_rank)
-        peaks.append(peak)
-        states.append(state)
-        # a step takes as long as its slowest rank
-        times.extend(max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"])))
-    return max(peaks), statistics.median(states), statistics.median(times), min(times), max(times)
+        if "peak_delta" in ranks[0]:
+            per_rank = [
+                (sum(r["state_start"].values()) + r["peak_delta"], sum(r["state_start"].values())) for r in ranks
+            ]
+            peak, state = max(per_rank)
+            peaks.append(peak)
+            states.append(state)
+        for i in range(len(ranks[0]["times"])):  # a step takes as long as its slowest rank
+            slowest = max(ranks, key=lambda r: r["times"][i])
+            times.append(slowest["times"][i])
+            if slowest.get("fwd_bwd"):
+                fwd_bwd.append(slowest["fwd_bwd"][i])
+    return {"peak": max(peaks), "state": statistics.median(states), "time": _median_range(times),
+            "fwd_bwd": _median_range(fwd_bwd) if fwd_bwd else (float("nan"),) * 3}  # fmt: skip
 
 
-def _hardware(results: dict, args, predict, measured_time: dict[str, float]):
-    from lightning_flagscale.tune.hardware import Hardware
+DEFAULT_PROFILE = "bench/results/tune_cpu_profile.json"
 
-    if args.profile:
-        return Hardware(**json.loads(Path(args.profile).read_text())), f"profile `{args.profile}`"
-    base = Hardware(flops=1e12, intra_node_bandwidth=results["bandwidth"], inter_node_bandwidth=results["bandwidth"],
-                    devices_per_node=4, memory_bytes=float("inf"))  # fmt: skip
+
+def _hardware(args, measured_time: dict[str, float]):
+    """The calibrated profile (``tune --calibrate --calibrate-dtype bf16``) with its one end-to-end factor
+    (``compute_scale``) fitted on the first layout's measured step; every other layout is then a prediction."""
+    from lightning_flagscale.tune.cost import calibrate_compute_scale
+    from lightning_flagscale.tune.hardware import load_profile
+
+    path = args.profile or DEFAULT_PROFILE
+    if not Path(path).exists():
+        raise SystemExit(f"{path} missing: run `lightning-flagscale tune --calibrate --calibrate-dtype bf16 "
+                         f"--calibrate-out {path}` on this machine first.")  # fmt: skip
+    hw = load_profile(path)
     first = args.layouts[0]
-    # Calibrate flops on the first layout: the compute term is linear in 1/flops, communication is not.
-    _, t_base = predict(first, base)
-    comm = predict(first, dataclasses.replace(base, flops=float("inf")))[1]
-    flops = base.flops * (t_base - comm) / max(measured_time[first] - comm, 1e-9)
-    note = (f"calibrated here: flops={flops / 1e9:.2f} GFLOP/s fitted to `{first}`, link bandwidth "
-            f"{results['bandwidth'] / 1e6:.0f} MB/s from a timed 16 MiB all-reduce over 4 processes")  # fmt: skip
-    return dataclasses.replace(base, flops=flops), note
+    model, c, seq, batch = args.setup(first)
+    fitted = calibrate_compute_scale(model, c, seq, batch, hw, seq * batch / measured_time[first])
+    note = (
+        f"profile `{path}` ({hw.source}; peak {hw.peak_flops / 1e9:.1f} GFLOP/s, backward GEMMs at "
+        f"{hw.input_grad_gemm_factor:.2f}x / {hw.weight_grad_gemm_factor:.2f}x the forward rate), "
+        f"`compute_scale` = {fitted.compute_scale:.3f} fitted on `{first}` (its time error is 0 by construction)"
+    )
+    return fitted, note
+
+
+def _least_loaded(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
+    """The same checks on each layout's fastest round (the least-disturbed run, ``timeit``'s convention), with
+    ``compute_scale`` refitted on the first layout's fastest round: a secondary view, the targets above are the
+    medians."""
+    fast = {n: meas[n]["time"][1] for n in names}
+    hw, _ = _hardware(args, fast)
+    pred = [predict(n, hw)[1].step_seconds for n in names]
+    got = [fast[n] for n in names]
+    ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pred, got))
+    best_pred = names[min(dense, key=pred.__getitem__)]
+    best_meas = names[min(dense, key=got.__getitem__)]
+    gap = fast[best_pred] / fast[best_meas] - 1
+    errors = ", ".join(f"{n} {a / b - 1:+.0%}" for n, a, b in zip(names, pred, got))
+    return [
+        f"Secondary view, **fastest round** of each layout (least load; `compute_scale` = {hw.compute_scale:.3f} "
+        f"refitted on `{names[0]}`'s fastest round): time within 20% on {ok}/{len(names)} layouts, Spearman "
+        f"{spearman(pred, got):.2f}, predicted best dense `{best_pred}` is {gap:+.1%} off the fastest `{best_meas}`. "
+        f"Errors: {errors}.",
+    ]
+
+
+def _ok(flag: bool) -> str:
+    return "**met**" if flag else "**missed**"
 
 
 def write_report(results: dict, args, predict, path: Path) -> None:
     names = [n for n in args.layouts if n in results["runs"]]
     meas = {n: _measured(results["runs"][n]) for n in names}
-    hw, hw_note = _hardware(results, args, predict, {n: meas[n][2] for n in names})
-    rows, pm, mm, pt, mt = [], [], [], [], []
+    hw, hw_note = _hardware(args, {n: meas[n]["time"][0] for n in names})
+    mem_rows, time_rows, pm, mm, pt, mt = [], [], [], [], [], []
     for n in names:
-        breakdown, seconds = predict(n, hw)
-        heavy = breakdown.heaviest
-        peak, state, t_med, t_min, t_max = meas[n]
-        mem_err = breakdown.peak / peak - 1
-        t_err = seconds / t_med - 1
+        breakdown, cost = predict(n, hw)
+        heavy, m = breakdown.heaviest, meas[n]
+        t_med, t_min, t_max = m["time"]
+        fb = m["fwd_bwd"][0]
         pm.append(breakdown.peak)
-        mm.append(peak)
-        pt.append(seconds)
+        mm.append(m["peak"])
+        pt.append(cost.step_seconds)
         mt.append(t_med)
-        rows.append(
-            f"| {n} | {heavy.states / MIB:.1f} | {state / MIB:.1f} | {(heavy.activations + heavy.transient) / MIB:.1f}"
-            f" | {heavy.live_microbatches} | {breakdown.peak / MIB:.1f} | {peak / MIB:.1f} | {mem_err:+.1%}"
-            f" | {seconds:.2f} | {t_med:.2f} ({t_min:.2f}-{t_max:.2f}) | {t_err:+.1%} | {len(results['runs'][n])} |"
+        mem_rows.append(
+            f"| {n} | {heavy.states / MIB:.1f} | {m['state'] / MIB:.1f} | {(heavy.activations + heavy.transient) / MIB:.1f}"
+            f" | {heavy.live_microbatches} | {breakdown.peak / MIB:.1f} | {m['peak'] / MIB:.1f}"
+            f" | {breakdown.peak / m['peak'] - 1:+.1%} |"
+        )
+        comm = ", ".join(f"{k} {v:.2f}" for k, v in sorted(cost.comm.items()) if v >= 0.005) or "-"
+        time_rows.append(
+            f"| {n} | {cost.step_seconds:.2f} | {t_med:.2f} ({t_min:.2f}-{t_max:.2f}) | {cost.step_seconds / t_med - 1:+.1%}"
+            f" | {cost.compute_seconds - cost.optimizer_seconds:.2f} | {comm} | {cost.bubble_seconds:.2f}"
+            f" | {cost.step_seconds - cost.optimizer_seconds:.2f} | {fb:.2f} | {cost.optimizer_seconds:.2f}"
+            f" | {t_med - fb:.2f} | {len(results['runs'][n])} |"
         )
     mem_ok = sum(abs(a / b - 1) <= 0.10 for a, b in zip(pm, mm))
     time_ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pt, mt))
-    best_pred = names[min(range(len(names)), key=pt.__getitem__)]
-    best_meas = names[min(range(len(names)), key=mt.__getitem__)]
+    rho_t, rho_m = spearman(pt, mt), spearman(pm, mm)
+    # the best layout of one model: the dense layouts (the MoE preset is a different model)
+    dense = [i for i, n in enumerate(names) if not args.setup(n)[0].is_moe]
+    best_pred = names[min(dense, key=pt.__getitem__)]
+    best_meas = names[min(dense, key=mt.__getitem__)]
+    best_gap = meas[best_pred]["time"][0] / meas[best_meas]["time"][0] - 1
+    noise = statistics.median((meas[n]["time"][2] - meas[n]["time"][1]) / meas[n]["time"][0] for n in names)
+    dense_pred = [pt[i] for i in dense]
+    spread = (max(dense_pred) - min(dense_pred)) / statistics.median(dense_pred)
+    worst = max(names, key=lambda n: abs(pt[names.index(n)] / meas[n]["time"][0] - 1))
     lines = [
         "# Tuner validation: predicted vs measured, 4 CPU processes",
         "",
-        f"Measured under load (a 2-core machine shared by ~5 engineers), up to {args.rounds} interleaved round(s) "
-        "(column `rounds`); "
-        "`python bench/tune_validation.py` regenerates this file.",
+        f"**Measured under load** (a 2-core machine shared by ~5 engineers, 4 training processes on 2 cores), "
+        f"{args.rounds} interleaved round(s): every round runs each layout once. "
+        "`python bench/tune_validation.py` regenerates this file (`--from-json` rewrites it from the saved "
+        "measurements).",
         "Model: Llama-shaped 26.1M parameters (h=512, 6 layers, 8 heads / 4 KV, SwiGLU 1408, vocab 8192 padded to a "
         "multiple of 64); MoE layouts: 4 layers, 4 experts top-2 of width 704 (29M). Sequence 64, global batch 4, "
         "bf16-mixed (Megatron layout), AdamW.",
         "",
-        "Memory measured = state bytes at the start of step 1 (`parallel.memory.state_bytes`) + the peak of bytes "
+        "## Targets",
+        "",
+        f"- memory within 10% on every layout: {mem_ok}/{len(names)} {_ok(mem_ok == len(names))}; "
+        f"Spearman(pred, meas) memory = {rho_m:.2f}",
+        f"- time within 20%: {time_ok}/{len(names)} layouts {_ok(time_ok == len(names))}",
+        f"- Spearman rank correlation of time >= 0.8: {rho_t:.2f} {_ok(rho_t >= 0.8)}",
+        f"- best dense layout (same model): predicted best `{best_pred}` (measured {meas[best_pred]['time'][0]:.2f} s) vs measured best `{best_meas}` "
+        f"({meas[best_meas]['time'][0]:.2f} s): {best_gap:+.1%} {_ok(best_gap <= 0.10)} (target within 10%)",
+        "",
+        *_least_loaded(names, meas, args, predict, dense),
+        "",
+        "## What the breakdown showed, and what remains",
+        "",
+        "Terms of the cost model that the measured breakdown (forward+backward vs optimizer phase, per layout) showed "
+        "wrong on this machine, fixed in `tune/` rather than fitted per layout:",
+        "",
+        "- **backward GEMMs**: on this CPU (no native bf16) the input-gradient GEMM `dY @ W` runs ~6x slower than the "
+        "forward `X @ W^T` and the weight-gradient one ~2.5x faster; the model assumed all three at one rate "
+        "(right on GPUs). The profile now carries `input_grad_gemm_factor` / `weight_grad_gemm_factor`, measured "
+        "by `tune --calibrate` (1 on the built-in GPU profiles).",
+        "- **calibration dtype and threads**: the profile was measured in fp32 with two threads; training runs bf16 "
+        "with one thread per rank, and on a loaded host a two-thread kernel waits ~20 ms per call for its "
+        "descheduled helper, which made small GEMMs look 10-1000x slow (TP/CP/EP layouts were predicted at 2x). "
+        "`--calibrate-dtype bf16 --calibrate-threads 1` measures what the ranks run.",
+        "- **ranks sharing cores**: 4 ranks share 2 cores, so a rank waiting in a pipeline bubble lends its core; "
+        "the model charged the full bubble (PP layouts +40-70%). The profile records the host's cores "
+        "(`compute_units_per_node`), and the step takes at least the node's summed busy time over them.",
+        "- **uneven pipeline splits**: the bubble charged `p-1` slots of the heaviest stage; the pipeline fills and "
+        "drains through the other stages (`pp4-gpipe`, layers 2/1/1/2 + head: +33% before, now within a few %).",
+        "- **ZeRO-3 memory**: FSDP2 keeps one unit's reduce-scatter in flight while the next unit's gradients and "
+        "(gloo) reduce-scatter copies are allocated; the model counted one unit only (-12% before).",
+        "",
+        f"What remains: the median layout's min-max range over rounds is {noise:.0%} of its median step, while the "
+        f"predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do nearly the "
+        "same work per node: TP, CP and PP split the same FLOPs over the same 4 ranks on 2 cores). Under this load "
+        "the measured order of the dense layouts is mostly noise, so the rank correlation and the best-layout "
+        f"check test the load more than the model. The one-layout fit also carries the reference's noise into every "
+        f"prediction: `{names[0]}` itself spans {meas[names[0]]['time'][1]:.2f}-{meas[names[0]]['time'][2]:.2f} s "
+        f"over the rounds, and the largest median error is `{worst}`; the fastest-round view above removes most of "
+        "the load; in it `tp2-sp-dp2`, which runs the same GEMMs as `tp2-dp2` (SP only changes its collectives), is within a few "
+        "percent, so the remaining spread between such pairs is load, not a term of the model.",
+        "",
+        "## Memory (per-rank peak)",
+        "",
+        "Measured = state bytes at the start of step 1 (`parallel.memory.state_bytes`) + the peak of bytes "
         "allocated above that level during the step, from the allocator's events (`tune.measure.AllocationPeak`, "
-        "`torch.profiler` with `profile_memory=True`), largest rank. Predicted = `tune.memory.memory_breakdown`, "
-        "heaviest rank (states + activations + transients, or the optimizer step if higher).",
-        f"Time: median (min-max) over rounds of step 2, slowest rank; predicted by `tune.cost.estimate_step_"
-        f"seconds` with {hw_note}.",
+        "`torch.profiler` with `profile_memory=True`), largest rank, first round. Predicted = "
+        "`tune.memory.memory_breakdown`, heaviest rank (states + activations + transients, or the optimizer step if "
+        "higher). Memory does not depend on load.",
         "",
         "| layout | pred. states MiB | meas. states MiB | pred. act.+transient MiB | live mb | pred. peak MiB"
-        " | meas. peak MiB | mem err | pred. s | meas. s | time err | rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *rows,
+        " | meas. peak MiB | mem err |",
+        "|---|---|---|---|---|---|---|---|",
+        *mem_rows,
         "",
-        f"- memory within 10%: {mem_ok}/{len(names)} layouts; Spearman(pred, meas) memory = {spearman(pm, mm):.2f}",
-        f"- time within 20%: {time_ok}/{len(names)} layouts; Spearman(pred, meas) time = {spearman(pt, mt):.2f}",
-        f"- predicted best: `{best_pred}` (measured {meas[best_pred][2]:.2f} s); measured best: `{best_meas}` "
-        f"({meas[best_meas][2]:.2f} s): predicted best is {meas[best_pred][2] / meas[best_meas][2] - 1:+.1%} "
-        "off the measured best",
+        "## Step time",
+        "",
+        "Measured: wall clock of one optimizer step (batch start to batch end after a barrier), slowest rank, median "
+        "(min-max) over the timed steps of all rounds (step 2 of round 1, step 1 of the others; step 0 allocates the "
+        "Adam states and the profiled memory step is not timed); `meas. fwd+bwd` ends at `on_before_optimizer_step`, "
+        "`meas. opt.` is the rest (gradient clipping, optimizer step, ZeRO parameter gathers). Predicted: "
+        f"`tune.cost.estimate_step` with {hw_note}. Predicted breakdown: `compute` = GEMMs, attention, memory-bound "
+        "kernels and recompute of the heaviest rank's micro-batches; `exposed comm` per kind; `bubble` per schedule; "
+        "`pred. fwd+bwd` = everything but the optimizer step.",
+        "",
+        "| layout | pred. s | meas. s | time err | pred. compute | pred. exposed comm | pred. bubble"
+        " | pred. fwd+bwd | meas. fwd+bwd | pred. opt. | meas. opt. | rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *time_rows,
     ]
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,9 @@
 """The tuner's predictions against measured runs: per-rank peak memory and step time of >= 10 layouts on 4 processes.
 
-    python bench/tune_validation.py [--rounds 3] [--profile hw.json] [--out bench/results/tune_validation]
+    lightning-flagscale tune --calibrate --calibrate-dtype bf16 --calibrate-threads 1 \
+        --calibrate-out bench/results/tune_cpu_profile.json          # first, on this machine
+    python bench/tune_validation.py [--rounds 3] [--resume] [--profile hw.json] [--out bench/results/tune_validation]
+    python bench/tune_validation.py --from-json bench/results/tune_validation.json   # rewrite the report only
 
 A ~26M-parameter Llama-shaped model (and a ~29M MoE variant for EP) trains with ``FlagScaleStrategy`` +
 ``FlagScalePrecision("bf16-mixed")`` (our Megatron layout: bf16 parameters and activations, fp32 masters and
@@ -12,17 +15,20 @@ step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above th
 (forward, backward, gradient reduction and optimizer step), counted from the allocator's events by
 ``tune.measure.AllocationPeak`` (``torch.profiler`` with ``profile_memory=True``: every CPU allocation and free,
 whoever made it). The largest rank is compared with ``tune.memory.memory_breakdown`` for the layout's heaviest
-rank. Step 2 is timed (wall clock from batch start to batch end, slowest rank; median over rounds).
+rank. Memory is measured in the first round only; every later round runs two steps and times step 1 (wall clock
+from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``; median over rounds).
 
-Predicted time is ``tune.cost.estimate_step_seconds`` with ``--profile`` (a JSON of ``tune.hardware.Hardware``
-fields). Without one, the bench calibrates a profile on the spot and says so: ``flops`` so that the first layout
-(DDP) is predicted exactly, the link bandwidth from a 16 MiB all-reduce timed over the 4 processes; the other
-layouts are then predictions.
+Predicted time is ``tune.cost.estimate_step`` on the profile that ``tune --calibrate`` measured here (bf16 kernels
+with one thread, as each rank runs them; gloo links; the host's cores), with its one end-to-end factor
+(``compute_scale``) fitted on the first layout (DDP): every other layout is a prediction. ``--resume`` keeps the
+runs saved in the JSON and runs only the missing ones (rank processes run every layout in one process; a run
+killed half-way loses nothing already measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -79,7 +85,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
 
 
-def _run_layout(name: str) -> dict:
+def _run_layout(name: str, measure_memory: bool) -> dict:
     import lightning as L
     import torch.distributed as dist
 
@@ -90,31 +96,37 @@ def _run_layout(name: str) -> dict:
     from lightning_flagscale.tune.measure import AllocationPeak
 
     kind, kwargs = LAYOUTS[name]
-    out: dict = {"times": []}
+    out: dict = {"times": [], "fwd_bwd": []}
 
     class Measure(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             dist.barrier()
-            if trainer.global_step == MEMORY_STEP:
+            self.profiled = measure_memory and trainer.global_step == MEMORY_STEP
+            if self.profiled:
                 opts = [getattr(o, "optimizer", o) for o in trainer.optimizers]
                 out["state_start"] = vars(state_bytes(pl_module, opts))
                 self.peak = AllocationPeak().__enter__()
             self.t0 = time.perf_counter()
 
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            # forward + backward (+ bubble, exposed TP/CP/EP/PP communication, gradient reduction in flight)
+            self.t_fb = time.perf_counter() - self.t0
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elapsed = time.perf_counter() - self.t0
-            if trainer.global_step - 1 == MEMORY_STEP:
+            if self.profiled:
                 self.peak.__exit__(None, None, None)
                 out["peak_delta"] = self.peak.peak_bytes
-            elif trainer.global_step - 1 > MEMORY_STEP:
+            elif trainer.global_step - 1 >= MEMORY_STEP:  # step 0 allocates the Adam states: never timed
                 out["times"].append(elapsed)
+                out["fwd_bwd"].append(self.t_fb)
 
     config = TransformerConfig(**(DENSE if kind == "dense" else MOE))
     module = CausalLMModule(config, learning_rate=1e-4, warmup_steps=0)
     strategy = FlagScaleStrategy(**kwargs)
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[FlagScalePrecision("bf16-mixed")],
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=STEPS if measure_memory else MEMORY_STEP + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Measure()],
     )  # fmt: skip
     parallel = strategy.parallel
@@ -146,9 +158,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
 
     dist.init_process_group("gloo")
     results: dict = {"bandwidth": _link_bandwidth(), "runs": {}}
+    if args.resume and Path(args.out + ".json").exists():  # every rank reads the same file: same runs skipped
+        results = json.loads(Path(args.out + ".json").read_text())
     for r in range(args.rounds):
         for name in args.layouts:
-            got = _run_layout(name)
+            if len(results["runs"].get(name, [])) > r:
+                continue
+            got = _run_layout(name, measure_memory=r == 0)
+            gc.collect()  # one process runs every layout: free the last Trainer's model and optimizer now
             gathered = [None] * WORLD
             dist.all_gather_object(gathered, got)
             results["runs"].setdefault(name, []).append(gathered)
@@ -160,27 +177,40 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     dist.destroy_process_group()
 
 
-def _predict(name: str, hw) -> tuple[object, float]:
+def _setup(name: str):
+    """(model, resolved ParallelConfig, seq_len, global batch) of a layout."""
     from lightning_flagscale.config import ParallelConfig, TransformerConfig
-    from lightning_flagscale.tune.cost import estimate_step_seconds
-    from lightning_flagscale.tune.memory import memory_breakdown
 
     kind, kwargs = LAYOUTS[name]
-    model = TransformerConfig(**(DENSE if kind == "dense" else MOE))
-    c = ParallelConfig(**kwargs).resolve(WORLD)
-    m = GLOBAL_BATCH // (c.dp * c.micro_batch_size)
-    seconds = estimate_step_seconds(model, c, SEQ, GLOBAL_BATCH, hw) if hw is not None else float("nan")
-    return memory_breakdown(model, c, SEQ, m, backend="gloo"), seconds
+    return (
+        TransformerConfig(**(DENSE if kind == "dense" else MOE)),
+        ParallelConfig(**kwargs).resolve(WORLD),
+        SEQ,
+        GLOBAL_BATCH,
+    )
+
+
+def _predict(name: str, hw) -> tuple[object, object]:
+    """(memory breakdown, step cost) predicted for a layout."""
+    from lightning_flagscale.tune.cost import estimate_step
+    from lightning_flagscale.tune.memory import memory_breakdown
+
+    model, c, seq, batch = _setup(name)
+    m = batch // (c.dp * c.micro_batch_size)
+    return memory_breakdown(model, c, seq, m, backend="gloo"), estimate_step(model, c, seq, batch, hw)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
-    parser.add_argument("--profile", help="JSON of tune.hardware.Hardware fields (default: calibrate here)")
+    parser.add_argument("--profile", help="profile JSON from `tune --calibrate --calibrate-dtype bf16` (default: "
+                        "bench/results/tune_cpu_profile.json)")  # fmt: skip
     parser.add_argument("--out", default="bench/results/tune_validation")
+    parser.add_argument("--resume", action="store_true", help="keep the runs saved in OUT.json, run the missing ones")
     parser.add_argument("--from-json", help="rewrite the report from a saved JSON of measurements (no runs)")
     args = parser.parse_args()
+    args.setup = _setup
     from bench._tune_report import write_report
 
     if args.from_json:

@@ -32,9 +32,12 @@ def test_bubbles_follow_each_schedule():
     for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)):
         c = _layout(pipeline_parallel_size=p, pipeline_schedule=schedule, virtual_pipeline_parallel_size=v)
         one = _rank_pass(MODEL, c, 4096, hw)
-        f, b, w = one.f / v, one.b / v, one.w / v
-        want = {"1f1b": (p - 1) * (f + b), "interleaved_1f1b": (p - 1) * (f + b), "zero_bubble": (p - 1) * (f + b - 2 * w),
-                "zbv": (p - 1) * (f + b - 2 * w), "dualpipev": (p - 1) * (f + 2 * b - 3 * w)}[schedule]  # fmt: skip
+        assert len(one.others) == p - 1  # the pipeline fills and drains through the other ranks
+        want = 0.0
+        for f, b, w in one.others:
+            f, b, w = f / v, b / v, w / v
+            want += {"1f1b": f + b, "interleaved_1f1b": f + b, "zero_bubble": f + b - 2 * w, "zbv": f + b - 2 * w,
+                     "dualpipev": f + 2 * b - 3 * w}[schedule]  # fmt: skip
         bubbles[schedule] = estimate_step(MODEL, c, 4096, gb, hw).bubble_seconds
         assert bubbles[schedule] == pytest.approx(want)
     # interleaving halves the 1F1B bubble; splitting weight gradients (zero-bubble family) shrinks it further
@@ -42,6 +45,16 @@ def test_bubbles_follow_each_schedule():
     assert bubbles["zero_bubble"] < bubbles["interleaved_1f1b"] and bubbles["zbv"] < bubbles["interleaved_1f1b"]
     no_pp = estimate_step(MODEL, _layout(), 4096, gb, hw)
     assert no_pp.bubble_seconds == 0.0
+
+
+def test_uneven_split_fills_through_the_light_stages():
+    # 29 + 1 + 1 + 1 layers: the heavy first stage waits (p-1) slots of one-layer stages, not of itself
+    hw = _profile()
+    c = _layout(pipeline_parallel_size=4, pipeline_layers=[29, 1, 1, 1])
+    one = _rank_pass(MODEL, c, 4096, hw)
+    light = sum(f + b for f, b, _ in one.others)
+    assert estimate_step(MODEL, c, 4096, 16, hw).bubble_seconds == pytest.approx(light)
+    assert light < 0.25 * (one.f + one.b)  # the heaviest-stage formula would charge 3 (F+B) of the 29-layer stage
 
 
 def test_full_recompute_costs_about_one_extra_forward():
@@ -85,3 +98,32 @@ def test_mfu_uses_model_flops_and_the_profile_peak():
     cost = estimate_step(mixtral, c, 4096, 8, hw)
     assert cost.mfu == pytest.approx(cost.tokens_per_second * flops_per_token(mixtral, 4096) / (8 * hw.peak_flops))
     assert 0 < cost.mfu < 1
+
+
+def test_backward_gemm_factors_slow_only_the_backward():
+    # A CPU without native bf16 runs dY @ W ~10x slower than X @ W^T: the profile's factor moves backward time only.
+    hw = _profile(hbm=float("inf"))
+    slow = hw.replace(input_grad_gemm_factor=0.1)
+    base, dgrad = _rank_pass(MODEL, _layout(), 4096, hw), _rank_pass(MODEL, _layout(), 4096, slow)
+    assert dgrad.f == pytest.approx(base.f) and dgrad.w == pytest.approx(base.w)
+    gemm = base.w  # forward GEMM time (= weight-gradient time at factor 1)
+    assert dgrad.b - base.b == pytest.approx(9 * gemm)
+    fast_w = _rank_pass(MODEL, _layout(), 4096, hw.replace(weight_grad_gemm_factor=2.0))
+    assert fast_w.w == pytest.approx(gemm / 2) and fast_w.b == pytest.approx(base.b - gemm / 2)
+
+
+def test_ranks_sharing_cores_absorb_the_pipeline_bubble():
+    # 8 ranks on 4 cores: a rank waiting in the bubble lends its core, so the step is the node's work over 4 cores.
+    hw = _profile(hbm=float("inf")).replace(devices_per_node=8)  # no optimizer time: DDP's would be 4x PP's
+    shared = hw.replace(compute_units_per_node=4.0)
+    ddp, pp = _layout(), _layout(pipeline_parallel_size=4)
+    dedicated = estimate_step(MODEL, pp, 4096, 16, hw)
+    assert dedicated.bubble_seconds > 0
+    on_cores = estimate_step(MODEL, pp, 4096, 16, shared)
+    assert on_cores.bubble_seconds == 0.0 and on_cores.step_seconds > dedicated.step_seconds
+    # same work per node as DDP (the embedding/head sit on one stage: per-rank work differs, the sum does not much)
+    ddp_cores = estimate_step(MODEL, ddp, 4096, 16, shared)
+    assert ddp_cores.step_seconds == pytest.approx(2 * estimate_step(MODEL, ddp, 4096, 16, hw).step_seconds, rel=1e-6)
+    assert on_cores.step_seconds == pytest.approx(ddp_cores.step_seconds, rel=0.05)
+    # enough cores: nothing changes
+    assert estimate_step(MODEL, pp, 4096, 16, hw.replace(compute_units_per_node=8.0)) == dedicated

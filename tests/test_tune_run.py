@@ -29,6 +29,8 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     assert 1e8 < profile.peak_flops < 1e13  # a CPU: between 0.1 GFLOP/s and 10 TFLOP/s
     assert all(0 < eff <= 1 for _, eff in profile.gemm) and max(eff for _, eff in profile.gemm) == 1.0
     assert 0 < profile.attention_efficiency <= 1 and 1e8 < profile.hbm_bandwidth < 1e13
+    assert profile.input_grad_gemm_factor > 0 and profile.weight_grad_gemm_factor > 0  # measured, not assumed
+    assert profile.compute_units_per_node >= 1  # the cores the spawned ranks share
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

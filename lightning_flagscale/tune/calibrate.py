@@ -1,7 +1,9 @@
 """``tune --calibrate``: micro-benchmarks that turn this machine into a :class:`HardwareProfile` (issue 16 item 2).
 
-- **GEMM throughput by shape**: square and tall-skinny matmuls of growing size; the fastest sets ``peak_flops``,
-  each one's rate over it is a ``gemm`` point. Small shapes include the per-call dispatch overhead on purpose: a
+- **GEMM throughput by shape**: square and tall-skinny linear-layer GEMMs of growing size in the training dtype
+  (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``,
+  each size's rate over it is a ``gemm`` point, and
+  the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
   tiny model on a CPU is overhead-bound, and that is what its step time will show.
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
   fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``.
@@ -34,7 +36,7 @@ from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, Link
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["calibrate", "fit_alpha_beta", "measure_collectives", "measure_gemms"]
+__all__ = ["calibrate", "fit_alpha_beta", "measure_collectives", "measure_gemms", "measure_linear_gemms"]
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -50,21 +52,43 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def measure_gemms(
     sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3
 ) -> list[tuple[float, float]]:
-    """``(flops, flop/s)`` of square ``n x n x n`` and tall-skinny ``8n x n x n`` matmuls."""
+    """``(flops, flop/s)`` of square ``n x n x n``, tall ``8n x n x n`` and (``n >= 256``) short ``n/8 x n x n``
+    matmuls."""
+    return sorted((flops, rate) for flops, rate, _, _ in measure_linear_gemms(sizes, dtype, repeats))
+
+
+def measure_linear_gemms(
+    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3
+) -> list[tuple[float, float, float, float]]:
+    """``(flops, forward flop/s, input-grad flop/s, weight-grad flop/s)`` of a linear layer's three GEMMs at the
+    shapes of :func:`measure_gemms`: forward ``X @ W^T``, input gradient ``dY @ W``, weight gradient ``dY^T @ X``
+    (the layouts autograd runs; their rates differ on CPUs without native ``dtype`` kernels)."""
     out = []
     for n in sizes:
-        for rows in (n, 8 * n):
-            a, b = torch.randn(rows, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        # square, tall (many tokens) and, for wide layers, short (a small micro-batch's tokens through a wide layer)
+        for rows in (n, 8 * n, *((n // 8,) if n >= 256 else ())):
+            x, w, g = (
+                torch.randn(rows, n, dtype=dtype),
+                torch.randn(n, n, dtype=dtype),
+                torch.randn(rows, n, dtype=dtype),
+            )
             flops = 2.0 * rows * n * n
-            out.append((flops, flops / _median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats)))
+            runs = (
+                lambda x=x, w=w: torch.nn.functional.linear(x, w),
+                lambda g=g, w=w: g @ w,
+                lambda g=g, x=x: g.t() @ x,
+            )
+            out.append((flops, *(flops / _median_seconds(fn, repeats) for fn in runs)))
     return sorted(out)
 
 
-def measure_attention(seq_lens: Sequence[int], heads: int = 4, head_dim: int = 64, repeats: int = 3) -> float:
+def measure_attention(
+    seq_lens: Sequence[int], heads: int = 4, head_dim: int = 64, repeats: int = 3, dtype: torch.dtype = torch.float32
+) -> float:
     """Best achieved FLOP/s of causal SDPA forward (on the causal half of the score FLOPs)."""
     best = 0.0
     for s in seq_lens:
-        q, k, v = (torch.randn(1, heads, s, head_dim) for _ in range(3))
+        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype) for _ in range(3))
         flops = 0.5 * 4 * s * s * heads * head_dim
 
         def run(q=q, k=k, v=v):
@@ -74,10 +98,12 @@ def measure_attention(seq_lens: Sequence[int], heads: int = 4, head_dim: int = 6
     return best
 
 
-def measure_memory_bandwidth(numel: int = 8 * 1024 * 1024, repeats: int = 3) -> float:
-    """Bytes/s of an out-of-place fp32 add (two reads, one write)."""
-    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
-    return 3 * 4 * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
+def measure_memory_bandwidth(
+    numel: int = 8 * 1024 * 1024, repeats: int = 3, dtype: torch.dtype = torch.float32
+) -> float:
+    """Bytes/s of an out-of-place add in ``dtype`` (two reads, one write)."""
+    a, b, c = torch.randn(numel, dtype=dtype), torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+    return 3 * a.element_size() * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -170,6 +196,15 @@ def measure_collectives(
     return out
 
 
+def _gemm_rates(linear: list[tuple[float, float, float, float]]) -> list[tuple[float, float]]:
+    """``(flops, forward flop/s)`` per distinct GEMM size: shapes of equal FLOPs (square, tall, short) get their
+    median rate, so the log-linear interpolation sees one point per size."""
+    by_flops: dict[float, list[float]] = {}
+    for flops, fwd, _, _ in linear:
+        by_flops.setdefault(flops, []).append(fwd)
+    return [(f, statistics.median(rates)) for f, rates in sorted(by_flops.items())]
+
+
 def calibrate(
     *,
     group_sizes: Sequence[int] = (2, 4),
@@ -179,22 +214,54 @@ def calibrate(
     repeats: int = 3,
     memory_bytes: float | None = None,
     name: str = "calibrated",
+    dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
-    group measured (the processes that share this machine's links)."""
-    gemms = measure_gemms(gemm_sizes, repeats=repeats)
-    peak = max(rate for _, rate in gemms)
-    attention = measure_attention(seq_lens, repeats=repeats)
+    group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
+    GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``). ``threads``: the intra-op
+    threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run single-threaded; on a loaded
+    machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms per call, which is not what a
+    single-threaded rank sees); default: this process's setting."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(group_sizes, message_bytes, gemm_sizes, seq_lens, repeats, memory_bytes, name, dtype)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _calibrate(
+    group_sizes: Sequence[int],
+    message_bytes: Sequence[int],
+    gemm_sizes: Sequence[int],
+    seq_lens: Sequence[int],
+    repeats: int,
+    memory_bytes: float | None,
+    name: str,
+    dtype: torch.dtype,
+) -> HardwareProfile:
+    linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
+    rates = _gemm_rates(linear)
+    peak = max(rate for _, rate in rates)
+    # backward layouts relative to the forward one at the same size: the median over shapes
+    dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
+    wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
+    attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
     links = measure_collectives(group_sizes, message_bytes, repeats=repeats)
     world = max(max(group_sizes), 2)
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
+    dtype_name = str(dtype).removeprefix("torch.")
     return HardwareProfile(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
-        hbm_bandwidth=measure_memory_bandwidth(repeats=repeats), devices_per_node=world,
-        gemm=[(f, rate / peak) for f, rate in gemms], attention_efficiency=min(1.0, attention / peak),
+        hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
+        compute_units_per_node=float(os.cpu_count() or 0),
+        gemm=[(f, rate / peak) for f, rate in rates], attention_efficiency=min(1.0, attention / peak),
+        input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
-        source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, fp32;"
-        " inter-node points copy the intra-node ones)",
+        source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
+        f"{dtype_name}; inter-node points copy the intra-node ones)",
     )  # fmt: skip

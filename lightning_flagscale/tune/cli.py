@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile JSON")
     p.add_argument("--calibrate-out", default="hardware_profile.json")
     p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
+    p.add_argument("--calibrate-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the GEMM/attention/memory benchmarks: the one training computes in")  # fmt: skip
+    p.add_argument(
+        "--calibrate-threads", type=int, help="intra-op threads of one rank (1 for CPU ranks that share a host)"
+    )
     p.add_argument("--run", type=int, default=0, metavar="K", help="train the top K layouts for a few steps here")
     p.add_argument("--run-steps", type=int, default=5)
     p.add_argument("--run-dir", default="tune_runs")
@@ -86,15 +91,23 @@ def _print_table(model: TransformerConfig, result: SearchResult, hw: HardwarePro
 
 
 def _calibrate(args: argparse.Namespace) -> None:
+    import torch
+
     from lightning_flagscale.tune.calibrate import calibrate
 
     groups = tuple(int(x) for x in args.calibrate_groups.split(","))
-    profile = calibrate(group_sizes=groups)
+    kw = dict(group_sizes=groups, threads=args.calibrate_threads)
+    if args.calibrate_dtype == "bf16":  # CPU bf16 GEMMs can run at ~1 GFLOP/s: keep the shapes small
+        profile = calibrate(**kw, dtype=torch.bfloat16, gemm_sizes=(64, 128, 256, 512))
+    else:
+        profile = calibrate(**kw)
     profile.save(args.calibrate_out)
     ar = profile.link("all_reduce", max(groups), "intra")
     print(f"wrote {args.calibrate_out}: peak {profile.peak_flops / 1e9:.1f} GFLOP/s, attention"
           f" {profile.attention_efficiency:.0%} of peak, memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce"
-          f" x{max(groups)}: {ar.latency * 1e6:.0f} us + {ar.bus_bandwidth / 1e9:.2f} GB/s")  # fmt: skip
+          f" x{max(groups)}: {ar.latency * 1e6:.0f} us + {ar.bus_bandwidth / 1e9:.2f} GB/s; backward GEMMs at"
+          f" {profile.input_grad_gemm_factor:.2f}x (input grad) / {profile.weight_grad_gemm_factor:.2f}x (weight grad)"
+          " the forward rate")  # fmt: skip
 
 
 def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:

@@ -4,7 +4,8 @@ Per micro-batch and pipeline rank, a block costs
 
 - its **GEMMs** (q/k/v/o projections, SwiGLU MLP or router + routed experts at the per-expert row count + shared
   experts, split by TP; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
-  GEMMs of the same size (input gradient and weight gradient);
+  GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout relative
+  to the forward one (equal on GPUs; not on a CPU without native bf16);
 - **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
   backward 2.5x forward (FlashAttention-2's five matmuls against two);
 - **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
@@ -15,14 +16,19 @@ Per micro-batch and pipeline rank, a block costs
   **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
 
 The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
-weight-gradient part ``w`` of the heaviest rank (``p`` ranks, ``v`` chunks; the DualPipe README's bubble table,
+weight-gradient part ``w`` of each of the other ``p - 1`` ranks the heaviest one waits on while the pipeline fills
+and drains (``v`` chunks; the DualPipe README's bubble table,
 https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
-gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
+for an even split gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
 ``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. Data parallelism reduces fp32 gradients over
 data x context ranks (``parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
 (prefetched: only the excess over compute and the first gather show). The Adam step is memory-bound.
+
+When the ranks of a node share fewer compute units than there are ranks (``compute_units_per_node``: CPU processes
+on a few cores), the step takes at least the node's summed busy time over its units: a rank waiting in a pipeline
+bubble or on a peer lends its core to the others, so bubbles cost nothing until the critical path dominates.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class StepCost:
     exposed_comm_seconds: float
     comm: dict[str, float] = field(default_factory=dict)
     """Exposed seconds per kind: ``tp``, ``cp``, ``ep``, ``pp``, ``dp``."""
+    optimizer_seconds: float = 0.0
+    """The optimizer step (part of ``compute_seconds``)."""
     tokens_per_second: float
     mfu: float
     """Model FLOPs (``parallel.flops.flops_per_token``) per second over the devices' peak."""
@@ -69,6 +77,10 @@ class _Pass:
     b: float
     w: float
     comm: dict[str, float]
+    mean_fb: float = 0.0
+    """Forward + backward averaged over the pipeline ranks (the heaviest rank's ``f + b`` without PP)."""
+    others: tuple[tuple[float, float, float], ...] = ()
+    """``(f, b, w)`` of every other pipeline rank: the pipeline fills and drains through them."""
 
 
 def _tokens(model: TransformerConfig, c: ParallelConfig, seq_len: int) -> float:
@@ -155,8 +167,8 @@ def _block_pass(
     gemm, attn, mem = _block_compute(model, c, seq_len, hw, moe)
     fwd_comm, bwd_comm = _block_comm(model, c, seq_len, hw, moe, attn)
     f = gemm + attn + mem + sum(fwd_comm.values())
-    w = gemm  # weight gradients: one GEMM per forward GEMM
-    b = 2 * gemm + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
+    dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
+    b = dgrad + w + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
     if recompute == "full":
         b += f
     elif recompute == "selective":
@@ -196,7 +208,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}
-    best: _Pass | None = None
+    ranks: list[_Pass] = []
     for stages in _rank_stages(c):
         f = b = w = 0.0
         comm: dict[str, float] = {}
@@ -215,27 +227,37 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
             if s == c.num_stages - 1:  # LM head (vocab-parallel over TP) and loss
                 t, vocab = _tokens(model, c, seq_len), model.padded_vocab_size(c.tensor_parallel_size)
                 head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
-                f, b, w = f + head, b + 2 * head, w + head
-        if best is None or f + b > best.f + best.b:
-            best = _Pass(f, b, w, comm)
-    assert best is not None
-    return best
+                head_dgrad, head_w = hw.backward_gemm_seconds(head)
+                f, b, w = f + head, b + head_dgrad + head_w, w + head_w
+        ranks.append(_Pass(f, b, w, comm))
+    heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)
+    best = ranks[heaviest]
+    others = tuple((r.f, r.b, r.w) for i, r in enumerate(ranks) if i != heaviest)
+    mean_fb = sum(r.f + r.b for r in ranks) / len(ranks)
+    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=mean_fb, others=others)
 
 
 def _bubble(c: ParallelConfig, one: _Pass) -> float:
-    """Idle time of one schedule run on the heaviest rank (see the module docstring)."""
+    """Idle time of one schedule run on the heaviest rank (see the module docstring): the fill and drain run through
+    the *other* ranks' chunks, so each of the ``p - 1`` bubble slots costs that rank's time, not the heaviest's
+    (equal for an even split; an uneven split's light stages fill faster)."""
     p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
     if p == 1:
         return 0.0
-    f, b, w = one.f / v, one.b / v, one.w / v
+    others = one.others or ((one.f, one.b, one.w),) * (p - 1)
     name = c.pipeline_schedule
-    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
-        return (p - 1) * (f + b)
-    if name in ("zero_bubble", "zbv"):
-        return (p - 1) * max(0.0, f + b - 2 * w)
-    # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without overlapping a
-    # forward and a backward chunk (torch on CPU does not), F&B = f + b.
-    return (p - 1) * max(0.0, f + 2 * b - 3 * w)
+    total = 0.0
+    for f, b, w in others:
+        f, b, w = f / v, b / v, w / v
+        if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+            total += f + b
+        elif name in ("zero_bubble", "zbv"):
+            total += max(0.0, f + b - 2 * w)
+        else:
+            # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without
+            # overlapping a forward and a backward chunk (torch on CPU does not), F&B = f + b.
+            total += max(0.0, f + 2 * b - 3 * w)
+    return total
 
 
 def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
@@ -306,6 +328,16 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     return exposed, optimizer
 
 
+def _shared_node_seconds(c: ParallelConfig, hw: HardwareProfile, mean_busy: float) -> float:
+    """Time the ranks of one node need for their work when they share ``hw.compute_units_per_node`` compute units
+    (0 when each device computes on its own): the node's summed busy time over its units."""
+    units = hw.compute_units_per_node
+    ranks = min(c.world_size, hw.devices_per_node)
+    if units <= 0 or ranks <= units:
+        return 0.0
+    return mean_busy * ranks / units
+
+
 def _pass_key(c: ParallelConfig) -> tuple:
     """Everything ``_rank_pass`` depends on besides the model, sequence and hardware (not ZeRO or DP)."""
     layers = tuple(c.pipeline_layers) if c.pipeline_layers is not None else None
@@ -351,13 +383,18 @@ def estimate_step(
     dp_exposed, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
+    compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
+    shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + optimizer)
+    if shared + comm.get("pp", 0.0) + dp_exposed > step:
+        # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
+        step, bubble, compute = shared + comm.get("pp", 0.0) + dp_exposed, 0.0, shared
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)
-    in_compute = sum(v for k, v in comm.items() if k not in ("pp", "dp"))
     return StepCost(
-        step_seconds=step, compute_seconds=busy - in_compute + optimizer, bubble_seconds=bubble,
-        exposed_comm_seconds=sum(comm.values()), comm=comm, tokens_per_second=tokens / step, mfu=mfu,
+        step_seconds=step, compute_seconds=compute, bubble_seconds=bubble,
+        exposed_comm_seconds=sum(comm.values()), comm=comm, optimizer_seconds=optimizer,
+        tokens_per_second=tokens / step, mfu=mfu,
     )  # fmt: skip
 
 

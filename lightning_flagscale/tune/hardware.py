@@ -5,6 +5,9 @@ A :class:`HardwareProfile` holds
 - the device's dense bf16 peak and memory, and the HBM bandwidth memory-bound kernels run at;
 - **GEMM efficiency by size**: measured points ``(flops of one GEMM, achieved fraction of peak)``, interpolated
   log-linearly (small GEMMs run far below peak, large ones approach the cuBLAS ceiling);
+- **backward GEMM factors**: the rate of a linear layer's input-gradient (``dY @ W``) and weight-gradient
+  (``dY^T @ X``) GEMMs relative to its forward one (1 on GPUs; measured by ``tune --calibrate``);
+- **compute units per node** (0 for GPUs): how many cores the ranks of a CPU host share;
 - **attention efficiency**: achieved fraction of peak of the fused SDPA kernel on the FLOPs it really does
   (causal kernels skip the masked half);
 - an **alpha-beta link model per collective and group size**, inside a node (``intra``) and across nodes (``inter``):
@@ -117,10 +120,20 @@ class HardwareProfile:
     """Bytes/s of device memory: memory-bound kernels (norms, activations, optimizer) run at this rate."""
     devices_per_node: int = 8
     """Devices that share the fast (``intra``) links."""
+    compute_units_per_node: float = 0.0
+    """0: every device computes on its own (GPUs). Otherwise the ``devices_per_node`` ranks of a node share this many
+    compute units (CPU processes on a host's cores; ``tune --calibrate`` records ``os.cpu_count()``): a rank idle in a
+    pipeline bubble lends its share to the busy ones."""
     gemm: list[tuple[float, float]] = field(default_factory=lambda: _saturating_gemm(0.75, 2e10))
     """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
     attention_efficiency: float = 0.5
     """Fraction of peak the fused attention kernel reaches on the FLOPs it does."""
+    input_grad_gemm_factor: float = 1.0
+    """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
+    same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
+    without native bf16 the non-transposed layout falls off a fast path and runs ~10x slower."""
+    weight_grad_gemm_factor: float = 1.0
+    """Same for the weight-gradient GEMM (``dY^T @ X``)."""
     links: dict[str, dict[str, list[LinkPoint]]] = field(
         default_factory=lambda: _flat_links((10e-6, 450e9), (20e-6, 45e9))
     )
@@ -136,6 +149,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
             raise ValueError(f"HardwareProfile {self.name!r}: peak_flops, memory_bytes, hbm_bandwidth must be > 0.")
+        if self.input_grad_gemm_factor <= 0 or self.weight_grad_gemm_factor <= 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: backward GEMM factors must be > 0.")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         for kind in COLLECTIVES:
@@ -162,6 +177,10 @@ class HardwareProfile:
         if flops <= 0:
             return 0.0
         return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale * self.gemm_scale)
+
+    def backward_gemm_seconds(self, forward_seconds: float) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the backward of GEMMs that take ``forward_seconds``."""
+        return forward_seconds / self.input_grad_gemm_factor, forward_seconds / self.weight_grad_gemm_factor
 
     def attention_seconds(self, flops: float) -> float:
         return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)

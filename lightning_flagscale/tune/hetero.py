@@ -101,8 +101,8 @@ def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tupl
     c = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, zero_stage=zero,
                        micro_batch_size=samples // dp, recompute=recompute).resolve(tp * dp)  # fmt: skip
     block = _block_pass(model, c, seq_len, group.profile, model.is_moe, recompute)
-    head = group.profile.gemm_seconds(_tokens(model, c, seq_len), model.vocab_size / tp, model.hidden_size, count=3)
-    return block.f + block.b, head, c
+    head = group.profile.gemm_seconds(_tokens(model, c, seq_len), model.vocab_size / tp, model.hidden_size)
+    return block.f + block.b, head + sum(group.profile.backward_gemm_seconds(head)), c
 
 
 def plan_hetero(

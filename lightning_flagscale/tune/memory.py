@@ -139,7 +139,8 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
     shards (``4Ψ/N``) are alive together; ZeRO-2 at most two buckets. gloo has no native reduce-scatter: torch
     reduces a copy of the whole input bucket, one fp32 copy per bucket in flight (measured in
     ``bench/tune_validation.py``). ZeRO-3 (FSDP2): the largest unit (usually the root: embedding + head) unsharded
-    in the model dtype, its gradients in the model dtype and in fp32 for the reduce-scatter (+ gloo's copy).
+    in the model dtype, its gradients in the model dtype and in fp32 for the reduce-scatter (+ gloo's copy), plus
+    the next unit's gradients (and, under gloo, its reduce-scatter input and copy) while the first is in flight.
     """
     psi = p.dense + p.expert
     shards = c.dp * c.context_parallel_size
@@ -151,8 +152,13 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
     if c.zero_stage == 3:
         blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_parallel_size))
                   for ls in p.layers for i in ls]  # fmt: skip
-        unit = max([psi - sum(blocks), *blocks])
-        return (2 * e + 4 + (4 if gloo else 0)) * unit
+        units = sorted([psi - sum(blocks), *blocks], reverse=True)
+        g = 4 if gloo else 0
+        # FSDP2 holds a unit's reduce-scatter until the next unit's post-backward (one input buffer); gloo's async
+        # copy of it lives until the work completes, while the next unit's gradients and its own reduce-scatter
+        # (and copy) are allocated: the next largest unit adds its gradients and, under gloo, two fp32 copies.
+        second = units[1] if len(units) > 1 else 0.0
+        return (2 * e + 4 + g) * units[0] + (e + 2 * g) * second
     return 0.0
 
 
