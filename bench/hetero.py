@@ -1,8 +1,11 @@
 """Heterogeneous meshes on CPU emulation: throughput against each device group training alone (issue 12, item 10).
 
-Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="slow=F"`` (default F = 2)
-stretches every forward and backward of a slow rank by F (``parallel/hetero_ranks.py``: sleeping (F-1) x the measured
-compute). Configurations, measured in interleaved rounds (every round runs each once, so load drifts hit all alike):
+Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="fast=B,slow=BxF"`` (default
+B = 5, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_ranks.py``: sleeping
+(factor-1) x the CPU time just spent). Both types are emulated devices slower than one core (B > 1) so that most
+device time is sleep: four processes on a 2-core machine shared with other jobs would otherwise measure the CPU
+scheduler (a pipeline hands each micro-batch from process to process and waits for the receiver to get a core),
+not the layout. The slow type is F times slower than the fast one. Configurations, measured in interleaved rounds (every round runs each once, so load drifts hit all alike):
 
 * ``alone``: the fast pair and the slow pair each train the whole model with data parallelism (2 ranks, ZeRO-1),
   **at the same time** (two jobs of two processes): the sum of their throughputs is what the two device groups give
@@ -123,7 +126,7 @@ def _start(ctx: Any, types: list[str], spec: dict, queue: Any) -> list[Any]:
 
 def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
     """(device type per rank, spec) of every job that one configuration runs concurrently."""
-    slowdown = f"slow={args.slowdown}"
+    slowdown = f"fast={args.base_slowdown},slow={args.base_slowdown * args.slowdown}"
     base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, rank_batch=args.rank_batch)
     if name == "alone":
         alone = dict(base, strategy=dict(data_parallel_size=2, zero_stage=1), global_batch=2 * args.rank_batch)
@@ -209,6 +212,7 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         "# Heterogeneous meshes: throughput vs. each device group alone (CPU emulation)",
         "",
         f"`python bench/hetero.py --rounds {args.rounds} --steps {args.steps} --slowdown {args.slowdown}"
+        f" --base-slowdown {args.base_slowdown}"
         f" --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}`; load average at the end:"
         f" {', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
@@ -216,8 +220,10 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         " 2); every number is a median over interleaved rounds with the min-max range, and is noisy.",
         "",
         f"Model: llama-tiny shape with {MODEL}, sequence {args.seq}; global batch {2 * args.rank_batch} samples per"
-        f" step; {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Device type `slow` is"
-        f" {args.slowdown}x slower by emulation (sleep of (factor-1) x measured compute after each forward/backward).",
+        f" step; {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Emulated factors: fast"
+        f" {args.base_slowdown}x, slow {args.base_slowdown * args.slowdown}x one core (sleep of (factor-1) x the CPU"
+        " time of each forward / backward), so the slow type is"
+        f" {args.slowdown}x slower than the fast one.",
         "",
         "| configuration | blocks per stage (fast, slow) | samples/s | ratio to fast alone + slow alone |",
         "|---|---|---|---|",
@@ -250,7 +256,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per job (the first 2 untimed)")
-    parser.add_argument("--slowdown", type=float, default=2.0)
+    parser.add_argument("--slowdown", type=float, default=2.0, help="slow type's time / fast type's time")
+    parser.add_argument("--base-slowdown", type=float, default=5.0, help="fast type's emulated factor vs one core")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank-batch", type=int, default=8, help="samples per data-parallel rank and step")
     parser.add_argument("--micro", type=int, default=1, help="hetero micro-batch per first-mesh DP rank")

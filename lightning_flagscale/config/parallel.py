@@ -74,11 +74,13 @@ class ParallelConfig:
     hetero_meshes: list[dict[str, Any]] | None = None
     """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
-    pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
+    pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults.
+    Ranks reporting a ``device_type`` (``FLAGSCALE_DEVICE_TYPE``) fill the meshes declaring it, else rank order."""
     hetero_layers: list[int] | None = None
     """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]`` (with virtual stages,
     split evenly over each stage's chunks, or one entry per virtual stage in pipeline order); ``None`` splits them
-    in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, default all equal)."""
+    in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, else measured by a short
+    profiling pass on the ranks, ``parallel/hetero_profile.py``)."""
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
     ``hetero_layers`` is ``None``."""
