@@ -1,7 +1,7 @@
 """Heterogeneous meshes on CPU emulation: throughput against each device group training alone (issue 12, item 10).
 
 Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="fast=B,slow=BxF"`` (default
-B = 5, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_ranks.py``: sleeping
+B = 10, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_ranks.py``: sleeping
 (factor-1) x the CPU time just spent). Both types are emulated devices slower than one core (B > 1) so that most
 device time is sleep: four processes on a 2-core machine shared with other jobs would otherwise measure the CPU
 scheduler (a pipeline hands each micro-batch from process to process and waits for the receiver to get a core),
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per job (the first 2 untimed)")
     parser.add_argument("--slowdown", type=float, default=2.0, help="slow type's time / fast type's time")
-    parser.add_argument("--base-slowdown", type=float, default=5.0, help="fast type's emulated factor vs one core")
+    parser.add_argument("--base-slowdown", type=float, default=10.0, help="fast type's emulated factor vs one core")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank-batch", type=int, default=16, help="samples per data-parallel rank and step")
     parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")
