@@ -120,4 +120,5 @@ def apply_profiled_split(
             "Heterogeneous split from the profiling pass: relative speed per device type %s -> blocks per stage %s",
             {k: round(v / fastest, 3) for k, v in speed.items()}, layers,
         )  # fmt: skip
-    return [dataclasses.replace(g, num_layers=n) for g, n in zip(groups, layers)]
+    # chunk_layers too: the pipeline is cut by it, and replace() would keep the planned split's value.
+    return [dataclasses.replace(g, num_layers=n, chunk_layers=(n,)) for g, n in zip(groups, layers)]
