@@ -288,6 +288,19 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
             gain = [100 * (a - e) for a, e in zip(_ratios(rows, name), _ratios(rows, "even"))]
             summary[name]["points_above_even"] = gain
             lines.append(f"{LABELS[name]} minus even split, per round: {_summary(gain, '.0f')} points.")
+            speedup = [a["samples_per_s"] / e["samples_per_s"] for a, e in zip(rows[name], rows["even"])]
+            summary[name]["speedup_over_even"] = speedup
+            lines.append(
+                f"{LABELS[name]} over even split, throughput per round: {_summary(speedup, '.2f')}x (same job"
+                " structure, so the least load-sensitive number here)."
+            )
+    baseline = [a["per_type"]["fast"] / a["per_type"]["slow"] for a in alone]
+    summary["alone_fast_over_slow"] = baseline
+    lines.append(
+        f"Baseline check: fast alone / slow alone = {_summary(baseline, '.2f')}x per round (emulated:"
+        f" {args.slowdown}x); below it, CPU contention on the un-emulated work (Lightning's loop per accumulated"
+        " micro-batch, optimizer, gradient reduction) slows the groups alone and inflates the ratios above."
+    )
     lines += [
         "",
         f"Per-stage busy time (compute + emulated delay) over the timed steps' wall time (`{png.name}`):",
@@ -302,6 +315,11 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
     return summary
 
 
+def _int_keys(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON turned the stage indices of the busy dicts into strings."""
+    return {k: {int(s): v for s, v in x.items()} if k.startswith("busy") else x for k, x in row.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -313,7 +331,13 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")
     parser.add_argument("--configs", default="even,aware", help="hetero configurations: even, aware, given")
     parser.add_argument("--out", default="bench/results/hetero.md")
+    parser.add_argument("--from-json", help="re-render the report of an earlier run's JSON (no measurement)")
     args = parser.parse_args()
+    if args.from_json:
+        record = json.loads(Path(args.from_json).read_text())
+        rows = {name: [_int_keys(r) for r in runs] for name, runs in record["rows"].items()}
+        write_report(rows, argparse.Namespace(**{**record["args"], "out": args.out}), Path(args.out))
+        return
     rows: dict[str, list[dict]] = {"alone": []}
     rows.update({name: [] for name in args.configs.split(",")})
     for rnd in range(args.rounds):
