@@ -349,7 +349,7 @@ class ParallelConfig:
                 " rank must then run the same number of micro-batches, which speed-proportional shares of a fixed"
                 " global batch rarely allow; give the shares as a list (multiples of the micro-batch count)."
             )
-        if isinstance(self.hetero_dp_batch_sizes, list):
+        if self.hetero_dp_batch_sizes not in (None, "auto"):
             from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
 
             check_hetero_batch_sizes(
