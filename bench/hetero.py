@@ -1,25 +1,32 @@
 """Heterogeneous meshes on CPU emulation: throughput against each device group training alone (issue 12, item 10).
 
-Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="slow=F"`` (default F = 2)
-stretches every forward and backward of a slow rank by F (``parallel/hetero_ranks.py``: sleeping (F-1) x the measured
-compute). Configurations, measured in interleaved rounds (every round runs each once, so load drifts hit all alike):
+Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="fast=B,slow=BxF"`` (default
+B = 10, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_ranks.py``: sleeping
+(factor-1) x the CPU time just spent). Both types are emulated devices slower than one core (B > 1) so that most
+device time is sleep: four processes on a 2-core machine shared with other jobs would otherwise measure the CPU
+scheduler (a pipeline hands each micro-batch from process to process and waits for the receiver to get a core),
+not the layout. The slow type is F times slower than the fast one. Configurations, measured in interleaved rounds (every round runs each once, so load drifts hit all alike):
 
 * ``alone``: the fast pair and the slow pair each train the whole model with data parallelism (2 ranks, ZeRO-1),
   **at the same time** (two jobs of two processes): the sum of their throughputs is what the two device groups give
   when used separately. Running them together keeps the CPU contention of one 4-process hetero job (the cores are
-  shared; disjoint devices would not contend).
+  shared; disjoint devices would not contend). They run the same global batch in micro-batches of the same size as
+  the hetero job (gradient accumulation), so that the ratio measures the layout (split, bubbles, boundary traffic),
+  not how much faster a CPU kernel runs on a larger batch.
 * ``even``: one hetero job, fast mesh (DP=2) then slow mesh (DP=2) as pipeline stages (1F1B), blocks split evenly.
 * ``aware``: the same with ``hetero_layers=None``: the profiling pass measures both types and splits by speed.
 
-Ratio = hetero samples/s / (fast alone + slow alone samples/s). Per-stage busy time (compute + emulated delay over
-the timed steps' wall time) comes from the same hooks. Writes a markdown table and a bar chart (PNG).
+Ratio = hetero samples/s / (fast alone + slow alone samples/s), per round (the alone pair of the same round).
+Per-stage busy time (compute + emulated delay over the timed steps' wall time) comes from the same hooks. Writes a
+markdown table, the raw numbers (JSON) and a bar chart (PNG).
 
-    python bench/hetero.py [--rounds 3] [--steps 6] [--slowdown 2.0] [--out bench/results/hetero.md]
+    python bench/hetero.py [--rounds 3] [--steps 5] [--slowdown 2.0] [--out bench/results/hetero.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -84,6 +91,8 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == len(marks):
+                return  # inside an accumulation window: the clock ticks once per optimizer step
             marks.append(time.perf_counter())
             timer = _timer_of(trainer, pl_module)
             if len(marks) == WARMUP and timer is not None:
@@ -103,7 +112,7 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
         num_sanity_val_steps=0, callbacks=[Clock()],
     )  # fmt: skip
     data = _Tokens(config.vocab_size, 4096, spec["seq"])
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["rank_batch"]))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["loader_batch"]))
     wall = marks[-1] - marks[WARMUP - 1]
     out.update(wall_s=wall, samples_per_s=spec["global_batch"] * (len(marks) - WARMUP) / wall)
     queue.put(out)
@@ -123,10 +132,12 @@ def _start(ctx: Any, types: list[str], spec: dict, queue: Any) -> list[Any]:
 
 def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
     """(device type per rank, spec) of every job that one configuration runs concurrently."""
-    slowdown = f"slow={args.slowdown}"
-    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, rank_batch=args.rank_batch)
-    if name == "alone":
-        alone = dict(base, strategy=dict(data_parallel_size=2, zero_stage=1), global_batch=2 * args.rank_batch)
+    slowdown = f"fast={args.base_slowdown},slow={args.base_slowdown * args.slowdown}"
+    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, global_batch=2 * args.rank_batch)
+    if name == "alone":  # micro-batches of the hetero job's size, accumulated up to the same global batch
+        accumulate = args.rank_batch // args.micro
+        strategy = dict(data_parallel_size=2, zero_stage=1, gradient_accumulation_steps=accumulate)
+        alone = dict(base, strategy=strategy, loader_batch=args.micro)
         return [(["fast", "fast"], alone), (["slow", "slow"], alone)]
     half = MODEL["num_layers"] // 2
     meshes = [dict(data_parallel_size=2, device_type="fast"), dict(data_parallel_size=2, device_type="slow")]
@@ -134,7 +145,9 @@ def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
         hetero_meshes=meshes, hetero_layers=[half, half] if name == "even" else None, micro_batch_size=args.micro,
         pipeline_schedule="1f1b", zero_stage=1,
     )  # fmt: skip
-    return [(["fast", "fast", "slow", "slow"], dict(base, strategy=strategy, global_batch=2 * args.rank_batch))]
+    if name == "given":
+        strategy["hetero_device_speed"] = {"fast": args.slowdown, "slow": 1.0}
+    return [(["fast", "fast", "slow", "slow"], dict(base, strategy=strategy, loader_batch=args.rank_batch))]
 
 
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -147,21 +160,35 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         p.join()
         if p.exitcode:
             raise RuntimeError(f"{name}: a rank exited with {p.exitcode}")
-    results.sort(key=lambda r: r["rank"])
     if name == "alone":  # one job per type: its throughput is what rank 0 of the job measured
         per_type = {t: next(r["samples_per_s"] for r in results if r["type"] == t and r["rank"] == 0)
                     for t in ("fast", "slow")}  # fmt: skip
         return dict(samples_per_s=sum(per_type.values()), per_type=per_type)
     ranks = sorted(results, key=lambda r: r["rank"])
-    busy = {}
+    busy: dict[int, list[float]] = {}
     for r in ranks:
         busy.setdefault(r["stage"], []).append(r.get("busy_s", 0.0) / r["wall_s"])
-    return dict(samples_per_s=ranks[0]["samples_per_s"], layers=ranks[0]["layers"],
-                busy={s: statistics.mean(v) for s, v in sorted(busy.items())})  # fmt: skip
+    timed = args.steps - WARMUP
+    busy_step = {}
+    for r in ranks:
+        busy_step.setdefault(r["stage"], []).append(r.get("busy_s", 0.0) / timed)
+    return dict(
+        samples_per_s=ranks[0]["samples_per_s"], layers=ranks[0]["layers"], step_s=ranks[0]["wall_s"] / timed,
+        busy={s: statistics.mean(v) for s, v in sorted(busy.items())},
+        busy_s_per_step={s: statistics.mean(v) for s, v in sorted(busy_step.items())},
+    )  # fmt: skip
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+LABELS = {
+    "even": "hetero, even split",
+    "aware": "hetero, speed-aware split (profiled, `hetero_layers=None`)",
+    "given": "hetero, speed-aware split (`hetero_device_speed`)",
+}
+TYPES = ("fast", "slow")  # stage 0 is the fast mesh, stage 1 the slow one
+
+
+def _summary(values: list[float], fmt: str = ".3g") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def _ratios(rows: dict[str, list[dict]], name: str) -> list[float]:
@@ -169,55 +196,79 @@ def _ratios(rows: dict[str, list[dict]], name: str) -> list[float]:
     return [h["samples_per_s"] / a["samples_per_s"] for h, a in zip(rows[name], rows["alone"])]
 
 
-def _bar_chart(rows: dict[str, list[dict]], png: Path) -> str:
-    """Median busy fraction per stage (PNG with matplotlib; the same bars as text for the markdown)."""
-    busy = {name: {s: statistics.median(r["busy"][s] for r in rows[name]) for s in rows[name][0]["busy"]}
-            for name in ("even", "aware")}  # fmt: skip
-    text = []
-    for name, stages in busy.items():
-        for s, frac in stages.items():
-            kind = "fast" if s == 0 else "slow"
-            text.append(f"{name:5s} stage {s} ({kind}) |{'#' * round(40 * frac):40s}| {100 * frac:.0f}%")
+def _hetero(rows: dict[str, list[dict]]) -> list[str]:
+    return [name for name in rows if name != "alone"]
+
+
+def _busy_median(rows: dict[str, list[dict]], name: str, key: str = "busy") -> dict[int, float]:
+    return {s: statistics.median(r[key][s] for r in rows[name]) for s in rows[name][0][key]}
+
+
+def _bar_chart(rows: dict[str, list[dict]], png: Path) -> None:
+    """Median busy fraction per stage as horizontal bars (PNG; skipped without matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "\n".join(text)
-    fig, ax = plt.subplots(figsize=(6, 2.6))
-    labels, values = [], []
-    for name, stages in busy.items():
-        for s, frac in stages.items():
-            labels.append(f"{name}: stage {s} ({'fast' if s == 0 else 'slow'})")
+        return
+    labels, values, colors = [], [], []
+    for name in _hetero(rows):
+        for s, frac in _busy_median(rows, name).items():
+            labels.append(f"{name} {rows[name][0]['layers']}: stage {s} ({TYPES[s]})")
             values.append(100 * frac)
-    ax.barh(labels[::-1], values[::-1], color=["tab:orange", "tab:blue"] * len(busy))
-    ax.set_xlim(0, 100)
+            colors.append("tab:orange" if s == 0 else "tab:blue")
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.2))
+    ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    for y, v in enumerate(values[::-1]):
+        ax.text(v + 1, y, f"{v:.0f}%", va="center", fontsize=8)
+    ax.set_xlim(0, 110)
     ax.set_xlabel("busy time / wall time of the timed steps (%), median over rounds")
+    ax.set_title("Per-stage busy time (compute + emulated delay), measured under load", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    return "\n".join(text)
 
 
-def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Path) -> None:
+def _busy_table(rows: dict[str, list[dict]]) -> list[str]:
+    lines = [
+        "| configuration | stage (device type) | blocks | busy / wall, median (min-max) | busy s per step, median |",
+        "|---|---|---|---|---|",
+    ]
+    for name in _hetero(rows):
+        per_step = _busy_median(rows, name, "busy_s_per_step")
+        for s in rows[name][0]["busy"]:
+            blocks = sorted({r["layers"][s] for r in rows[name]})
+            frac = _summary([100 * r["busy"][s] for r in rows[name]], ".0f")
+            lines.append(f"| {name} | {s} ({TYPES[s]}) | {', '.join(map(str, blocks))} | {frac}% | {per_step[s]:.2f} |")
+    return lines
+
+
+def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    bars = _bar_chart(rows, png)
+    _bar_chart(rows, png)
     alone = rows["alone"]
+    summary: dict[str, Any] = {}
     lines = [
         "# Heterogeneous meshes: throughput vs. each device group alone (CPU emulation)",
         "",
         f"`python bench/hetero.py --rounds {args.rounds} --steps {args.steps} --slowdown {args.slowdown}"
-        f" --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}`; load average at the end:"
+        f" --base-slowdown {args.base_slowdown} --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}"
+        f" --configs {','.join(_hetero(rows))}`; load average at the end:"
         f" {', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
-        "**Measured under load**: a 2-core machine shared with several other engineers' jobs (load averages far above"
-        " 2); every number is a median over interleaved rounds with the min-max range, and is noisy.",
+        "**Measured under load**: a 2-core machine shared with several other engineers' jobs; every number is a"
+        " median over interleaved rounds (each round runs every configuration once) with the min-max range, and is"
+        " noisy.",
         "",
         f"Model: llama-tiny shape with {MODEL}, sequence {args.seq}; global batch {2 * args.rank_batch} samples per"
-        f" step; {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Device type `slow` is"
-        f" {args.slowdown}x slower by emulation (sleep of (factor-1) x measured compute after each forward/backward).",
+        f" step in micro-batches of {args.micro} sample(s) per rank ({args.rank_batch // args.micro} micro-batches"
+        f" per step and rank: 1F1B across the two meshes; gradient accumulation for the groups alone);"
+        f" {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Emulated factors: fast"
+        f" {args.base_slowdown}x, slow {args.base_slowdown * args.slowdown}x one core (sleep of (factor-1) x the CPU"
+        f" time of each forward / backward), so the slow type is {args.slowdown}x slower than the fast one.",
         "",
         "| configuration | blocks per stage (fast, slow) | samples/s | ratio to fast alone + slow alone |",
         "|---|---|---|---|",
@@ -225,38 +276,70 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         f"| slow alone (DP=2) | all | {_summary([a['per_type']['slow'] for a in alone])} | |",
         f"| sum of the two | | {_summary([a['samples_per_s'] for a in alone])} | 100% |",
     ]
-    for name, label in (("even", "hetero, even split"), ("aware", "hetero, speed-aware split (profiled)")):
+    for name in _hetero(rows):
         splits = sorted({tuple(r["layers"]) for r in rows[name]})
         ratio = [100 * x for x in _ratios(rows, name)]
         thr = _summary([r["samples_per_s"] for r in rows[name]])
-        lines.append(f"| {label} | {', '.join(map(str, splits))} | {thr} | {_summary(ratio)}% |")
-    gain = [100 * (a - e) for a, e in zip(_ratios(rows, "aware"), _ratios(rows, "even"))]
+        lines.append(f"| {LABELS[name]} | {', '.join(map(str, splits))} | {thr} | {_summary(ratio, '.0f')}% |")
+        summary[name] = dict(ratio_pct=ratio, splits=[list(x) for x in splits])
+    lines.append("")
+    for name in _hetero(rows):
+        if name != "even" and "even" in rows:
+            gain = [100 * (a - e) for a, e in zip(_ratios(rows, name), _ratios(rows, "even"))]
+            summary[name]["points_above_even"] = gain
+            lines.append(f"{LABELS[name]} minus even split, per round: {_summary(gain, '.0f')} points.")
+            speedup = [a["samples_per_s"] / e["samples_per_s"] for a, e in zip(rows[name], rows["even"])]
+            summary[name]["speedup_over_even"] = speedup
+            lines.append(
+                f"{LABELS[name]} over even split, throughput per round: {_summary(speedup, '.2f')}x (same job"
+                " structure, so the least load-sensitive number here)."
+            )
+    baseline = [a["per_type"]["fast"] / a["per_type"]["slow"] for a in alone]
+    summary["alone_fast_over_slow"] = baseline
+    lines.append(
+        f"Baseline check: fast alone / slow alone = {_summary(baseline, '.2f')}x per round (emulated:"
+        f" {args.slowdown}x); below it, CPU contention on the un-emulated work (Lightning's loop per accumulated"
+        " micro-batch, optimizer, gradient reduction) slows the groups alone and inflates the ratios above."
+    )
     lines += [
         "",
-        f"Speed-aware minus even split, per round: {_summary(gain)} points.",
+        f"Per-stage busy time (compute + emulated delay) over the timed steps' wall time (`{png.name}`):",
         "",
-        f"Per-stage busy time (compute + emulated delay) / wall time, median over rounds (`{png.name}`):",
-        "",
-        "```",
-        bars,
-        "```",
+        *_busy_table(rows),
         "",
     ]
     out.write_text("\n".join(lines))
+    record = dict(args=vars(args), model=MODEL, rows=rows, summary=summary, loadavg=os.getloadavg())
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     print("\n".join(lines))
+    return summary
+
+
+def _int_keys(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON turned the stage indices of the busy dicts into strings."""
+    return {k: {int(s): v for s, v in x.items()} if k.startswith("busy") else x for k, x in row.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per job (the first 2 untimed)")
-    parser.add_argument("--slowdown", type=float, default=2.0)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per job (the first 2 untimed)")
+    parser.add_argument("--slowdown", type=float, default=2.0, help="slow type's time / fast type's time")
+    parser.add_argument("--base-slowdown", type=float, default=10.0, help="fast type's emulated factor vs one core")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rank-batch", type=int, default=8, help="samples per data-parallel rank and step")
-    parser.add_argument("--micro", type=int, default=1, help="hetero micro-batch per first-mesh DP rank")
+    parser.add_argument("--rank-batch", type=int, default=16, help="samples per data-parallel rank and step")
+    parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")
+    parser.add_argument("--configs", default="even,aware", help="hetero configurations: even, aware, given")
     parser.add_argument("--out", default="bench/results/hetero.md")
+    parser.add_argument("--from-json", help="re-render the report of an earlier run's JSON (no measurement)")
     args = parser.parse_args()
-    rows: dict[str, list[dict]] = {"alone": [], "even": [], "aware": []}
+    if args.from_json:
+        record = json.loads(Path(args.from_json).read_text())
+        rows = {name: [_int_keys(r) for r in runs] for name, runs in record["rows"].items()}
+        write_report(rows, argparse.Namespace(**{**record["args"], "out": args.out}), Path(args.out))
+        return
+    rows: dict[str, list[dict]] = {"alone": []}
+    rows.update({name: [] for name in args.configs.split(",")})
     for rnd in range(args.rounds):
         for name in rows:
             rows[name].append(run_config(name, args))

@@ -63,9 +63,11 @@ class ParallelConfig:
     """Pipeline schedule name (see ``parallel/schedules.py``)."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
-    hetero_dp_batch_sizes: list[int] | None = None
+    hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
     """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
-    e.g. ``[6, 2]``; ``None`` splits every batch evenly."""
+    e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
+    rank's speed, from ``hetero_device_speed`` by ``FLAGSCALE_DEVICE_TYPE`` or a profiling pass
+    (``parallel/hetero_shares.py``); ``None`` splits every batch evenly."""
     pipeline_balance: Literal["even", "cost"] = "even"
     """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
     (embedding and LM head included)."""
@@ -74,20 +76,25 @@ class ParallelConfig:
     hetero_meshes: list[dict[str, Any]] | None = None
     """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
-    pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults."""
+    pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults.
+    Ranks reporting a ``device_type`` (``FLAGSCALE_DEVICE_TYPE``) fill the meshes declaring it, else rank order."""
     hetero_layers: list[int] | None = None
     """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]`` (with virtual stages,
     split evenly over each stage's chunks, or one entry per virtual stage in pipeline order); ``None`` splits them
-    in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, default all equal)."""
+    in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, else measured by a short
+    profiling pass on the ranks, ``parallel/hetero_profile.py``)."""
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
-    ``hetero_layers`` is ``None``."""
+    ``hetero_layers`` is ``None``; with ``hetero_dp_batch_sizes="auto"``, of each ``FLAGSCALE_DEVICE_TYPE``."""
 
     def __post_init__(self) -> None:
         if self.hetero_meshes is not None:
             self._check_hetero()
-        elif self.hetero_layers is not None or self.hetero_device_speed is not None:
-            raise ValueError("hetero_layers and hetero_device_speed need hetero_meshes.")
+        elif self.hetero_layers is not None:
+            raise ValueError("hetero_layers needs hetero_meshes.")
+        elif self.hetero_device_speed is not None and self.hetero_dp_batch_sizes != "auto":
+            raise ValueError("hetero_device_speed needs hetero_meshes or hetero_dp_batch_sizes='auto'.")
+        self._check_auto_shares()
         for name in (
             "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
             "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
@@ -153,6 +160,15 @@ class ParallelConfig:
                 f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"
                 f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
             )
+
+    def _check_auto_shares(self) -> None:
+        shares, speed = self.hetero_dp_batch_sizes, self.hetero_device_speed
+        if isinstance(shares, str) and shares != "auto":
+            raise ValueError(f"hetero_dp_batch_sizes={shares!r}: give a list of per-rank batch sizes or 'auto'.")
+        if speed is not None and (not isinstance(speed, dict) or not speed or any(
+            not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 for v in speed.values()
+        )):  # fmt: skip
+            raise ValueError(f"hetero_device_speed={speed!r} must map each device type to a positive speed.")
 
     def _check_zero3_impl(self) -> None:
         if self.zero3_impl not in ("fsdp2", "flat"):
@@ -322,7 +338,13 @@ class ParallelConfig:
                 f"{self.data_parallel_size * mp} does not match the world size {world_size}; set "
                 f"data_parallel_size={world_size // mp} or leave it None (auto)."
             )
-        if self.hetero_dp_batch_sizes is not None:
+        if self.hetero_dp_batch_sizes == "auto" and self.pp_enabled:
+            raise ValueError(
+                "hetero_dp_batch_sizes='auto' is not supported with pipeline_parallel_size > 1: every data-parallel"
+                " rank must then run the same number of micro-batches, which speed-proportional shares of a fixed"
+                " global batch rarely allow; give the shares as a list (multiples of the micro-batch count)."
+            )
+        if self.hetero_dp_batch_sizes not in (None, "auto"):
             from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
 
             check_hetero_batch_sizes(

@@ -17,7 +17,36 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["HeteroBatchSampler", "MicroBatchSliceSampler", "check_hetero_batch_sizes", "hetero_micro_batch_sizes"]
+__all__ = [
+    "HeteroBatchSampler",
+    "MicroBatchSliceSampler",
+    "check_hetero_batch_sizes",
+    "hetero_micro_batch_sizes",
+    "proportional_shares",
+]
+
+
+def proportional_shares(speeds: Sequence[float], units: int) -> list[int]:
+    """``units`` indivisible pieces of work shared in proportion to ``speeds``, every rank taking at least one.
+
+    Floors of the exact proportional shares (at least 1), then each missing unit goes to the rank that would finish
+    it soonest (smallest ``(share + 1) / speed``) and each excess unit is taken from the rank that finishes last
+    (largest ``share / speed``): the slowest rank's time ``max(share / speed)`` is as small as whole units allow.
+    Deterministic in its inputs, so ranks holding the same speeds agree on the shares.
+    """
+    if units < len(speeds):
+        raise ValueError(f"{units} units of work cannot give each of {len(speeds)} ranks at least one.")
+    if any(not s > 0 for s in speeds):
+        raise ValueError(f"Speeds must be positive, got {list(speeds)}.")
+    total = sum(speeds)
+    share = [max(1, int(units * s / total)) for s in speeds]
+    while sum(share) < units:
+        i = min(range(len(share)), key=lambda j: ((share[j] + 1) / speeds[j], j))
+        share[i] += 1
+    while sum(share) > units:
+        i = max((j for j in range(len(share)) if share[j] > 1), key=lambda j: (share[j] / speeds[j], -j))
+        share[i] -= 1
+    return share
 
 
 def hetero_micro_batch_sizes(batch_sizes: Sequence[int], micro_batch_size: int) -> list[int]:

@@ -10,7 +10,9 @@ each device type's time is the median over its ranks, so all ranks agree on the 
 ``parallel/hetero_ranks.py`` is applied to the profiled block as to the training step, so the pass sees it.
 
 Micro-batch shares: a heterogeneous-mesh micro-batch is one set of samples that every stage group splits over its
-own data-parallel ranks, so there are no per-mesh shares to choose; only the layer split follows the speeds.
+own data-parallel ranks, so there are no per-mesh shares to choose; only the layer split follows the speeds. The same
+pass times the ranks of a hetero-DP job with ``hetero_dp_batch_sizes="auto"`` (``parallel/hetero_shares.py``), whose
+per-rank batch shares then follow the speeds.
 """
 
 from __future__ import annotations
@@ -118,4 +120,5 @@ def apply_profiled_split(
             "Heterogeneous split from the profiling pass: relative speed per device type %s -> blocks per stage %s",
             {k: round(v / fastest, 3) for k, v in speed.items()}, layers,
         )  # fmt: skip
-    return [dataclasses.replace(g, num_layers=n) for g, n in zip(groups, layers)]
+    # chunk_layers too: the pipeline is cut by it, and replace() would keep the planned split's value.
+    return [dataclasses.replace(g, num_layers=n, chunk_layers=(n,)) for g, n in zip(groups, layers)]

@@ -2,7 +2,8 @@
 
 * Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch, for training and evaluation
   alike, so that pipeline stage boundaries line up (``parallel.hetero.MicroBatchSliceSampler``).
-* Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only).
+* Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only; ``"auto"``
+  shares are chosen here from the speeds gathered at setup, ``parallel/hetero_shares.py``).
 * Context parallelism: each rank's sequence chunks of a batch (``shard_for_cp``).
 * Training loaders of modules that opt in (``global_token_loss``) then carry the step's token count
   (``strategies/_tokens.py``).
@@ -36,6 +37,7 @@ def distribute_loader(
     hetero_groups: list | None,
     accumulate: int,
     count_tokens: bool,
+    dp_speeds: list[float] | None = None,
 ) -> Any:
     """The loader this rank iterates (see the module docstring)."""
     sampler = getattr(dataloader, "sampler", None)
@@ -54,6 +56,10 @@ def distribute_loader(
     elif training and parallel.hetero_dp_batch_sizes is not None:
         from lightning_flagscale.parallel.hetero import HeteroBatchSampler
 
+        if parallel.hetero_dp_batch_sizes == "auto":  # resolved once, now that the global batch is known
+            from lightning_flagscale.parallel.hetero_shares import auto_shares
+
+            parallel.hetero_dp_batch_sizes = auto_shares(parallel, dp_speeds, dataloader.batch_size)
         batches = HeteroBatchSampler(
             len(dataloader.dataset), parallel.hetero_dp_batch_sizes, meshes.local_rank(MeshDim.DP), seed=seed
         )

@@ -48,6 +48,7 @@ from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_no
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero_profile import apply_profiled_split
 from lightning_flagscale.parallel.hetero_ranks import gather_rank_order, install_emulated_slowdown, rank_device_type
+from lightning_flagscale.parallel.hetero_shares import gather_dp_speeds
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
 from lightning_flagscale.parallel.pipeline_model import (
@@ -109,7 +110,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         pipeline_layers: list[int] | None = None,
         pipeline_balance: Literal["even", "cost"] = "even",
         recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
-        hetero_dp_batch_sizes: list[int] | None = None,
+        hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None,
         hetero_meshes: list[dict[str, Any]] | None = None,
         hetero_layers: list[int] | None = None,
         hetero_device_speed: dict[str, float] | None = None,
@@ -286,17 +287,15 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
             self._hetero_groups = apply_profiled_split(
                 self.hetero_parallel, self._hetero_groups, inner, self.root_device
             )
+        self._dp_speeds = gather_dp_speeds(p, self.meshes, inner, self.root_device)  # hetero_dp_batch_sizes="auto"
         layout = RankLayout(
             config=p, meshes=self.meshes, device=self.root_device, hetero_groups=self._hetero_groups,
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
             reduce_dtype=precision.reduce_dtype,
         )  # fmt: skip
         result = parallelize(module, inner, layout)
-        install_emulated_slowdown(
-            getattr(result.pipeline, "stage_modules", None) or [inner],
-            rank_device_type(self._hetero_groups),
-            self.root_device,
-        )
+        stages = getattr(result.pipeline, "stage_modules", None) or [inner]
+        install_emulated_slowdown(stages, rank_device_type(self._hetero_groups), self.root_device)
         self._pipeline = result.pipeline
         self._fsdp_roots = result.fsdp_roots
         self._expert_grad_scale = result.expert_grad_scale
@@ -356,7 +355,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         return distribute_loader(
             dataloader, training=module.trainer.training, parallel=self.parallel, meshes=self.meshes,
             hetero_groups=self._hetero_groups, accumulate=module.trainer.accumulate_grad_batches,
-            count_tokens=uses_global_token_loss(module),
+            count_tokens=uses_global_token_loss(module), dp_speeds=self._dp_speeds,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ step

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.hetero import proportional_shares
 from lightning_flagscale.tune.cost import _block_pass, _tokens, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile
 from lightning_flagscale.tune.memory import estimate_memory
@@ -189,15 +190,7 @@ def plan_hetero_dp(
                   / micro_batch_size for g in groups}  # fmt: skip
     ranks = [g for g in groups for _ in range(g.count)]
     speed = [1 / per_sample[g.device_type] for g in ranks]
-    chunks = global_batch // micro_batch_size
-    exact = [chunks * s / sum(speed) for s in speed]
-    share = [max(1, int(x)) for x in exact]
-    while sum(share) < chunks:  # give the next chunk to the rank that would finish it soonest
-        i = min(range(world), key=lambda j: (share[j] + 1) / speed[j])
-        share[i] += 1
-    while sum(share) > chunks:
-        i = max((j for j in range(world) if share[j] > 1), key=lambda j: share[j] / speed[j])
-        share[i] -= 1
+    share = proportional_shares(speed, global_batch // micro_batch_size)
     sizes = [s * micro_batch_size for s in share]
     times = [b * per_sample[g.device_type] for b, g in zip(sizes, ranks, strict=True)]
     c = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(world)

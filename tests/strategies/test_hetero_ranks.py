@@ -72,6 +72,8 @@ def _run_as_type(
         def on_train_start(self, trainer, pl_module):
             _SEEN["layers"] = [g.num_layers for g in trainer.strategy._hetero_groups]
             _SEEN["ranks"] = [g.ranks for g in trainer.strategy._hetero_groups]
+            stages = trainer.strategy._pipeline.stage_modules  # blocks this rank actually runs
+            _SEEN["blocks"] = sum(len(getattr(m, "layers", None) or ()) for m in stages)
 
     saved = {k: os.environ.get(k) for k in (DEVICE_TYPE_ENV, SLOWDOWN_ENV)}
     os.environ[DEVICE_TYPE_ENV] = types[dist.get_rank()]
@@ -113,3 +115,5 @@ def test_profiled_split_under_emulated_slowdown(launcher):
     splits = [seen["layers"] for _, _, seen in out]
     assert all(s == splits[0] for s in splits), splits  # every rank chose the same split
     assert sum(splits[0]) == 4 and min(splits[0]) >= 1, splits
+    # ... and the pipeline is cut by it (slow ranks 0, 2 form the second group; fast ranks 1, 3 the first)
+    assert [seen["blocks"] for _, _, seen in out] == [splits[0][1], splits[0][0]] * 2

@@ -1,0 +1,119 @@
+"""Speed-aware heterogeneous data-parallel shares: ``hetero_dp_batch_sizes="auto"`` (issue 12, item 6).
+
+The first-generation hetero-DP (``parallel/hetero.py``) gives each data-parallel rank a hand-written share of every
+global batch. With ``"auto"`` the shares follow the ranks' speeds, from the same sources as the heterogeneous-mesh
+layer split:
+
+1. **Speeds** (:func:`gather_dp_speeds`, at strategy setup, before the model is sharded). With
+   ``hetero_device_speed`` each rank's ``FLAGSCALE_DEVICE_TYPE`` looks its speed up in that dict (a type missing
+   from it is an error naming the rank); otherwise every rank runs the profiling pass of
+   ``parallel/hetero_profile.py`` (forward + backward of one block, under the emulated slowdown if any) and the
+   speed of a device type is ``1 / median`` of its ranks' times (ranks without a type count alone). One
+   ``all_gather_object`` gives every rank every entry, so all ranks compute the same list. A data-parallel rank made
+   of several ranks (TP / CP) runs at the pace of its slowest member.
+2. **Shares** (:func:`auto_shares`, at the first training loader, when the global batch is known: the DataLoader's
+   batch size x DP, i.e. the same global batch as an even split). Shares are whole micro-batches of
+   ``micro_batch_size`` samples, at least one per rank, in proportion to speed
+   (:func:`parallel.hetero.proportional_shares`: floors, then each left-over micro-batch to the rank that would
+   finish it soonest). The shares are gathered once and compared (all ranks must agree, e.g. on the loader's batch
+   size), logged on rank 0, and written into the config's ``hetero_dp_batch_sizes``, where the batch samplers and
+   the token count read them as if given by hand. Pipeline parallelism is refused by the config (equal micro-batch
+   counts per rank do not fit arbitrary proportions of a fixed global batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_flagscale.parallel.hetero import proportional_shares
+from lightning_flagscale.parallel.hetero_profile import _MAX_PROFILE_SEQ, time_one_block
+from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, local_device_type
+
+__all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds"]
+
+_log = logging.getLogger(__name__)
+
+
+def dp_speeds_from(
+    entries: list[tuple[int, str | None, float | None]], dp: int, device_speed: dict[str, float] | None = None
+) -> list[float]:
+    """Speed per data-parallel rank from every rank's ``(dp rank, device type, block seconds)`` (rank order).
+
+    With ``device_speed``: the speed of each rank's type (each must be listed); otherwise ``1 / median`` of the
+    block times per type. A data-parallel rank runs at the pace of its slowest member.
+    """
+    if device_speed is not None:
+        missing = sorted({f"rank {r}: {kind!r}" for r, (_, kind, _) in enumerate(entries) if kind not in device_speed})
+        if missing:
+            raise ValueError(
+                f"hetero_dp_batch_sizes='auto' with hetero_device_speed={device_speed}: no speed for the device type"
+                f" of {', '.join(missing)}; set {DEVICE_TYPE_ENV} on every rank to one of {sorted(device_speed)} or"
+                " add the type to hetero_device_speed."
+            )
+        per_rank = [float(device_speed[kind]) for _, kind, _ in entries]  # type: ignore[index]
+    else:
+        times: dict[str, list[float]] = {}
+        keys = [kind if kind is not None else f"rank {r}" for r, (_, kind, _) in enumerate(entries)]
+        for key, (_, _, seconds) in zip(keys, entries):
+            times.setdefault(key, []).append(float(seconds))  # type: ignore[arg-type]
+        speed = {key: 1.0 / max(statistics.median(ts), 1e-9) for key, ts in times.items()}
+        per_rank = [speed[key] for key in keys]
+    out: list[float | None] = [None] * dp
+    for (d, _, _), s in zip(entries, per_rank):
+        out[d] = s if out[d] is None else min(out[d], s)  # type: ignore[type-var]
+    if any(s is None for s in out):
+        raise ValueError(f"Data-parallel ranks {[d for d, s in enumerate(out) if s is None]} reported no speed.")
+    return [float(s) for s in out]  # type: ignore[arg-type]
+
+
+def gather_dp_speeds(parallel: Any, meshes: Any, model: nn.Module, device: torch.device) -> list[float] | None:
+    """Every data-parallel rank's speed, the same list on every rank (module docstring, step 1); ``None`` (and no
+    collective) unless ``parallel.hetero_dp_batch_sizes == "auto"``."""
+    if parallel.hetero_dp_batch_sizes != "auto":
+        return None
+    dp_rank, dp = meshes.local_rank("dp"), meshes.size("dp")
+    kind = local_device_type(device)
+    seconds = None
+    if parallel.hetero_device_speed is None:
+        config = getattr(model, "config", None)
+        seq_len = min(int(getattr(config, "max_seq_len", 128)), _MAX_PROFILE_SEQ)
+        seconds = time_one_block(model, device, samples=parallel.micro_batch_size, seq_len=seq_len, device_type=kind)
+    entries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (dp_rank, kind, seconds))
+    return dp_speeds_from(entries, dp, parallel.hetero_device_speed)
+
+
+def auto_shares(parallel: Any, speeds: list[float], loader_batch: int | None) -> list[int]:
+    """Per-rank batch shares of the global batch ``loader_batch x DP`` in proportion to ``speeds`` (module docstring,
+    step 2); checked identical on every rank and logged."""
+    mbs, dp = parallel.micro_batch_size, len(speeds)
+    if loader_batch is None:
+        raise ValueError("hetero_dp_batch_sizes='auto' needs a training DataLoader with a batch_size.")
+    global_batch = loader_batch * dp
+    if global_batch % mbs or global_batch // mbs < dp:
+        raise ValueError(
+            f"hetero_dp_batch_sizes='auto': the global batch of {global_batch} samples (DataLoader batch_size"
+            f" {loader_batch} x {dp} data-parallel ranks) must be a whole number of micro-batches of"
+            f" micro_batch_size={mbs}, at least one per rank; change the batch size or micro_batch_size."
+        )
+    shares = [units * mbs for units in proportional_shares(speeds, global_batch // mbs)]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, shares)
+    if any(other != shares for other in every):
+        raise RuntimeError(
+            f"hetero_dp_batch_sizes='auto': ranks chose different shares {every} (DataLoader batch sizes must be the"
+            " same on every rank)."
+        )
+    if dist.get_rank() == 0:
+        fastest = max(speeds)
+        _log.info(
+            "hetero_dp_batch_sizes='auto': relative speed per data-parallel rank %s -> shares %s of %d samples",
+            [round(s / fastest, 3) for s in speeds], shares, global_batch,
+        )  # fmt: skip
+    return shares

@@ -1,0 +1,88 @@
+"""Speed-aware hetero-DP shares, ``hetero_dp_batch_sizes="auto"`` (issue 12, item 6): proportional rounding in whole
+micro-batches, speeds by device type or from the profiling pass, shares agreed by every rank, training equal to the
+single-process run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.hetero import proportional_shares
+from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV
+from lightning_flagscale.parallel.hetero_shares import dp_speeds_from
+from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
+
+
+def test_shares_are_proportional_whole_units_summing_to_the_batch():
+    assert proportional_shares([3.0, 1.0], 8) == [6, 2]
+    assert proportional_shares([2.0, 1.0], 7) == [5, 2]  # 4.67 / 2.33: the left-over unit to who finishes it first
+    assert proportional_shares([1.0, 1.0, 1.0], 4) == [2, 1, 1]
+    assert proportional_shares([100.0, 1.0], 4) == [3, 1]  # every rank keeps at least one unit
+    with pytest.raises(ValueError, match="at least one"):
+        proportional_shares([1.0, 1.0, 1.0], 2)
+
+
+def test_speeds_per_data_parallel_rank():
+    # (dp rank, device type, block seconds) of 4 ranks: DP=2 x TP=2, the second DP rank's TP pair mixed.
+    entries = [(0, "fast", 1.0), (0, "fast", 1.2), (1, "fast", 0.8), (1, "slow", 3.0)]
+    speeds = dp_speeds_from(entries, 2)
+    assert speeds == pytest.approx([1.0, 1 / 3.0])  # fast = 1 / median(1.0, 1.2, 0.8); the pair at its slower pace
+    assert dp_speeds_from(entries, 2, {"fast": 4.0, "slow": 1.0}) == [4.0, 1.0]
+    with pytest.raises(ValueError, match=r"no speed for the device type of rank 3: 'slow'.*FLAGSCALE_DEVICE_TYPE"):
+        dp_speeds_from(entries, 2, {"fast": 4.0})
+    untyped = [(0, None, 1.0), (1, None, 2.0)]  # no types: every rank is measured on its own
+    assert dp_speeds_from(untyped, 2) == pytest.approx([1.0, 0.5])
+
+
+def test_auto_shares_are_validated_before_spawn():
+    ParallelConfig(hetero_dp_batch_sizes="auto", hetero_device_speed={"a": 2.0, "b": 1}).resolve(2)
+    with pytest.raises(ValueError, match=r"not supported with pipeline_parallel_size > 1"):
+        ParallelConfig(hetero_dp_batch_sizes="auto", pipeline_parallel_size=2).resolve(4)
+    with pytest.raises(ValueError, match=r"give a list of per-rank batch sizes or 'auto'"):
+        ParallelConfig(hetero_dp_batch_sizes="fast")
+    with pytest.raises(ValueError, match=r"must map each device type to a positive speed"):
+        ParallelConfig(hetero_dp_batch_sizes="auto", hetero_device_speed={"a": 0.0})
+    with pytest.raises(ValueError, match=r"hetero_device_speed needs hetero_meshes or hetero_dp_batch_sizes='auto'"):
+        ParallelConfig(hetero_dp_batch_sizes=[3, 1], hetero_device_speed={"a": 2.0})
+
+
+def _run_as_type(types: list[str], slowdown: str, strategy: dict, config, steps: int, **kw):
+    """``trainer_run`` with this rank's device type and emulated slowdown set (restored after: pool workers live on);
+    also returns the shares the strategy chose and the batch size this rank saw at each step."""
+    import lightning as L
+    import torch.distributed as dist
+
+    seen: dict = {"sizes": []}
+
+    class Shares(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["sizes"].append(batch["input_ids"].shape[0])
+            seen["shares"] = trainer.strategy.parallel.hetero_dp_batch_sizes
+            seen["speeds"] = trainer.strategy._dp_speeds
+
+    saved = {k: os.environ.get(k) for k in (DEVICE_TYPE_ENV, SLOWDOWN_ENV)}
+    os.environ[DEVICE_TYPE_ENV], os.environ[SLOWDOWN_ENV] = types[dist.get_rank()], slowdown
+    try:
+        losses, params = trainer_run(strategy, config, steps, callbacks=[Shares()], **kw)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return losses, params, seen
+
+
+def test_profiled_auto_shares_are_agreed_proportional_and_train_like_one_process(launcher):
+    """Rank 1 is 3x slower by emulation; the profiling pass measures it, both ranks agree on shares of the global
+    batch of 8 in proportion to the measured speeds, and training with them equals the single-process run."""
+    config = tiny_config()
+    reference = reference_run(config, 3, clip=1.0, global_batch=8)
+    strategy = dict(zero_stage=1, hetero_dp_batch_sizes="auto")
+    out = launcher(2, _run_as_type, ["fast", "slow"], "slow=3", strategy, config, 3, clip=1.0, batch_size=4)
+    assert_matches_reference([(losses, params) for losses, params, _ in out], reference, "auto shares")
+    shares = [seen["shares"] for _, _, seen in out]
+    speeds = out[0][2]["speeds"]
+    assert shares[0] == shares[1] and out[1][2]["speeds"] == speeds  # agreed by every rank
+    assert speeds[0] > speeds[1] and shares[0] == proportional_shares(speeds, 8)  # proportional to measured speed
+    assert shares[0][0] > shares[0][1] and sum(shares[0]) == 8
+    assert [seen["sizes"] for _, _, seen in out] == [[shares[0][0]] * 3, [shares[0][1]] * 3]
