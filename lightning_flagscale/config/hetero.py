@@ -6,7 +6,8 @@ generation of heterogeneous training, SEEDS.md section 3). Every pipeline stage 
 the ranks of one stage of one mesh, laid out ``("dp", "cp", "tp")`` with tp fastest, like a homogeneous stage.
 Context parallelism must be equal on every mesh (a token then lives on the same CP rank on both sides of a
 boundary); sequence parallelism applies on the meshes with TP > 1; with ``virtual_pipeline_parallel_size=v``
-(interleaved 1F1B) every stage group holds ``v`` model chunks. The zero-bubble schedules are refused.
+(interleaved 1F1B) every stage group holds ``v`` model chunks. ``zero_bubble`` (ZB-H1) runs; the V-shaped schedules (``zbv``,
+``dualpipev``) are refused.
 """
 
 from __future__ import annotations
