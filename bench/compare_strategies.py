@@ -376,6 +376,36 @@ def launch(spec: RunSpec, world: int, settings: dict[str, Any], timeout: float =
     return sorted(results, key=lambda r: r["rank"])
 
 
+def write_report(args: Any, command: str, num_params: int, settings: dict, rows: list, failed: dict, rounds_done: int):
+    """Ratios to peers, then the JSON, Markdown and PNG; called after every round, so a stopped run keeps its rounds
+    (a subset, ``--only``, never overwrites the full comparison's files)."""
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if r["peer"] in by_name:
+            r["ratio_to_peer"] = r["tokens_per_s"] / by_name[r["peer"]]["tokens_per_s"]
+            print(f"{r['name']:14} {r['ratio_to_peer']:.2f}x {r['peer']}")
+    report = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "world": args.world,
+        "num_params": num_params,
+        "settings": settings,
+        "machine": machine_info(),
+        "targets": TARGETS,
+        "repeats": rounds_done,
+        "notes": args.note,
+        "rows": rows,
+        "failed": failed,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "compare_strategies" + ("_quick" if args.quick else "") + ("_subset" if args.only else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float))
+    (out / f"{stem}.md").write_text(markdown(report))
+    chart(report, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json, .md, .png")
+
+
 def main(argv: list[str]) -> None:
     """Entry point of ``lightning-flagscale bench`` and ``bench/compare_strategies.py``."""
     parser = argparse.ArgumentParser(
@@ -462,32 +492,7 @@ def main(argv: list[str]) -> None:
                   f"{mib(row['pp_bytes_per_rank'])}  state {mib(row['state_bytes_per_rank'])} MiB/rank "
                   f"(x{row['state_ratio']:.3f})  RSS {mib(row['peak_rss_max'])} MiB  loss {row['final_loss']:.3f}  "
                   f"[{time.perf_counter() - start:.0f}s]", flush=True)  # fmt: skip
-    by_name = {r["name"]: r for r in rows}
-    for r in rows:
-        if r["peer"] in by_name:
-            r["ratio_to_peer"] = r["tokens_per_s"] / by_name[r["peer"]]["tokens_per_s"]
-            print(f"{r['name']:14} {r['ratio_to_peer']:.2f}x {r['peer']}")
-    report = {
-        "command": command,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "world": args.world,
-        "num_params": num_params,
-        "settings": settings,
-        "machine": machine_info(),
-        "targets": TARGETS,
-        "repeats": args.repeats,
-        "notes": args.note,
-        "rows": rows,
-        "failed": failed,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # A subset never overwrites the full comparison's files.
-    stem = "compare_strategies" + ("_quick" if args.quick else "") + ("_subset" if args.only else "")
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float))
-    (out / f"{stem}.md").write_text(markdown(report))
-    chart(report, out / f"{stem}.png")
-    print(f"wrote {out / stem}.json, .md, .png")
+        write_report(args, command, num_params, settings, rows, failed, repeat + 1)  # after every round
 
 
 if __name__ == "__main__":

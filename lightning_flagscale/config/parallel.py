@@ -51,7 +51,10 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2 or flat, see ``zero3_impl``)."""
     zero3_impl: Literal["fsdp2", "flat"] = "fsdp2"
-    """ZeRO-3 engine: torch's FSDP2 (per-parameter shards) or our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``)."""
+    """ZeRO-3 engine: torch's FSDP2 (per-parameter shards) or our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``).
+    FSDP2 stays the default: flat is not ahead of it over the whole measured range (``bench/results/
+    compare_strategies.md``, ``zero3_flat_large_w2.md``) and refuses layouts FSDP2 runs (hetero meshes, split-backward
+    pipeline schedules, hot-expert replication, non-protocol modules)."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
     every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""

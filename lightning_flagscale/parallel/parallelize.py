@@ -142,7 +142,9 @@ def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
         if p.ep_enabled:  # as FSDP2's `_shard_experts`: expert units over edp, nested in their block's
             layers = [layer for _, layer in moe_layers(part)]
             if any(getattr(layer, "hot_expert_config", None) is not None for layer in layers):
-                raise ValueError("zero3_impl='flat' with hot-expert replication is not supported; use 'fsdp2'.")
+                raise ValueError(
+                    "zero3_impl='flat' with hot-expert replication is not supported; use zero3_impl='fsdp2'."
+                )
             experts = [layer.experts for layer in layers]
         apply_flat_zero3(
             part, meshes.dp_cp, blocks=blocks, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
@@ -167,7 +169,10 @@ def _tied_owners(part: nn.Module, tied: tuple[str, str] | None) -> list[nn.Modul
         if attr not in owner._parameters:
             continue
         if len(list(owner.parameters())) != 1:
-            raise ValueError(f"zero3_impl='flat' with a tied {fqn!r}: its module must hold that weight only.")
+            raise ValueError(
+                f"zero3_impl='flat' with a tied {fqn!r}: its module must hold that weight only; use"
+                " zero3_impl='fsdp2' for this model."
+            )
         owners.append(owner)
     return owners
 
