@@ -19,6 +19,9 @@ layer split:
    size), logged on rank 0, and written into the config's ``hetero_dp_batch_sizes``, where the batch samplers and
    the token count read them as if given by hand. Pipeline parallelism is refused by the config (equal micro-batch
    counts per rank do not fit arbitrary proportions of a fixed global batch).
+3. **Resume** (:func:`resume_shares`): a checkpoint stores the resolved shares (the strategy's ``parallel_config``);
+   an ``"auto"`` run resumed from it under the same data-parallel size keeps them instead of the speeds measured
+   again at setup, so every rank reads the same samples as the uninterrupted run (issue 14's exact resume).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lightning_flagscale.parallel.hetero import proportional_shares
 from lightning_flagscale.parallel.hetero_profile import _MAX_PROFILE_SEQ, time_one_block
 from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, local_device_type
 
-__all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds"]
+__all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds", "resume_shares"]
 
 _log = logging.getLogger(__name__)
 
@@ -117,3 +120,22 @@ def auto_shares(parallel: Any, speeds: list[float], loader_batch: int | None) ->
             [round(s / fastest, 3) for s in speeds], shares, global_batch,
         )  # fmt: skip
     return shares
+
+
+def resume_shares(parallel: Any, saved: Any, dp: int) -> None:
+    """Adopt the shares a checkpoint was trained with when resuming an ``"auto"`` run (module docstring, step 3).
+
+    Speeds measured again at setup may round to other shares, which would hand each rank other samples than the
+    interrupted run; under another data-parallel size the saved shares do not apply and are chosen afresh (logged).
+    """
+    if parallel.hetero_dp_batch_sizes != "auto" or not isinstance(saved, (list, tuple)):
+        return
+    if len(saved) != dp:
+        _log.info("hetero_dp_batch_sizes='auto': the checkpoint's shares %s are for %d ranks, not %d; chosen afresh",
+                  list(saved), len(saved), dp)  # fmt: skip
+        return
+    parallel.hetero_dp_batch_sizes = [int(n) for n in saved]
+    if dist.is_initialized() and dist.get_rank() == 0:
+        _log.info(
+            "hetero_dp_batch_sizes='auto': resumed with the checkpoint's shares %s", parallel.hetero_dp_batch_sizes
+        )

@@ -358,5 +358,8 @@ class CheckpointHooks:
         strict = getattr(self.lightning_module, "strict_loading", True)
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
         restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
-        meta.pop("parallel_config", None)
+        saved_config = meta.pop("parallel_config", None) or {}
+        from lightning_flagscale.parallel.hetero_shares import resume_shares
+
+        resume_shares(self.parallel, saved_config.get("hetero_dp_batch_sizes"), self.meshes.size("dp"))
         return meta

@@ -86,3 +86,25 @@ def test_profiled_auto_shares_are_agreed_proportional_and_train_like_one_process
     assert speeds[0] > speeds[1] and shares[0] == proportional_shares(speeds, 8)  # proportional to measured speed
     assert shares[0][0] > shares[0][1] and sum(shares[0]) == 8
     assert [seen["sizes"] for _, _, seen in out] == [[shares[0][0]] * 3, [shares[0][1]] * 3]
+
+
+def test_resumed_auto_run_keeps_the_checkpoint_shares(launcher, tmp_path):
+    """A run with ``"auto"`` shares from given speeds (fast 3x) saves after 2 steps; resumed with speeds that would
+    give other shares (equal), it keeps the checkpoint's shares, so each rank reads the samples it would have read in
+    the uninterrupted run (where in the epoch the resumed loader starts is the data module's part, tested with
+    ``LMDataModule`` in the fault-injection tests)."""
+    config = tiny_config()
+    ckpt = str(tmp_path / "ckpt")
+    first = dict(zero_stage=1, hetero_dp_batch_sizes="auto", hetero_device_speed={"fast": 3.0, "slow": 1.0})
+    out = launcher(
+        2, _run_as_type, ["fast", "slow"], "slow=1", first, config, 2, clip=1.0, batch_size=4, save_path=ckpt
+    )
+    saved = out[0][2]["shares"]
+    assert saved == [6, 2], saved  # 8 samples in proportion 3 : 1
+    second = dict(first, hetero_device_speed={"fast": 1.0, "slow": 1.0})  # alone, this would choose [4, 4]
+    out = launcher(
+        2, _run_as_type, ["fast", "slow"], "slow=1", second, config, 3, clip=1.0, batch_size=4, ckpt_path=ckpt
+    )
+    assert [seen["shares"] for _, _, seen in out] == [saved, saved]
+    assert [seen["sizes"] for _, _, seen in out] == [[6], [2]]  # the third step only, with the saved shares
+    assert out[0][2]["speeds"] == [1.0, 1.0]  # the new speeds were measured; the saved shares won
