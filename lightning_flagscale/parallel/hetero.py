@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import Tensor
 from torch.utils.data import Sampler
 
 __all__ = [
@@ -102,7 +103,36 @@ class EpochCounter:
         self.epoch = epoch
 
 
-class HeteroBatchSampler(Sampler[list[int]]):
+class _GlobalBatchSampler(Sampler[list[int]]):
+    """Shared by the batch samplers below: one permutation of the dataset per epoch (reseeded by ``set_epoch``, like
+    ``DistributedSampler``), read in whole global batches of ``global_batch`` samples (the incomplete last one is
+    dropped so that every rank runs the same number of steps)."""
+
+    num_samples: int
+    global_batch: int
+    seed: int
+    shuffle: bool
+    sampler: EpochCounter
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def _order(self) -> Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+
+class HeteroBatchSampler(_GlobalBatchSampler):
     """Batches of ``batch_sizes[rank]`` indices: this rank's slice of each global batch (see module docstring).
 
     ``set_epoch`` (called by Lightning's loop) reseeds the permutation, like ``DistributedSampler``; incomplete
@@ -126,30 +156,15 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 f" (hetero_dp_batch_sizes={self.batch_sizes})."
             )
 
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return self.num_samples // self.global_batch
-
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g)
-        else:
-            order = torch.arange(self.num_samples)
+        order = self._order()
         mine = self.batch_sizes[self.rank]
         for k in range(len(self)):
             start = k * self.global_batch + self.offset
             yield order[start : start + mine].tolist()
 
 
-class MicroBatchSliceSampler(Sampler[list[int]]):
+class MicroBatchSliceSampler(_GlobalBatchSampler):
     """Heterogeneous meshes: this rank's slices of every micro-batch of one global batch.
 
     Global batch ``k`` is ``perm[k*G : (k+1)*G]``, cut into micro-batches of ``micro`` samples; data-parallel rank
@@ -173,23 +188,8 @@ class MicroBatchSliceSampler(Sampler[list[int]]):
         self.dp, self.rank, self.seed, self.shuffle = dp, rank, seed, shuffle
         self.sampler = EpochCounter()
 
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return self.num_samples // self.global_batch
-
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g)
-        else:
-            order = torch.arange(self.num_samples)
+        order = self._order()
         part = self.micro // self.dp
         for k in range(len(self)):
             batch = []
