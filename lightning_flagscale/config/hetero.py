@@ -6,8 +6,10 @@ generation of heterogeneous training, SEEDS.md section 3). Every pipeline stage 
 the ranks of one stage of one mesh, laid out ``("dp", "cp", "tp")`` with tp fastest, like a homogeneous stage.
 Context parallelism must be equal on every mesh (a token then lives on the same CP rank on both sides of a
 boundary); sequence parallelism applies on the meshes with TP > 1; with ``virtual_pipeline_parallel_size=v``
-(interleaved 1F1B) every stage group holds ``v`` model chunks. ``zero_bubble`` (ZB-H1) runs; the V-shaped schedules (``zbv``,
-``dualpipev``) are refused.
+(interleaved 1F1B, ``zero_bubble``) every stage group holds ``v`` model chunks, placed in a loop (global stage
+``k G + g`` is chunk ``k`` of group ``g``). The V-shaped schedules (``zbv``, ``dualpipev``) hold two chunks per group
+placed in a V: stage ``g`` down the groups, then stage ``2G - 1 - g`` back up, so the first group holds the first and
+the last stage (``parallel/schedules.py::stage_placement``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, stage_placement
+
 __all__ = [
-    "MESH_KEYS", "HeteroMesh", "StageGroup", "parse_hetero_meshes", "plan_stage_groups", "rank_order_by_type",
-    "speed_aware_layers",
+    "MESH_KEYS", "HeteroMesh", "StageGroup", "hetero_virtual_size", "parse_hetero_meshes", "plan_stage_groups",
+    "rank_order_by_type", "speed_aware_layers",
 ]  # fmt: skip
 
 MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
     "expert_parallel_size", "device_type",
 )  # fmt: skip
-_HETERO_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,15 @@ def parse_hetero_meshes(meshes: list[dict[str, Any]] | list[HeteroMesh]) -> list
 
 
 def check_hetero_layout(
-    meshes: list[HeteroMesh], layers: list[int] | None, *, schedule: str, sequence_parallel: bool, virtual: int = 1
+    meshes: list[HeteroMesh],
+    layers: list[int] | None,
+    *,
+    schedule: str,
+    sequence_parallel: bool,
+    virtual: int | None = 1,
 ) -> None:
-    """Every check that needs only the config (world size and model checks come later)."""
+    """Every check that needs only the config (world size and model checks come later); ``virtual=None``: auto
+    (:func:`hetero_virtual_size`)."""
     cps = {m.context_parallel_size for m in meshes}
     if len(cps) > 1:
         raise ValueError(
@@ -133,13 +142,14 @@ def check_hetero_layout(
             "sequence_parallel=True needs tensor_parallel_size > 1 on at least one of the hetero_meshes (it shards"
             " activations over TP); raise a mesh's tensor_parallel_size or set sequence_parallel=False."
         )
-    if schedule not in _HETERO_SCHEDULES:
+    if SCHEDULE_SPECS[schedule].placement == "v" and virtual not in (None, 2):
         raise ValueError(
-            f"pipeline_schedule={schedule!r} is not supported across heterogeneous meshes: the V-shaped schedules"
-            " (zbv, dualpipev) place the last model chunk back on the first mesh, which the heterogeneous runner"
-            f" does not; use one of {list(_HETERO_SCHEDULES)} (zero_bubble: ZB-H1 with deferred weight gradients)."
+            f"pipeline_schedule={schedule!r} is V-shaped: every hetero stage group holds exactly 2 model chunks"
+            f" (stage g and stage 2G-1-g), so it needs virtual_pipeline_parallel_size=2, got {virtual}; set it to 2 or"
+            " leave it unset (auto)."
         )
-    if virtual > 1 and schedule not in ("interleaved_1f1b", "zero_bubble"):
+    virtual = hetero_virtual_size(schedule, virtual)
+    if virtual > 1 and schedule not in ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"):
         raise ValueError(
             f"virtual_pipeline_parallel_size={virtual} with hetero_meshes needs pipeline_schedule='interleaved_1f1b'"
             f" or 'zero_bubble' (got {schedule!r}); or set virtual_pipeline_parallel_size=1."
@@ -156,6 +166,20 @@ def check_hetero_layout(
             )
         if any(not isinstance(n, int) or n < 1 for n in layers):
             raise ValueError(f"hetero_layers={layers} must hold positive integers.")
+
+
+def hetero_virtual_size(schedule: str, virtual: int | None) -> int:
+    """Model chunks per stage group: ``virtual``, or when unset (``None``) 2 for the V-shaped schedules and 1 else (a
+    heterogeneous job always has at least two pipeline stages)."""
+    _check_schedule(schedule)
+    if virtual is not None:
+        return virtual
+    return 2 if SCHEDULE_SPECS[schedule].placement == "v" else 1
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULE_SPECS:
+        raise ValueError(f"pipeline_schedule={schedule!r} is unknown; use one of {sorted(SCHEDULE_SPECS)}.")
 
 
 def speed_aware_layers(
@@ -192,11 +216,16 @@ def speed_aware_layers(
     return counts
 
 
-def _chunk_layers(layers: list[int], stages: int, virtual: int) -> list[tuple[int, ...]]:
-    """Per stage group, the blocks of each model chunk: given per virtual stage (global stage ``k G + g`` is chunk
-    ``k`` of group ``g``), or per group and split as evenly as possible (earlier chunks take the remainder)."""
-    if len(layers) == stages * virtual:
-        return [tuple(layers[k * stages + g] for k in range(virtual)) for g in range(stages)]
+def _chunk_layers(layers: list[int], stages: int, virtual: int, schedule: str) -> list[tuple[int, ...]]:
+    """Per stage group, the blocks of each model chunk: given per virtual stage in pipeline order (global stage ``s``
+    is chunk ``k`` of group ``g``, ``(g, k) = stage_placement(s)``: ``k G + g`` looped, ``g`` / ``2G - 1 - g`` in a
+    V), or per group and split as evenly as possible (earlier chunks take the remainder)."""
+    if len(layers) == stages * virtual and virtual > 1:
+        out = [[0] * virtual for _ in range(stages)]
+        for s, n in enumerate(layers):
+            g, k = stage_placement(s, stages, schedule)
+            out[g][k] = n
+        return [tuple(chunks) for chunks in out]
     out = []
     for g, n in enumerate(layers):
         if n < virtual:
@@ -217,8 +246,10 @@ def plan_stage_groups(
     *,
     virtual: int = 1,
     sequence_parallel: bool = False,
+    schedule: str = "1f1b",
 ) -> list[StageGroup]:
-    """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order.
+    """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order (``schedule`` places the
+    model chunks of per-virtual-stage ``layers``).
 
     ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh (from
     ``rank_order_by_type``); ``None`` = rank order.
@@ -231,7 +262,7 @@ def plan_stage_groups(
         layers = speed_aware_layers(meshes, num_layers, device_speed)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
-    chunks = _chunk_layers(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual)
+    chunks = _chunk_layers(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual, schedule)
     groups, rank, index = [], 0, 0
     for m_idx, mesh in enumerate(meshes):
         for _ in range(mesh.pipeline_parallel_size):

@@ -35,7 +35,7 @@ class ParallelConfig:
     virtual_pipeline_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved / V schedules); ``None`` (auto) means 2 for the V-shaped schedules
     (``zbv``, ``dualpipev``) under pipeline parallelism and 1 otherwise. With ``hetero_meshes``: model chunks per
-    stage group (``interleaved_1f1b`` only)."""
+    stage group (``interleaved_1f1b`` / ``zero_bubble``: any; ``zbv`` / ``dualpipev``: 2, the auto value)."""
     context_parallel_size: int = 1
     """Sequence split for attention (ring, Ulysses or both)."""
     context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
@@ -116,6 +116,10 @@ class ParallelConfig:
                 " expert_tensor_parallel_size=1 (use expert_parallel_size to spread the experts)."
             )
         auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
+        if self.virtual_pipeline_parallel_size is None and self.hetero_enabled:
+            from lightning_flagscale.config.hetero import hetero_virtual_size
+
+            auto_vpp = hetero_virtual_size(self.pipeline_schedule, None)  # always >= 2 stages: V schedules take 2
         if self.virtual_pipeline_parallel_size is None:
             self.virtual_pipeline_parallel_size = auto_vpp
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
@@ -218,7 +222,7 @@ class ParallelConfig:
             raise ValueError("Give hetero_layers or hetero_device_speed, not both (the speeds only choose the split).")
         check_hetero_layout(
             meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
-            virtual=self.virtual_pipeline_parallel_size or 1,
+            virtual=self.virtual_pipeline_parallel_size,
         )  # fmt: skip
 
     def _hetero_stage_count(self) -> int:
@@ -238,6 +242,7 @@ class ParallelConfig:
         groups = plan_stage_groups(
             parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
             virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
+            schedule=self.pipeline_schedule,
         )  # fmt: skip
         samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
         configs = []

@@ -28,6 +28,8 @@ from lightning_flagscale.parallel.pipeline import (
     tied_across_stages,
 )
 from lightning_flagscale.parallel.pipeline_model import PipelinedModel
+from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, stage_placement
 
 __all__ = [
     "HeteroPipelineRunner",
@@ -86,18 +88,20 @@ def build_hetero_pipelined_model(
 
     ``config`` is this rank's group layout (its ``micro_batch_size`` is this rank's share of a micro-batch);
     recompute, TP, CP, EP and ZeRO are applied to each stage afterwards by the parallelize plan, as without PP.
-    Global stage ``k G + g`` is chunk ``k`` of group ``g`` (looped placement over ``G`` groups).
+    Global stage ``s`` is chunk ``k`` of group ``g`` for ``(g, k) = stage_placement(s, G, schedule)``: ``k G + g``
+    looped over the ``G`` groups, or ``g`` and ``2G - 1 - g`` in a V (``zbv``, ``dualpipev``).
     """
     units = list(model.pipeline_units())
     check_units_cover_parameters(model, units)
-    v = len(groups[0].chunk_layers)
-    layers = [groups[s % len(groups)].chunk_layers[s // len(groups)] for s in range(len(groups) * v)]
+    G, v, schedule = len(groups), len(groups[0].chunk_layers), config.pipeline_schedule
+    layers = [groups[g].chunk_layers[k] for g, k in (stage_placement(s, G, schedule) for s in range(G * v))]
     plan = plan_stages(units, len(layers), 1, pipeline_layers=layers)
     me = group_of_rank(groups, dist.get_rank())
+    stage_ids = stage_ids_for_rank(me.index, G, plan.num_stages, SCHEDULE_SPECS[schedule].placement)
     holder: list[PipelinedModel] = []
     runner = HeteroPipelineRunner(
-        groups=groups, group=me, plan=plan, schedule_name=config.pipeline_schedule,
-        stage_modules=[build_stage_module(model, plan.units[s]) for s in range(me.index, plan.num_stages, len(groups))],
+        groups=groups, group=me, plan=plan, schedule_name=schedule, stage_ids=stage_ids,
+        stage_modules=[build_stage_module(model, plan.units[s]) for s in stage_ids],
         micro_batch_size=config.micro_batch_size, device=device, tied=tied_across_stages(model, plan),
         loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
         token_group=meshes.group(MeshDim.DP_CP) if meshes.size(MeshDim.DP_CP) > 1 else None,
@@ -118,6 +122,7 @@ def build_hetero_layout(
     groups = plan_stage_groups(
         meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed,
         rank_order, virtual=parallel.virtual_pipeline_parallel_size, sequence_parallel=parallel.sequence_parallel,
+        schedule=parallel.pipeline_schedule,
     )  # fmt: skip
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(

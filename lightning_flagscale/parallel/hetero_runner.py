@@ -19,19 +19,22 @@ activations (and, backwards, their gradients) with the resliced P2P of ``hetero_
   weight pass starts from the saved intermediate gradients, it does not run the backward twice). The first stage
   has no upstream to unblock and runs its whole backward at ``I``.
 * **Gradient scale.** Every group averages its gradients over its own data x context ranks ``R`` while the loss is a
-  global token mean multiplied by the last group's ``R``; a gradient crossing from group ``r`` back to group ``s`` is
-  multiplied by ``R_s / R_r`` so that every group's average is exactly the single-process gradient (FlagScale's
-  dp_recv / dp_send correction, derived from the token mean).
-* **Tied weights** between the first and the last stage: ``hetero_tied.py``.
-
-The V-shaped schedules (``zbv``, ``dualpipev``) are refused by the config: their V placement puts the last model
-chunk back on the first mesh (a same-rank stage boundary and a loss on the first mesh), which this runner does not
-place.
+  global token mean multiplied by ``R`` of the group that holds the last stage; a gradient crossing from group ``r``
+  back to group ``s`` is multiplied by ``R_s / R_r`` so that every group's average is exactly the single-process
+  gradient (FlagScale's dp_recv / dp_send correction, derived from the token mean).
+* **V-shaped schedules** (``zbv``, ``dualpipev``): two chunks per group, stage ``g`` going down the groups and stage
+  ``2G - 1 - g`` coming back up, in torch's per-rank orders for ZB-V and DualPipeV (computed for ``G`` groups; a
+  DualPipeV overlapped forward+backward runs as its forward then its backward). The turn of the V (stage ``G - 1`` to
+  ``G``) stays on the last group: the activation and its gradient are handed over in memory, no P2P. The last stage,
+  hence the loss and the loss scale, is on the first group.
+* **Tied weights** between the first and the last stage: ``hetero_tied.py`` (the same group under a V: both copies
+  on the same ranks, summed in place).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.parallel.hetero_boundary import BoundaryComm, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_tied import TiedAcrossMeshes
 from lightning_flagscale.parallel.pipeline_plan import StagePlan
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, min_microbatches, stage_placement
 
 __all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
 
@@ -53,11 +57,13 @@ Action = tuple[str, int, int]
 def schedule_order(schedule: str, num_groups: int, group: int, virtual: int, n: int, *, train: bool) -> list[Action]:
     """The actions group ``group`` runs, in order (module docstring)."""
     G, v = num_groups, virtual
+    if SCHEDULE_SPECS[schedule].placement == "v":
+        return _v_order(schedule, G, group, n, train=train)
     if schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and v > 1):
         if n % G:
             raise ValueError(
-                f"pipeline_schedule={schedule!r} with virtual stages across {G} heterogeneous stages needs the micro-batch count to"
-                f" be a multiple of {G}, got {n}; change the batch size or micro_batch_size."
+                f"pipeline_schedule={schedule!r} with virtual stages across {G} heterogeneous stages needs the"
+                f" micro-batch count to be a multiple of {G}, got {n}; change the batch size or micro_batch_size."
             )
 
         def stage(k: int, forward: bool) -> tuple[int, int]:
@@ -81,6 +87,33 @@ def schedule_order(schedule: str, num_groups: int, group: int, virtual: int, n: 
         order += [fwd[warmup + i], bwd[i]]
     order += bwd[len(fwd) - warmup :]
     return _split_backward(order, lag=G - group - 1) if schedule == "zero_bubble" else order
+
+
+def _v_order(schedule: str, num_groups: int, group: int, n: int, *, train: bool) -> list[Action]:
+    """ZB-V or DualPipeV over ``num_groups`` stage groups: torch's order for pipeline rank ``group`` (the schedule
+    classes compute every rank's order from the rank count, stage count and micro-batch count alone); forward-only,
+    each chunk's forwards in turn (the first chunk's go down the groups, then the second's come back up)."""
+    G = num_groups
+    need = min_microbatches(schedule, G, 2)
+    if n < need:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} across {G} heterogeneous stage groups needs at least {need} micro-batches"
+            f" per step, got {n}; raise the batch size or lower micro_batch_size."
+        )
+    first, last = group, 2 * G - 1 - group
+    if not train:
+        return [("F", s, m) for s in (first, last) for m in range(n)]
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = getattr(torch_schedules, SCHEDULE_SPECS[schedule].torch_class)
+    layout = SimpleNamespace(pp_group_size=G, num_stages=2 * G, _n_microbatches=n)
+    order: list[Action] = []
+    for action in cls._calculate_single_rank_operations(layout, group):
+        if action is None:
+            continue
+        for a in action.sub_actions or (action,):  # OVERLAP_F_B: its forward, then its backward
+            order.append((a.computation_type.value, a.stage_index, a.microbatch_index))
+    return order
 
 
 def _split_backward(order: list[Action], lag: int) -> list[Action]:
@@ -137,6 +170,7 @@ class HeteroPipelineRunner:
         groups: list[StageGroup],
         group: StageGroup,
         plan: StagePlan,
+        stage_ids: list[int],
         stage_modules: list[nn.Module],
         schedule_name: str,
         micro_batch_size: int,
@@ -147,42 +181,46 @@ class HeteroPipelineRunner:
     ) -> None:
         self.groups, self.group, self.plan = groups, group, plan
         self.virtual = plan.num_stages // len(groups)
-        self.stage_ids = list(range(group.index, plan.num_stages, len(groups)))
+        self.stage_ids = stage_ids
         self.stage_modules = stage_modules
         self.schedule_name = schedule_name
         self.micro_batch_size = micro_batch_size
         self.num_microbatches: int | None = None
         self.device = device
         self.tied = tied
-        self._tied_sync = TiedAcrossMeshes(groups) if tied is not None else None
+        last = self._neighbour(plan.num_stages - 1)
+        self._tied_sync = TiedAcrossMeshes(groups[0], last) if tied is not None else None
         self._loss_fn = loss_fn
         self._token_group = token_group  # this group's data x context ranks (sums the last group's losses)
         self.has_first_stage = 0 in self.stage_ids
         self.has_last_stage = plan.num_stages - 1 in self.stage_ids
         self._comm = BoundaryComm(device)
+        self._local: dict[tuple[int, int, bool], Tensor] = {}  # the turn of a V: (stage, micro-batch, backward)
 
     # ---- the PipelineRunner interface ----
     def count_microbatches(self, batch_size: int) -> int:
         return max(batch_size // self.micro_batch_size, 1)
 
-    def _tied_param(self) -> nn.Parameter | None:
+    def _tied_params(self) -> list[nn.Parameter]:
+        """This rank's copies of the tied weight: the first stage's, the last stage's, or both (V placement)."""
         if self.tied is None or self._tied_sync is None or not self._tied_sync.member:
-            return None
-        if self.has_first_stage:
-            return self.stage_modules[0].get_parameter(self.tied[0])
-        return self.stage_modules[-1].get_parameter(self.tied[1])
+            return []
+        params = [self._module(0).get_parameter(self.tied[0])] if self.has_first_stage else []
+        if self.has_last_stage:
+            params.append(self._module(self.plan.num_stages - 1).get_parameter(self.tied[1]))
+        return params
 
     def sync_tied_params(self) -> None:
-        """The last mesh's copy of a tied weight takes the first mesh's values (after initialisation)."""
-        param = self._tied_param()
-        if param is not None:
-            self._tied_sync.sync_params(param)
+        """The last stage's copy of a tied weight takes the first stage's values (after initialisation)."""
+        params = self._tied_params()
+        if params:
+            self._tied_sync.sync_params(params)
 
     def sync_tied_grads(self) -> None:
-        """Sum the tied weight's gradient over both meshes (once per optimizer step, before the DP reduction)."""
-        param = self._tied_param()
-        if param is not None:
-            self._tied_sync.sync_grads(param)
+        """Sum the tied weight's gradient over both copies (once per optimizer step, before the DP reduction)."""
+        params = self._tied_params()
+        if params:
+            self._tied_sync.sync_grads(params)
 
     def step(self, args: tuple, kwargs: Mapping[str, Any], target: Tensor, num_items: Tensor | int | None = None):
         return self._run(args, kwargs, target, num_items, train=True)
@@ -213,7 +251,7 @@ class HeteroPipelineRunner:
         self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self._weight_work: dict[tuple[int, int], list[dict[str, Any]]] = {}
         losses: list[Tensor] = []
-        deferred = train and self.schedule_name == "zero_bubble"
+        deferred = train and SCHEDULE_SPECS[self.schedule_name].split_backward
         if deferred:  # FSDP2 reduces at the end of the step (its autograd hooks do not see the weight passes)
             for module in self.stage_modules:
                 _hold_fsdp_grads(module)
@@ -227,13 +265,19 @@ class HeteroPipelineRunner:
             else:
                 self._backward(s, m, split=kind == "I" and s > 0, hold=deferred)
         self._comm.wait()
+        assert not self._local, f"unconsumed V-turn hand-overs {sorted(self._local)}"
         if deferred:
             for module in self.stage_modules:
                 _reduce_fsdp_grads(module)
         return self._reduce_losses(losses, train)
 
     def _neighbour(self, stage: int) -> StageGroup:
-        return self.groups[stage % len(self.groups)]
+        """The stage group that runs global ``stage``."""
+        return self.groups[stage_placement(stage, len(self.groups), self.schedule_name)[0]]
+
+    def _local_turn(self, stage: int) -> bool:
+        """Stages ``stage`` and ``stage + 1`` run on this same group (the turn of a V): no P2P between them."""
+        return self._neighbour(stage) is self._neighbour(stage + 1)
 
     def _module(self, stage: int) -> nn.Module:
         return self.stage_modules[self.stage_ids.index(stage)]
@@ -245,8 +289,11 @@ class HeteroPipelineRunner:
     def _forward(self, s: int, m: int, args: tuple, kwargs: dict, target: Tensor, losses: list, train: bool) -> None:
         x = None
         if s > 0:
-            prev = self._neighbour(s - 1)
-            x = self._comm.recv(boundary_transfers(prev, self.group, self._rows()), self._tag(s - 1, m, False))
+            if self._local_turn(s - 1):
+                x = self._local.pop((s - 1, m, False))
+            else:
+                prev = self._neighbour(s - 1)
+                x = self._comm.recv(boundary_transfers(prev, self.group, self._rows()), self._tag(s - 1, m, False))
             x.requires_grad_(train)
             args = (x,)
         out = self._module(s)(*args, **kwargs)
@@ -255,8 +302,11 @@ class HeteroPipelineRunner:
             losses.append(loss.detach().float())
             self._saved[(s, m)] = (x, loss)
         else:
-            transfers = boundary_transfers(self.group, self._neighbour(s + 1), self._rows())
-            self._comm.send(out.detach(), transfers, self._tag(s, m, False))
+            if self._local_turn(s):
+                self._local[(s, m, False)] = out.detach()
+            else:
+                transfers = boundary_transfers(self.group, self._neighbour(s + 1), self._rows())
+                self._comm.send(out.detach(), transfers, self._tag(s, m, False))
             self._saved[(s, m)] = (x, out)
 
     def _backward(self, s: int, m: int, *, split: bool = False, hold: bool = False) -> None:
@@ -266,7 +316,9 @@ class HeteroPipelineRunner:
         if not hold:
             self._set_grad_sync(self._module(s), m == self._n - 1)
         grad = None
-        if s < self.plan.num_stages - 1:
+        if s < self.plan.num_stages - 1 and self._local_turn(s):
+            grad = self._local.pop((s, m, True))
+        elif s < self.plan.num_stages - 1:
             transfers = gradient_transfers(self.group, self._neighbour(s + 1), self._rows())
             grad = self._comm.recv(transfers, self._tag(s, m, True)).to(out.dtype)
         if split:
@@ -276,7 +328,9 @@ class HeteroPipelineRunner:
             )
         else:
             torch.autograd.backward(out, grad)
-        if x is not None:
+        if x is not None and self._local_turn(s - 1):
+            self._local[(s - 1, m, True)] = x.grad
+        elif x is not None:
             # Group r's gradients carry the last group's R; the group upstream averages over its own (docstring).
             prev = self._neighbour(s - 1)
             scale = prev.token_shards / self.group.token_shards
@@ -295,10 +349,11 @@ class HeteroPipelineRunner:
         return self.micro_batch_size * self.group.data_parallel_size
 
     def _reduce_losses(self, losses: list[Tensor], train: bool) -> Tensor:
-        """The global token mean on every rank: times the loss scale when training (the last group's micro-batch
-        losses carry ``loss scale x R_last``; the strategy divides by this rank's own ``R``), plain when evaluating."""
+        """The global token mean on every rank: times the loss scale when training (the micro-batch losses of the
+        last stage's group carry ``loss scale x R_last``; the strategy divides by this rank's own ``R``), plain when
+        evaluating."""
         out = torch.zeros((), dtype=torch.float32, device=self.device)
-        last = self.groups[-1]
+        last = self._neighbour(self.plan.num_stages - 1)
         if self.has_last_stage:
             out = torch.stack(losses).sum()
             if self._token_group is not None:

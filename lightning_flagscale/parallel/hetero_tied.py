@@ -16,6 +16,9 @@ holds every rank of both groups:
 Parameters start equal the same way: the first group's full embedding is broadcast and every last-group rank keeps
 its slice. Cost: one all-reduce of the full weight per optimizer step, over both groups (FlagScale instead requires
 equal TP on the first and last mesh).
+
+Under a V-shaped schedule (``zbv``, ``dualpipev``) the first and the last stage are on the same stage group: every
+rank of it holds both copies, laid out alike, and the sync is local (copy the values once; add the two gradients).
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ def _full(t: Tensor) -> Tensor:
 class TiedAcrossMeshes:
     """Keeps the first and the last stage group's copies of one tied weight equal (module docstring)."""
 
-    def __init__(self, groups: list[StageGroup]) -> None:
-        first, last = groups[0], groups[-1]
+    def __init__(self, first: StageGroup, last: StageGroup) -> None:
+        """``first`` / ``last``: the stage groups of the first and the last pipeline stage (the same one in a V)."""
+        self._local = first is last
         self._ranks = sorted(set(first.ranks) | set(last.ranks))
         # Created by every rank in the same order (group creation is collective over the default group).
-        self._group = dist.new_group(self._ranks)
+        self._group = None if self._local else dist.new_group(self._ranks)
         self._src = first.ranks[0]
         me = dist.get_rank()
         self._in_first = me in first.ranks
@@ -53,8 +57,14 @@ class TiedAcrossMeshes:
         return self._size > 0
 
     @torch.no_grad()
-    def sync_params(self, param: nn.Parameter) -> None:
-        """Every copy takes the first group's values (call once after initialisation, on members only)."""
+    def sync_params(self, params: list[nn.Parameter]) -> None:
+        """Every copy takes the first stage's values (call once after initialisation, on members only, with the
+        copies this rank holds: the first stage's and / or the last stage's)."""
+        if self._local:
+            first, last = params
+            copy_global_into(last.data if not isinstance(last, DTensor) else last, _full(first.detach()))
+            return
+        (param,) = params
         if self._in_first:  # `full_tensor` is collective over the first group's meshes: all its ranks gather
             full = _full(param.detach()).contiguous()
         else:
@@ -64,15 +74,26 @@ class TiedAcrossMeshes:
             copy_global_into(param.data if not isinstance(param, DTensor) else param, full)
 
     @torch.no_grad()
-    def sync_grads(self, param: nn.Parameter) -> None:
-        """Sum the two groups' gradient contributions into every copy (call once per optimizer step, members only)."""
-        grad = param.grad
-        if grad is None:
-            grad = torch.zeros_like(param)
-            param.grad = grad
-        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
-            # Torch's embedding backward may give a Replicate gradient for a vocab-sharded weight: align it first.
-            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    def sync_grads(self, params: list[nn.Parameter]) -> None:
+        """Sum the two copies' gradient contributions into every copy (call once per optimizer step, members only)."""
+        grads = [_aligned_grad(p) for p in params]
+        if self._local:  # both copies here, summed through the full tensor (their layouts may differ, e.g. a
+            total = sum(_full(g).float() for g in grads)  # Replicate embedding gradient and a sharded head's)
+            for g in grads:
+                copy_global_into(g, total.to(g.dtype))
+            return
+        (grad,) = grads
         total = _full(grad).float() / self._size
         dist.all_reduce(total, group=self._group)
         copy_global_into(grad, total.to(grad.dtype))
+
+
+def _aligned_grad(param: nn.Parameter) -> Tensor:
+    """``param``'s gradient (zeros if it has none) laid out like ``param``."""
+    grad = param.grad
+    if grad is None:
+        grad = param.grad = torch.zeros_like(param)
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        # Torch's embedding backward may give a Replicate gradient for a vocab-sharded weight: align it first.
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad

@@ -201,8 +201,12 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
         apply_ep(part, meshes["ep"])
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
         from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+        from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
 
-        apply_recompute(part, resolve_recompute(p.recompute, 1)[0], blocks=_blocks(part))
+        # A hetero stage group (pp = 1 inside its group) runs its pipeline schedule: split-backward ones backpropagate
+        # each block twice (input, then weight gradients).
+        replayable = SCHEDULE_SPECS[p.pipeline_schedule].split_backward
+        apply_recompute(part, resolve_recompute(p.recompute, 1)[0], replayable=replayable, blocks=_blocks(part))
 
 
 def _blocks(model: nn.Module) -> list[nn.Module] | None:

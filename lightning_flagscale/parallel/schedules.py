@@ -17,6 +17,7 @@ __all__ = [
     "ScheduleSpec",
     "default_virtual_size",
     "min_microbatches",
+    "stage_placement",
     "validate_schedule",
 ]
 
@@ -66,6 +67,18 @@ def default_virtual_size(schedule: str, pipeline_parallel_size: int) -> int:
     """``virtual_pipeline_parallel_size`` when left unset: 2 for V-shaped schedules under PP, else 1."""
     required = _spec(schedule).stages_per_rank
     return required if required is not None and pipeline_parallel_size > 1 else 1
+
+
+def stage_placement(stage: int, num_ranks: int, schedule: str) -> tuple[int, int]:
+    """(pipeline rank, model chunk on that rank) of global ``stage`` under ``schedule``'s placement over ``num_ranks``
+    ranks (or heterogeneous stage groups): looped ``(s mod p, s // p)``; V-shaped ``(s, 0)`` down the ranks, then
+    ``(2p - 1 - s, 1)`` back up, so the last stage sits on rank 0 next to the first."""
+    p = num_ranks
+    if _spec(schedule).placement == "v":
+        if not 0 <= stage < 2 * p:
+            raise ValueError(f"V-shaped placement over {p} ranks has stages 0..{2 * p - 1}, not {stage}.")
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
 
 
 def min_microbatches(schedule: str, pipeline_parallel_size: int, virtual_pipeline_parallel_size: int = 1) -> int:

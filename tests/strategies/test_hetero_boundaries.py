@@ -13,6 +13,7 @@ from lightning_flagscale import FlagScaleStrategy, ParallelConfig
 from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, plan_stage_groups
 from lightning_flagscale.parallel.hetero_boundary import boundary_transfers, coords, gradient_transfers
 from lightning_flagscale.parallel.hetero_runner import schedule_order, simulate
+from lightning_flagscale.parallel.schedules import min_microbatches, stage_placement
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
@@ -119,6 +120,28 @@ def test_schedule_orders_run_every_action_once_without_deadlock(schedule, v, num
             assert sorted(order) == sorted((k, s, m) for k in kinds for s in stages for m in range(n))
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("num_groups", [2, 3, 4])
+def test_v_shaped_orders_place_two_chunks_per_group_and_run_without_deadlock(schedule, num_groups):
+    """ZB-V and DualPipeV across stage groups: group g runs stages g and 2G-1-g (the first group holds the first and
+    the last stage); every stage and micro-batch gets one forward and one backward (whole, or its I and W halves)."""
+    G = num_groups
+    assert [stage_placement(s, G, schedule) for s in (0, G - 1, G, 2 * G - 1)] == [(0, 0), (G - 1, 0), (G - 1, 1),
+                                                                                    (0, 1)]  # fmt: skip
+    low = min_microbatches(schedule, G, 2)
+    for n, train in itertools.product([low, low + 1, 2 * low], [True, False]):
+        orders = [schedule_order(schedule, G, g, 2, n, train=train) for g in range(G)]
+        simulate(orders, 2 * G)
+        for g, order in enumerate(orders):
+            assert len(set(order)) == len(order), order
+            for s, m in itertools.product((g, 2 * G - 1 - g), range(n)):
+                kinds = "".join(sorted(k for k, s2, m2 in order if (s2, m2) == (s, m)))
+                assert kinds in (("BF", "FIW") if train else ("F",)), (g, s, m, kinds)
+            assert {s for _, s, _ in order} == {g, 2 * G - 1 - g}
+    with pytest.raises(ValueError, match=f"at least {low} micro-batches"):
+        schedule_order(schedule, G, 0, 2, low - 1, train=True)
+
+
 def test_zero_bubble_defers_weight_passes_by_the_warmup_depth():
     # Group g of G runs each W (G - g - 1) backward passes after its I (the last group at once); after its last I a
     # group still has G - g weight passes to run, which fill the cool-down bubble.
@@ -146,6 +169,10 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
     assert [g.chunk_layers for g in explicit] == [(1, 2), (2, 1)] and [g.num_layers for g in explicit] == [3, 3]
     with pytest.raises(ValueError, match="fewer than virtual_pipeline_parallel_size=2"):
         plan_stage_groups(meshes, [3, 1], 4, virtual=2)
+    # V placement: global stages 0, 1, 2, 3 = g0k0, g1k0, g1k1, g0k1; V schedules take 2 chunks per group by default
+    v_shaped = plan_stage_groups(meshes, [1, 2, 3, 4], 10, virtual=2, schedule="zbv")
+    assert [g.chunk_layers for g in v_shaped] == [(1, 4), (2, 3)]
+    assert ParallelConfig(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev").virtual_pipeline_parallel_size == 2
     per_group = ParallelConfig(hetero_meshes=[TP2, DP2], recompute=["none", "full"], micro_batch_size=2)
     assert [c.recompute for c in per_group.stage_group_configs(4)] == ["none", "full"]  # one mode per stage group
     sp = plan_stage_groups(meshes, [2, 2], 4, sequence_parallel=True)
@@ -159,8 +186,9 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
     [
         (dict(hetero_meshes=[CP2, TP2]), "differs between hetero_meshes"),
         (dict(hetero_meshes=[DP2, DP2], sequence_parallel=True), "at least one of the hetero_meshes"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "V-shaped schedules"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev"), "V-shaped schedules"),
+        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="dualpipev", virtual_pipeline_parallel_size=1),
+         "V-shaped: every hetero stage group holds exactly 2 model chunks"),
+        (dict(hetero_meshes=[TP2, DP2], hetero_layers=[1, 1, 2], pipeline_schedule="zbv"), "or 4, one per virtual"),
         (dict(hetero_meshes=[TP2, DP2], virtual_pipeline_parallel_size=2), "needs pipeline_schedule='interleaved_1f1b'"),
         (dict(hetero_meshes=[TP2, DP2], hetero_layers=[1, 1, 2], virtual_pipeline_parallel_size=2,
               pipeline_schedule="interleaved_1f1b"), "or 4, one per virtual stage"),

@@ -65,7 +65,10 @@ def test_every_mesh_reads_slices_of_the_same_micro_batches():
         (dict(hetero_meshes=[TP2, DP2], tensor_parallel_size=2), "belong inside each mesh's dict"),
         (dict(hetero_meshes=[TP2, dict(context_parallel_size=2)]), "differs between hetero_meshes"),
         (dict(hetero_meshes=[TP2, DP2], hetero_layers=[1, 1, 2]), "one layer count per stage"),
-        (dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv"), "not supported across heterogeneous meshes"),
+        (
+            dict(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv", virtual_pipeline_parallel_size=3),
+            "needs virtual_pipeline_parallel_size=2",
+        ),
         (dict(hetero_meshes=[TP2, dict(tensor_parallel_size=0)]), "must be a positive integer"),
         (dict(hetero_meshes=[TP2, dict(tp=2)]), "unknown keys"),
         (dict(hetero_meshes=[TP2, DP2], hetero_dp_batch_sizes=[1, 1]), "cannot be combined"),

@@ -1,6 +1,7 @@
 """Heterogeneous meshes, issue 12 items 2, 3 and 9: a weight tied between the first and the last mesh (different
 TP / DP / ZeRO on the two sides) and interleaved 1F1B across meshes, against the single-process fp32 run (SGD, ragged
-labels, weights and gradient norms after 3 steps); zero-bubble (ZB-H1) across meshes too."""
+labels, weights and gradient norms after 3 steps); zero-bubble (ZB-H1) and the V-shaped ZB-V and DualPipeV across
+meshes too."""
 
 from __future__ import annotations
 
@@ -58,6 +59,30 @@ def test_zero_bubble_across_meshes(launcher, virtual, zero_stage):
                     pipeline_schedule="zero_bubble", virtual_pipeline_parallel_size=virtual)  # fmt: skip
     _run(launcher, strategy, config, 8, f"zero bubble v={virtual} zero{zero_stage}",
          rename=TIED if virtual == 2 else None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "meshes", "kwargs"),
+    [
+        ("zbv", [TP2, DP2], dict(zero_stage=1)),
+        ("dualpipev", [DP2, TP2], dict(zero_stage=3, recompute="selective")),
+    ],
+    ids=["zbv-tp2-dp2-zero1", "dualpipev-dp2-tp2-zero3-selective"],
+)
+def test_v_shaped_schedules_across_meshes(launcher, schedule, meshes, kwargs):
+    """ZB-V / DualPipeV across meshes: mesh 0 runs stages 0 and 3 (embedding, and the tied head with the loss), mesh 1
+    stages 1 and 2 (the turn of the V, handed over in memory). With DP 2 on mesh 0 the loss-holding group's R is 2
+    while mesh 1's is 1; ZeRO-3 units stay gathered through the step's split backward; selective recompute is
+    backpropagated twice (I and W)."""
+    config = tiny_config(num_layers=4, tie_word_embeddings=True)
+    micro = 2 // meshes[0].get("data_parallel_size", 1)
+    strategy = dict(hetero_meshes=meshes, hetero_layers=[2, 2], micro_batch_size=micro, pipeline_schedule=schedule,
+                    **kwargs)  # fmt: skip
+    results = _run(launcher, strategy, config, 8, f"{schedule} {meshes} {kwargs}", rename=TIED)
+    for rank, (_, params) in enumerate(results):  # the V: mesh 0 (ranks 0, 1) holds blocks 0 and 3, mesh 1 blocks 1, 2
+        blocks = {int(name.split("layers.")[1].split(".")[0]) for name in params if "layers." in name}
+        assert blocks == ({0, 3} if rank < 2 else {1, 2}), (rank, sorted(blocks))
+        assert ("lm_head.weight" in params) == (rank < 2), rank
 
 
 def test_forward_only_interleaved_validation_with_cp_matches_single_process(launcher):
