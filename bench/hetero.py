@@ -104,7 +104,7 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
                 out["layers"] = [g.num_layers for g in groups]
                 out["stage"] = next(g.index for g in groups if rank in g.ranks)
 
-    config = TransformerConfig.from_preset("llama-tiny", **MODEL)
+    config = TransformerConfig.from_preset("llama-tiny", **spec["model"])
     module = CausalLMModule(config, learning_rate=0.01, warmup_steps=0, min_lr_ratio=1.0, optimizer="sgd")
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=FlagScaleStrategy(**spec["strategy"]), max_steps=spec["steps"],
@@ -133,13 +133,13 @@ def _start(ctx: Any, types: list[str], spec: dict, queue: Any) -> list[Any]:
 def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
     """(device type per rank, spec) of every job that one configuration runs concurrently."""
     slowdown = f"fast={args.base_slowdown},slow={args.base_slowdown * args.slowdown}"
-    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, global_batch=2 * args.rank_batch)
+    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, global_batch=2 * args.rank_batch, model=_model(args))
     if name == "alone":  # micro-batches of the hetero job's size, accumulated up to the same global batch
         accumulate = args.rank_batch // args.micro
         strategy = dict(data_parallel_size=2, zero_stage=1, gradient_accumulation_steps=accumulate)
         alone = dict(base, strategy=strategy, loader_batch=args.micro)
         return [(["fast", "fast"], alone), (["slow", "slow"], alone)]
-    half = MODEL["num_layers"] // 2
+    half = args.layers // 2
     meshes = [dict(data_parallel_size=2, device_type="fast"), dict(data_parallel_size=2, device_type="slow")]
     strategy = dict(
         hetero_meshes=meshes, hetero_layers=[half, half] if name == "even" else None, micro_batch_size=args.micro,
@@ -148,6 +148,10 @@ def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
     if name == "given":
         strategy["hetero_device_speed"] = {"fast": args.slowdown, "slow": 1.0}
     return [(["fast", "fast", "slow", "slow"], dict(base, strategy=strategy, loader_batch=args.rank_batch))]
+
+
+def _model(args: argparse.Namespace) -> dict[str, int]:
+    return {**MODEL, "num_layers": getattr(args, "layers", MODEL["num_layers"])}
 
 
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -225,7 +229,7 @@ def _bar_chart(rows: dict[str, list[dict]], png: Path) -> None:
         ax.text(v + 1, y, f"{v:.0f}%", va="center", fontsize=8)
     ax.set_xlim(0, 110)
     ax.set_xlabel("busy time / wall time of the timed steps (%), median over rounds")
-    ax.set_title("Per-stage busy time (compute + emulated delay), measured under load", fontsize=9)
+    ax.set_title("Per-stage busy time (compute + emulated delay)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -259,11 +263,14 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         f" --configs {','.join(_hetero(rows))}`; load average at the end:"
         f" {', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
-        "**Measured under load**: a 2-core machine shared with several other engineers' jobs; every number is a"
-        " median over interleaved rounds (each round runs every configuration once) with the min-max range, and is"
-        " noisy.",
+        (
+            getattr(args, "note", None)
+            or "**Measured under load**: a 2-core machine shared with several other engineers' jobs."
+        )
+        + " Every number is a median over interleaved rounds (each round runs every configuration once)"
+        " with the min-max range.",
         "",
-        f"Model: llama-tiny shape with {MODEL}, sequence {args.seq}; global batch {2 * args.rank_batch} samples per"
+        f"Model: llama-tiny shape with {_model(args)}, sequence {args.seq}; global batch {2 * args.rank_batch} samples per"
         f" step in micro-batches of {args.micro} sample(s) per rank ({args.rank_batch // args.micro} micro-batches"
         f" per step and rank: 1F1B across the two meshes; gradient accumulation for the groups alone);"
         f" {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Emulated factors: fast"
@@ -309,7 +316,7 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         "",
     ]
     out.write_text("\n".join(lines))
-    record = dict(args=vars(args), model=MODEL, rows=rows, summary=summary, loadavg=os.getloadavg())
+    record = dict(args=vars(args), model=_model(args), rows=rows, summary=summary, loadavg=os.getloadavg())
     out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     print("\n".join(lines))
     return summary
@@ -330,6 +337,8 @@ def main() -> None:
     parser.add_argument("--rank-batch", type=int, default=16, help="samples per data-parallel rank and step")
     parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")
     parser.add_argument("--configs", default="even,aware", help="hetero configurations: even, aware, given")
+    parser.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder blocks of the model")
+    parser.add_argument("--note", help="how the machine was loaded (replaces the default 'measured under load')")
     parser.add_argument("--out", default="bench/results/hetero.md")
     parser.add_argument("--from-json", help="re-render the report of an earlier run's JSON (no measurement)")
     args = parser.parse_args()

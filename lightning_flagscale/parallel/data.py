@@ -40,6 +40,7 @@ __all__ = [
     "copy_global_into",
     "distributed_optimizers",
     "found_inf",
+    "grads_finite",
     "local_tensor",
     "num_shards",
     "reduction_groups",
@@ -394,15 +395,25 @@ def clip_grad_norm_(
 
 
 @torch.no_grad()
+def grads_finite(params: Iterable[Tensor]) -> Tensor:
+    """Whether this rank's gradients are all finite, as a 0-d bool tensor (no host sync).
+
+    One fp32-accumulated sum per gradient: a NaN or an inf anywhere makes its sum, and the sum of the sums,
+    non-finite (inf - inf is NaN). That is one read of each gradient where ``isfinite(g).all()`` reads it, writes
+    a mask and reads that again (measured: the per-tensor ``isfinite`` check took ~9% of a DDP step on CPU). Finite
+    values only overflow the fp32 total beyond ~3e38, a gradient that is no better than an inf."""
+    sums = [torch.sum(local_tensor(p.grad), dtype=torch.float32) for p in params if p.grad is not None]
+    if not sums:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack(sums).sum())
+
+
+@torch.no_grad()
 def found_inf(params: Iterable[Tensor]) -> bool:
     """Whether any rank's gradients hold an inf or nan (every rank gets the same answer)."""
     params = list(params)
     device = local_tensor(params[0].grad).device if params and params[0].grad is not None else torch.device("cpu")
-    flag = torch.zeros((), device=device)
-    for p in params:
-        if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all():
-            flag.fill_(1.0)
-            break
+    flag = (~grads_finite(params)).to(device=device, dtype=torch.float32)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

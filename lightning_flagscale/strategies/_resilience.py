@@ -28,7 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
-from lightning_flagscale.parallel.data import local_tensor
+from lightning_flagscale.parallel.data import grads_finite
 from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = [
@@ -171,8 +171,8 @@ class StepGuard:
         loss = self.window_loss if self.window_loss is not None else torch.zeros((), device=device)
         self.window_loss = None
         loss = loss.to(device) / accumulate
-        bad_grad = any(p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()) for p in params)
-        mine = torch.stack([loss, (~torch.isfinite(loss)).float(), torch.tensor(float(bad_grad), device=device)])
+        bad_grad = (~grads_finite(params)).to(device=device, dtype=torch.float32)
+        mine = torch.stack([loss, (~torch.isfinite(loss)).float(), bad_grad])
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
         if dist.is_initialized():
             dist.all_gather(rows, mine)

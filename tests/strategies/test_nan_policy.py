@@ -83,3 +83,31 @@ def test_spiky_loss_is_skipped_and_nan_loss_is_named():
     assert StepGuard("skip_step", None).__class__ is StepGuard
     with pytest.raises(ValueError, match="nan_policy='ignore' is unknown"):
         StepGuard("ignore", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradient_check_finds_any_nan_or_inf_and_no_false_alarm(dtype):
+    """One fp32-accumulated sum per gradient: any NaN / inf (also +inf and -inf in two tensors, whose sums cancel to
+    NaN) is found; large finite fp16 gradients, whose fp16 sum would overflow, are not flagged."""
+    from lightning_flagscale.parallel.data import grads_finite
+
+    def params(*values):
+        out = []
+        for v in values:
+            p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+            p.grad = torch.full((1000,), 1.0, dtype=dtype)
+            if v is not None:
+                p.grad[17] = v
+            out.append(p)
+        return out
+
+    large = params(None)
+    large[0].grad.fill_(60000.0)  # finite; its sum, 6e7, overflows fp16 but not the fp32 accumulator
+    assert bool(grads_finite(large))
+    assert bool(grads_finite([torch.nn.Parameter(torch.zeros(3))]))  # no gradient: nothing to flag
+    for bad in ([math.nan, None], [None, math.inf], [math.inf, -math.inf]):
+        assert not bool(grads_finite(params(*bad))), bad
+    guard = StepGuard("raise", None)
+    guard.observe(torch.tensor(1.0))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients on rank\(s\) \[0\]"):
+        guard.decide(params(None, math.nan), step=3, accumulate=1, device=torch.device("cpu"))
