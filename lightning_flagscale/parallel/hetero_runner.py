@@ -94,15 +94,14 @@ def _v_order(schedule: str, num_groups: int, group: int, n: int, *, train: bool)
     classes compute every rank's order from the rank count, stage count and micro-batch count alone); forward-only,
     each chunk's forwards in turn (the first chunk's go down the groups, then the second's come back up)."""
     G = num_groups
+    if not train:
+        return [("F", s, m) for s in (group, 2 * G - 1 - group) for m in range(n)]
     need = min_microbatches(schedule, G, 2)
     if n < need:
         raise ValueError(
             f"pipeline_schedule={schedule!r} across {G} heterogeneous stage groups needs at least {need} micro-batches"
             f" per step, got {n}; raise the batch size or lower micro_batch_size."
         )
-    first, last = group, 2 * G - 1 - group
-    if not train:
-        return [("F", s, m) for s in (first, last) for m in range(n)]
     from torch.distributed.pipelining import schedules as torch_schedules
 
     cls = getattr(torch_schedules, SCHEDULE_SPECS[schedule].torch_class)

@@ -140,6 +140,7 @@ def test_v_shaped_orders_place_two_chunks_per_group_and_run_without_deadlock(sch
             assert {s for _, s, _ in order} == {g, 2 * G - 1 - g}
     with pytest.raises(ValueError, match=f"at least {low} micro-batches"):
         schedule_order(schedule, G, 0, 2, low - 1, train=True)
+    simulate([schedule_order(schedule, G, g, 2, 1, train=False) for g in range(G)], 2 * G)  # evaluation: any count
 
 
 def test_zero_bubble_defers_weight_passes_by_the_warmup_depth():

@@ -85,8 +85,10 @@ def test_v_shaped_schedules_across_meshes(launcher, schedule, meshes, kwargs):
         assert ("lm_head.weight" in params) == (rank < 2), rank
 
 
-def test_forward_only_interleaved_validation_with_cp_matches_single_process(launcher):
-    """Validation runs the forward-only interleaved order (4 virtual stages, mesh 1 feeding mesh 0 again), CP 2."""
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_forward_only_interleaved_validation_with_cp_matches_single_process(launcher, schedule):
+    """Validation runs the forward-only order (4 virtual stages: mesh 1 feeding mesh 0 again, or the V turning on
+    mesh 1 and ending on mesh 0), CP 2."""
     import torch
 
     from tests.strategies._lm import TokenDataset, make_module
@@ -99,6 +101,6 @@ def test_forward_only_interleaved_validation_with_cp_matches_single_process(laun
     with torch.no_grad():
         want = sum(module._loss(data.batch(torch.arange(i, i + 4))).item() for i in (0, 4)) / 2
     strategy = dict(hetero_meshes=[dict(context_parallel_size=2)] * 2, hetero_layers=[2, 2], micro_batch_size=1,
-                    pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=2)  # fmt: skip
+                    pipeline_schedule=schedule, virtual_pipeline_parallel_size=2)  # fmt: skip
     for got in launcher(4, _validate, strategy):
         assert abs(got - want) <= 1e-5 * want, (got, want)
