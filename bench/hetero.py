@@ -260,8 +260,12 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         "",
         f"`python bench/hetero.py --rounds {args.rounds} --steps {args.steps} --slowdown {args.slowdown}"
         f" --base-slowdown {args.base_slowdown} --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}"
-        f" --configs {','.join(_hetero(rows))}`; load average at the end:"
-        f" {', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
+        f" --layers {getattr(args, 'layers', MODEL['num_layers'])} --configs {','.join(_hetero(rows))}`;"
+        + (
+            f" load average at the end of the run: {', '.join(f'{x:.1f}' for x in args.load_at_end)}."
+            if getattr(args, "load_at_end", None)
+            else ""
+        ),
         "",
         (
             getattr(args, "note", None)
@@ -353,6 +357,7 @@ def main() -> None:
         for name in rows:
             rows[name].append(run_config(name, args))
             print(f"round {rnd} {name}: {rows[name][-1]}", flush=True)
+    args.load_at_end = os.getloadavg()
     write_report(rows, args, Path(args.out))
 
 
