@@ -150,7 +150,7 @@ def markdown(report: dict[str, Any]) -> str:
         "step's length; comm ops started in backward: collectives that began before the step's last backward node "
         "finished, of all collectives in the step.",
         "",
-        "Timing runs 4 processes on a shared 2-core machine, measured under load from other jobs: tokens/s are "
+        "Timing runs 4 processes on a 2-core machine (how loaded it was: the first finding): tokens/s are "
         "noisy; only ratios measured in the same run are meaningful. vs peer: median of the same-round ratios "
         "(each round runs every configuration once, in order), with their min-max; a target is met (✓) only when "
         "the whole min-max range clears it, missed (✗) when the whole range is below it, and undecided (~) when "
