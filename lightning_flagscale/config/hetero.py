@@ -21,7 +21,7 @@ from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, stage_placeme
 
 __all__ = [
     "MESH_KEYS", "HeteroMesh", "StageGroup", "hetero_virtual_size", "parse_hetero_meshes", "plan_stage_groups",
-    "rank_order_by_type", "speed_aware_layers",
+    "rank_order_by_type", "speed_aware_layers", "split_into_chunks",
 ]  # fmt: skip
 
 MESH_KEYS = (
@@ -183,13 +183,14 @@ def _check_schedule(schedule: str) -> None:
 
 
 def speed_aware_layers(
-    meshes: list[HeteroMesh], num_layers: int, device_speed: dict[str, float] | None = None
+    meshes: list[HeteroMesh], num_layers: int, device_speed: dict[str, float] | None = None, *, min_layers: int = 1
 ) -> list[int]:
     """Blocks per pipeline stage that equalise stage times, from each device type's relative speed.
 
     A stage runs every sample of a micro-batch through its blocks on its ``tp x dp x cp`` ranks, so its time is
     proportional to ``layers / (speed x ranks)``: blocks are split in proportion to ``speed x ranks`` (largest
-    shortfalls, at least one per stage). Without ``device_speed`` every device counts as equally fast.
+    shortfalls, at least ``min_layers`` per stage: one per model chunk). Without ``device_speed`` every device counts
+    as equally fast.
     """
     weights = []
     for i, mesh in enumerate(meshes):
@@ -205,18 +206,21 @@ def speed_aware_layers(
                 raise ValueError(f"hetero_device_speed[{mesh.device_type!r}]={speed} must be positive.")
         stage_ranks = mesh.size // mesh.pipeline_parallel_size
         weights += [speed * stage_ranks] * mesh.pipeline_parallel_size
-    if num_layers < len(weights):
-        raise ValueError(f"num_layers={num_layers} is fewer than the {len(weights)} heterogeneous pipeline stages.")
+    if num_layers < min_layers * len(weights):
+        raise ValueError(
+            f"num_layers={num_layers} is fewer than {min_layers} block(s) for each of the {len(weights)} heterogeneous"
+            " pipeline stages."
+        )
     exact = [num_layers * w / sum(weights) for w in weights]
-    counts = [max(1, int(x)) for x in exact]
+    counts = [max(min_layers, int(x)) for x in exact]
     while sum(counts) < num_layers:  # largest shortfall first
         counts[max(range(len(counts)), key=lambda i: exact[i] - counts[i])] += 1
-    while sum(counts) > num_layers:  # every stage keeps a block
-        counts[max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] - exact[i])] -= 1
+    while sum(counts) > num_layers:  # every stage keeps its minimum
+        counts[max((i for i in range(len(counts)) if counts[i] > min_layers), key=lambda i: counts[i] - exact[i])] -= 1
     return counts
 
 
-def _chunk_layers(layers: list[int], stages: int, virtual: int, schedule: str) -> list[tuple[int, ...]]:
+def split_into_chunks(layers: list[int], stages: int, virtual: int, schedule: str) -> list[tuple[int, ...]]:
     """Per stage group, the blocks of each model chunk: given per virtual stage in pipeline order (global stage ``s``
     is chunk ``k`` of group ``g``, ``(g, k) = stage_placement(s)``: ``k G + g`` looped, ``g`` / ``2G - 1 - g`` in a
     V), or per group and split as evenly as possible (earlier chunks take the remainder)."""
@@ -259,10 +263,10 @@ def plan_stage_groups(
     if rank_order is not None and list(rank_order) == sorted(rank_order):
         rank_order = None  # identity: keep the groups contiguous
     if layers is None:
-        layers = speed_aware_layers(meshes, num_layers, device_speed)
+        layers = speed_aware_layers(meshes, num_layers, device_speed, min_layers=virtual)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
-    chunks = _chunk_layers(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual, schedule)
+    chunks = split_into_chunks(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual, schedule)
     groups, rank, index = [], 0, 0
     for m_idx, mesh in enumerate(meshes):
         for _ in range(mesh.pipeline_parallel_size):

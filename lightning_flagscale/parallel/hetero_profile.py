@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, speed_aware_layers
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, speed_aware_layers, split_into_chunks
 from lightning_flagscale.parallel.hetero_ranks import (
     BusyTimer,
     attach_busy_timer,
@@ -102,8 +102,6 @@ def apply_profiled_split(
     split open (``hetero_layers`` and ``hetero_device_speed`` both ``None``); otherwise ``groups`` unchanged."""
     if hetero.hetero_layers is not None or hetero.hetero_device_speed is not None or model is None:
         return groups
-    if len(groups) != sum(m.pipeline_parallel_size for m in parse_hetero_meshes(hetero.hetero_meshes)):
-        return groups  # virtual stages: the split is per chunk (not profiled)
     me = next(g for g in groups if dist.get_rank() in g.ranks)
     config = getattr(model, "config", None)
     seq_len = min(int(getattr(config, "max_seq_len", 128)), _MAX_PROFILE_SEQ)
@@ -113,12 +111,15 @@ def apply_profiled_split(
     )
     speed = gather_device_speed(seconds, kind)
     meshes = parse_hetero_meshes(hetero.hetero_meshes)
-    layers = speed_aware_layers(meshes, sum(g.num_layers for g in groups), speed)
+    virtual = len(groups[0].chunk_layers)  # model chunks per stage group (interleaved / V schedules: 2 or more)
+    layers = speed_aware_layers(meshes, sum(g.num_layers for g in groups), speed, min_layers=virtual)
+    chunks = split_into_chunks(layers, len(groups), virtual, hetero.pipeline_schedule)
     if dist.get_rank() == 0:
         fastest = max(speed.values())
         _log.info(
             "Heterogeneous split from the profiling pass: relative speed per device type %s -> blocks per stage %s",
             {k: round(v / fastest, 3) for k, v in speed.items()}, layers,
         )  # fmt: skip
-    # chunk_layers too: the pipeline is cut by it, and replace() would keep the planned split's value.
-    return [dataclasses.replace(g, num_layers=n, chunk_layers=(n,)) for g, n in zip(groups, layers)]
+    # chunk_layers too: the pipeline is cut by it (each group's blocks split evenly over its chunks, as for a
+    # hetero_layers entry per stage), and replace() would keep the planned split's value.
+    return [dataclasses.replace(g, num_layers=n, chunk_layers=c) for g, n, c in zip(groups, layers, chunks)]

@@ -71,6 +71,7 @@ def _run_as_type(
     class Split(L.Callback):
         def on_train_start(self, trainer, pl_module):
             _SEEN["layers"] = [g.num_layers for g in trainer.strategy._hetero_groups]
+            _SEEN["chunks"] = [g.chunk_layers for g in trainer.strategy._hetero_groups]
             _SEEN["ranks"] = [g.ranks for g in trainer.strategy._hetero_groups]
             stages = trainer.strategy._pipeline.stage_modules  # blocks this rank actually runs
             _SEEN["blocks"] = sum(len(getattr(m, "layers", None) or ()) for m in stages)
@@ -104,16 +105,29 @@ def test_interleaved_device_types_train_like_one_process(launcher):
     assert not any("embed_tokens" in n for n in held[0] | held[2])  # the slow ranks run the last stage only
 
 
-def test_profiled_split_under_emulated_slowdown(launcher):
+@pytest.mark.parametrize(
+    ("num_layers", "strategy"),
+    [
+        (4, dict(micro_batch_size=2, pipeline_schedule="gpipe")),
+        # Two model chunks per mesh: the profiled split keeps them (at least one block each, split evenly).
+        (6, dict(micro_batch_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=2)),
+    ],
+    ids=["gpipe", "interleaved"],
+)
+def test_profiled_split_under_emulated_slowdown(launcher, num_layers, strategy):
     """hetero_layers=None, no speeds: every rank times a block (the slow type 4x slower by emulation); the split is
     agreed on by all ranks, valid, and training through it still equals the single-process run."""
-    config = tiny_config(num_layers=4)
-    strategy = dict(hetero_meshes=[FAST, SLOW], micro_batch_size=2, pipeline_schedule="gpipe")
+    config = tiny_config(num_layers=num_layers)
+    strategy = dict(hetero_meshes=[FAST, SLOW], **strategy)
+    virtual = strategy.get("virtual_pipeline_parallel_size", 1)
     reference = reference_run(config, 3, clip=1.0)
     out = launcher(4, _run_as_type, INTERLEAVED, "slow=4", strategy, config, 3, clip=1.0, batch_size=4)
     assert_matches_reference([(losses, params) for losses, params, _ in out], reference, "profiled split")
     splits = [seen["layers"] for _, _, seen in out]
     assert all(s == splits[0] for s in splits), splits  # every rank chose the same split
-    assert sum(splits[0]) == 4 and min(splits[0]) >= 1, splits
+    assert sum(splits[0]) == num_layers and min(splits[0]) >= virtual, splits
+    assert splits[0][0] > splits[0][1], splits  # the fast group (first stage) takes more blocks
+    chunks = out[0][2]["chunks"]
+    assert [len(c) for c in chunks] == [virtual, virtual] and [sum(c) for c in chunks] == splits[0], chunks
     # ... and the pipeline is cut by it (slow ranks 0, 2 form the second group; fast ranks 1, 3 the first)
     assert [seen["blocks"] for _, _, seen in out] == [splits[0][1], splits[0][0]] * 2
