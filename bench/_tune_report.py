@@ -149,8 +149,11 @@ def write_report(results: dict, args, predict, path: Path) -> None:
     lines = [
         "# Tuner validation: predicted vs measured, 4 CPU processes",
         "",
-        f"**Measured under load** (a 2-core machine shared by ~5 engineers, 4 training processes on 2 cores), "
-        f"{args.rounds} interleaved round(s): every round runs each layout once. "
+        (
+            getattr(args, "note", None)
+            or "**Measured under load** (a 2-core machine shared by ~5 engineers, 4 training processes on 2 cores),"
+        )
+        + f" {args.rounds} interleaved round(s): every round runs each layout once. "
         "`python bench/tune_validation.py` regenerates this file (`--from-json` rewrites it from the saved "
         "measurements).",
         "Model: Llama-shaped 26.1M parameters (h=512, 6 layers, 8 heads / 4 KV, SwiGLU 1408, vocab 8192 padded to a "

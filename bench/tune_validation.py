@@ -209,7 +209,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_validation")
     parser.add_argument("--resume", action="store_true", help="keep the runs saved in OUT.json, run the missing ones")
     parser.add_argument("--from-json", help="rewrite the report from a saved JSON of measurements (no runs)")
+    parser.add_argument("--note", help="how loaded the machine was (replaces the default 'measured under load')")
     args = parser.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the workers write OUT.json after every layout
     args.setup = _setup
     from bench._tune_report import write_report
 
