@@ -326,18 +326,13 @@ def test_selective_recompute_keeps_matmuls_and_full_redoes_them():
 
 
 @pytest.mark.parametrize(
-    ("schedule", "vpp", "optim"),
-    [
-        ("gpipe", 1, "sgd"),
-        ("1f1b", 1, "adamw"),
-        ("interleaved_1f1b", 2, "sgd"),
-        ("zero_bubble", 1, "adamw"),
-        ("zbv", 2, "sgd"),
-        ("dualpipev", 2, "adamw"),
-    ],
+    ("schedule", "vpp"),
+    [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)],
 )
-def test_schedule_matches_single_process(launcher, schedule, vpp, optim):
-    results = launcher(2, _pipeline_parity, schedule, vpp, optim=optim)
+def test_schedule_matches_single_process(launcher, schedule, vpp):
+    # SGD: the weights after 3 steps carry the gradient scale (AdamW normalises it away and turns float noise of
+    # near-zero gradients into weight differences at the tolerance).
+    results = launcher(2, _pipeline_parity, schedule, vpp, optim="sgd")
     _check(results)
     # Stages of both ranks together are exactly the full model's state dict.
     assert sorted(results[0]["state_keys"] + results[1]["state_keys"]) == results[0]["ref_keys"]
@@ -370,7 +365,7 @@ def test_padded_layers_interleaved(launcher):
 def test_tied_embeddings_from_meta(launcher, schedule, vpp):
     # 1f1b: embedding on rank 0, head on rank 1 (grads all-reduced); zbv: both ends on rank 0 (summed locally).
     kw = {"tie_word_embeddings": True}
-    results = launcher(2, _pipeline_parity, schedule, vpp, optim="adamw", model_kw=kw, meta=True)
+    results = launcher(2, _pipeline_parity, schedule, vpp, optim="sgd", model_kw=kw, meta=True)
     _check(results)
 
 
