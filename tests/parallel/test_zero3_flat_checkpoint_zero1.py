@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from tests.parallel._zero3_flat_hops import FLAT, check_hops
+from tests.parallel._zero3_flat_hops import FLAT, STEPS_PER_HOP, run_hops
 
 
 def test_flat_zero3_checkpoint_reshards_to_zero1_and_back(launcher, tmp_path):
-    check_hops(launcher, tmp_path, [FLAT, dict(zero_stage=1), FLAT])
+    out = run_hops(launcher, tmp_path, [FLAT, dict(zero_stage=1), FLAT])
+    assert out.steps_per_hop == [{STEPS_PER_HOP}] * len(out.steps_per_hop), out.steps_per_hop  # resumed, not restarted
+    assert out.rel_error <= 1e-5, f"{out.worst}: relative error {out.rel_error:.3e} against one process"

@@ -35,7 +35,9 @@ def test_flat_zero3_with_expert_parallel_and_selective_recompute(launcher):
 
 def test_flat_zero3_expert_checkpoint_reshards_to_fsdp2(launcher, tmp_path):
     # Expert units write FSDP2's layout for experts: Shard(0) over edp on top of the ep shards.
-    from tests.parallel._zero3_flat_hops import check_hops
+    from tests.parallel._zero3_flat_hops import STEPS_PER_HOP, run_hops
 
     ep = dict(expert_parallel_size=2, zero_stage=3)
-    check_hops(launcher, tmp_path, [dict(ep, zero3_impl="flat"), dict(ep, zero3_impl="fsdp2")], 4, moe_config())
+    out = run_hops(launcher, tmp_path, [dict(ep, zero3_impl="flat"), dict(ep, zero3_impl="fsdp2")], 4, moe_config())
+    assert out.steps_per_hop == [{STEPS_PER_HOP}] * len(out.steps_per_hop), out.steps_per_hop  # resumed, not restarted
+    assert out.rel_error <= 1e-5, f"{out.worst}: relative error {out.rel_error:.3e} against one process"

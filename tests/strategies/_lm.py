@@ -175,9 +175,14 @@ def trainer_run(
     return recorder.losses, params
 
 
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error of a whole tensor: ||a - e|| / ||e||."""
+    return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
     """Relative error of a whole tensor: ||a - e|| / ||e|| <= rel."""
-    err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    err = rel_error(actual, expected)
     assert err <= rel, f"{what}: relative error {err:.3e} > {rel:.0e}"
 
 
