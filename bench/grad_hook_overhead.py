@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 
-MODEL = dict(hidden_size=512, num_layers=8, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
-             vocab_size=256)  # fmt: skip
+from compare_strategies import model_settings  # bench/ is sys.path[0]
+
+MODEL = model_settings(quick=False)["model"]  # the decoder of the strategy comparison
 
 
 def main() -> None:

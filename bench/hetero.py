@@ -260,7 +260,7 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         "",
         f"`python bench/hetero.py --rounds {args.rounds} --steps {args.steps} --slowdown {args.slowdown}"
         f" --base-slowdown {args.base_slowdown} --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}"
-        f" --layers {getattr(args, 'layers', MODEL['num_layers'])} --configs {','.join(_hetero(rows))}`;"
+        f" --layers {_model(args)['num_layers']} --configs {','.join(_hetero(rows))}`;"
         + (
             f" load average at the end of the run: {', '.join(f'{x:.1f}' for x in args.load_at_end)}."
             if getattr(args, "load_at_end", None)
