@@ -57,10 +57,10 @@ def _micro(batch: dict[str, torch.Tensor], mbs: int) -> list[dict[str, torch.Ten
     return [{k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()} for i in range(n)]
 
 
-def _opt(params, name: str) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+def _opt(params) -> torch.optim.Optimizer:
+    """Plain SGD: the weights after a few steps carry the gradient scale (AdamW normalises it away and turns float
+    noise of near-zero gradients into weight differences at the tolerance)."""
+    return torch.optim.SGD(params, lr=0.5)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,9 +79,9 @@ def _mean_loss(model: CausalLM, batch, mbs: int) -> float:
     )
 
 
-def _oracle(model: CausalLM, batch, mbs: int, steps: int, optim: str):
+def _oracle(model: CausalLM, batch, mbs: int, steps: int):
     model = copy.deepcopy(model)
-    opt = _opt(model.parameters(), optim)
+    opt = _opt(model.parameters())
     losses, grads = [], {}
     for step in range(steps):
         mbatches = _micro(batch, mbs)
@@ -116,7 +116,6 @@ def _pipeline_parity(
     *,
     n_micro: int = 4,
     mbs: int = 1,
-    optim: str = "sgd",
     model_kw: dict | None = None,
     pipeline_layers: list[int] | None = None,
     recompute: str | list[str] = "none",
@@ -132,7 +131,7 @@ def _pipeline_parity(
     model = CausalLM(cfg)
     model.init_weights(seed=3)
     batch = _batch(n_micro * mbs * dp, with_ids=with_ids)
-    ref_losses, ref_grads, ref_params = _oracle(model, batch, mbs, steps, optim)
+    ref_losses, ref_grads, ref_params = _oracle(model, batch, mbs, steps)
 
     pcfg = ParallelConfig(
         pipeline_parallel_size=pp,
@@ -158,7 +157,7 @@ def _pipeline_parity(
     else:
         runner = build_pipeline(model, mesh, pcfg, balance=balance)
     params = [p for m in runner.stage_modules for p in m.parameters()]
-    opt = _opt(params, optim)
+    opt = _opt(params)
     first_eval = _mean_loss(model, batch, mbs)  # forward-only before any training step (validation-only runs)
     with torch.inference_mode():  # as in Lightning's validation loop
         eval0_err = abs(runner.eval_step(*_stage_inputs(batch)).item() - first_eval) / first_eval
@@ -330,9 +329,7 @@ def test_selective_recompute_keeps_matmuls_and_full_redoes_them():
     [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 def test_schedule_matches_single_process(launcher, schedule, vpp):
-    # SGD: the weights after 3 steps carry the gradient scale (AdamW normalises it away and turns float noise of
-    # near-zero gradients into weight differences at the tolerance).
-    results = launcher(2, _pipeline_parity, schedule, vpp, optim="sgd")
+    results = launcher(2, _pipeline_parity, schedule, vpp)
     _check(results)
     # Stages of both ranks together are exactly the full model's state dict.
     assert sorted(results[0]["state_keys"] + results[1]["state_keys"]) == results[0]["ref_keys"]
@@ -365,7 +362,7 @@ def test_padded_layers_interleaved(launcher):
 def test_tied_embeddings_from_meta(launcher, schedule, vpp):
     # 1f1b: embedding on rank 0, head on rank 1 (grads all-reduced); zbv: both ends on rank 0 (summed locally).
     kw = {"tie_word_embeddings": True}
-    results = launcher(2, _pipeline_parity, schedule, vpp, optim="sgd", model_kw=kw, meta=True)
+    results = launcher(2, _pipeline_parity, schedule, vpp, model_kw=kw, meta=True)
     _check(results)
 
 
@@ -397,12 +394,8 @@ def test_schedules_at_their_minimum_microbatches(launcher, schedule):
 
 def test_pipeline_on_a_submesh_with_data_parallel(launcher):
     # World 4 = pp 2 x dp 2: the runner gets the "pp" sub-mesh (tied-embedding group built from global ranks);
-    # DP shards of the batch, grads averaged over "dp", must equal one process on the whole batch. SGD: the weights
-    # after 3 steps carry the gradient scale (AdamW would normalise a wrong DP average away and, near zero
-    # gradients, amplify float noise of 1e-8 into 1e-5 weight differences).
-    results = launcher(
-        4, _pipeline_parity, "interleaved_1f1b", 2, optim="sgd", model_kw={"tie_word_embeddings": True}, dp=2
-    )
+    # DP shards of the batch, grads averaged over "dp", must equal one process on the whole batch (SGD: see _opt).
+    results = launcher(4, _pipeline_parity, "interleaved_1f1b", 2, model_kw={"tie_word_embeddings": True}, dp=2)
     for r in results:
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["param_err"] <= TOL, r
     assert len({tuple(r["losses"]) for r in results}) == 1
@@ -417,7 +410,7 @@ def _pipeline_tp_parity(schedule: str, vpp: int, tie: bool) -> dict:
     model = CausalLM(cfg)
     model.init_weights(seed=3)
     batch = _batch(4)
-    ref_losses, ref_grads, ref_params = _oracle(model, batch, 1, 2, "sgd")
+    ref_losses, ref_grads, ref_params = _oracle(model, batch, 1, 2)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pcfg = ParallelConfig(
         pipeline_parallel_size=2,
@@ -430,7 +423,7 @@ def _pipeline_tp_parity(schedule: str, vpp: int, tie: bool) -> dict:
     for module in runner.stage_modules:  # PP outermost, then TP on each stage (the strategy's order)
         apply_tp(module, mesh["tp"], sequence_parallel=True)
     named = [(n, p) for m in runner.stage_modules for n, p in m.named_parameters()]
-    opt = torch.optim.SGD([p for _, p in named], lr=0.5)
+    opt = _opt([p for _, p in named])
     losses, grad_err = [], 0.0
     for step in range(2):
         losses.append(runner.step(*_stage_inputs(batch)).item())
