@@ -174,12 +174,13 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "## What the breakdown showed, and what remains",
         "",
         "Terms of the cost model that the measured breakdown (forward+backward vs optimizer phase, per layout) showed "
-        "wrong on this machine, fixed in `tune/` rather than fitted per layout:",
+        "wrong, fixed in `tune/` rather than fitted per layout (the first five on the CPU of the first runs, without "
+        "native bf16 and under load; the last three on this one):",
         "",
-        "- **backward GEMMs**: on this CPU (no native bf16) the input-gradient GEMM `dY @ W` runs ~6x slower than the "
+        "- **backward GEMMs**: on a CPU without native bf16 the input-gradient GEMM `dY @ W` runs ~6x slower than the "
         "forward `X @ W^T` and the weight-gradient one ~2.5x faster; the model assumed all three at one rate "
         "(right on GPUs). The profile now carries `input_grad_gemm_factor` / `weight_grad_gemm_factor`, measured "
-        "by `tune --calibrate` (1 on the built-in GPU profiles).",
+        "by `tune --calibrate` (1 on the built-in GPU profiles; ~1 on this CPU, which has bf16 kernels).",
         "- **calibration dtype and threads**: the profile was measured in fp32 with two threads; training runs bf16 "
         "with one thread per rank, and on a loaded host a two-thread kernel waits ~20 ms per call for its "
         "descheduled helper, which made small GEMMs look 10-1000x slow (TP/CP/EP layouts were predicted at 2x). "
@@ -191,16 +192,28 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "drains through the other stages (`pp4-gpipe`, layers 2/1/1/2 + head: +33% before, now within a few %).",
         "- **ZeRO-3 memory**: FSDP2 keeps one unit's reduce-scatter in flight while the next unit's gradients and "
         "(gloo) reduce-scatter copies are allocated; the model counted one unit only (-12% before).",
+        "- **optimizer phase** (2026-11-25, AMD EPYC): the model charged Adam 34 bytes a parameter at the measured "
+        "memory bandwidth (0.01 s for DDP's 26M parameters, scaled by the fitted `compute_scale`); the measured phase "
+        "took 0.34-0.46 s. torch's AdamW makes one pass per elementwise op, and the clip and the bf16 copy add more: "
+        "~190 bytes a parameter. `tune --calibrate` now times the real phase (`parallel.data.clip_grad_norm_`, "
+        "AdamW, the bf16 copy) per parameter (`optimizer_seconds_per_param`), used unscaled.",
+        "- **collectives on shared cores**: gloo copies and sums on the cores the ranks compute on, so nothing hides "
+        "a data-parallel reduction under backward there; with `compute_units_per_node` set, the whole reduction "
+        "and gather time adds to the node's work (GPUs keep the overlap model).",
+        "- **message sizes**: calibration stopped at 4 MiB messages, where gloo runs at twice the bandwidth of the "
+        "16 MiB fp32 buckets data parallelism sends (past the caches); it now measures up to one bucket.",
         "",
-        f"What remains: the median layout's min-max range over rounds is {noise:.0%} of its median step, while the "
-        f"predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do nearly the "
-        "same work per node: TP, CP and PP split the same FLOPs over the same 4 ranks on 2 cores). Under this load "
-        "the measured order of the dense layouts is mostly noise, so the rank correlation and the best-layout "
-        f"check test the load more than the model. The one-layout fit also carries the reference's noise into every "
-        f"prediction: `{names[0]}` itself spans {meas[names[0]]['time'][1]:.2f}-{meas[names[0]]['time'][2]:.2f} s "
-        f"over the rounds, and the largest median error is `{worst}`; the fastest-round view above removes most of "
-        "the load; in it `tp2-sp-dp2`, which runs the same GEMMs as `tp2-dp2` (SP only changes its collectives), is within a few "
-        "percent, so the remaining spread between such pairs is load, not a term of the model.",
+        f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
+        f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "
+        "nearly the same work per node: TP, CP and PP split the same FLOPs over the same 4 ranks on 2 cores), so the "
+        "rank correlation still tests the noise as much as the model. The one-layout fit carries the reference's "
+        f"noise into every prediction: `{names[0]}` itself spans {meas[names[0]]['time'][1]:.2f}-"
+        f"{meas[names[0]]['time'][2]:.2f} s. The largest median error is `{worst}`. Effects of 4 ranks on 2 CPU "
+        "cores that the model does not price: a collective between two ranks waits for a peer the scheduler has "
+        "descheduled (ms per call, against the calibration's all-ranks-at-once timing: TP and CP layouts run "
+        "slower than predicted), FSDP2's per-parameter copy-in/copy-out around each all-gather and reduce-scatter "
+        "(`zero3`), and the MoE layer's per-expert dispatch ops, hundreds of small kernels whose per-call overhead "
+        "the GEMM-efficiency curve does not see (`moe-ep2-dp4`).",
         "",
         "## Memory (per-rank peak)",
         "",
@@ -218,8 +231,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "## Step time",
         "",
         "Measured: wall clock of one optimizer step (batch start to batch end after a barrier), slowest rank, median "
-        "(min-max) over the timed steps of all rounds (step 2 of round 1, step 1 of the others; step 0 allocates the "
-        "Adam states and the profiled memory step is not timed); `meas. fwd+bwd` ends at `on_before_optimizer_step`, "
+        "(min-max) over the timed steps of all rounds (every step after step 0, which allocates the Adam states, "
+        "except the profiled memory step of round 1); `meas. fwd+bwd` ends at `on_before_optimizer_step`, "
         "`meas. opt.` is the rest (gradient clipping, optimizer step, ZeRO parameter gathers). Predicted: "
         f"`tune.cost.estimate_step` with {hw_note}. Predicted breakdown: `compute` = GEMMs, attention, memory-bound "
         "kernels and recompute of the heaviest rank's micro-batches; `exposed comm` per kind; `bubble` per schedule; "

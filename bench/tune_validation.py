@@ -15,8 +15,9 @@ step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above th
 (forward, backward, gradient reduction and optimizer step), counted from the allocator's events by
 ``tune.measure.AllocationPeak`` (``torch.profiler`` with ``profile_memory=True``: every CPU allocation and free,
 whoever made it). The largest rank is compared with ``tune.memory.memory_breakdown`` for the layout's heaviest
-rank. Memory is measured in the first round only; every later round runs two steps and times step 1 (wall clock
-from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``; median over rounds).
+rank. Memory is measured in the first round only. Every round times ``TIMED_STEPS`` steps after the Adam states
+exist (wall clock from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``;
+median over all timed steps of all rounds: single steps of 4 ranks on 2 cores swing by 2x).
 
 Predicted time is ``tune.cost.estimate_step`` on the profile that ``tune --calibrate`` measured here (bf16 kernels
 with one thread, as each rank runs them; gloo links; the host's cores), with its one end-to-end factor
@@ -41,7 +42,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-WORLD, SEQ, GLOBAL_BATCH, STEPS, MEMORY_STEP = 4, 64, 4, 3, 1
+WORLD, SEQ, GLOBAL_BATCH, MEMORY_STEP, TIMED_STEPS = 4, 64, 4, 1, 3
 DENSE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=6, num_attention_heads=8,
              num_key_value_heads=4, max_seq_len=SEQ)  # fmt: skip
 MOE = dict(DENSE, num_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=704)
@@ -126,7 +127,7 @@ def _run_layout(name: str, measure_memory: bool) -> dict:
     strategy = FlagScaleStrategy(**kwargs)
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[FlagScalePrecision("bf16-mixed")],
-        max_steps=STEPS if measure_memory else MEMORY_STEP + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=MEMORY_STEP + TIMED_STEPS + (1 if measure_memory else 0), logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Measure()],
     )  # fmt: skip
     parallel = strategy.parallel

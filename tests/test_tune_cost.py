@@ -127,3 +127,30 @@ def test_ranks_sharing_cores_absorb_the_pipeline_bubble():
     assert on_cores.step_seconds == pytest.approx(ddp_cores.step_seconds, rel=0.05)
     # enough cores: nothing changes
     assert estimate_step(MODEL, pp, 4096, 16, hw.replace(compute_units_per_node=8.0)) == dedicated
+
+
+def test_optimizer_time_is_the_measured_one_or_adam_traffic():
+    # Without a measurement, Adam moves 34 bytes a parameter at HBM speed; a calibrated profile's per-parameter time
+    # is used as measured, whatever compute_scale the end-to-end fit chose.
+    c = _layout(zero_stage=1)  # the optimizer steps a 1/8 shard on each rank
+    shard = MODEL.num_params() / 8
+    derived = estimate_step(MODEL, c, 4096, 8, _profile(hbm=1e12))
+    assert derived.optimizer_seconds == pytest.approx(shard * 34 / 1e12, rel=1e-3)
+    measured = _profile(hbm=1e12).replace(optimizer_seconds_per_param=5e-9, compute_scale=0.25)
+    got = estimate_step(MODEL, c, 4096, 8, measured)
+    assert got.optimizer_seconds == pytest.approx(shard * 5e-9, rel=1e-3)
+    with pytest.raises(ValueError, match="optimizer_seconds_per_param"):
+        _profile().replace(optimizer_seconds_per_param=-1.0)
+
+
+def test_collectives_on_shared_cores_are_not_hidden_under_backward():
+    # gloo reduces on the CPU cores the ranks compute on: with 8 ranks on 4 cores the whole all-reduce adds to the
+    # node's work, where dedicated devices hide all but its tail under backward.
+    c = _layout(zero_stage=0)
+    hw = _profile(bandwidth=1e12, hbm=float("inf")).replace(devices_per_node=8)
+    reduce = 2 * 7 / 8 * 4 * MODEL.num_params() / 1e12
+    dedicated = estimate_step(MODEL, c, 4096, 8, hw)
+    assert dedicated.comm["dp"] < 0.5 * reduce
+    shared = estimate_step(MODEL, c, 4096, 8, hw.replace(compute_units_per_node=4.0))
+    assert shared.comm["dp"] == pytest.approx(reduce, rel=1e-6)
+    assert shared.step_seconds == pytest.approx(2 * dedicated.compute_seconds + reduce, rel=1e-6)

@@ -31,6 +31,9 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     assert 0 < profile.attention_efficiency <= 1 and 1e8 < profile.hbm_bandwidth < 1e13
     assert profile.input_grad_gemm_factor > 0 and profile.weight_grad_gemm_factor > 0  # measured, not assumed
     assert profile.compute_units_per_node >= 1  # the cores the spawned ranks share
+    # the optimizer phase, timed: torch's AdamW makes several passes per element, a 1e-11 s/param step would be a
+    # 100 GB/s-per-core CPU and 1e-6 a broken measurement
+    assert 1e-11 < profile.optimizer_seconds_per_param < 1e-6
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

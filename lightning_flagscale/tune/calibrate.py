@@ -8,8 +8,13 @@
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
   fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``.
 - **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.
+- **Optimizer phase**: what a rank runs between backward and the next step on flat fp32 main parameters (the step
+  guard's finiteness sum, ``parallel.data.clip_grad_norm_``, torch's ``AdamW`` with its default implementation, the
+  copy back into bf16 weights), per parameter (``optimizer_seconds_per_param``).
 - **Collectives**: a small gloo process world (spawned here, CPU) times all-reduce, all-gather, reduce-scatter,
-  all-to-all and P2P send/recv per group size and message size; a least-squares line through
+  all-to-all and P2P send/recv per group size and message size, up to one fp32 gradient bucket (the size data
+  parallelism's collectives run at: on a CPU, messages past the caches run at about half the bandwidth of 4 MiB
+  ones); a least-squares line through
   ``time = alpha + factor(n) * bytes / busbw`` gives each ``LinkPoint`` (nccl-tests conventions, ``hardware.py``).
   One machine has no inter-node link: ``inter`` points copy the ``intra`` ones (say so when planning clusters:
   use a built-in or a profile measured on the cluster).
@@ -30,13 +35,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, algorithm_factor
 
 # torch >= 2.12 names the tensor forms *_single and deprecates the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["calibrate", "fit_alpha_beta", "measure_collectives", "measure_gemms", "measure_linear_gemms"]
+__all__ = [
+    "calibrate",
+    "fit_alpha_beta",
+    "measure_collectives",
+    "measure_gemms",
+    "measure_linear_gemms",
+    "measure_optimizer_step",
+]
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -104,6 +117,29 @@ def measure_memory_bandwidth(
     """Bytes/s of an out-of-place add in ``dtype`` (two reads, one write)."""
     a, b, c = torch.randn(numel, dtype=dtype), torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
     return 3 * a.element_size() * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
+
+
+def measure_optimizer_step(numel: int = 4 * 1024 * 1024, repeats: int = 3, tensors: int = 2) -> float:
+    """Seconds per parameter of the optimizer phase over ``numel`` fp32 main parameters in ``tensors`` flat buffers
+    (our gradient buckets): finiteness check, global-norm clip, AdamW step (weight decay on), bf16 weight copy."""
+    from lightning_flagscale.parallel.data import clip_grad_norm_, grads_finite
+
+    sizes = [numel // tensors] * tensors
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    weights = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step() -> None:
+        bool(grads_finite(params))
+        clip_grad_norm_(params, 1e-3)  # clips: the norm of N(0, 1) gradients is ~sqrt(numel)
+        optimizer.step()
+        for w, p in zip(weights, params, strict=True):
+            w.copy_(p.detach())
+
+    step()  # allocates the Adam moments
+    return _median_seconds(step, repeats) / numel
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -208,7 +244,7 @@ def _gemm_rates(linear: list[tuple[float, float, float, float]]) -> list[tuple[f
 def calibrate(
     *,
     group_sizes: Sequence[int] = (2, 4),
-    message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20),
+    message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20, 4 * DEFAULT_BUCKET_NUMEL),
     gemm_sizes: Sequence[int] = (64, 128, 256, 512, 1024),
     seq_lens: Sequence[int] = (256, 1024),
     repeats: int = 3,
@@ -261,6 +297,7 @@ def _calibrate(
         compute_units_per_node=float(os.cpu_count() or 0),
         gemm=[(f, rate / peak) for f, rate in rates], attention_efficiency=min(1.0, attention / peak),
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
+        optimizer_seconds_per_param=measure_optimizer_step(repeats=repeats),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
         f"{dtype_name}; inter-node points copy the intra-node ones)",

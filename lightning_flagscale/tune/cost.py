@@ -298,18 +298,19 @@ def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, f
 
 
 def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward: float, compute: float):
-    """(exposed seconds, optimizer seconds) of gradient reduction, parameter gathers and the Adam step."""
+    """(exposed seconds, total seconds, optimizer seconds) of gradient reduction and parameter gathers (exposed: what
+    backward and compute do not hide; total: their whole duration) and of the optimizer step."""
     tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
     dense, expert = _stage_params(model, c)
     groups = [(dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
     if expert:
         edp = dp * cp * tp // ep
         groups.append((expert / ep, edp, _inter(edp, ep, hw)))  # experts reduce over the ranks holding the same ones
-    exposed = optimizer = 0.0
+    exposed = total = optimizer = 0.0
     m = c.gradient_accumulation_steps
     for psi, n, inter in groups:
         shard = psi / n if c.zero_stage >= 1 else psi
-        optimizer += hw.memory_seconds(shard * 34)  # Adam: read/write fp32 master, moments, grad; write bf16
+        optimizer += hw.optimizer_seconds(shard)
         if n <= 1:
             continue
         if c.zero_stage == 0:
@@ -317,15 +318,18 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
         else:
             reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
         bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
+        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
         if c.zero_stage in (0, 1, 2):
             exposed += max(bucket, reduce - last_backward)
+            total += reduce
         if c.zero_stage in (1, 2):
-            exposed += hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
+            exposed += gather
+            total += gather
         if c.zero_stage == 3:  # gathers per micro-batch in forward and backward, prefetched under compute
-            gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
             per_block = gather / max(model.num_layers, 1)
             exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
-    return exposed, optimizer
+            total += 2 * m * gather + reduce
+    return exposed, total, optimizer
 
 
 def _shared_node_seconds(c: ParallelConfig, hw: HardwareProfile, mean_busy: float) -> float:
@@ -380,14 +384,16 @@ def estimate_step(
         act /= c.tensor_parallel_size if c.sequence_parallel else 1
         hop = hw.collective_seconds("p2p", act, 2, inter_node=_inter(p, c.world_size // p, hw))
         comm["pp"] = 2 * (m_total * c.virtual_pipeline_parallel_size + gas * (p - 1)) * hop
-    dp_exposed, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
+    dp_exposed, dp_total, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
     compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
     shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + optimizer)
-    if shared + comm.get("pp", 0.0) + dp_exposed > step:
+    # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
+    if shared and shared + comm.get("pp", 0.0) + dp_total > step:
         # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
-        step, bubble, compute = shared + comm.get("pp", 0.0) + dp_exposed, 0.0, shared
+        comm["dp"] = dp_total
+        step, bubble, compute = shared + comm.get("pp", 0.0) + dp_total, 0.0, shared
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)

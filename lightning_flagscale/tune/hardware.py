@@ -7,7 +7,11 @@ A :class:`HardwareProfile` holds
   log-linearly (small GEMMs run far below peak, large ones approach the cuBLAS ceiling);
 - **backward GEMM factors**: the rate of a linear layer's input-gradient (``dY @ W``) and weight-gradient
   (``dY^T @ X``) GEMMs relative to its forward one (1 on GPUs; measured by ``tune --calibrate``);
-- **compute units per node** (0 for GPUs): how many cores the ranks of a CPU host share;
+- **compute units per node** (0 for GPUs): how many cores the ranks of a CPU host share; on such a host the
+  collectives (gloo) copy and reduce on those cores too, so their whole time is node work;
+- **optimizer seconds per parameter** (0: derived from HBM bandwidth at 34 bytes a parameter, the traffic of a fused
+  Adam kernel): measured by ``tune --calibrate`` as the real optimizer phase of one parameter (gradient-norm clip,
+  torch's AdamW, copy back to the bf16 weight), which on a CPU moves ~6x those bytes (one pass per elementwise op);
 - **attention efficiency**: achieved fraction of peak of the fused SDPA kernel on the FLOPs it really does
   (causal kernels skip the masked half);
 - an **alpha-beta link model per collective and group size**, inside a node (``intra``) and across nodes (``inter``):
@@ -134,6 +138,11 @@ class HardwareProfile:
     without native bf16 the non-transposed layout falls off a fast path and runs ~10x slower."""
     weight_grad_gemm_factor: float = 1.0
     """Same for the weight-gradient GEMM (``dY^T @ X``)."""
+    optimizer_seconds_per_param: float = 0.0
+    """Measured time of the optimizer phase per fp32 main parameter on one device (clip, AdamW step, bf16 copy),
+    used as measured (not scaled by ``compute_scale``). 0: ``34 / hbm_bandwidth`` (a fused Adam kernel reads and
+    writes the fp32 master, both moments and the gradient and writes the bf16 weight), scaled like other
+    memory-bound kernels."""
     links: dict[str, dict[str, list[LinkPoint]]] = field(
         default_factory=lambda: _flat_links((10e-6, 450e9), (20e-6, 45e9))
     )
@@ -151,6 +160,8 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: peak_flops, memory_bytes, hbm_bandwidth must be > 0.")
         if self.input_grad_gemm_factor <= 0 or self.weight_grad_gemm_factor <= 0:
             raise ValueError(f"HardwareProfile {self.name!r}: backward GEMM factors must be > 0.")
+        if self.optimizer_seconds_per_param < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: optimizer_seconds_per_param must be >= 0 (0: derived).")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         for kind in COLLECTIVES:
@@ -188,6 +199,12 @@ class HardwareProfile:
     def memory_seconds(self, nbytes: float) -> float:
         """Time of a memory-bound kernel that moves ``nbytes``."""
         return nbytes / (self.hbm_bandwidth * self.compute_scale)
+
+    def optimizer_seconds(self, params: float) -> float:
+        """Time of the optimizer phase (clip, Adam step, bf16 copy) over ``params`` fp32 main parameters."""
+        if self.optimizer_seconds_per_param > 0:
+            return params * self.optimizer_seconds_per_param
+        return self.memory_seconds(params * 34)
 
     # ---- communication ----
     def link(self, kind: str, group_size: int, scope: Scope) -> LinkPoint:
