@@ -3,8 +3,8 @@
 
     python bench/zero3_flat.py [--world 2] [--size default|large] [--rounds 3] [--steps 3]
 
-Why next to ``compare_strategies.py`` (which has the ``FS-ZeRO3-flat`` rows): that benchmark spawns a fresh
-``Trainer`` job per configuration, whose start-up dominates on a loaded machine. Here every rank builds the three
+Why next to ``compare_strategies.py`` (its ``FS-ZeRO3`` rows run flat, the default engine, and ``FS-ZeRO3-fsdp2``
+FSDP2): that benchmark spawns a fresh ``Trainer`` job per configuration, whose start-up dominates on a loaded machine. Here every rank builds the three
 engines once and the rounds interleave them (the order rotates each round), so the engines see the same load; each
 sample is the mean step time (forward, backward with its all-gathers / reduce-scatters, SGD step) of ``--steps``
 steps after one warm-up step per engine. Reported: median and min-max over rounds of tokens/s, the ratio of the

@@ -50,11 +50,13 @@ class ParallelConfig:
     """Data-parallel replicas; ``None`` derives it from the world size."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2 or flat, see ``zero3_impl``)."""
-    zero3_impl: Literal["fsdp2", "flat"] = "fsdp2"
-    """ZeRO-3 engine: torch's FSDP2 (per-parameter shards) or our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``).
-    FSDP2 stays the default: flat is not ahead of it over the whole measured range (``bench/results/
-    compare_strategies.md``, ``zero3_flat_large_w2.md``) and refuses layouts FSDP2 runs (hetero meshes, split-backward
-    pipeline schedules, hot-expert replication, non-protocol modules)."""
+    zero3_impl: Literal["auto", "fsdp2", "flat"] = "auto"
+    """ZeRO-3 engine: our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``), torch's FSDP2 (per-parameter shards), or
+    ``"auto"``: flat wherever it runs (measured ahead of FSDP2 and of Lightning's FSDPStrategy,
+    ``bench/results/compare_strategies.md``), FSDP2 for what flat refuses: hetero meshes and split-backward pipeline
+    schedules here (``resolved_zero3_impl``), non-protocol modules, hot-expert replication and tied weights that
+    share a module with other parameters when the model is parallelised (logged). ``"flat"`` refuses those layouts
+    with an error instead."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
     every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
@@ -177,17 +179,13 @@ class ParallelConfig:
         )):  # fmt: skip
             raise ValueError(f"hetero_device_speed={speed!r} must map each device type to a positive speed.")
 
-    def _check_zero3_impl(self) -> None:
-        if self.zero3_impl not in ("fsdp2", "flat"):
-            raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'fsdp2' or 'flat'.")
-        if self.zero3_impl != "flat" or self.zero_stage != 3:
-            return
+    def _flat_zero3_refusals(self) -> list[str]:
+        """Why flat ZeRO-3 cannot run this layout (empty: it can)."""
         from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
 
         spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
         split = self.pipeline_parallel_size > 1 and spec is not None and spec.split_backward
-        whole = " / ".join(name for name, sp in SCHEDULE_SPECS.items() if not sp.split_backward)
-        unsupported = [
+        return [
             name for name, on in (
                 # Their weight-gradient passes differentiate the modules' parameters, which flat ZeRO-3 swaps out.
                 (f"pipeline_schedule={self.pipeline_schedule!r} (split backward)", split),
@@ -195,10 +193,29 @@ class ParallelConfig:
                 ("hetero_meshes", self.hetero_meshes is not None),
             ) if on
         ]  # fmt: skip
+
+    @property
+    def resolved_zero3_impl(self) -> Literal["fsdp2", "flat"]:
+        """The ZeRO-3 engine of this layout: ``zero3_impl``, with ``"auto"`` resolved to flat unless the layout needs
+        FSDP2 (the model may still send ``"auto"`` to FSDP2 when it is parallelised, see ``zero3_impl``)."""
+        if self.zero3_impl == "auto":
+            return "fsdp2" if self._flat_zero3_refusals() else "flat"
+        return self.zero3_impl
+
+    def _check_zero3_impl(self) -> None:
+        if self.zero3_impl not in ("auto", "fsdp2", "flat"):
+            raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'auto', 'fsdp2' or 'flat'.")
+        if self.zero3_impl != "flat" or self.zero_stage != 3:
+            return
+        from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+
+        whole = " / ".join(name for name, sp in SCHEDULE_SPECS.items() if not sp.split_backward)
+        unsupported = self._flat_zero3_refusals()
         if unsupported:
             raise ValueError(
                 f"zero3_impl='flat' with {', '.join(unsupported)} is not supported (flat ZeRO-3 composes with DP, CP,"
-                f" TP, EP, recompute and the {whole} pipeline schedules); use zero3_impl='fsdp2' for this layout."
+                f" TP, EP, recompute and the {whole} pipeline schedules); use zero3_impl='fsdp2' or 'auto' for this"
+                " layout."
             )
 
     def _check_hetero(self) -> None:

@@ -17,7 +17,7 @@ knowing. The order, and why:
 7. **Materialise and initialise**: parameters were on the meta device until now; each rank allocates only its
    shards and fills them from per-parameter seeds (or streams HF weights via the module's ``initialize_weights``),
    so the result does not depend on the layout.
-8. **Flat ZeRO-3** (``zero3_impl="flat"``, instead of step 6): flattens the *materialised* TP-local parameters of
+8. **Flat ZeRO-3** (``zero3_impl`` ``"flat"``, or ``"auto"`` where flat runs, instead of step 6): flattens the *materialised* TP-local parameters of
    each block and of the root into per-unit flat buffers and keeps this rank's shard (``zero3_flat.py``); each rank
    holds its TP-local model only while this runs. Expert modules become units of their own over ``edp`` and, under
    PP, each stage is a part whose units reduce-scatter once after the stage's last backward.
@@ -29,6 +29,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_flagscale.config import ParallelConfig
@@ -98,7 +99,8 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
         result.parts = list(result.pipeline.stage_modules)
     for part in result.parts:
         _apply_model_parallelisms(part, layout)
-    flat = p.zero_stage == 3 and p.zero3_impl == "flat"
+    # A hetero mesh's config is its own (without `hetero_meshes`): flat ZeRO-3 does not span mesh groups.
+    flat = p.zero_stage == 3 and layout.hetero_groups is None and _use_flat_zero3(result, p)
     if p.zero_stage == 3 and not flat:
         targets = result.parts or [module]
         if p.ep_enabled:
@@ -120,16 +122,41 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
     return result
 
 
+def _flat_zero3_refusal(result: Parallelized, p: ParallelConfig) -> str | None:
+    """Why flat ZeRO-3 cannot take these model parts (None: it can); checked on the meta model, before step 6."""
+    from lightning_flagscale.moe.balance import moe_layers
+
+    if not result.parts:
+        return "needs a protocol model (see models/protocol.py) whose blocks become the flat units"
+    tied = result.pipeline.runner.tied if result.pipeline is not None else None
+    for part in result.parts:
+        layers = [layer for _, layer in moe_layers(part)] if p.ep_enabled else []
+        if any(getattr(layer, "hot_expert_config", None) is not None for layer in layers):
+            return "with hot-expert replication is not supported"
+        for fqn, owner in _tied_modules(part, tied):
+            if len(list(owner.parameters())) != 1:
+                return f"with a tied {fqn!r} needs its module to hold that weight only"
+    return None
+
+
+def _use_flat_zero3(result: Parallelized, p: ParallelConfig) -> bool:
+    """Whether ZeRO-3 runs flat: ``zero3_impl="flat"`` must (else a clear error), ``"auto"`` does where it can."""
+    if p.resolved_zero3_impl != "flat":
+        return False
+    reason = _flat_zero3_refusal(result, p)
+    if reason is None:
+        return True
+    if p.zero3_impl == "flat":
+        raise ValueError(f"zero3_impl='flat' {reason}; use zero3_impl='fsdp2' (or 'auto') for this model.")
+    rank_zero_info(f"zero3_impl='auto': ZeRO-3 runs on FSDP2 for this model (flat ZeRO-3 {reason}).")
+    return False
+
+
 def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
     """Step 8: flat ZeRO-3 on each materialised model part (a protocol model: its blocks are the units)."""
     from lightning_flagscale.moe.balance import moe_layers
     from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
 
-    if not result.parts:
-        raise ValueError(
-            "zero3_impl='flat' needs a protocol model (see models/protocol.py) whose blocks become the flat units;"
-            " use zero3_impl='fsdp2' for other modules."
-        )
     p, meshes = layout.config, layout.meshes
     spmd = meshes.world[("dp_cp", "tp")] if p.tp_enabled else None
     tied = result.pipeline.runner.tied if result.pipeline is not None else None
@@ -138,27 +165,22 @@ def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
         if blocks is None:
             layers = getattr(part, "layers", None)
             blocks = [] if layers is None else list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
-        experts = []
-        if p.ep_enabled:  # as FSDP2's `_shard_experts`: expert units over edp, nested in their block's
-            layers = [layer for _, layer in moe_layers(part)]
-            if any(getattr(layer, "hot_expert_config", None) is not None for layer in layers):
-                raise ValueError(
-                    "zero3_impl='flat' with hot-expert replication is not supported; use zero3_impl='fsdp2'."
-                )
-            experts = [layer.experts for layer in layers]
+        # as FSDP2's `_shard_experts`: expert units over edp, nested in their block's
+        experts = [layer.experts for _, layer in moe_layers(part)] if p.ep_enabled else []
         apply_flat_zero3(
             part, meshes.dp_cp, blocks=blocks, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
             spmd_mesh=spmd, experts=experts, expert_mesh=meshes["edp"] if experts else None,
-            expert_spmd_mesh=meshes[("edp", "ep")] if experts else None, own_units=_tied_owners(part, tied),
-            defer_reduce=result.pipeline is not None,
+            expert_spmd_mesh=meshes[("edp", "ep")] if experts else None,
+            own_units=[owner for _, owner in _tied_modules(part, tied)], defer_reduce=result.pipeline is not None,
         )  # fmt: skip
     if p.ep_enabled:  # the shards are averaged over edp: the further 1/ep of FSDP2's expert path
         result.expert_grad_scale = 1.0 / p.expert_parallel_size
 
 
-def _tied_owners(part: nn.Module, tied: tuple[str, str] | None) -> list[nn.Module]:
-    """The modules of ``part`` holding a pipeline-tied weight (embedding / LM head on the first / last stage): each
-    its own flat unit, so that both copies are sharded into the same rows and their gradients can be summed."""
+def _tied_modules(part: nn.Module, tied: tuple[str, str] | None) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the modules of ``part`` holding a pipeline-tied weight (embedding / LM head on the first /
+    last stage): each becomes its own flat unit, so that both copies are sharded into the same rows and their
+    gradients can be summed."""
     owners = []
     for fqn in tied or ():
         module_name, _, attr = fqn.rpartition(".")
@@ -166,14 +188,8 @@ def _tied_owners(part: nn.Module, tied: tuple[str, str] | None) -> list[nn.Modul
             owner = part.get_submodule(module_name)
         except AttributeError:
             continue
-        if attr not in owner._parameters:
-            continue
-        if len(list(owner.parameters())) != 1:
-            raise ValueError(
-                f"zero3_impl='flat' with a tied {fqn!r}: its module must hold that weight only; use"
-                " zero3_impl='fsdp2' for this model."
-            )
-        owners.append(owner)
+        if attr in owner._parameters:
+            owners.append((fqn, owner))
     return owners
 
 

@@ -102,7 +102,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         expert_tensor_parallel_size: int = 1,
         data_parallel_size: int | None = None,
         zero_stage: Literal[0, 1, 2, 3] = 0,
-        zero3_impl: Literal["fsdp2", "flat"] = "fsdp2",
+        zero3_impl: Literal["auto", "fsdp2", "flat"] = "auto",
         sequence_parallel: bool = False,
         micro_batch_size: int = 1,
         gradient_accumulation_steps: int = 1,

@@ -90,6 +90,7 @@ def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.T
     from torch.distributed.tensor import DTensor
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.parallel.zero3_flat import summon_full_params
 
     world = dist.get_world_size()
     strategy = FlagScaleStrategy(**strategy_kwargs)
@@ -105,9 +106,10 @@ def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.T
     dp = world // model_parallel
     trainer.fit(module, DataLoader(RaggedShapes(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE))
     out = {}
-    for name, p in module.model.named_parameters():  # under PP: this rank's stage, under the unsplit names
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        out[name.replace("_fsdp_wrapped_module.", "")] = full.detach().float().clone()
+    with summon_full_params(module.model):  # flat ZeRO-3 (the default engine) holds shards: gather them
+        for name, p in module.model.named_parameters():  # under PP: this rank's stage, under the unsplit names
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[name.replace("_fsdp_wrapped_module.", "")] = full.detach().float().clone()
     return out
 
 

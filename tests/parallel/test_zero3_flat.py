@@ -53,6 +53,25 @@ def test_flat_zero3_refuses_unsupported_layouts():
         ParallelConfig(zero3_impl="bogus")
 
 
+def test_auto_engine_is_flat_where_flat_runs(caplog):
+    from lightning_flagscale.parallel.parallelize import Parallelized, _use_flat_zero3
+
+    assert ParallelConfig().zero3_impl == "auto"
+    assert ParallelConfig(zero_stage=3).resolved_zero3_impl == "flat"
+    assert ParallelConfig(zero_stage=3, zero3_impl="fsdp2").resolved_zero3_impl == "fsdp2"
+    # layouts flat refuses run on FSDP2 under "auto" instead of failing
+    zbv = ParallelConfig(zero_stage=3, pipeline_parallel_size=2, pipeline_schedule="zbv")
+    assert zbv.resolved_zero3_impl == "fsdp2"
+    hetero = ParallelConfig(zero_stage=3, hetero_meshes=[dict(data_parallel_size=2)] * 2)
+    assert hetero.resolved_zero3_impl == "fsdp2"
+    # a module that is not a protocol model (no parts): auto says so and takes FSDP2, flat refuses
+    with caplog.at_level("INFO"):
+        assert not _use_flat_zero3(Parallelized(parts=[]), ParallelConfig(zero_stage=3))
+    assert "zero3_impl='auto': ZeRO-3 runs on FSDP2" in caplog.text and "protocol model" in caplog.text
+    with pytest.raises(ValueError, match="zero3_impl='flat' needs a protocol model"):
+        _use_flat_zero3(Parallelized(parts=[]), ParallelConfig(zero_stage=3, zero3_impl="flat"))
+
+
 def test_flat_zero3_bf16_mixed_trains_like_fp32(launcher, reference):
     from tests.strategies.test_precision_parity import _check
 

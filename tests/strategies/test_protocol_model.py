@@ -149,10 +149,13 @@ def _trainer_run(strategy_kwargs: dict[str, Any]) -> dict[str, Tensor]:
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     trainer.fit(module, DataLoader(FeatureDataset(), batch_size=GLOBAL_BATCH // dp))
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in module.model.named_parameters()
-    }
+    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+
+    with summon_full_params(module.model):  # flat ZeRO-3 (the default engine) holds shards: gather them
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in module.model.named_parameters()
+        }
 
 
 def test_two_towers_implement_the_protocol():
