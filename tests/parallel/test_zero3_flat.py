@@ -118,13 +118,23 @@ def _trace_one_step(num_layers: int, out_dir: str) -> tuple[list, float, float]:
 def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher, tmp_path):
     from safetensors.torch import load_file
 
+    from lightning_flagscale.parallel.zero3_flat import MAX_INFLIGHT_REDUCTIONS
+
     layers = 3
     trace, train_err, eval_err = launcher(2, _trace_one_step, layers, str(tmp_path))[0]
     assert train_err == 0 and eval_err == 0, (train_err, eval_err)  # the gathered views are the weights, bit for bit
     flat, unsharded = (load_file(tmp_path / d / "model.safetensors") for d in ("flat", "unsharded"))
     assert flat.keys() == unsharded.keys() and all(torch.equal(flat[k], unsharded[k]) for k in flat)
     units = range(1, layers + 1)  # unit 0 is the root (embedding, norm, head), 1.. the blocks
-    trace = trace[: trace.index(("reduce_scatter", 0)) + 1]  # the training step (the eval forward gathers again)
+    trace = trace[: trace.index(("reduce_done", 0)) + 1]  # the training step (the eval forward gathers again)
+    # one reduction in flight: a unit's reduce-scatter launches only once every earlier one but the last completed,
+    # so backward never holds more than two units' full gradients; all complete by the end of backward
+    outstanding = 0
+    for event, _ in trace:
+        if event == "reduce_scatter":
+            assert outstanding <= MAX_INFLIGHT_REDUCTIONS, trace
+        outstanding += {"reduce_scatter": 1, "reduce_done": -1}.get(event, 0)
+    assert outstanding == 0 and trace.count(("reduce_done", 0)) == 1, trace
     launches = [(k, e) for k, e in enumerate(trace) if e[0] == "all_gather"]
     forward = {e: k for k, e in reversed(launches)}  # first launch of each unit
     backward = {e: k for k, e in launches}  # last launch: the re-gather for backward
