@@ -22,14 +22,13 @@ median over all timed steps of all rounds: single steps of 4 ranks on 2 cores sw
 Predicted time is ``tune.cost.estimate_step`` on the profile that ``tune --calibrate`` measured here (bf16 kernels
 with one thread, as each rank runs them; gloo links; the host's cores), with its one end-to-end factor
 (``compute_scale``) fitted on the first layout (DDP): every other layout is a prediction. ``--resume`` keeps the
-runs saved in the JSON and runs only the missing ones (rank processes run every layout in one process; a run
-killed half-way loses nothing already measured).
+runs saved in the JSON and runs only the missing ones (each run is a fresh 4-process world, saved when it ends; a
+sweep killed half-way loses nothing already measured).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -151,31 +150,66 @@ def _link_bandwidth() -> float:
     return 2 * x.numel() * 4 * (WORLD - 1) / WORLD / best  # ring all-reduce bytes per rank / time
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+def _worker(rank: int, port: int, name: str, measure_memory: bool, queue) -> None:
+    """One rank of a fresh 4-process world that runs one layout once (a process per run: ranks that ran earlier
+    layouts slowed down round after round, ~1.5x by the third, as their heaps aged)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    results: dict = {"bandwidth": _link_bandwidth(), "runs": {}}
-    if args.resume and Path(args.out + ".json").exists():  # every rank reads the same file: same runs skipped
+    got = _run_layout(name, measure_memory=measure_memory)
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, got)
+    if rank == 0:
+        queue.put(gathered)
+    dist.destroy_process_group()
+
+
+def _spawn(target, *args):
+    """Run ``target(rank, port, *args, queue)`` on 4 fresh processes; rank 0's ``queue.put`` is returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = queue.get()
+    for p in procs:
+        p.join()
+    return out
+
+
+def _bandwidth_worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    bandwidth = _link_bandwidth()
+    if rank == 0:
+        queue.put(bandwidth)
+    dist.destroy_process_group()
+
+
+def _measure_all(args: argparse.Namespace) -> dict:
+    """Every layout, ``args.rounds`` interleaved rounds, each run in a fresh process world; saved after each run."""
+    results: dict = {"bandwidth": _spawn(_bandwidth_worker), "runs": {}}
+    if args.resume and Path(args.out + ".json").exists():
         results = json.loads(Path(args.out + ".json").read_text())
     for r in range(args.rounds):
         for name in args.layouts:
             if len(results["runs"].get(name, [])) > r:
                 continue
-            got = _run_layout(name, measure_memory=r == 0)
-            gc.collect()  # one process runs every layout: free the last Trainer's model and optimizer now
-            gathered = [None] * WORLD
-            dist.all_gather_object(gathered, got)
+            gathered = _spawn(_worker, name, r == 0)
             results["runs"].setdefault(name, []).append(gathered)
-            if rank == 0:  # saved after every run: a crash late in the sweep keeps what was measured
-                Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
-                print(f"round {r} {name}: {max(max(g['times']) for g in gathered):.2f}s", flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+            # saved after every run: a crash late in the sweep keeps what was measured
+            Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
+            print(f"round {r} {name}: {max(max(g['times']) for g in gathered):.2f}s", flush=True)
+    return results
 
 
 def _setup(name: str):
@@ -221,17 +255,7 @@ def main() -> None:
         args.rounds = max(len(v) for v in results["runs"].values())
         write_report(results, args, _predict, Path(args.out + ".md"))
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = queue.get()
-    for p in procs:
-        p.join()
+    results = _measure_all(args)
     write_report(results, args, _predict, Path(args.out + ".md"))
 
 

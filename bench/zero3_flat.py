@@ -138,6 +138,20 @@ def _num_params(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _load_note(before: float) -> str:
+    """How loaded the machine was, from the load average before and after the run (2 cores)."""
+    after = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    if max(before, after) <= cores + 1:
+        return (
+            f"Machine quiet (load average {before:.1f} -> {after:.1f} on {cores} cores, the run's own ranks included)."
+        )
+    return (
+        f"Measured on a shared {cores}-core machine under load from other jobs (load average {before:.0f} ->"
+        f" {after:.0f}): only ratios within this run mean anything."
+    )
+
+
 def _ratios(samples: dict[str, list[float]], peer: str, engine: str) -> str:
     """tokens/s of ``engine`` over ``peer``'s in the same round (step time ratio), median (min-max)."""
     ratios = sorted(p / e for p, e in zip(samples[peer], samples[engine]))
@@ -179,9 +193,8 @@ def main(argv: list[str]) -> None:
     lines = [
         f"`{report['command']}`: {report['num_params'] / 1e6:.1f}M-parameter decoder ({args.size}), world"
         f" {args.world} (gloo, CPU, 1 thread per rank), seq {SEQ}, {BATCH_PER_RANK} samples per rank, fp32, SGD;"
-        f" {args.rounds} interleaved round(s) of {args.steps} step(s) per engine. Measured on a shared 2-core machine"
-        f" under load from other jobs (load average {load_before:.0f} -> {os.getloadavg()[0]:.0f}): only ratios"
-        f" within this run mean anything. {report['date']}, wall {report['wall_s']:.0f} s.",
+        f" {args.rounds} interleaved round(s) of {args.steps} step(s) per engine. {_load_note(load_before)}"
+        f" {report['date']}, wall {report['wall_s']:.0f} s.",
         "",
         "| engine | tokens/s median | min - max | vs FSDP1, same-round median (min-max) | vs FSDP2, same-round median"
         " (min-max) | params + grads held per rank MiB |",
