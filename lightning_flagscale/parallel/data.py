@@ -381,9 +381,13 @@ def clip_grad_norm_(
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for p in params:
-            g = local_tensor(p.grad).detach().double()
+            g = local_tensor(p.grad).detach()
+            # Each tensor's norm in (at least) fp32, summed over tensors in fp64: converting every gradient to fp64
+            # first copied all of them (measured 36x slower than the fp32 norm on CPU, most of the optimizer phase).
+            low = g.dtype in (torch.bfloat16, torch.float16)
+            norm = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32 if low else None)
             weight = getattr(p, "_fs_norm_scale", 1.0) * num_shards(p) / stage_ranks
-            total += weight * g.norm(norm_type).pow(norm_type)
+            total += weight * norm.double().pow(norm_type)
         if dist.is_initialized():
             dist.all_reduce(total)
         total = total.pow(1.0 / norm_type).float()
