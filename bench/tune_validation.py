@@ -7,7 +7,8 @@
 
 A ~26M-parameter Llama-shaped model (and a ~29M MoE variant for EP) trains with ``FlagScaleStrategy`` +
 ``FlagScalePrecision("bf16-mixed")`` (our Megatron layout: bf16 parameters and activations, fp32 masters and
-gradient buckets) and AdamW, on 4 CPU processes (gloo), for each layout in ``LAYOUTS``. Layouts are interleaved:
+gradient buckets) and AdamW, clipping at 1.0 as every recipe does (the optimizer phase ``tune --calibrate``
+times), on 4 CPU processes (gloo), for each layout in ``LAYOUTS``. Layouts are interleaved:
 every round runs each layout once, so load drifts on this shared machine hit all layouts alike.
 
 Per layout and rank, step 1 (Adam states exist) is measured for memory: the model states held at the start of the
@@ -126,7 +127,7 @@ def _run_layout(name: str, measure_memory: bool) -> dict:
     strategy = FlagScaleStrategy(**kwargs)
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[FlagScalePrecision("bf16-mixed")],
-        max_steps=MEMORY_STEP + TIMED_STEPS + (1 if measure_memory else 0), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=MEMORY_STEP + TIMED_STEPS + (1 if measure_memory else 0), gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Measure()],
     )  # fmt: skip
     parallel = strategy.parallel
