@@ -99,8 +99,7 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
         result.parts = list(result.pipeline.stage_modules)
     for part in result.parts:
         _apply_model_parallelisms(part, layout)
-    # A hetero mesh's config is its own (without `hetero_meshes`): flat ZeRO-3 does not span mesh groups.
-    flat = p.zero_stage == 3 and layout.hetero_groups is None and _use_flat_zero3(result, p)
+    flat = p.zero_stage == 3 and _use_flat_zero3(result, p)
     if p.zero_stage == 3 and not flat:
         targets = result.parts or [module]
         if p.ep_enabled:

@@ -318,7 +318,7 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
         else:
             reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
         bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
-        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter)
+        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
         if c.zero_stage in (0, 1, 2):
             exposed += max(bucket, reduce - last_backward)
             total += reduce
