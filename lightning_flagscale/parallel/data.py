@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -125,6 +126,7 @@ class DistributedOptimizer:
         divisors: dict[str, int] | None = None,
         overlap: bool = True,
         hooks: bool = True,
+        overlap_param_gather: bool = False,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"DistributedOptimizer handles zero_stage 0, 1 or 2, got {stage}; stage 3 is apply_fsdp.")
@@ -157,6 +159,12 @@ class DistributedOptimizer:
         if self.master_weights:
             optimizer.state.clear()
         self.reducer = GradReducer(self.buckets, overlap=overlap, hooks=hooks)
+        # ZeRO-1/2: the parameter all-gather after the step runs while the next forward does (Megatron's
+        # overlap_param_gather); each module waits for its parameters' buckets before it runs.
+        self.overlap_param_gather = overlap_param_gather and stage > 0
+        self._param_handles: list = []
+        if self.overlap_param_gather:
+            self._param_handles = _wait_before_use(model, self.buckets)
 
     @property
     def require_sync(self) -> bool:
@@ -168,8 +176,12 @@ class DistributedOptimizer:
         self.reducer.require_sync = value
 
     def close(self) -> None:
-        """Remove the gradient hooks (before the optimizer is rebuilt)."""
+        """Remove the gradient and parameter hooks (before the optimizer is rebuilt)."""
+        self.wait_params()
         self.reducer.close()
+        for handle in self._param_handles:
+            handle.remove()
+        self._param_handles = []
 
     @property
     def main_params(self) -> list[Tensor]:
@@ -178,16 +190,27 @@ class DistributedOptimizer:
 
     def reduce_grads(self) -> None:
         """Reduce what backward has not launched yet and wait for every bucket: gradients are final after this."""
+        self.wait_params()  # a bucket no forward used still gathers from its main slice, which the step updates
         self.reducer.finish()
 
-    def sync_params(self) -> None:
-        """After the optimizer step: new weights into the model (all-gather under ZeRO), gradients consumed."""
-        for bucket in self.buckets:
-            bucket.sync_params()
+    def sync_params(self, wait: bool = True) -> None:
+        """After the optimizer step: new weights into the model (all-gather under ZeRO), gradients consumed.
+
+        With ``overlap_param_gather`` and ``wait=False`` the all-gathers are only launched, the first layers' first
+        (buckets hold the last layers first); the next forward, a ``state_dict()`` or :meth:`wait_params` completes
+        them."""
+        wait = wait or not self.overlap_param_gather
+        for bucket in reversed(self.buckets):
+            bucket.sync_params(wait=wait)
             bucket.zero_()
             if bucket.main_param is None:  # the model's .grad are views of the (now zeroed) bucket
                 for p in bucket.params:
                     p.grad = None
+
+    def wait_params(self) -> None:
+        """Complete every parameter all-gather in flight: the model's parameters are current after this."""
+        for bucket in reversed(self.buckets):
+            bucket.wait_params()
 
     # ---- checkpoints: a layout-independent view, keyed by parameter name, shaped like each parameter ----
     def _per_param(self, bucket: GradBucket, flat: Tensor) -> dict[str, Tensor]:
@@ -290,6 +313,29 @@ class DistributedOptimizer:
             flat = bucket.flatten([local_tensor(masters[self.names[p]]) for p in bucket.params], torch.float32)
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
+
+
+def _wait_before_use(model: nn.Module, buckets: list[GradBucket]) -> list:
+    """Hooks that complete a bucket's parameter all-gather before a module holding one of its parameters runs
+    forward, and before the ``state_dict`` of any module holding one in its subtree is read (checkpoints, exports)."""
+    where = {id(p): i for i, bucket in enumerate(buckets) for p in bucket.params}
+
+    def wait(indices: tuple[int, ...], *_: Any, **__: Any) -> None:
+        for i in indices:
+            buckets[i].wait_params()
+
+    def indices_of(params: Iterable[Tensor]) -> tuple[int, ...]:
+        return tuple(sorted({where[id(p)] for p in params if id(p) in where}, reverse=True))
+
+    handles = []
+    for module in model.modules():
+        own = indices_of(module.parameters(recurse=False))
+        if own:
+            handles.append(module.register_forward_pre_hook(partial(wait, own)))
+        subtree = indices_of(module.parameters())
+        if subtree:
+            handles.append(module.register_state_dict_pre_hook(partial(wait, subtree)))
+    return handles
 
 
 def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[str, int]]:

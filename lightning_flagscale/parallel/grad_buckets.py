@@ -104,6 +104,7 @@ class GradBucket:
         self.seen = 0  # parameters that reported a gradient in the backward pass being reduced
         self.work: dist.Work | None = None
         self._out: Tensor | None = None
+        self._gather: tuple[dist.Work, Tensor, Tensor] | None = None  # parameter all-gather in flight
 
     def _fresh(self) -> Tensor:
         """An uninitialised buffer whose slots are all unwritten (the padding, never written, is zeroed once)."""
@@ -183,16 +184,39 @@ class GradBucket:
                 else view
             )
 
-    def sync_params(self) -> None:
-        """Copy the updated main slice(s) back into every rank's model parameters (all-gather under ZeRO)."""
+    def sync_params(self, wait: bool = True) -> None:
+        """Copy the updated main slice(s) back into every rank's model parameters (all-gather under ZeRO).
+
+        ``wait=False`` (ZeRO, ``overlap_param_gather``) only launches the all-gather; :meth:`wait_params` completes it
+        and writes the parameters (the next forward does so, module by module)."""
         if self.main_param is None:
             return
+        self.wait_params()
         shard = self.main_param.detach().to(self.dtype)
-        if self.shard:
-            full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-            dist.all_gather_into_tensor(full, shard, group=self.group)
-        else:
-            full = shard
+        if not self.shard:
+            self._write_params(shard)
+            return
+        full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=not wait)
+        if wait:
+            self._write_params(full)
+        else:  # ``shard`` may be the main parameter itself (fp32): it must not change before the gather completes
+            self._gather = (work, full, shard)
+
+    @property
+    def gather_pending(self) -> bool:
+        return self._gather is not None
+
+    def wait_params(self) -> None:
+        """Complete a launched parameter all-gather and write the model's parameters from it."""
+        if self._gather is None:
+            return
+        work, full, _ = self._gather
+        self._gather = None
+        work.wait()
+        self._write_params(full)
+
+    def _write_params(self, full: Tensor) -> None:
         with torch.no_grad():
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
                 _local(p).copy_(full[off : off + n].view(shape))

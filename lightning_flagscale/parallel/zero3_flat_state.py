@@ -137,7 +137,10 @@ class FlatZero3Optimizer:
     def reduce_grads(self) -> None:
         pass
 
-    def sync_params(self) -> None:
+    def sync_params(self, wait: bool = True) -> None:
+        pass
+
+    def wait_params(self) -> None:
         pass
 
     def _units(self) -> Iterator[tuple[_Converter, FlatUnit]]:

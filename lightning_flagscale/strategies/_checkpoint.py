@@ -276,6 +276,7 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_params()
         if self._snapshot_local:  # MemoryCheckpoint: ZeRO slices saved as they lie (`_memory.local_model_state`)
             from lightning_flagscale.strategies._memory import local_model_state
 

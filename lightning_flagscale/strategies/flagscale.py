@@ -84,6 +84,11 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
     folder; ``nan_policy`` ("raise" | "skip_step" | "rollback") handles non-finite losses/gradients and
     ``skip_spiky_loss`` (a relative rise, e.g. 0.2) skips loss spikes; ``watchdog_timeout`` (seconds, None: off)
     bounds how long a dead rank or a hung collective can stall the job (see ``_resilience.py``, ``_watchdog.py``).
+
+    Gradient reduction (DDP, ZeRO-1/2): ``grad_bucket_numel`` elements per bucket, reduced while backward runs
+    (``overlap_grad_reduce``). ``overlap_param_gather=True`` (ZeRO-1/2) leaves the all-gather of the updated weights
+    in flight after the optimizer step; each module waits for its parameters before its next forward, and
+    ``state_dict()`` and :meth:`wait_params` wait for all of them (Megatron's ``overlap_param_gather``).
     """
 
     strategy_name = "flagscale"
@@ -118,6 +123,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = False,
         async_checkpoint: bool = False,
         resume: Literal["auto"] | None = None,
         nan_policy: NanPolicy = "raise",
@@ -132,6 +138,12 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
             # the two equal): pass them through by name.
             given = locals()
             parallel = ParallelConfig(**{f.name: given[f.name] for f in dataclasses.fields(ParallelConfig)})
+        if overlap_param_gather and parallel.zero_stage not in (1, 2):
+            raise ValueError(
+                f"overlap_param_gather=True overlaps ZeRO-1/2's parameter all-gather with the next forward, but"
+                f" zero_stage={parallel.zero_stage} has none to overlap (stage 0 keeps whole weights, ZeRO-3"
+                " prefetches its own); set zero_stage=1 or 2, or drop overlap_param_gather."
+            )
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
@@ -140,6 +152,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
         self._overlap_grad_reduce = overlap_grad_reduce  # issue 15: DDP/ZeRO-1/2 buckets reduced during backward
+        self._overlap_param_gather = overlap_param_gather  # ZeRO-1/2: parameter all-gather under the next forward
         self._async_checkpoint = async_checkpoint
         self._resume = resume
         self._guard = StepGuard(nan_policy, skip_spiky_loss)
@@ -333,6 +346,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
             # Under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and tied embeddings
             # are summed across stages first): buckets are filled and reduced at the step, not by hooks.
             overlap=self._overlap_grad_reduce, hooks=self._pipeline is None,
+            overlap_param_gather=self._overlap_param_gather,
         )  # fmt: skip
 
     def _expert_params(self) -> list[nn.Parameter]:
@@ -452,7 +466,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
                 opt.step(**kwargs)
         if dopt is not None:
             self._mark("optimizer_step: ZeRO parameter all-gather")
-            dopt.sync_params()
+            dopt.sync_params(wait=False)  # completed by the next forward under overlap_param_gather
         self._pp_zero_grad_pending = True
         self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
@@ -481,8 +495,21 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def wait_params(self) -> None:
+        """Complete the ZeRO parameter all-gathers still in flight (``overlap_param_gather``): after this the model's
+        parameters hold the last step's weights. Forward and ``state_dict()`` do it themselves; call it before reading
+        ``module.parameters()`` by other means between an optimizer step and the next forward."""
+        for dopt in self._dist_optimizers.values():
+            dopt.wait_params()
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_params()
+        super().on_train_end()
+
     @override
     def teardown(self) -> None:
+        self.wait_params()
         self.wait_for_checkpoint()
         self._stop_watchdog()
         assert self.cluster_environment is not None

@@ -1,4 +1,5 @@
-"""Issue 15: gradient buckets reduced while backward runs (DDP, ZeRO-1, ZeRO-2) match the single-process run.
+"""Issue 15: gradient buckets reduced while backward runs (DDP, ZeRO-1, ZeRO-2) match the single-process run, and so
+do ZeRO-1/2 with the parameter all-gather left in flight into the next forward (``overlap_param_gather``).
 
 Oracle: one fp32 process, plain SGD (gradient scale shows), ragged labels, clipping, 3 optimizer steps; relative
 error <= 1e-5 on losses, per-step gradient norms and weights. A small odd bucket size (1,500 elements) puts many
@@ -8,6 +9,7 @@ buckets in flight, gives large parameters buckets of their own and cuts the ZeRO
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
@@ -22,6 +24,17 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
     stats: dict = {}
 
     class Stats(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            dopts = list(trainer.strategy._dist_optimizers.values())
+            pending = [b for d in dopts for b in d.buckets if b.gather_pending]
+            stats.setdefault("pending_after_step", []).append(len(pending))
+            if batch_idx == 0 and pending:  # state_dict() completes the gathers and reads the stepped weights
+                state = pl_module.state_dict()
+                stats["pending_after_state_dict"] = sum(b.gather_pending for d in dopts for b in d.buckets)
+                stats["state_dict_current"] = all(
+                    _slice_of(state, d, b).equal(_main_of(b)) for d in dopts for b in d.buckets
+                )
+
         def on_train_end(self, trainer, pl_module):
             dopts = list(trainer.strategy._dist_optimizers.values())
             stats["launched_in_backward"] = sum(d.reducer.launched_in_backward for d in dopts)
@@ -31,6 +44,17 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
 
     losses, params = trainer_run(kwargs, config, STEPS, clip=1.0, callbacks=[Stats()], accumulate=accumulate)
     return losses, params, stats
+
+
+def _slice_of(state: dict, dopt, bucket) -> torch.Tensor:
+    """This rank's ZeRO slice of ``bucket`` as read from a model ``state_dict``."""
+    flat = torch.cat([state[dopt.names[p]].reshape(-1) for p in bucket.params])
+    return flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel]
+
+
+def _main_of(bucket) -> torch.Tensor:
+    """The stepped main slice of ``bucket`` without the padding past its last parameter."""
+    return bucket.main_param.detach()[: max(0, min(bucket.shard_numel, bucket.numel - bucket.shard_start))]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +67,8 @@ CASES = {
     "zero1-overlap": dict(zero_stage=1),
     "zero1-no-overlap": dict(zero_stage=1, overlap_grad_reduce=False),
     "zero2-overlap": dict(zero_stage=2),
+    "zero1-param-gather": dict(zero_stage=1, overlap_param_gather=True),
+    "zero2-param-gather": dict(zero_stage=2, overlap_param_gather=True),
 }
 
 
@@ -59,6 +85,11 @@ def test_bucketed_reduction_matches_single_process(launcher, reference, case):
             assert stats["launched_in_backward"] == 0, stats
         if kwargs["zero_stage"] == 2:  # double buffering: never more than two buckets of full gradients
             assert 0 < stats["peak_staging_numel"] <= 2 * stats["largest_bucket"], stats
+        if kwargs.get("overlap_param_gather"):  # every bucket's all-gather still in flight when the step returns
+            assert stats["pending_after_step"] == [stats["num_buckets"]] * STEPS, stats
+            assert stats["pending_after_state_dict"] == 0 and stats["state_dict_current"], stats
+        else:
+            assert stats["pending_after_step"] == [0] * STEPS, stats
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
@@ -74,3 +105,11 @@ def test_accumulation_reduces_once_per_window(launcher, zero_stage):
         micro_steps_reducing = 2 if zero_stage == 2 else 1
         assert per_window * micro_steps_reducing * STEPS <= stats["launched_in_backward"], stats
         assert stats["launched_in_backward"] <= stats["num_buckets"] * micro_steps_reducing * STEPS, stats
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_param_gather_overlap_needs_zero_1_or_2(zero_stage):
+    from lightning_flagscale import FlagScaleStrategy
+
+    with pytest.raises(ValueError, match=f"zero_stage={zero_stage} has none to overlap"):
+        FlagScaleStrategy(zero_stage=zero_stage, overlap_param_gather=True)

@@ -20,6 +20,7 @@ NON_LAYOUT_KWARGS = {
     "timeout",
     "grad_bucket_numel",
     "overlap_grad_reduce",
+    "overlap_param_gather",
     "async_checkpoint",
 }
 
