@@ -48,7 +48,9 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
 
 def _slice_of(state: dict, dopt, bucket) -> torch.Tensor:
     """This rank's ZeRO slice of ``bucket`` as read from a model ``state_dict``."""
-    flat = torch.cat([state[dopt.names[p]].reshape(-1) for p in bucket.params])
+    from lightning_flagscale.parallel.data import local_tensor
+
+    flat = torch.cat([local_tensor(state[dopt.names[p]]).reshape(-1) for p in bucket.params])
     return flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel]
 
 
