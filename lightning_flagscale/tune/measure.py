@@ -4,7 +4,11 @@
   ``torch.profiler`` (``profile_memory=True``): ``peak_bytes`` is the highest number of bytes allocated *above the
   level at entry* while the block ran; ``net_bytes`` what was still allocated at exit. It sees temporaries,
   gradients, communication buffers and saved activations alike, whatever allocated them (autograd, collectives,
-  the optimizer).
+  the optimizer), on the thread that entered the block: the profiler's memory events are per thread, so what
+  another thread allocates or frees is not seen (measured: an 8 MiB tensor allocated on a second thread is missing,
+  and a 4 MiB tensor of this thread freed on a second thread stays counted in ``net_bytes``). Under gloo this
+  matters when a collective's worker thread drops the last reference to a buffer: ``net_bytes`` > 0 after a
+  steady-state step bounds how much the peak may be overstated by it.
 * :class:`SavedActivations` counts the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
   each storage once and parameters excluded: the quantity the activation formulas of ``tune.activations`` predict.
 """
