@@ -6,6 +6,10 @@ whole step. Hugging Face calls it ``num_items_in_batch``; torchtitan ``global_va
 dataloader is wrapped so that each window of ``accumulate_grad_batches`` batches is read ahead, its local label
 count all-reduced once over the data-parallel ranks, and every batch of the window handed to ``training_step`` with
 ``batch["num_items_in_batch"]`` set (a Python int, so Lightning's batch-size inference and device moves ignore it).
+The all-reduce is asynchronous: the loader attaches a :class:`PendingCount` and the strategy's ``batch_to_device``
+replaces it by the int (:func:`resolve_token_count`) before any hook of the step sees the batch. Lightning fetches a
+batch one step ahead, so the reduction runs under the step before instead of holding every rank at the start of its
+own.
 Context-parallel ranks of one replica read the same unsharded batch, so the data-parallel group suffices.
 
 The model divides its token-loss sum by it (``loss_fn(..., num_items_in_batch)``); the strategy multiplies the
@@ -17,7 +21,7 @@ gradient of the global token mean. This is the per-token-loss approach of Megatr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +31,14 @@ from torch import Tensor, nn
 
 __all__ = [
     "NUM_ITEMS_KEY",
+    "PendingCount",
     "StepScales",
     "TokenCountingLoader",
     "apply_accumulation",
     "batch_size_of",
     "count_label_tokens",
     "global_tokens",
+    "resolve_token_count",
     "scale_loss",
     "step_scales",
     "uses_global_token_loss",
@@ -45,6 +51,33 @@ def count_label_tokens(batch: Any) -> int:
     """Label tokens (``labels != -100``) of a dict batch; 0 for batches without labels."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     return int((labels != -100).sum()) if isinstance(labels, torch.Tensor) else 0
+
+
+class PendingCount:
+    """A window's global label count whose all-reduce may still be in flight (no ``to`` method and not a tensor:
+    Lightning's device moves and batch-size inference pass it by)."""
+
+    def __init__(self, total: Tensor, work: dist.Work | None) -> None:
+        self._total = total
+        self._work = work
+        self._value: int | None = None
+
+    def value(self) -> int:
+        if self._value is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            self._value = int(self._total)
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"PendingCount({'pending' if self._value is None else self._value})"
+
+
+def resolve_token_count(batch: Any) -> None:
+    """Replace a batch's :class:`PendingCount` by the int it stands for (waiting for its all-reduce)."""
+    if isinstance(batch, MutableMapping) and isinstance(batch.get(NUM_ITEMS_KEY), PendingCount):
+        batch[NUM_ITEMS_KEY] = batch[NUM_ITEMS_KEY].value()
 
 
 class TokenCountingLoader:
@@ -83,10 +116,11 @@ class TokenCountingLoader:
             if not window:
                 return
             total = torch.tensor(sum(count_label_tokens(b) for b in window), dtype=torch.int64)
+            count: int | PendingCount = int(total)
             if self.group is not None and dist.get_world_size(self.group) > 1:
-                dist.all_reduce(total, group=self.group)
+                count = PendingCount(total, dist.all_reduce(total, group=self.group, async_op=True))
             for batch in window:
-                yield {**batch, NUM_ITEMS_KEY: int(total)} if isinstance(batch, Mapping) else batch
+                yield {**batch, NUM_ITEMS_KEY: count} if isinstance(batch, Mapping) else batch
             if len(window) < self.accumulate:
                 return
 

@@ -66,6 +66,7 @@ from lightning_flagscale.strategies._tokens import (
     apply_accumulation,
     batch_size_of,
     global_tokens,
+    resolve_token_count,
     scale_loss,
     step_scales,
     uses_global_token_loss,
@@ -374,8 +375,17 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
 
     # ------------------------------------------------------------------ step
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        # The window's label count, all-reduced while the step before ran (Lightning fetches a batch ahead): an int
+        # again before any hook of this step sees the batch.
+        resolve_token_count(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         self._mark("training_step: forward/backward (TP/SP, CP, EP, pipeline collectives)")
+        if args:
+            resolve_token_count(args[0])  # a no-op after batch_to_device (below); kept for loops that bypass it
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
         scales = step_scales(

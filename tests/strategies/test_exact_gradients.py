@@ -98,3 +98,27 @@ def test_token_counting_loader_attaches_the_window_count():
     out = list(TokenCountingLoader(batches, accumulate=2, group=None))
     assert [b["num_items_in_batch"] for b in out] == [3, 3, 3]  # windows [2 + 1], then a short last window [3]
     assert [count_label_tokens(b) for b in out] == [2, 1, 3]
+
+
+def test_pending_count_waits_once_and_resolves_in_place():
+    """Across ranks the window's count arrives as a ``PendingCount`` (its all-reduce in flight); the strategy's
+    ``batch_to_device`` replaces it by the int, waiting for the reduction once per window."""
+    from lightning_flagscale.strategies._tokens import NUM_ITEMS_KEY, PendingCount, resolve_token_count
+
+    class Work:
+        waits = 0
+
+        def wait(self):
+            Work.waits += 1
+            total.add_(5)  # what the other ranks contribute lands when the reduction completes
+
+    total = torch.tensor(3)
+    count = PendingCount(total, Work())
+    window = [{"labels": torch.ones(1, 2), NUM_ITEMS_KEY: count} for _ in range(2)]
+    assert not hasattr(count, "to")  # Lightning's device moves leave it alone
+    for batch in window:
+        resolve_token_count(batch)
+    assert [b[NUM_ITEMS_KEY] for b in window] == [8, 8] and Work.waits == 1
+    plain = {"labels": torch.ones(1, 2), NUM_ITEMS_KEY: 4}
+    resolve_token_count(plain)
+    assert plain[NUM_ITEMS_KEY] == 4
