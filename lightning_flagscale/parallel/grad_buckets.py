@@ -40,12 +40,29 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "ZERO2_MAX_STAGING", "GradBucket", "GradReducer", "bucket_runs", "grad_local"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "ZERO2_MAX_STAGING",
+    "GradBucket",
+    "GradReducer",
+    "bucket_runs",
+    "grad_local",
+    "profiler_active",
+]
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # 4M elements (16 MiB in fp32) per bucket: several buckets to overlap, few launches
 ZERO2_MAX_STAGING = 2  # ZeRO-2 staging buffers alive at once: one reducing while the next one fills
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def profiler_active() -> bool:
+    """Whether ``torch.profiler`` records on this thread. A c10d work launched then captures the profiler's
+    thread-local state; destroying the work after the profiling session has ended frees that state a second time and
+    crashes the process (torch 2.13, gloo: reproduced in a loop of four ranks). Work that would outlive the step it
+    was launched in (``overlap_param_gather``, the asynchronous label count) therefore completes at once while the
+    profiler runs."""
+    return torch._C._autograd._profiler_enabled()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -188,10 +205,12 @@ class GradBucket:
         """Copy the updated main slice(s) back into every rank's model parameters (all-gather under ZeRO).
 
         ``wait=False`` (ZeRO, ``overlap_param_gather``) only launches the all-gather; :meth:`wait_params` completes it
-        and writes the parameters (the next forward does so, module by module)."""
+        and writes the parameters (the next forward does so, module by module). Not while the profiler records
+        (:func:`profiler_active`)."""
         if self.main_param is None:
             return
         self.wait_params()
+        wait = wait or profiler_active()
         shard = self.main_param.detach().to(self.dtype)
         if not self.shard:
             self._write_params(shard)

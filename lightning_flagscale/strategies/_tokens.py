@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_flagscale.parallel.grad_buckets import profiler_active
+
 __all__ = [
     "NUM_ITEMS_KEY",
     "PendingCount",
@@ -118,7 +120,11 @@ class TokenCountingLoader:
             total = torch.tensor(sum(count_label_tokens(b) for b in window), dtype=torch.int64)
             count: int | PendingCount = int(total)
             if self.group is not None and dist.get_world_size(self.group) > 1:
-                count = PendingCount(total, dist.all_reduce(total, group=self.group, async_op=True))
+                if profiler_active():  # the work would outlive the profiling session: see profiler_active
+                    dist.all_reduce(total, group=self.group)
+                    count = int(total)
+                else:
+                    count = PendingCount(total, dist.all_reduce(total, group=self.group, async_op=True))
             for batch in window:
                 yield {**batch, NUM_ITEMS_KEY: count} if isinstance(batch, Mapping) else batch
             if len(window) < self.accumulate:

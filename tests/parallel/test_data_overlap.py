@@ -115,3 +115,56 @@ def test_param_gather_overlap_needs_zero_1_or_2(zero_stage):
 
     with pytest.raises(ValueError, match=f"zero_stage={zero_stage} has none to overlap"):
         FlagScaleStrategy(zero_stage=zero_stage, overlap_param_gather=True)
+
+
+def _run_profiled(kwargs: dict, config) -> tuple:
+    """``trainer_run`` with ``torch.profiler`` recording the even steps (entered at batch start, left at batch end,
+    as the bench's profiler does), the ZeRO gathers still pending at each step's end, and what the token-counting
+    loader yields inside and outside a profiling session."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale.strategies._tokens import PendingCount, TokenCountingLoader
+
+    pending: list[int] = []
+
+    class Profile(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.prof = None
+            if batch_idx % 2 == 0:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            dopts = trainer.strategy._dist_optimizers.values()
+            pending.append(sum(b.gather_pending for d in dopts for b in d.buckets))
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+                self.prof.events()
+
+    losses, params = trainer_run(kwargs, config, PROFILED_STEPS, clip=1.0, callbacks=[Profile()])
+    batches = [{"labels": torch.tensor([[1, -100, 2]])}]
+    loader = TokenCountingLoader(batches, accumulate=1, group=dist.group.WORLD)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        inside = next(iter(loader))["num_items_in_batch"]
+    outside = next(iter(loader))["num_items_in_batch"]
+    kinds = (type(inside).__name__, isinstance(outside, PendingCount) and outside.value())
+    return losses, params, pending, kinds
+
+
+PROFILED_STEPS = 6
+
+
+def test_param_gather_and_label_count_under_the_profiler(launcher):
+    """A c10d work launched while ``torch.profiler`` records and destroyed after the session has ended crashes torch
+    (a segfault freeing the profiler's thread-local state; `bench/results/compare_param_gather.md`). The overlapped
+    parameter gather and the asynchronous label count outlive their step, so they complete at once while the
+    profiler runs: nothing is pending after a profiled step, the gathers overlap again in the others, the loader
+    yields a plain int inside a session, and training matches one process."""
+    reference = reference_run(tiny_config(), PROFILED_STEPS, clip=1.0)
+    kwargs = {"zero_stage": 1, "overlap_param_gather": True, "grad_bucket_numel": BUCKET}
+    results = launcher(2, _run_profiled, kwargs, tiny_config())
+    assert_matches_reference([r[:2] for r in results], reference, "zero1-pg-profiled", every_rank_holds_all=True)
+    for _, _, pending, kinds in results:
+        assert pending[0::2] == [0] * (PROFILED_STEPS // 2) and min(pending[1::2]) > 4, pending
+        assert kinds == ("int", 4), kinds  # 2 label tokens on each of the 2 ranks
