@@ -37,7 +37,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -144,12 +144,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
                 f"overlap_param_gather=True overlaps ZeRO-1/2's parameter all-gather with the next forward, but"
                 f" zero_stage={parallel.zero_stage} has none to overlap (stage 0 keeps whole weights, ZeRO-3"
                 " prefetches its own); set zero_stage=1 or 2, or drop overlap_param_gather."
-            )
-        if overlap_param_gather:
-            rank_zero_warn(
-                "overlap_param_gather=True is experimental: 2 of ~50 benchmark runs with it on CPU (gloo) lost a rank to"
-                " a segmentation fault inside torch, which ~90 runs without it never showed; the cause is not found"
-                " (README, 'Gradient reduction'). Weights and gradients matched one process wherever it ran."
             )
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
