@@ -118,13 +118,11 @@ class TokenCountingLoader:
             if not window:
                 return
             total = torch.tensor(sum(count_label_tokens(b) for b in window), dtype=torch.int64)
-            count: int | PendingCount = int(total)
+            work = None
             if self.group is not None and dist.get_world_size(self.group) > 1:
-                if profiler_active():  # the work would outlive the profiling session: see profiler_active
-                    dist.all_reduce(total, group=self.group)
-                    count = int(total)
-                else:
-                    count = PendingCount(total, dist.all_reduce(total, group=self.group, async_op=True))
+                # not asynchronous while the profiler records: the work would outlive the session (profiler_active)
+                work = dist.all_reduce(total, group=self.group, async_op=not profiler_active())
+            count = int(total) if work is None else PendingCount(total, work)
             for batch in window:
                 yield {**batch, NUM_ITEMS_KEY: count} if isinstance(batch, Mapping) else batch
             if len(window) < self.accumulate:

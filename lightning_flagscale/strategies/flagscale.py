@@ -384,8 +384,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         self._mark("training_step: forward/backward (TP/SP, CP, EP, pipeline collectives)")
-        if args:
-            resolve_token_count(args[0])  # a no-op after batch_to_device (below); kept for loops that bypass it
         args = self._shard_for_cp(args)
         scaler = self.precision_plugin.scaler
         scales = step_scales(
@@ -511,11 +509,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         ``module.parameters()`` by other means between an optimizer step and the next forward."""
         for dopt in self._dist_optimizers.values():
             dopt.wait_params()
-
-    @override
-    def on_train_end(self) -> None:
-        self.wait_params()
-        super().on_train_end()
 
     @override
     def teardown(self) -> None:
