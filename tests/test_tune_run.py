@@ -11,7 +11,7 @@ import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.tune import HardwareProfile, load_profile, search, tune_main
-from lightning_flagscale.tune.calibrate import calibrate, fit_alpha_beta
+from lightning_flagscale.tune.calibrate import _busy_seconds, calibrate, fit_alpha_beta
 from lightning_flagscale.tune.hardware import COLLECTIVES
 from lightning_flagscale.tune.search import describe_layout
 
@@ -23,9 +23,18 @@ def test_alpha_beta_fit_recovers_a_line():
     assert math.isclose(alpha, 2e-5, rel_tol=1e-6) and math.isclose(busbw, 3e9, rel_tol=1e-6)
 
 
+def test_optimizer_busy_time_shares_the_cores():
+    # 4 ranks on 2 cores took 1 s each for the optimizer phase: each was busy 0.5 s (the cost model multiplies back)
+    assert _busy_seconds(1.0, ranks=4, units=2) == 0.5
+    assert _busy_seconds(1.0, ranks=2, units=4) == 1.0  # a core each: wall time is busy time
+    assert _busy_seconds(1.0, ranks=4, units=0) == 1.0  # units unknown (GPUs): unchanged
+    with pytest.raises(ValueError, match="optimizer_numel"):
+        calibrate(optimizer_numel=0)
+
+
 def test_calibration_produces_a_sane_profile(tmp_path):
     profile = calibrate(group_sizes=(2,), message_bytes=(4 << 10, 256 << 10), gemm_sizes=(32, 128), seq_lens=(64,),
-                        repeats=2)  # fmt: skip
+                        repeats=2, optimizer_numel=1 << 20)  # fmt: skip
     assert 1e8 < profile.peak_flops < 1e13  # a CPU: between 0.1 GFLOP/s and 10 TFLOP/s
     assert all(0 < eff <= 1 for _, eff in profile.gemm) and max(eff for _, eff in profile.gemm) == 1.0
     assert 0 < profile.attention_efficiency <= 1 and 1e8 < profile.hbm_bandwidth < 1e13

@@ -10,7 +10,12 @@
 - **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.
 - **Optimizer phase**: what a rank runs between backward and the next step on flat fp32 main parameters (the step
   guard's finiteness sum, ``parallel.data.clip_grad_norm_``, torch's ``AdamW`` with its default implementation, the
-  copy back into bf16 weights), per parameter (``optimizer_seconds_per_param``).
+  copy back into bf16 weights), per parameter (``optimizer_seconds_per_param``). It is memory-bound, so it is timed
+  the way training runs it: by every rank of the spawned world at once (they share the memory bus), over 16M
+  parameters per rank (past the caches, like a real model's states), and converted to busy time per rank (wall
+  time x the cores over the ranks when the ranks outnumber the cores: the cost model's shared-core accounting
+  multiplies it back). Timed by one process on 4M parameters it varied 2.4-5.4 ns a parameter between runs on this
+  machine; all ranks at once on 16M, 4.7-5.0.
 - **Collectives**: a small gloo process world (spawned here, CPU) times all-reduce, all-gather, reduce-scatter,
   all-to-all and P2P send/recv per group size and message size, up to one fp32 gradient bucket (the size data
   parallelism's collectives run at: on a CPU, messages past the caches run at about half the bandwidth of 4 MiB
@@ -181,11 +186,20 @@ def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callabl
     return p2p
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], groups: list[int], repeats: int, queue):
+def _collective_worker(
+    rank: int, world: int, port: int, sizes: list[int], groups: list[int], repeats: int, optimizer_numel: int, queue
+):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        optimizer = None
+        if optimizer_numel:  # every rank at once, as in training (they share the memory bus and the cores)
+            dist.barrier()
+            seconds = measure_optimizer_step(optimizer_numel, repeats=max(repeats, 5), tensors=4)
+            per_rank: list[float] = [0.0] * world
+            dist.all_gather_object(per_rank, seconds)
+            optimizer = statistics.median(per_rank)
         results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
         for n in groups:
             group = dist.new_group(list(range(n)))
@@ -202,7 +216,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], group
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
         if rank == 0:
-            queue.put(results)
+            queue.put((results, optimizer))
     finally:
         dist.destroy_process_group()
 
@@ -217,19 +231,31 @@ def measure_collectives(
     group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3
 ) -> dict[str, dict[int, LinkPoint]]:
     """Fitted alpha-beta points per collective and group size, from a spawned gloo world of ``max(group_sizes)``."""
+    return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0)[0]
+
+
+def _measure_world(
+    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int, optimizer_numel: int
+) -> tuple[dict[str, dict[int, LinkPoint]], float | None]:
+    """(collective points, optimizer seconds per parameter of one rank while all ranks run it, or None)."""
     world = max(max(group_sizes), 2)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, queue)
+    args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, optimizer_numel, queue)
     mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
-    raw = queue.get(timeout=60)
+    raw, optimizer = queue.get(timeout=60)
     out: dict[str, dict[int, LinkPoint]] = {}
     for kind, by_n in raw.items():
         out[kind] = {}
         for n, pts in by_n.items():
             alpha, busbw = fit_alpha_beta(pts)
             out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
-    return out
+    return out, optimizer
+
+
+def _busy_seconds(wall: float, ranks: int, units: float) -> float:
+    """Busy time of one rank whose work took ``wall`` seconds while ``ranks`` ranks shared ``units`` cores."""
+    return wall * units / ranks if 0 < units < ranks else wall
 
 
 def _gemm_rates(linear: list[tuple[float, float, float, float]]) -> list[tuple[float, float]]:
@@ -252,18 +278,24 @@ def calibrate(
     name: str = "calibrated",
     dtype: torch.dtype = torch.float32,
     threads: int | None = None,
+    optimizer_numel: int = 16 * 1024 * 1024,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
     group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
     GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``). ``threads``: the intra-op
     threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run single-threaded; on a loaded
     machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms per call, which is not what a
-    single-threaded rank sees); default: this process's setting."""
+    single-threaded rank sees); default: this process's setting. ``optimizer_numel``: fp32 main parameters per rank
+    the optimizer phase is timed on."""
+    if optimizer_numel <= 0:
+        raise ValueError(f"optimizer_numel={optimizer_numel}: the optimizer phase needs parameters to time; pass > 0.")
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _calibrate(group_sizes, message_bytes, gemm_sizes, seq_lens, repeats, memory_bytes, name, dtype)
+        return _calibrate(
+            group_sizes, message_bytes, gemm_sizes, seq_lens, repeats, memory_bytes, name, dtype, optimizer_numel
+        )
     finally:
         torch.set_num_threads(saved)
 
@@ -277,6 +309,7 @@ def _calibrate(
     memory_bytes: float | None,
     name: str,
     dtype: torch.dtype,
+    optimizer_numel: int,
 ) -> HardwareProfile:
     linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
     rates = _gemm_rates(linear)
@@ -285,8 +318,9 @@ def _calibrate(
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
     attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
-    links = measure_collectives(group_sizes, message_bytes, repeats=repeats)
+    links, optimizer = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel)
     world = max(max(group_sizes), 2)
+    units = float(os.cpu_count() or 0)
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
@@ -294,10 +328,10 @@ def _calibrate(
     return HardwareProfile(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
-        compute_units_per_node=float(os.cpu_count() or 0),
+        compute_units_per_node=units,
         gemm=[(f, rate / peak) for f, rate in rates], attention_efficiency=min(1.0, attention / peak),
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
-        optimizer_seconds_per_param=measure_optimizer_step(repeats=repeats),
+        optimizer_seconds_per_param=_busy_seconds(optimizer, world, units),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
         f"{dtype_name}; inter-node points copy the intra-node ones)",
