@@ -34,7 +34,7 @@ def test_optimizer_busy_time_shares_the_cores():
 
 def test_calibration_produces_a_sane_profile(tmp_path):
     profile = calibrate(group_sizes=(2,), message_bytes=(4 << 10, 256 << 10), gemm_sizes=(32, 128), seq_lens=(64,),
-                        repeats=2, optimizer_numel=1 << 20)  # fmt: skip
+                        repeats=2, optimizer_numel=1 << 20, worlds=1)  # fmt: skip
     assert 1e8 < profile.peak_flops < 1e13  # a CPU: between 0.1 GFLOP/s and 10 TFLOP/s
     assert all(0 < eff <= 1 for _, eff in profile.gemm) and max(eff for _, eff in profile.gemm) == 1.0
     assert 0 < profile.attention_efficiency <= 1 and 1e8 < profile.hbm_bandwidth < 1e13

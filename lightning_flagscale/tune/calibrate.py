@@ -148,7 +148,13 @@ def measure_optimizer_step(numel: int = 4 * 1024 * 1024, repeats: int = 3, tenso
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``time = alpha + x / busbw`` over ``(x = factor * bytes, time)``; returns (alpha, busbw)."""
+    """``time = alpha + x / busbw`` over ``(x = factor * bytes, time)``; returns (alpha, busbw).
+
+    The bandwidth is the least-squares slope (the large messages decide it). The latency is the median of
+    ``time - x / busbw`` over the latency-bound points (bandwidth term under half the time), not the line's
+    intercept: on a CPU, messages past the caches run slower per byte, the line bends, and its intercept came out
+    negative, i.e. a free 64 KiB all-gather (a calibration here had all-gather and reduce-scatter over 2 ranks at
+    0 us against ~200 us measured), which made TP + SP look 40% faster than it ran."""
     xs, ts = [p[0] for p in points], [p[1] for p in points]
     mx, mt = statistics.fmean(xs), statistics.fmean(ts)
     var = sum((x - mx) ** 2 for x in xs)
@@ -156,7 +162,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     if slope <= 0:  # latency-bound everywhere: bandwidth from the largest message alone
         x_max, t_max = max(points)
         return min(ts), x_max / max(t_max, 1e-9)
-    return max(0.0, mt - slope * mx), 1.0 / slope
+    residuals = [t - x * slope for x, t in zip(xs, ts, strict=True) if x * slope < t / 2]
+    alpha = statistics.median(residuals) if residuals else mt - slope * mx
+    return max(0.0, alpha), 1.0 / slope
 
 
 def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callable[[], object]:
@@ -228,28 +236,36 @@ def _free_port() -> int:
 
 
 def measure_collectives(
-    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3
+    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3, worlds: int = 1
 ) -> dict[str, dict[int, LinkPoint]]:
-    """Fitted alpha-beta points per collective and group size, from a spawned gloo world of ``max(group_sizes)``."""
-    return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0)[0]
+    """Fitted alpha-beta points per collective and group size, from spawned gloo worlds of ``max(group_sizes)``."""
+    return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0, worlds=worlds)[0]
 
 
 def _measure_world(
-    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int, optimizer_numel: int
+    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int, optimizer_numel: int, worlds: int = 1
 ) -> tuple[dict[str, dict[int, LinkPoint]], float | None]:
-    """(collective points, optimizer seconds per parameter of one rank while all ranks run it, or None)."""
+    """(collective points, optimizer seconds per parameter of one rank while all ranks run it, or None), each the
+    median over ``worlds`` freshly spawned process worlds: with more ranks than cores, how the scheduler places a
+    world's ranks decides its small-message latency for the whole run (one world timed a 2-rank all-reduce at
+    0.9 ms, the next at 3.3 ms), so one world is one draw."""
     world = max(max(group_sizes), 2)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, optimizer_numel, queue)
-    mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
-    raw, optimizer = queue.get(timeout=60)
+    draws: list[tuple[dict, float | None]] = []
+    for _ in range(worlds):
+        queue = ctx.Queue()
+        args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, optimizer_numel, queue)
+        mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
+        draws.append(queue.get(timeout=60))
     out: dict[str, dict[int, LinkPoint]] = {}
-    for kind, by_n in raw.items():
+    for kind, by_n in draws[0][0].items():
         out[kind] = {}
         for n, pts in by_n.items():
-            alpha, busbw = fit_alpha_beta(pts)
+            # the same (message size) points in every world, in the same order: median time per point
+            med = [(x, statistics.median(d[0][kind][n][i][1] for d in draws)) for i, (x, _) in enumerate(pts)]
+            alpha, busbw = fit_alpha_beta(med)
             out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
+    optimizer = statistics.median(d[1] for d in draws) if optimizer_numel else None
     return out, optimizer
 
 
@@ -279,6 +295,7 @@ def calibrate(
     dtype: torch.dtype = torch.float32,
     threads: int | None = None,
     optimizer_numel: int = 16 * 1024 * 1024,
+    worlds: int = 3,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
     group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
@@ -286,15 +303,27 @@ def calibrate(
     threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run single-threaded; on a loaded
     machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms per call, which is not what a
     single-threaded rank sees); default: this process's setting. ``optimizer_numel``: fp32 main parameters per rank
-    the optimizer phase is timed on."""
+    the optimizer phase is timed on. ``worlds``: process worlds spawned for the collectives and the optimizer phase
+    (the median of each point over them)."""
     if optimizer_numel <= 0:
         raise ValueError(f"optimizer_numel={optimizer_numel}: the optimizer phase needs parameters to time; pass > 0.")
+    if worlds < 1:
+        raise ValueError(f"worlds={worlds}: spawn at least one process world to time the collectives.")
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         return _calibrate(
-            group_sizes, message_bytes, gemm_sizes, seq_lens, repeats, memory_bytes, name, dtype, optimizer_numel
+            group_sizes,
+            message_bytes,
+            gemm_sizes,
+            seq_lens,
+            repeats,
+            memory_bytes,
+            name,
+            dtype,
+            optimizer_numel,
+            worlds,
         )
     finally:
         torch.set_num_threads(saved)
@@ -310,6 +339,7 @@ def _calibrate(
     name: str,
     dtype: torch.dtype,
     optimizer_numel: int,
+    worlds: int,
 ) -> HardwareProfile:
     linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
     rates = _gemm_rates(linear)
@@ -318,7 +348,7 @@ def _calibrate(
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
     attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
-    links, optimizer = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel)
+    links, optimizer = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds)
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
     if memory_bytes is None:
