@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
 from lightning_flagscale.parallel.data import grads_finite
+from lightning_flagscale.parallel.grad_buckets import profiler_active
 from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = [
@@ -143,9 +144,16 @@ class StepVerdict:
 class StepGuard:
     """Non-finite loss/gradient policy and FlagScale's ``auto_skip_spiky_loss``, decided once per optimizer step.
 
-    One ``all_gather`` of ``[loss share, non-finite loss, non-finite gradient]`` per rank lets every rank take the same
-    decision and name the ranks that saw the NaN/Inf. A spike is a global loss above ``(1 + spike_threshold)`` times
-    the mean of the last ``spike_window`` stepped losses (FlagScale skips such iterations to ride out data spikes).
+    Every rank takes the same decision and names the ranks that saw the NaN/Inf:
+
+    - the loss part, ``[loss share, non-finite loss]`` of each rank, is all-gathered asynchronously as soon as the
+      window's last loss is known (:meth:`launch`, before its backward), so it completes under backward;
+    - the gradient part is one flag per rank, all-gathered when :meth:`decide` runs after the gradient reduction,
+      except when the reduced gradients are the same on every rank (``replicated_grads``: plain data parallelism,
+      stage 0 without TP/PP/EP): then every rank's own check is the world's answer and no collective is needed.
+
+    A spike is a global loss above ``(1 + spike_threshold)`` times the mean of the last ``spike_window`` stepped
+    losses (FlagScale skips such iterations to ride out data spikes).
     """
 
     def __init__(self, nan_policy: NanPolicy, spike_threshold: float | None, spike_window: int = 10) -> None:
@@ -158,6 +166,7 @@ class StepGuard:
         self.history: deque[float] = deque(maxlen=spike_window)
         self.window_loss: Tensor | None = None
         self.skipped_steps = 0
+        self._loss_rows: tuple[list[Tensor], Any] | None = None  # (gathered rows, pending work or None)
 
     def observe(self, loss: Any) -> None:
         """Add a micro-batch's loss (as the strategy's ``training_step`` returns it) to the step's window."""
@@ -167,19 +176,56 @@ class StepGuard:
             self.window_loss = value if self.window_loss is None else self.window_loss + value
 
     @torch.no_grad()
-    def decide(self, params: Iterable[Tensor], step: int, accumulate: int, device: torch.device) -> StepVerdict:
+    def launch(self, accumulate: int, device: torch.device) -> None:
+        """Start exchanging the window's loss (``[loss share, non-finite loss]`` per rank); :meth:`decide` waits
+        for it. Called once the window's last loss is observed; a window not launched is exchanged in ``decide``."""
+        self._wait_loss_rows()  # a window launched but never decided (manual optimization): superseded
         loss = self.window_loss if self.window_loss is not None else torch.zeros((), device=device)
         self.window_loss = None
         loss = loss.to(device) / accumulate
-        bad_grad = (~grads_finite(params)).to(device=device, dtype=torch.float32)
-        mine = torch.stack([loss, (~torch.isfinite(loss)).float(), bad_grad])
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather(rows, mine)
-        table = torch.stack(rows).cpu()
-        global_loss = float(table[:, 0].mean())
-        bad_loss_ranks = [r for r in range(len(rows)) if table[r, 1] > 0]
-        bad_grad_ranks = [r for r in range(len(rows)) if table[r, 2] > 0]
+        mine = torch.stack([loss, (~torch.isfinite(loss)).float()])
+        if not dist.is_initialized():
+            self._loss_rows = ([mine], None)
+            return
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        # Under torch.profiler a work must not outlive the step (see grad_buckets.profiler_active): exchange now.
+        work = dist.all_gather(rows, mine, async_op=not profiler_active())
+        self._loss_rows = (rows, work)
+
+    def _wait_loss_rows(self) -> list[Tensor] | None:
+        if self._loss_rows is None:
+            return None
+        rows, work = self._loss_rows
+        self._loss_rows = None
+        if work is not None:
+            work.wait()
+        return rows
+
+    @torch.no_grad()
+    def decide(
+        self,
+        params: Iterable[Tensor],
+        step: int,
+        accumulate: int,
+        device: torch.device,
+        *,
+        replicated_grads: bool = False,
+    ) -> StepVerdict:
+        if self._loss_rows is None:
+            self.launch(accumulate, device)
+        loss_rows = torch.stack(self._wait_loss_rows()).cpu()
+        world = loss_rows.shape[0]
+        params = list(params)
+        bad_grad = (~grads_finite(params)).to(device=device, dtype=torch.float32).reshape(1)
+        if replicated_grads or world == 1 or not params:  # (no params: the loss scaler checks the gradients)
+            grad_flags = bad_grad.cpu().expand(world)  # the same reduced gradients on every rank
+        else:
+            flags = [torch.empty_like(bad_grad) for _ in range(world)]
+            dist.all_gather(flags, bad_grad)
+            grad_flags = torch.cat(flags).cpu()
+        global_loss = float(loss_rows[:, 0].mean())
+        bad_loss_ranks = [r for r in range(world) if loss_rows[r, 1] > 0]
+        bad_grad_ranks = [r for r in range(world) if grad_flags[r] > 0]
         if bad_loss_ranks or bad_grad_ranks:
             what = "; ".join(
                 f"non-finite {kind} on rank(s) {ranks}"
@@ -225,7 +271,7 @@ def validate_before_launch(
         )
 
 
-def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor]) -> bool:
+def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor], replicated_grads: bool = False) -> bool:
     """Apply ``guard``'s verdict for this optimizer step: True to step; else the gradients are dropped (and, for
     "rollback", weights and optimizer states reloaded from the newest complete checkpoint). Same on every rank."""
     from lightning_flagscale.strategies._checkpoint import load_training_state
@@ -233,7 +279,10 @@ def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor]) -> bool:
     trainer = strategy.lightning_module.trainer
     # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
     checked = params if strategy.precision_plugin.scaler is None else []
-    verdict = guard.decide(checked, trainer.global_step, trainer.accumulate_grad_batches, strategy.root_device)
+    verdict = guard.decide(
+        checked, trainer.global_step, trainer.accumulate_grad_batches, strategy.root_device,
+        replicated_grads=replicated_grads,
+    )  # fmt: skip
     if verdict.action == "step":
         return True
     for param in params:
@@ -299,6 +348,6 @@ class ResilienceHooks:
             self._watchdog.stop()
             self._watchdog = None
 
-    def _apply_step_guard(self, params: list[Tensor]) -> bool:
+    def _apply_step_guard(self, params: list[Tensor], replicated_grads: bool = False) -> bool:
         """``nan_policy`` / ``skip_spiky_loss`` (see ``_resilience.guard_step``): True to step."""
-        return guard_step(self, self._guard, params)
+        return guard_step(self, self._guard, params, replicated_grads)

@@ -149,6 +149,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
         self._hetero_groups: list | None = None
+        self._accumulating = False  # inside block_backward_sync: a micro-step before the window's last
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._grad_bucket_numel = grad_bucket_numel
@@ -401,6 +402,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         output = super().training_step(*args, **kwargs)
         output = scale_loss(output, scales.loss_factor) if scales.loss_factor != 1 else output
         self._guard.observe(output)
+        module = self.lightning_module
+        if module.automatic_optimization and not self._accumulating:  # the window's last loss: exchange it under
+            self._guard.launch(module.trainer.accumulate_grad_batches, self.root_device)  # its backward
         return output
 
     @override
@@ -428,9 +432,11 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
             root.set_requires_gradient_sync(False)
         for dopt in self._dist_optimizers.values():
             dopt.require_sync = False  # issue 15: stages 0-1 accumulate into their buckets without reducing
+        self._accumulating = True
         try:
             yield
         finally:
+            self._accumulating = False
             for root in self._fsdp_roots:
                 root.set_requires_gradient_sync(True)
             for dopt in self._dist_optimizers.values():
@@ -466,8 +472,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
             dopt.reduce_grads()
         params = [q for g in opt.param_groups for q in g["params"]]
-        self._mark("optimizer_step: non-finite check (all_gather), global grad norm (all_reduce), step")
-        if self._apply_step_guard(params):
+        self._mark("optimizer_step: loss exchange wait, non-finite check, global grad norm (all_reduce), step")
+        if self._apply_step_guard(params, replicated_grads=dopt is not None and self._grads_replicated()):
             skip = precision.unscale_and_check(params, self.lightning_module.trainer.global_step)
             precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
             if not skip:
@@ -478,6 +484,14 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._pp_zero_grad_pending = True
         self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
+
+    def _grads_replicated(self) -> bool:
+        """Whether the reduced gradients are the same on every rank of the world: stage 0 buckets all-reduced over
+        data x context ranks that are the whole world (no TP, PP or EP shards, one mesh)."""
+        return (
+            self.parallel.zero_stage == 0 and self._hetero_groups is None
+            and self.parallel.expert_parallel_size == 1 and self.meshes.size(MeshDim.DP_CP) == self.world_size
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ collectives
     @override
