@@ -34,3 +34,23 @@ def test_pipeline_with_zero2(launcher, param_gather):
     for _, _, stats in results:  # under PP every bucket is reduced at the optimizer step
         assert stats["launched_in_backward"] == 0, stats
         assert stats["pending_after_step"] == [stats["num_buckets"] if param_gather else 0] * STEPS, stats
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("tp2xdp2-zero1", dict(tensor_parallel_size=2, zero_stage=1)),
+        ("cp2xdp2-zero2", dict(context_parallel_size=2, zero_stage=2)),
+    ],
+)
+def test_param_gather_under_tensor_and_context_parallel(launcher, name, kwargs):
+    """The parameter all-gather in flight into the next forward with DTensor (TP) parameters, whose buckets hold the
+    local shards, and over data x context ranks (CP): every bucket still pending when the step returns, a
+    ``state_dict()`` then reads the stepped weights, and the run matches one process."""
+    reference = reference_run(tiny_config(), STEPS, clip=1.0)
+    results = launcher(4, _run_with_stats, dict(kwargs, grad_bucket_numel=BUCKET, overlap_param_gather=True),
+                       tiny_config())  # fmt: skip
+    assert_matches_reference([r[:2] for r in results], reference, name)
+    for _, _, stats in results:
+        assert stats["pending_after_step"] == [stats["num_buckets"]] * STEPS, stats
+        assert stats["pending_after_state_dict"] == 0 and stats["state_dict_current"], stats
