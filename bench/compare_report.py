@@ -27,6 +27,13 @@ def _state_theory(stage: int, psi: int, n: int) -> tuple[float, float]:
     return expected_state_bytes(psi, n, stage).total, zero_theory_bytes(psi, n, stage, layout="fp32").total
 
 
+PHASE_NAMES = ("forward", "backward", "sync", "optimizer", "between")
+"""Rank 0's step phases in the bench: ``forward`` (batch start to the first ``on_before_backward``; under PP the whole
+schedule), ``backward`` (to the last ``on_after_backward``), ``sync`` (to ``on_before_optimizer_step``: gradient
+reduction still in flight, the step guard), ``optimizer`` (to batch end: clipping, the step, ZeRO gathers),
+``between`` (batch end to the next batch start: data, logging, Lightning's loop)."""
+
+
 def _dp_comm_theory(stage: int, psi: int, n: int) -> float:
     return comm_theory_bytes(4 * psi, n, stage).total
 
@@ -156,6 +163,22 @@ def markdown(report: dict[str, Any]) -> str:
         "the whole min-max range clears it, missed (✗) when the whole range is below it, and undecided (~) when "
         "the range straddles it.",
     ]
+    phase_rows = [r for r in rows if r.get("phase_steps_s")]
+    if phase_rows:
+        lines += [
+            "",
+            "Step phases, rank 0, median ms over the timed steps of every round (`bench/compare_strategies.py` "
+            "`PHASES`): forward (under PP the whole schedule) | backward | sync: after backward, before the optimizer "
+            "hooks (gradient reduction still in flight, the step guard) | optimizer (clipping, the step, ZeRO "
+            "parameter gathers) | between steps (data loading, logging, Lightning's loop).",
+            "",
+            "| config | forward | backward | sync | optimizer | between | sum |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in phase_rows:
+            med = {k: statistics.median(v) * 1e3 for k, v in r["phase_steps_s"].items() if v}
+            cells = " | ".join(f"{med[k]:.0f}" if k in med else "n/a" for k in PHASE_NAMES)
+            lines.append(f"| {r['name']} | {cells} | {sum(med.values()):.0f} |")
     for name, err in report.get("failed", {}).items():
         lines += ["", f"{name} failed: `{err}`"]
     if report.get("notes"):

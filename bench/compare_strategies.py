@@ -281,12 +281,26 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
                 out.setdefault("marks", []).append(time.perf_counter())
             if step == measured_step:
                 tracker.__enter__()
+            previous = getattr(self, "phase", {}).get("end")
+            self.phase = {"start": time.perf_counter()}
+            if previous is not None and warmup < step < measured_step:
+                self.phase["previous_end"] = previous
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.phase.setdefault("backward", time.perf_counter())
+
+        def on_after_backward(self, trainer, pl_module):
+            self.phase["after_backward"] = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.phase["optimizer"] = time.perf_counter()
             if trainer.global_step == measured_step and "state" not in out:
                 out["state"] = asdict(state_bytes(pl_module, [optimizer]))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.phase["end"] = time.perf_counter()
+            if warmup <= trainer.global_step - 1 < measured_step:  # a timed step (global_step counts it already)
+                _record_phases(out, self.phase, self.phase["end"])
             if profiler and trainer.global_step == profile_step + 1:
                 profiler[0].__exit__(None, None, None)
                 prof = profiler.pop()
@@ -346,6 +360,19 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
 # ---------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def _record_phases(out: dict[str, Any], t: dict[str, float], end: float) -> None:
+    """Rank 0's phases of one step (``compare_report.PHASE_NAMES``) from the callback's timestamps."""
+    backward = t.get("backward", t["start"])
+    after = t.get("after_backward", backward)
+    optimizer = t.get("optimizer", after)
+    spans = {"forward": backward - t["start"], "backward": after - backward, "sync": optimizer - after,
+             "optimizer": end - optimizer}  # fmt: skip
+    if "previous_end" in t:
+        spans["between"] = t["start"] - t["previous_end"]
+    for name, value in spans.items():
+        out.setdefault("phases", {}).setdefault(name, []).append(value)
 
 
 def _free_port() -> int:
@@ -494,6 +521,9 @@ def main(argv: list[str]) -> None:
                 row = next(r for r in rows if r["name"] == spec.name)
             row["tokens_per_s_samples"] = samples[spec.name]
             row["tokens_per_s"] = statistics.median(samples[spec.name])
+            merged = row.setdefault("phase_steps_s", {})  # rank 0's timed steps of every round
+            for name, values in ranks[0].get("phases", {}).items():
+                merged.setdefault(name, []).extend(values)
             print(f"{spec.name:14} {samples[spec.name][-1]:8.0f} tok/s  DP {mib(row['dp_bytes_per_rank'])} MiB/rank "
                   f"(x{row['dp_bytes_ratio']:.3f} theory)  TP {mib(row['tp_bytes_per_rank'])}  PP "
                   f"{mib(row['pp_bytes_per_rank'])}  state {mib(row['state_bytes_per_rank'])} MiB/rank "
