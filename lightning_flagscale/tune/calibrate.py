@@ -15,12 +15,14 @@
   parameters per rank (past the caches, like a real model's states), and converted to busy time per rank (wall
   time x the cores over the ranks when the ranks outnumber the cores: the cost model's shared-core accounting
   multiplies it back). Timed by one process on 4M parameters it varied 2.4-5.4 ns a parameter between runs on this
-  machine; all ranks at once on 16M, 4.7-5.0.
-- **Collectives**: a small gloo process world (spawned here, CPU) times all-reduce, all-gather, reduce-scatter,
-  all-to-all and P2P send/recv per group size and message size, up to one fp32 gradient bucket (the size data
-  parallelism's collectives run at: on a CPU, messages past the caches run at about half the bandwidth of 4 MiB
-  ones); a least-squares line through
-  ``time = alpha + factor(n) * bytes / busbw`` gives each ``LinkPoint`` (nccl-tests conventions, ``hardware.py``).
+  machine; all ranks at once on 16M, 4.0-5.0 (the median over the worlds below).
+- **Collectives**: small gloo process worlds (spawned here, CPU; ``worlds`` of them, 3 by default, each point the
+  median over them: with more ranks than cores, one world's small-message latency is one draw of how the scheduler
+  placed its ranks) time all-reduce, all-gather, reduce-scatter, all-to-all and P2P send/recv per group size and
+  message size, up to one fp32 gradient bucket (the size data parallelism's collectives run at: on a CPU, messages
+  past the caches run at about half the bandwidth of 4 MiB ones); each ``LinkPoint`` of
+  ``time = alpha + factor(n) * bytes / busbw`` (nccl-tests conventions, ``hardware.py``) takes its bandwidth from a
+  least-squares line and its latency from the latency-bound points (``fit_alpha_beta``).
   One machine has no inter-node link: ``inter`` points copy the ``intra`` ones (say so when planning clusters:
   use a built-in or a profile measured on the cluster).
 
