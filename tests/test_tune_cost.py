@@ -100,6 +100,19 @@ def test_mfu_uses_model_flops_and_the_profile_peak():
     assert 0 < cost.mfu < 1
 
 
+@pytest.mark.parametrize("balance", [0.0, 0.01])
+def test_expert_parallel_counts_every_collective_of_the_moe_layer(balance):
+    # Latency only: per MoE layer and micro-batch the code runs an all-gather of the per-expert counts and the
+    # dispatch + combine all-to-alls in forward, the two all-to-alls again in backward, and with a global balance
+    # loss one all-reduce of the routing statistics over the data-parallel ranks (parallel/expert.py, moe/router.py).
+    moe = TransformerConfig.from_preset("mixtral-8x7b", moe_aux_loss_coeff=balance)
+    c = ParallelConfig(expert_parallel_size=8).resolve(8)  # EP 8 inside DP 8
+    latency = 1e-3
+    cost = estimate_step(moe, c, 4096, 8, _profile(latency=latency))
+    calls = 5 + (1 if balance else 0)
+    assert cost.comm["ep"] == pytest.approx(moe.num_layers * calls * latency)
+
+
 def test_backward_gemm_factors_slow_only_the_backward():
     # A CPU without native bf16 runs dY @ W ~10x slower than X @ W^T: the profile's factor moves backward time only.
     hw = _profile(hbm=float("inf"))

@@ -12,7 +12,9 @@ Per micro-batch and pipeline rank, a block costs
   read or written per token in forward, twice that in backward, at HBM bandwidth;
 - **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels;
 - exposed **TP/SP** collectives (2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters, per block and pass;
-  nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls, and the
+  nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls (after an
+  all-gather of the per-expert row counts in forward; plus, for a global load-balancing or z loss, one all-reduce of
+  the routing statistics over the data x context ranks), and the
   **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
 
 The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
@@ -158,6 +160,14 @@ def _block_comm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: H
         ep = c.expert_parallel_size
         routed = t * model.num_experts_per_tok * h * BF16 / tp
         fwd["ep"] = bwd["ep"] = 2 * hw.collective_seconds("all_to_all", routed, ep, inter_node=_inter(ep, 1, hw))
+        # the per-expert row counts (int64) all-gathered first, so every rank knows the all-to-all splits
+        fwd["ep"] += hw.collective_seconds("all_gather", 8 * model.num_experts * ep, ep, inter_node=_inter(ep, 1, hw))
+    tokens_group = c.dp * cp
+    balance = model.moe_aux_loss_coeff > 0 or model.moe_z_loss_coeff > 0
+    if moe and balance and model.moe_aux_loss_scope == "global" and tokens_group > 1:
+        stats = (2 * model.num_experts + 2) * 4  # one all-reduce of the routing statistics (fp32)
+        one = hw.collective_seconds("all_reduce", stats, tokens_group, inter_node=_inter(tokens_group, tp, hw))
+        fwd["ep"] = fwd.get("ep", 0.0) + one
     return fwd, bwd
 
 
