@@ -250,6 +250,12 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "latency-bound points over the bandwidth term. And each point is the median over 3 freshly spawned worlds: "
         "with 4 ranks on 2 cores a world's small-message latency is one draw of how the scheduler placed it (a "
         "2-rank all-reduce: 0.9 ms in one world, 3.3 ms in the next).",
+        "- **attention by size** (2026-11-26): one SDPA efficiency, measured forward at 256-1024 tokens, with "
+        "backward at 2.5x: at this model's 64 tokens a call reached 5.6% of peak forward and 2.2% backward "
+        '(backward 6.5 forwards), against the 12% assumed; and ring CP on CPU runs `attn_backend="torch"`\'s '
+        "block kernel (fp32 scores of whole blocks, one call per ring step), not SDPA. The profile now carries "
+        "`attention_calls` and `ring_blocks` by size, forward and backward apart (`cp2-dp2` -21% -> -17%, MoE "
+        "-28% -> -26%).",
         "",
         f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
         f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "

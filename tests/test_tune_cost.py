@@ -113,6 +113,34 @@ def test_expert_parallel_counts_every_collective_of_the_moe_layer(balance):
     assert cost.comm["ep"] == pytest.approx(moe.num_layers * calls * latency)
 
 
+def test_attention_is_timed_per_call_and_ring_blocks_through_their_kernel():
+    # A calibrated CPU profile: SDPA calls at 10% of peak forward and 2% backward (on 2.5x the FLOPs), the torch ring
+    # kernel at 5% / 4% on whole blocks. Without the tables every call runs at attention_efficiency, backward 2.5x.
+    from lightning_flagscale.tune.cost import _attention
+
+    hw = _profile().replace(attention_efficiency=0.5)
+    table = hw.replace(attention_calls=[(1.0, 0.1, 0.02)], ring_blocks=[(1.0, 0.05, 0.04)])
+    s, heads, d, peak = 4096, MODEL.num_attention_heads, MODEL.head_dim, hw.peak_flops
+    causal = 0.5 * 4 * s * s * heads / 2 * d  # TP 2 splits the heads
+    tp = _layout(tensor_parallel_size=2)
+    assert _attention(MODEL, tp, s, hw) == pytest.approx((causal / (0.5 * peak), 2.5 * causal / (0.5 * peak)))
+    assert _attention(MODEL, tp, s, table) == pytest.approx((causal / (0.1 * peak), 2.5 * causal / (0.02 * peak)))
+    # ring CP 4: 4 steps on s/4 tokens; the diagonal block causal, the 3 others half a block
+    ring = _layout(context_parallel_size=4)
+    block = 4 * (s / 4) ** 2 * heads * d
+    fused = (0.5 + 3 * 0.5) * block  # = the causal FLOPs of one call over the whole sequence, split over 4 ranks
+    assert fused == pytest.approx(0.5 * 4 * s * s * heads * d / 4)
+    assert _attention(MODEL, ring, s, hw) == pytest.approx((fused / (0.5 * peak), 2.5 * fused / (0.5 * peak)))
+    torch_blocks = (1 + 3 * 0.5) * block  # the torch kernel computes the whole diagonal block (masked)
+    want = (torch_blocks / (0.05 * peak), 2.5 * torch_blocks / (0.04 * peak))
+    assert _attention(MODEL, ring, s, table) == pytest.approx(want)
+    # Ulysses: one call on the whole sequence with the heads split
+    uly = _layout(context_parallel_size=4, context_parallel_mode="ulysses")
+    assert _attention(MODEL, uly, s, table) == pytest.approx(
+        (causal / 2 / (0.1 * peak), 2.5 * causal / 2 / (0.02 * peak))
+    )
+
+
 def test_backward_gemm_factors_slow_only_the_backward():
     # A CPU without native bf16 runs dY @ W ~10x slower than X @ W^T: the profile's factor moves backward time only.
     hw = _profile(hbm=float("inf"))

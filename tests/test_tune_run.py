@@ -43,6 +43,10 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     # the optimizer phase, timed: torch's AdamW makes several passes per element, a 1e-11 s/param step would be a
     # 100 GB/s-per-core CPU and 1e-6 a broken measurement
     assert 1e-11 < profile.optimizer_seconds_per_param < 1e-6
+    # attention calls and ring blocks by size, forward and backward apart; small calls reach less of the peak
+    for points in (profile.attention_calls, profile.ring_blocks):
+        assert len(points) >= 4 and all(f > 0 and 0 < fwd < 2 and 0 < bwd < 2 for f, fwd, bwd in points)
+        assert points[0][1] < points[-1][1] and points[0][2] < points[-1][2]
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

@@ -6,7 +6,10 @@
   the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
   tiny model on a CPU is overhead-bound, and that is what its step time will show.
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
-  fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``.
+  fraction of peak on the half of ``4 b s^2 h`` FLOPs a causal kernel does is ``attention_efficiency``. Calls from
+  16 to 1024 tokens, forward and backward timed apart, give ``attention_calls`` (at 64 tokens on this CPU the
+  backward took 6.5 forwards, not 2.5), and the ``torch`` ring-attention block kernel by block size gives
+  ``ring_blocks`` (ring CP runs it on CPU: fp32 scores of the whole block).
 - **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.
 - **Optimizer phase**: what a rank runs between backward and the next step on flat fp32 main parameters (the step
   guard's finiteness sum, ``parallel.data.clip_grad_norm_``, torch's ``AdamW`` with its default implementation, the
@@ -52,10 +55,12 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 __all__ = [
     "calibrate",
     "fit_alpha_beta",
+    "measure_attention_calls",
     "measure_collectives",
     "measure_gemms",
     "measure_linear_gemms",
     "measure_optimizer_step",
+    "measure_ring_blocks",
 ]
 
 
@@ -116,6 +121,70 @@ def measure_attention(
 
         best = max(best, flops / _median_seconds(run, repeats))
     return best
+
+
+def _forward_backward_seconds(run: Callable[[], tuple[torch.Tensor, Callable[[], object]]], repeats: int):
+    """Median (forward, backward) seconds of ``run()``, which returns the forward's output and its backward."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        _, backward = run()
+        mid = time.perf_counter()
+        backward()
+        if i:
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def measure_attention_calls(
+    seq_lens: Sequence[int] = (16, 32, 64, 128, 256, 1024),
+    heads: int = 8,
+    head_dim: int = 64,
+    repeats: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[float, float, float]]:
+    """``(causal-half FLOPs, forward seconds, backward seconds)`` of one causal SDPA call per sequence length, with
+    autograd as training runs it (the backward separately: on a CPU it is not 2.5 forwards at small sizes)."""
+    out = []
+    for s in seq_lens:
+        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, heads, s, head_dim, dtype=dtype)
+
+        def run(q=q, k=k, v=v, grad=grad):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return o, lambda: o.backward(grad)
+
+        out.append((0.5 * 4 * s * s * heads * head_dim, *_forward_backward_seconds(run, repeats)))
+    return out
+
+
+def measure_ring_blocks(
+    block_lens: Sequence[int] = (8, 16, 32, 64, 128, 256),
+    heads: int = 8,
+    kv_heads: int = 4,
+    head_dim: int = 64,
+    repeats: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[float, float, float]]:
+    """``(FLOPs of the whole block, forward seconds, backward seconds)`` of one fully visible ring-attention block
+    of ``n x n`` tokens through ``attn_backend="torch"``'s kernel (``TorchBlockKernel``, what ring CP runs without
+    flash-attn or Transformer Engine)."""
+    from lightning_flagscale.parallel.attention_kernels import TorchBlockKernel
+
+    kernel, out = TorchBlockKernel(), []
+    for n in block_lens:
+        q = torch.randn(1, n, heads, head_dim, dtype=dtype)
+        k, v = (torch.randn(1, n, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        pos, scale = torch.arange(n), head_dim**-0.5
+
+        def run(q=q, k=k, v=v, pos=pos, scale=scale):
+            o, lse = kernel.forward(q, k, v, scale=scale, causal=False, q_pos=pos, k_pos=pos)
+            dout = torch.ones_like(o)
+            return o, lambda: kernel.backward(dout, q, k, v, o, lse, scale=scale, causal=False, q_pos=pos, k_pos=pos)
+
+        out.append((4.0 * n * n * heads * head_dim, *_forward_backward_seconds(run, repeats)))
+    return out
 
 
 def measure_memory_bandwidth(
@@ -344,12 +413,18 @@ def _calibrate(
     worlds: int,
 ) -> HardwareProfile:
     linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
-    rates = _gemm_rates(linear)
-    peak = max(rate for _, rate in rates)
+    gemm_rates = _gemm_rates(linear)
+    peak = max(rate for _, rate in gemm_rates)
     # backward layouts relative to the forward one at the same size: the median over shapes
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
     attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
+
+    def rates(points: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+        return [(f, f / (fwd * peak), 2.5 * f / (bwd * peak)) for f, fwd, bwd in points]
+
+    attention_calls = rates(measure_attention_calls(repeats=repeats, dtype=dtype))
+    ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
     links, optimizer = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds)
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
@@ -361,7 +436,8 @@ def _calibrate(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=units,
-        gemm=[(f, rate / peak) for f, rate in rates], attention_efficiency=min(1.0, attention / peak),
+        gemm=[(f, rate / peak) for f, rate in gemm_rates], attention_efficiency=min(1.0, attention / peak),
+        attention_calls=attention_calls, ring_blocks=ring_blocks,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         optimizer_seconds_per_param=_busy_seconds(optimizer, world, units),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},

@@ -7,7 +7,8 @@ Per micro-batch and pipeline rank, a block costs
   GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout relative
   to the forward one (equal on GPUs; not on a CPU without native bf16);
 - **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
-  backward 2.5x forward (FlashAttention-2's five matmuls against two);
+  backward 2.5x forward (FlashAttention-2's five matmuls against two); a calibrated profile times calls by size,
+  forward and backward apart, and ring CP's blocks through the kernel they run (``_attention``);
 - **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
   read or written per token in forward, twice that in backward, at HBM bandwidth;
 - **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels;
@@ -121,16 +122,32 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
         inner = model.intermediate_size
         gemm += hw.gemm_seconds(t, inner / tp, h, count=2) + hw.gemm_seconds(t, h, inner / tp)
         mlp_width = inner / tp
-    # causal kernels skip the masked half; every rank's s/cp queries meet all s keys
-    attn = hw.attention_seconds(
-        0.5 * 4 * c.micro_batch_size * seq_len * seq_len * q * d / (tp * c.context_parallel_size)
-    )
+    attn = _attention(model, c, seq_len, hw)
     hidden_split = tp if c.sequence_parallel else 1
     mem = hw.memory_seconds(t * BF16 * (16 * h / hidden_split + 6 * mlp_width))
     return gemm, attn, mem
 
 
-def _block_comm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool, attn: float):
+def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's core attention on one rank.
+
+    Without a ring: one fused call on the causal half of ``4 b s^2 h d`` (Ulysses gathers the sequence and splits
+    the heads). Ring CP (``parallel/context.py``, zigzag chunks): ``ring`` steps on the local ``s / ring`` tokens,
+    the diagonal block causal and each other step half a block; through a fused kernel that is the same causal
+    FLOPs as one call, through the ``torch`` block kernel each step is a separate call on its whole block."""
+    tp, u, ring = c.tensor_parallel_size, c.resolved_ulysses_size, c.ring_size
+    local = seq_len / ring
+    full = 4 * c.micro_batch_size * local * local * model.num_attention_heads / (tp * u) * model.head_dim
+    if ring <= 1:
+        return hw.attention_call_seconds(0.5 * full)
+    diag_f, diag_b = hw.ring_block_seconds(full, 0.5 * full)
+    rest_f, rest_b = hw.ring_block_seconds(0.5 * full, 0.5 * full, calls=ring - 1)
+    return diag_f + rest_f, diag_b + rest_b
+
+
+def _block_comm(
+    model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool, attn: tuple[float, float]
+):
     """Exposed forward and backward communication seconds of one block, by kind."""
     tp, cp = c.tensor_parallel_size, c.context_parallel_size
     t, h, d = _tokens(model, c, seq_len), model.hidden_size, model.head_dim
@@ -154,8 +171,8 @@ def _block_comm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: H
         if ring > 1:  # K and V of the local chunk go round the ring, overlapped with the attention of each step
             kv = 2 * t * model.num_key_value_heads * d * BF16 / tp
             step = hw.collective_seconds("p2p", kv, 2, inter_node=cp_inter)
-            fwd["cp"] = fwd.get("cp", 0.0) + max(0.0, (ring - 1) * step - attn * (ring - 1) / ring)
-            bwd["cp"] = bwd.get("cp", 0.0) + max(0.0, (ring - 1) * 2 * step - 2.5 * attn * (ring - 1) / ring)
+            fwd["cp"] = fwd.get("cp", 0.0) + max(0.0, (ring - 1) * step - attn[0] * (ring - 1) / ring)
+            bwd["cp"] = bwd.get("cp", 0.0) + max(0.0, (ring - 1) * 2 * step - attn[1] * (ring - 1) / ring)
     if moe and c.expert_parallel_size > 1:
         ep = c.expert_parallel_size
         routed = t * model.num_experts_per_tok * h * BF16 / tp
@@ -176,9 +193,9 @@ def _block_pass(
 ) -> _Pass:
     gemm, attn, mem = _block_compute(model, c, seq_len, hw, moe)
     fwd_comm, bwd_comm = _block_comm(model, c, seq_len, hw, moe, attn)
-    f = gemm + attn + mem + sum(fwd_comm.values())
+    f = gemm + attn[0] + mem + sum(fwd_comm.values())
     dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
-    b = dgrad + w + 2.5 * attn + 2 * mem + sum(bwd_comm.values())
+    b = dgrad + w + attn[1] + 2 * mem + sum(bwd_comm.values())
     if recompute == "full":
         b += f
     elif recompute == "selective":

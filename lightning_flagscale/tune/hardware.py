@@ -89,6 +89,18 @@ class LinkPoint:
     """beta^-1, bytes/s as nccl-tests' busbw (large-message)."""
 
 
+def _log_linear(points: list[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` between ``(x, y)`` points, linear in ``log x``, clamped at the ends."""
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
 def _flat_links(intra: tuple[float, float], inter: tuple[float, float]) -> dict[str, dict[str, list[LinkPoint]]]:
     """Same (latency, busbw) for every collective and group size; ring latency grows with log2 of the group."""
     out: dict[str, dict[str, list[LinkPoint]]] = {}
@@ -132,6 +144,16 @@ class HardwareProfile:
     """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
     attention_efficiency: float = 0.5
     """Fraction of peak the fused attention kernel reaches on the FLOPs it does."""
+    attention_calls: list[tuple[float, float, float]] = field(default_factory=list)
+    """Measured SDPA calls by size (``tune --calibrate``): ``(causal-half FLOPs of one call, forward fraction of
+    peak, backward fraction of peak on 2.5x those FLOPs)``, sorted by FLOPs. Empty: ``attention_efficiency`` for
+    both passes (fused GPU kernels). On a CPU a small call is overhead-bound and its backward costs far more than
+    2.5 forwards (64 tokens: 0.14 ms forward, 0.94 ms backward)."""
+    ring_blocks: list[tuple[float, float, float]] = field(default_factory=list)
+    """The same for one block of ring context-parallel attention through the kernel ``attn_backend="torch"``
+    resolves to on this device (``parallel/attention_kernels.TorchBlockKernel``: fp32 scores of the whole block,
+    masked), by the block's full ``4 b sq sk h d`` FLOPs. Empty: ring blocks run a fused kernel at the
+    ``attention_calls`` / ``attention_efficiency`` rates on their causal FLOPs (flash-attn, Transformer Engine)."""
     input_grad_gemm_factor: float = 1.0
     """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
     same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
@@ -164,6 +186,12 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: optimizer_seconds_per_param must be >= 0 (0: derived).")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
+        for key in ("attention_calls", "ring_blocks"):
+            if any(len(p) != 3 or min(p) <= 0 for p in getattr(self, key)):
+                raise ValueError(
+                    f"HardwareProfile {self.name!r}: {key} points are (FLOPs, forward efficiency, backward efficiency),"
+                    " all > 0."
+                )
         for kind in COLLECTIVES:
             for scope in ("intra", "inter"):
                 if not self.links.get(kind, {}).get(scope):
@@ -173,14 +201,7 @@ class HardwareProfile:
     # ---- compute ----
     def gemm_efficiency(self, flops: float) -> float:
         """Achieved fraction of peak of one GEMM of ``flops`` (log-linear between points, clamped at the ends)."""
-        pts = sorted(self.gemm)
-        if flops <= pts[0][0]:
-            return pts[0][1]
-        for (f0, e0), (f1, e1) in itertools.pairwise(pts):
-            if flops <= f1:
-                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return _log_linear(self.gemm, flops)
 
     def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
         """Time of ``count`` GEMMs ``(m x k) @ (k x n)``."""
@@ -195,6 +216,30 @@ class HardwareProfile:
 
     def attention_seconds(self, flops: float) -> float:
         return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)
+
+    def attention_call_seconds(self, flops: float, calls: float = 1.0) -> tuple[float, float]:
+        """(forward, backward) seconds of ``calls`` fused attention calls of ``flops`` (causal half) each."""
+        if flops <= 0 or calls <= 0:
+            return 0.0, 0.0
+        if not self.attention_calls:
+            one = self.attention_seconds(flops)
+            return calls * one, calls * 2.5 * one
+        return self._calls(self.attention_calls, flops, calls)
+
+    def ring_block_seconds(self, flops: float, causal_flops: float, calls: float = 1.0) -> tuple[float, float]:
+        """(forward, backward) seconds of ``calls`` ring-attention blocks of ``flops`` (whole block) each, whose
+        visible part is ``causal_flops`` (what a fused kernel computes)."""
+        if not self.ring_blocks:
+            return self.attention_call_seconds(causal_flops, calls)
+        if flops <= 0 or calls <= 0:
+            return 0.0, 0.0
+        return self._calls(self.ring_blocks, flops, calls)
+
+    def _calls(self, points: list[tuple[float, float, float]], flops: float, calls: float) -> tuple[float, float]:
+        rate = self.peak_flops * self.compute_scale
+        fwd = _log_linear([(f, e) for f, e, _ in points], flops)
+        bwd = _log_linear([(f, e) for f, _, e in points], flops)
+        return calls * flops / (rate * fwd), calls * 2.5 * flops / (rate * bwd)
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time of a memory-bound kernel that moves ``nbytes``."""
@@ -230,7 +275,8 @@ class HardwareProfile:
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["gemm"] = [list(p) for p in self.gemm]
+        for key in ("gemm", "attention_calls", "ring_blocks"):
+            out[key] = [list(p) for p in getattr(self, key)]
         return out
 
     @classmethod
@@ -240,8 +286,9 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"Hardware profile has unknown keys {unknown}; valid keys: {sorted(known)}.")
         data = dict(data)
-        if "gemm" in data:
-            data["gemm"] = [tuple(map(float, p)) for p in data["gemm"]]
+        for key in ("gemm", "attention_calls", "ring_blocks"):
+            if key in data:
+                data[key] = [tuple(map(float, p)) for p in data[key]]
         if "links" in data:
             data["links"] = {
                 kind: {
