@@ -254,8 +254,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "backward at 2.5x: at this model's 64 tokens a call reached 5.6% of peak forward and 2.2% backward "
         '(backward 6.5 forwards), against the 12% assumed; and ring CP on CPU runs `attn_backend="torch"`\'s '
         "block kernel (fp32 scores of whole blocks, one call per ring step), not SDPA. The profile now carries "
-        "`attention_calls` and `ring_blocks` by size, forward and backward apart (`cp2-dp2` -21% -> -17%, MoE "
-        "-28% -> -26%).",
+        "`attention_calls` and `ring_blocks` by size, forward and backward apart (on the 02:55 measurements: "
+        "`cp2-dp2` -21% -> -17%, MoE -28% -> -26%).",
         "",
         f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
         f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "
@@ -275,7 +275,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "descheduled (ms per call, against the calibration's all-ranks-at-once timing: TP and CP layouts run "
         "slower than predicted), the ZeRO-3 engine's copies around each all-gather and reduce-scatter (`zero3`: "
         "flat's cast and flat gradient, FSDP2's per-parameter copy-in/copy-out), and the MoE layer "
-        "(`moe-ep2-dp4`, measured as slow as dense `zero1` where the model predicts 25% less: in one process, one "
+        "(`moe-ep2-dp4`, measured about as slow as dense `zero1` where the model predicts ~25% less: in one process, one "
         "thread, bf16, forward + backward of 64 tokens, the MoE model took 0.91 of the dense model's time against "
         "a predicted 0.81, i.e. its dispatch (index gathers, their `index_put_` backward, `index_add_`, the grouped "
         "GEMMs of 32-row experts, 14-21% slower than the GEMM curve says at that shape) costs more than its FLOPs say, and under "
