@@ -140,6 +140,29 @@ def _least_loaded(names: list[str], meas: dict, args, predict, dense: list[int])
     ]
 
 
+def _calibrated_view(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
+    """The same checks with no fit at all: the profile's own ``compute_scale``, which ``tune --calibrate`` sets from
+    a reference decoder step (``calibrate.REFERENCE``), so every layout, the first included, is a prediction."""
+    from lightning_flagscale.tune.hardware import load_profile
+
+    hw = load_profile(args.profile or DEFAULT_PROFILE)
+    if "reference decoder step" not in hw.source:
+        return ["Calibrated view (no fit): not computed, the profile predates the reference-step calibration."]
+    pred = [predict(n, hw)[1].step_seconds for n in names]
+    got = [meas[n]["time"][0] for n in names]
+    ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pred, got))
+    best_pred = names[min(dense, key=pred.__getitem__)]
+    best_meas = names[min(dense, key=got.__getitem__)]
+    gap = got[names.index(best_pred)] / got[names.index(best_meas)] - 1
+    errors = ", ".join(f"{n} {a / b - 1:+.0%}" for n, a, b in zip(names, pred, got))
+    return [
+        f"Calibrated view, **no fit on any layout** (`compute_scale` = {hw.compute_scale:.3f} from `tune "
+        "--calibrate`'s reference decoder step, all ranks at once; Lightning's loop and the loss are not in it): "
+        f"time within 20% on {ok}/{len(names)} layouts, Spearman {spearman(pred, got):.2f}, predicted best dense "
+        f"`{best_pred}` is {gap:+.1%} off the measured best `{best_meas}`. Errors: {errors}.",
+    ]
+
+
 def _ok(flag: bool) -> str:
     return "**met**" if flag else "**missed**"
 
@@ -208,6 +231,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         f"({meas[best_meas]['time'][0]:.2f} s): {best_gap:+.1%} {_ok(best_gap <= 0.10)} (target within 10%)",
         "",
         *_least_loaded(names, meas, args, predict, dense),
+        "",
+        *_calibrated_view(names, meas, args, predict, dense),
         "",
         "## What the breakdown showed, and what remains",
         "",

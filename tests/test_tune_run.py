@@ -43,6 +43,15 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     # the optimizer phase, timed: torch's AdamW makes several passes per element, a 1e-11 s/param step would be a
     # 100 GB/s-per-core CPU and 1e-6 a broken measurement
     assert 1e-11 < profile.optimizer_seconds_per_param < 1e-6
+    # the end-to-end factor from the reference decoder step: the profile then predicts that step's busy time
+    assert 0.01 < profile.compute_scale < 10 and "reference decoder step" in profile.source
+    from lightning_flagscale.tune.calibrate import REFERENCE, reference_compute_scale
+    from lightning_flagscale.tune.cost import _rank_pass
+
+    reference = TransformerConfig(**REFERENCE)
+    scaled = profile.replace(compute_scale=reference_compute_scale(profile, 0.05))
+    one = _rank_pass(reference, ParallelConfig().resolve(1), reference.max_seq_len, scaled)
+    assert one.f + one.b == pytest.approx(0.05)  # a 50 ms reference step is what the scaled profile predicts
     # attention calls and ring blocks by size, forward and backward apart; small calls reach less of the peak
     for points in (profile.attention_calls, profile.ring_blocks):
         assert len(points) >= 4 and all(f > 0 and 0 < fwd < 2 and 0 < bwd < 2 for f, fwd, bwd in points)

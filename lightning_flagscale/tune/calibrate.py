@@ -29,6 +29,10 @@
   One machine has no inter-node link: ``inter`` points copy the ``intra`` ones (say so when planning clusters:
   use a built-in or a profile measured on the cluster).
 
+- **End-to-end factor**: forward + backward of a small decoder (``REFERENCE``: our own layers, autograd, the host)
+  run by every rank of the spawned worlds at once, as busy time; ``compute_scale`` is what makes the cost model
+  predict it. Training adds Lightning's loop and the loss on top, so a measured step may still run slower.
+
 Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
 medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on a measured step.
 """
@@ -60,7 +64,9 @@ __all__ = [
     "measure_gemms",
     "measure_linear_gemms",
     "measure_optimizer_step",
+    "measure_reference_step",
     "measure_ring_blocks",
+    "reference_compute_scale",
 ]
 
 
@@ -187,6 +193,40 @@ def measure_ring_blocks(
     return out
 
 
+REFERENCE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, max_seq_len=64)  # fmt: skip
+"""The small decoder whose forward + backward (one sequence of ``max_seq_len`` tokens) sets a calibrated profile's
+``compute_scale``: what our layers, autograd and the host add to the kernels timed above."""
+
+
+def measure_reference_step(dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Median seconds of forward + backward (cross-entropy on the logits) of the :data:`REFERENCE` decoder."""
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models import CausalLM
+
+    config = TransformerConfig(**REFERENCE)
+    generator = torch.Generator().manual_seed(0)
+    model = CausalLM(config).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (1, config.max_seq_len), generator=generator)
+    labels = torch.randint(0, config.vocab_size, (config.max_seq_len,), generator=generator)
+
+    def step() -> None:
+        logits = model(ids).float().reshape(-1, config.vocab_size)
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+
+    return _median_seconds(step, repeats)
+
+
+def reference_compute_scale(profile: HardwareProfile, busy_seconds: float) -> float:
+    """The ``compute_scale`` with which ``profile`` predicts the :data:`REFERENCE` step's measured busy time."""
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune.cost import _rank_pass
+
+    config = TransformerConfig(**REFERENCE)
+    one = _rank_pass(config, ParallelConfig().resolve(1), config.max_seq_len, profile.replace(compute_scale=1.0))
+    return (one.f + one.b) / busy_seconds
+
+
 def measure_memory_bandwidth(
     numel: int = 8 * 1024 * 1024, repeats: int = 3, dtype: torch.dtype = torch.float32
 ) -> float:
@@ -265,20 +305,34 @@ def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callabl
     return p2p
 
 
+def _all_ranks_median(seconds: float, world: int) -> float:
+    per_rank: list[float] = [0.0] * world
+    dist.all_gather_object(per_rank, seconds)
+    return statistics.median(per_rank)
+
+
 def _collective_worker(
-    rank: int, world: int, port: int, sizes: list[int], groups: list[int], repeats: int, optimizer_numel: int, queue
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    groups: list[int],
+    repeats: int,
+    optimizer_numel: int,
+    dtype: torch.dtype | None,
+    queue,
 ):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        optimizer = None
+        optimizer = reference = None
         if optimizer_numel:  # every rank at once, as in training (they share the memory bus and the cores)
             dist.barrier()
-            seconds = measure_optimizer_step(optimizer_numel, repeats=max(repeats, 5), tensors=4)
-            per_rank: list[float] = [0.0] * world
-            dist.all_gather_object(per_rank, seconds)
-            optimizer = statistics.median(per_rank)
+            optimizer = _all_ranks_median(measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4), world)
+        if dtype is not None:  # the reference decoder step, every rank at once too
+            dist.barrier()
+            reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5)), world)
         results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
         for n in groups:
             group = dist.new_group(list(range(n)))
@@ -295,7 +349,7 @@ def _collective_worker(
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
         if rank == 0:
-            queue.put((results, optimizer))
+            queue.put((results, optimizer, reference))
     finally:
         dist.destroy_process_group()
 
@@ -314,9 +368,15 @@ def measure_collectives(
 
 
 def _measure_world(
-    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int, optimizer_numel: int, worlds: int = 1
-) -> tuple[dict[str, dict[int, LinkPoint]], float | None]:
-    """(collective points, optimizer seconds per parameter of one rank while all ranks run it, or None), each the
+    group_sizes: Sequence[int],
+    sizes: Sequence[int],
+    repeats: int,
+    optimizer_numel: int,
+    worlds: int = 1,
+    dtype: torch.dtype | None = None,
+) -> tuple[dict[str, dict[int, LinkPoint]], float | None, float | None]:
+    """(collective points, optimizer seconds per parameter of one rank while all ranks run it or None, seconds of
+    the :data:`REFERENCE` step in ``dtype`` while all ranks run it or None), each the
     median over ``worlds`` freshly spawned process worlds: with more ranks than cores, how the scheduler places a
     world's ranks decides its small-message latency for the whole run (one world timed a 2-rank all-reduce at
     0.9 ms, the next at 3.3 ms), so one world is one draw."""
@@ -325,7 +385,8 @@ def _measure_world(
     draws: list[tuple[dict, float | None]] = []
     for _ in range(worlds):
         queue = ctx.Queue()
-        args = (world, _free_port(), list(sizes), sorted(set(group_sizes) | {2}), repeats, optimizer_numel, queue)
+        groups = sorted(set(group_sizes) | {2})
+        args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, queue)
         mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
         draws.append(queue.get(timeout=60))
     out: dict[str, dict[int, LinkPoint]] = {}
@@ -337,7 +398,8 @@ def _measure_world(
             alpha, busbw = fit_alpha_beta(med)
             out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
     optimizer = statistics.median(d[1] for d in draws) if optimizer_numel else None
-    return out, optimizer
+    reference = statistics.median(d[2] for d in draws) if dtype is not None else None
+    return out, optimizer, reference
 
 
 def _busy_seconds(wall: float, ranks: int, units: float) -> float:
@@ -425,14 +487,14 @@ def _calibrate(
 
     attention_calls = rates(measure_attention_calls(repeats=repeats, dtype=dtype))
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
-    links, optimizer = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds)
+    links, optimizer, reference = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
     dtype_name = str(dtype).removeprefix("torch.")
-    return HardwareProfile(
+    profile = HardwareProfile(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=units,
@@ -442,5 +504,7 @@ def _calibrate(
         optimizer_seconds_per_param=_busy_seconds(optimizer, world, units),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
-        f"{dtype_name}; inter-node points copy the intra-node ones)",
+        f"{dtype_name}; inter-node points copy the intra-node ones; compute_scale from the reference decoder step)",
     )  # fmt: skip
+    assert reference is not None
+    return profile.replace(compute_scale=reference_compute_scale(profile, _busy_seconds(reference, world, units)))
