@@ -170,7 +170,8 @@ class HardwareProfile:
     )
     """collective -> ``intra``/``inter`` -> points by group size."""
     compute_scale: float = 1.0
-    """End-to-end factor on every compute time's efficiency, fitted on a measured or published step."""
+    """End-to-end factor on every compute time's efficiency, fitted on a measured or published step
+    (``calibrate_compute_scale``); ``tune --calibrate`` sets it from a reference decoder step timed on the machine."""
     gemm_scale: float = 1.0
     """Extra factor on GEMM throughput only: a faster GEMM format (Float8 linears) that attention and memory-bound
     kernels do not share."""
