@@ -141,6 +141,20 @@ def test_attention_is_timed_per_call_and_ring_blocks_through_their_kernel():
     )
 
 
+def test_few_rows_run_below_the_gemm_curve():
+    # gemm_rows: a 16-row GEMM reaches half the efficiency its FLOPs give, 64 rows 0.8, from 256 rows up the curve
+    hw = _profile()
+    rows = hw.replace(gemm_rows=[(16.0, 0.5), (64.0, 0.8), (256.0, 1.0)])
+    for m, factor in ((16, 0.5), (8, 0.5), (64, 0.8), (256, 1.0), (4096, 1.0)):
+        assert rows.gemm_seconds(m, 4096, 4096) == pytest.approx(hw.gemm_seconds(m, 4096, 4096) / factor)
+    assert rows.gemm_seconds(4096, 32, 4096) == pytest.approx(
+        hw.gemm_seconds(4096, 32, 4096) / rows.gemm_shape_factor(32)
+    )
+    assert 0.5 < rows.gemm_shape_factor(32) < 0.8  # log-linear between 16 and 64
+    with pytest.raises(ValueError, match="gemm_rows"):
+        hw.replace(gemm_rows=[(16.0, 0.0)])
+
+
 def test_backward_gemm_factors_slow_only_the_backward():
     # A CPU without native bf16 runs dY @ W ~10x slower than X @ W^T: the profile's factor moves backward time only.
     hw = _profile(hbm=float("inf"))

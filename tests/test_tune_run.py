@@ -52,6 +52,9 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     scaled = profile.replace(compute_scale=reference_compute_scale(profile, 0.05))
     one = _rank_pass(reference, ParallelConfig().resolve(1), reference.max_seq_len, scaled)
     assert one.f + one.b == pytest.approx(0.05)  # a 50 ms reference step is what the scaled profile predicts
+    # a few rows run below the GEMM curve; from 512 rows up the curve holds
+    assert profile.gemm_rows[-1] == (512.0, 1.0) and all(0 < f < 2 for _, f in profile.gemm_rows)
+    assert profile.gemm_shape_factor(8) < profile.gemm_shape_factor(256)
     # attention calls and ring blocks by size, forward and backward apart; small calls reach less of the peak
     for points in (profile.attention_calls, profile.ring_blocks):
         assert len(points) >= 4 and all(f > 0 and 0 < fwd < 2 and 0 < bwd < 2 for f, fwd, bwd in points)

@@ -2,7 +2,8 @@
 
 - **GEMM throughput by shape**: square and tall-skinny linear-layer GEMMs of growing size in the training dtype
   (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``,
-  each size's rate over it is a ``gemm`` point, and
+  each size's rate over it is a ``gemm`` point (and 8-256 tokens through a 1024-wide layer, against that curve,
+  the ``gemm_rows`` factors: a few rows run below what their FLOPs say), and
   the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
   tiny model on a CPU is overhead-bound, and that is what its step time will show.
 - **SDPA attention**: causal ``scaled_dot_product_attention`` forward at a few sequence lengths; the achieved
@@ -61,6 +62,7 @@ __all__ = [
     "fit_alpha_beta",
     "measure_attention_calls",
     "measure_collectives",
+    "measure_gemm_rows",
     "measure_gemms",
     "measure_linear_gemms",
     "measure_optimizer_step",
@@ -111,6 +113,23 @@ def measure_linear_gemms(
             )
             out.append((flops, *(flops / _median_seconds(fn, repeats) for fn in runs)))
     return sorted(out)
+
+
+def measure_gemm_rows(
+    rows: Sequence[int] = (8, 16, 32, 64, 128, 256),
+    width: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+) -> list[tuple[int, float]]:
+    """``(rows, forward flop/s)`` of ``rows`` tokens through a ``width x width`` linear layer."""
+    w = torch.randn(width, width, dtype=dtype)
+    out = []
+    for r in rows:
+        x = torch.randn(r, width, dtype=dtype)
+        out.append(
+            (r, 2.0 * r * width * width / _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), repeats))
+        )
+    return out
 
 
 def measure_attention(
@@ -480,6 +499,12 @@ def _calibrate(
     # backward layouts relative to the forward one at the same size: the median over shapes
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
+    curve = HardwareProfile(name="curve", peak_flops=peak, gemm=[(f, rate / peak) for f, rate in gemm_rates])
+    # each row count's rate over what its FLOPs alone give on the curve; from 512 rows up, the curve itself
+    gemm_rows = [
+        (float(r), rate / (peak * curve.gemm_efficiency(2.0 * r * 1024 * 1024)))
+        for r, rate in measure_gemm_rows(dtype=dtype, repeats=repeats)
+    ] + [(512.0, 1.0)]
     attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
 
     def rates(points: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
@@ -498,7 +523,8 @@ def _calibrate(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=units,
-        gemm=[(f, rate / peak) for f, rate in gemm_rates], attention_efficiency=min(1.0, attention / peak),
+        gemm=[(f, rate / peak) for f, rate in gemm_rates], gemm_rows=gemm_rows,
+        attention_efficiency=min(1.0, attention / peak),
         attention_calls=attention_calls, ring_blocks=ring_blocks,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         optimizer_seconds_per_param=_busy_seconds(optimizer, world, units),

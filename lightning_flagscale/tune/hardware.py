@@ -142,6 +142,10 @@ class HardwareProfile:
     pipeline bubble lends its share to the busy ones."""
     gemm: list[tuple[float, float]] = field(default_factory=lambda: _saturating_gemm(0.75, 2e10))
     """``(FLOPs of one GEMM, fraction of peak)`` points, sorted by FLOPs."""
+    gemm_rows: list[tuple[float, float]] = field(default_factory=list)
+    """``(smallest GEMM dimension, factor)`` points on top of ``gemm`` (``tune --calibrate``): a GEMM with a dimension
+    this small (a few tokens: MoE experts, small micro-batches) reaches ``factor`` times the efficiency its FLOPs
+    alone give (16 rows through a 1024-wide layer: ~0.75 on this CPU). 1 from the largest point up; empty: 1."""
     attention_efficiency: float = 0.5
     """Fraction of peak the fused attention kernel reaches on the FLOPs it does."""
     attention_calls: list[tuple[float, float, float]] = field(default_factory=list)
@@ -187,6 +191,8 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: optimizer_seconds_per_param must be >= 0 (0: derived).")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
+        if any(len(p) != 2 or min(p) <= 0 for p in self.gemm_rows):
+            raise ValueError(f"HardwareProfile {self.name!r}: gemm_rows points are (rows, factor), both > 0.")
         for key in ("attention_calls", "ring_blocks"):
             if any(len(p) != 3 or min(p) <= 0 for p in getattr(self, key)):
                 raise ValueError(
@@ -209,7 +215,14 @@ class HardwareProfile:
         flops = 2 * m * n * k
         if flops <= 0:
             return 0.0
-        return count * flops / (self.peak_flops * self.gemm_efficiency(flops) * self.compute_scale * self.gemm_scale)
+        eff = self.gemm_efficiency(flops) * self.gemm_shape_factor(min(m, n, k))
+        return count * flops / (self.peak_flops * eff * self.compute_scale * self.gemm_scale)
+
+    def gemm_shape_factor(self, smallest: float) -> float:
+        """``gemm_rows`` at a GEMM's smallest dimension (1 from the largest point up, or without points)."""
+        if not self.gemm_rows or smallest >= max(r for r, _ in self.gemm_rows):
+            return 1.0
+        return _log_linear(self.gemm_rows, smallest)
 
     def backward_gemm_seconds(self, forward_seconds: float) -> tuple[float, float]:
         """(input-gradient, weight-gradient) seconds of the backward of GEMMs that take ``forward_seconds``."""
@@ -276,7 +289,7 @@ class HardwareProfile:
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("gemm", "attention_calls", "ring_blocks"):
+        for key in ("gemm", "gemm_rows", "attention_calls", "ring_blocks"):
             out[key] = [list(p) for p in getattr(self, key)]
         return out
 
@@ -287,7 +300,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"Hardware profile has unknown keys {unknown}; valid keys: {sorted(known)}.")
         data = dict(data)
-        for key in ("gemm", "attention_calls", "ring_blocks"):
+        for key in ("gemm", "gemm_rows", "attention_calls", "ring_blocks"):
             if key in data:
                 data[key] = [tuple(map(float, p)) for p in data[key]]
         if "links" in data:
