@@ -125,19 +125,26 @@ def _least_loaded(names: list[str], meas: dict, args, predict, dense: list[int])
             "`compute_scale` fits it (the optimizer phase, timed once by `tune --calibrate`, varies 2-3x between "
             "runs on this VM)."
         ]
-    pred = [predict(n, hw)[1].step_seconds for n in names]
-    got = [fast[n] for n in names]
+    return [
+        f"Secondary view, **fastest round** of each layout (least load; `compute_scale` = {hw.compute_scale:.3f} "
+        f"refitted on `{names[0]}`'s fastest round): "
+        + _view_checks(
+            names, [predict(n, hw)[1].step_seconds for n in names], [fast[n] for n in names], dense, "fastest"
+        )
+    ]
+
+
+def _view_checks(names: list[str], pred: list[float], got: list[float], dense: list[int], measured: str) -> str:
+    """The time targets of one view (predicted vs measured step per layout), as a sentence."""
     ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pred, got))
     best_pred = names[min(dense, key=pred.__getitem__)]
     best_meas = names[min(dense, key=got.__getitem__)]
-    gap = fast[best_pred] / fast[best_meas] - 1
+    gap = got[names.index(best_pred)] / got[names.index(best_meas)] - 1
     errors = ", ".join(f"{n} {a / b - 1:+.0%}" for n, a, b in zip(names, pred, got))
-    return [
-        f"Secondary view, **fastest round** of each layout (least load; `compute_scale` = {hw.compute_scale:.3f} "
-        f"refitted on `{names[0]}`'s fastest round): time within 20% on {ok}/{len(names)} layouts, Spearman "
-        f"{spearman(pred, got):.2f}, predicted best dense `{best_pred}` is {gap:+.1%} off the fastest `{best_meas}`. "
-        f"Errors: {errors}.",
-    ]
+    return (
+        f"time within 20% on {ok}/{len(names)} layouts, Spearman {spearman(pred, got):.2f}, predicted best dense "
+        f"`{best_pred}` is {gap:+.1%} off the {measured} `{best_meas}`. Errors: {errors}."
+    )
 
 
 def _calibrated_view(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
@@ -149,17 +156,10 @@ def _calibrated_view(names: list[str], meas: dict, args, predict, dense: list[in
     if "reference decoder step" not in hw.source:
         return ["Calibrated view (no fit): not computed, the profile predates the reference-step calibration."]
     pred = [predict(n, hw)[1].step_seconds for n in names]
-    got = [meas[n]["time"][0] for n in names]
-    ok = sum(abs(a / b - 1) <= 0.20 for a, b in zip(pred, got))
-    best_pred = names[min(dense, key=pred.__getitem__)]
-    best_meas = names[min(dense, key=got.__getitem__)]
-    gap = got[names.index(best_pred)] / got[names.index(best_meas)] - 1
-    errors = ", ".join(f"{n} {a / b - 1:+.0%}" for n, a, b in zip(names, pred, got))
     return [
         f"Calibrated view, **no fit on any layout** (`compute_scale` = {hw.compute_scale:.3f} from `tune "
         "--calibrate`'s reference decoder step, all ranks at once; Lightning's loop and the loss are not in it): "
-        f"time within 20% on {ok}/{len(names)} layouts, Spearman {spearman(pred, got):.2f}, predicted best dense "
-        f"`{best_pred}` is {gap:+.1%} off the measured best `{best_meas}`. Errors: {errors}.",
+        + _view_checks(names, pred, [meas[n]["time"][0] for n in names], dense, "measured best")
     ]
 
 

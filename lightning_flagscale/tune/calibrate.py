@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, algorithm_factor
+from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, _log_linear, algorithm_factor
 
 # torch >= 2.12 names the tensor forms *_single and deprecates the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -120,15 +120,14 @@ def measure_gemm_rows(
     width: int = 1024,
     dtype: torch.dtype = torch.float32,
     repeats: int = 3,
-) -> list[tuple[int, float]]:
-    """``(rows, forward flop/s)`` of ``rows`` tokens through a ``width x width`` linear layer."""
+) -> list[tuple[int, float, float]]:
+    """``(rows, FLOPs, forward flop/s)`` of ``rows`` tokens through a ``width x width`` linear layer."""
     w = torch.randn(width, width, dtype=dtype)
     out = []
     for r in rows:
         x = torch.randn(r, width, dtype=dtype)
-        out.append(
-            (r, 2.0 * r * width * width / _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), repeats))
-        )
+        flops = 2.0 * r * width * width
+        out.append((r, flops, flops / _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), repeats)))
     return out
 
 
@@ -400,11 +399,11 @@ def _measure_world(
     world's ranks decides its small-message latency for the whole run (one world timed a 2-rank all-reduce at
     0.9 ms, the next at 3.3 ms), so one world is one draw."""
     world = max(max(group_sizes), 2)
+    groups = sorted(set(group_sizes) | {2})
     ctx = mp.get_context("spawn")
-    draws: list[tuple[dict, float | None]] = []
+    draws: list[tuple[dict, float | None, float | None]] = []
     for _ in range(worlds):
         queue = ctx.Queue()
-        groups = sorted(set(group_sizes) | {2})
         args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, queue)
         mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
         draws.append(queue.get(timeout=60))
@@ -499,11 +498,11 @@ def _calibrate(
     # backward layouts relative to the forward one at the same size: the median over shapes
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
-    curve = HardwareProfile(name="curve", peak_flops=peak, gemm=[(f, rate / peak) for f, rate in gemm_rates])
+    gemm = [(f, rate / peak) for f, rate in gemm_rates]
     # each row count's rate over what its FLOPs alone give on the curve; from 512 rows up, the curve itself
     gemm_rows = [
-        (float(r), rate / (peak * curve.gemm_efficiency(2.0 * r * 1024 * 1024)))
-        for r, rate in measure_gemm_rows(dtype=dtype, repeats=repeats)
+        (float(r), rate / (peak * _log_linear(gemm, flops)))
+        for r, flops, rate in measure_gemm_rows(dtype=dtype, repeats=repeats)
     ] + [(512.0, 1.0)]
     attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
 
@@ -523,7 +522,7 @@ def _calibrate(
         name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
         hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
         compute_units_per_node=units,
-        gemm=[(f, rate / peak) for f, rate in gemm_rates], gemm_rows=gemm_rows,
+        gemm=gemm, gemm_rows=gemm_rows,
         attention_efficiency=min(1.0, attention / peak),
         attention_calls=attention_calls, ring_blocks=ring_blocks,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,

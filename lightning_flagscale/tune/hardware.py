@@ -89,9 +89,12 @@ class LinkPoint:
     """beta^-1, bytes/s as nccl-tests' busbw (large-message)."""
 
 
-def _log_linear(points: list[tuple[float, float]], x: float) -> float:
-    """``y`` at ``x`` between ``(x, y)`` points, linear in ``log x``, clamped at the ends."""
-    pts = sorted(points)
+_POINT_FIELDS = ("gemm", "gemm_rows", "attention_calls", "ring_blocks")
+"""Profile fields that are lists of points (tuples in memory, lists in JSON)."""
+
+
+def _log_linear(pts: list[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` between ``(x, y)`` points sorted by ``x``, linear in ``log x``, clamped at the ends."""
     if x <= pts[0][0]:
         return pts[0][1]
     for (x0, y0), (x1, y1) in itertools.pairwise(pts):
@@ -204,11 +207,18 @@ class HardwareProfile:
                 if not self.links.get(kind, {}).get(scope):
                     raise ValueError(f"HardwareProfile {self.name!r} has no {scope}-node points for {kind}.")
         object.__setattr__(self, "_link_cache", {})  # not a field: lookups repeat millions of times in a search
+        # the point lists sorted once, and the forward / backward series of the call tables split once
+        object.__setattr__(self, "_gemm_pts", sorted(self.gemm))
+        object.__setattr__(self, "_rows_pts", sorted(self.gemm_rows))
+        calls = {key: sorted(getattr(self, key)) for key in ("attention_calls", "ring_blocks")}
+        object.__setattr__(
+            self, "_call_series", {k: ([(f, e) for f, e, _ in v], [(f, e) for f, _, e in v]) for k, v in calls.items()}
+        )
 
     # ---- compute ----
     def gemm_efficiency(self, flops: float) -> float:
         """Achieved fraction of peak of one GEMM of ``flops`` (log-linear between points, clamped at the ends)."""
-        return _log_linear(self.gemm, flops)
+        return _log_linear(self._gemm_pts, flops)  # type: ignore[attr-defined]
 
     def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
         """Time of ``count`` GEMMs ``(m x k) @ (k x n)``."""
@@ -220,9 +230,10 @@ class HardwareProfile:
 
     def gemm_shape_factor(self, smallest: float) -> float:
         """``gemm_rows`` at a GEMM's smallest dimension (1 from the largest point up, or without points)."""
-        if not self.gemm_rows or smallest >= max(r for r, _ in self.gemm_rows):
+        pts = self._rows_pts  # type: ignore[attr-defined]
+        if not pts or smallest >= pts[-1][0]:
             return 1.0
-        return _log_linear(self.gemm_rows, smallest)
+        return _log_linear(pts, smallest)
 
     def backward_gemm_seconds(self, forward_seconds: float) -> tuple[float, float]:
         """(input-gradient, weight-gradient) seconds of the backward of GEMMs that take ``forward_seconds``."""
@@ -238,7 +249,7 @@ class HardwareProfile:
         if not self.attention_calls:
             one = self.attention_seconds(flops)
             return calls * one, calls * 2.5 * one
-        return self._calls(self.attention_calls, flops, calls)
+        return self._calls("attention_calls", flops, calls)
 
     def ring_block_seconds(self, flops: float, causal_flops: float, calls: float = 1.0) -> tuple[float, float]:
         """(forward, backward) seconds of ``calls`` ring-attention blocks of ``flops`` (whole block) each, whose
@@ -247,13 +258,12 @@ class HardwareProfile:
             return self.attention_call_seconds(causal_flops, calls)
         if flops <= 0 or calls <= 0:
             return 0.0, 0.0
-        return self._calls(self.ring_blocks, flops, calls)
+        return self._calls("ring_blocks", flops, calls)
 
-    def _calls(self, points: list[tuple[float, float, float]], flops: float, calls: float) -> tuple[float, float]:
+    def _calls(self, table: str, flops: float, calls: float) -> tuple[float, float]:
+        fwd, bwd = self._call_series[table]  # type: ignore[attr-defined]
         rate = self.peak_flops * self.compute_scale
-        fwd = _log_linear([(f, e) for f, e, _ in points], flops)
-        bwd = _log_linear([(f, e) for f, _, e in points], flops)
-        return calls * flops / (rate * fwd), calls * 2.5 * flops / (rate * bwd)
+        return calls * flops / (rate * _log_linear(fwd, flops)), calls * 2.5 * flops / (rate * _log_linear(bwd, flops))
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time of a memory-bound kernel that moves ``nbytes``."""
@@ -289,7 +299,7 @@ class HardwareProfile:
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("gemm", "gemm_rows", "attention_calls", "ring_blocks"):
+        for key in _POINT_FIELDS:
             out[key] = [list(p) for p in getattr(self, key)]
         return out
 
@@ -300,7 +310,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"Hardware profile has unknown keys {unknown}; valid keys: {sorted(known)}.")
         data = dict(data)
-        for key in ("gemm", "gemm_rows", "attention_calls", "ring_blocks"):
+        for key in _POINT_FIELDS:
             if key in data:
                 data[key] = [tuple(map(float, p)) for p in data[key]]
         if "links" in data:
