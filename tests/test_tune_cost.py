@@ -209,3 +209,19 @@ def test_collectives_on_shared_cores_are_not_hidden_under_backward():
     shared = estimate_step(MODEL, c, 4096, 8, hw.replace(compute_units_per_node=4.0))
     assert shared.comm["dp"] == pytest.approx(reduce, rel=1e-6)
     assert shared.step_seconds == pytest.approx(2 * dedicated.compute_seconds + reduce, rel=1e-6)
+
+
+def test_ranks_sharing_cores_step_their_own_parameters():
+    # The node's busy time sums what each rank holds: under a V placement one pipeline rank steps the embedding and
+    # the head and the other neither, so the node steps the whole model once per replica, not twice the heaviest
+    # rank's share (which charged pp2-zbv +24% and an uneven gpipe split +15% in the validation).
+    units, per_param = 4.0, 1e-9
+    hw = _profile(bandwidth=float("inf"), hbm=float("inf")).replace(
+        peak_flops=1e30, devices_per_node=8, compute_units_per_node=units, optimizer_seconds_per_param=per_param
+    )
+    zbv = _layout(pipeline_parallel_size=2, pipeline_schedule="zbv")  # rank 0: stages 0 and 3, rank 1: 1 and 2
+    got = estimate_step(MODEL, zbv, 4096, 8, hw)
+    node = 8 * MODEL.num_params() / 2 * per_param  # 8 ranks, each half the model on average
+    assert got.step_seconds == pytest.approx(node / units, rel=1e-3)
+    heaviest = MODEL.num_params() / 2 + MODEL.vocab_size * MODEL.hidden_size
+    assert got.optimizer_seconds == pytest.approx(heaviest * per_param, rel=1e-3)  # the heaviest rank's own phase

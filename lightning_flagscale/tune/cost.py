@@ -300,14 +300,14 @@ def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
     return dense, 3.0 * h * inner * model.num_experts
 
 
-def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, float]:
-    """(dense, expert) parameters on the heaviest pipeline rank, before TP/EP division."""
+def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[float, float]]:
+    """(dense, expert) parameters of each pipeline rank (all its chunks, embedding and head), before TP/EP division."""
     counts = stage_layer_counts(model, c)
     first = [sum(counts[:i]) for i in range(len(counts))]
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
     per = {moe: _layer_params(model, 0 if not moe else moe_flags.index(True)) for moe in set(moe_flags)}
     embed = model.vocab_size * model.hidden_size
-    best = (0.0, 0.0)
+    out = []
     for stages in _rank_stages(c):
         dense = expert = 0.0
         for s in stages:
@@ -319,9 +319,20 @@ def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, f
             if c.num_stages == 1 and model.tie_word_embeddings:
                 ends = 1
             dense += ends * embed
-        if dense + expert > sum(best):
-            best = (dense, expert)
-    return best
+        out.append((dense, expert))
+    return out
+
+
+def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, float]:
+    """(dense, expert) parameters on the heaviest pipeline rank, before TP/EP division."""
+    return max(_rank_params(model, c), key=sum)
+
+
+def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float) -> float:
+    """The optimizer phase of a rank holding ``dense`` and ``expert`` parameters (ZeRO shards them over DP)."""
+    tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
+    groups = [(dense / tp, dp * cp)] + ([(expert / ep, dp * cp * tp // ep)] if expert else [])
+    return sum(hw.optimizer_seconds(psi / n if c.zero_stage >= 1 else psi) for psi, n in groups)
 
 
 def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward: float, compute: float):
@@ -333,11 +344,9 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     if expert:
         edp = dp * cp * tp // ep
         groups.append((expert / ep, edp, _inter(edp, ep, hw)))  # experts reduce over the ranks holding the same ones
-    exposed = total = optimizer = 0.0
+    exposed = total = 0.0
     m = c.gradient_accumulation_steps
     for psi, n, inter in groups:
-        shard = psi / n if c.zero_stage >= 1 else psi
-        optimizer += hw.optimizer_seconds(shard)
         if n <= 1:
             continue
         if c.zero_stage == 0:
@@ -356,7 +365,7 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
             per_block = gather / max(model.num_layers, 1)
             exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
             total += 2 * m * gather + reduce
-    return exposed, total, optimizer
+    return exposed, total, _optimizer_seconds(c, hw, dense, expert)
 
 
 def _shared_node_seconds(c: ParallelConfig, hw: HardwareProfile, mean_busy: float) -> float:
@@ -415,7 +424,10 @@ def estimate_step(
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
     compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
-    shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + optimizer)
+    # the node's busy time: each pipeline rank steps its own parameters (uneven stages and V placements differ)
+    ranks = _rank_params(model, c)
+    mean_optimizer = sum(_optimizer_seconds(c, hw, *r) for r in ranks) / len(ranks)
+    shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + mean_optimizer)
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
     if shared and shared + comm.get("pp", 0.0) + dp_total > step:
         # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
