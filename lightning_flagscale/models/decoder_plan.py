@@ -4,8 +4,10 @@ Layout (Shoeybi et al. 2019, Korthikanti et al. 2022), following torchtitan's ll
 - embedding: vocab-parallel (rows sharded, ``RowwiseParallel`` on ``nn.Embedding``); output replicated, or
   reduce-scattered along the sequence under SP;
 - attention q/k/v and MLP gate/up: column-parallel (heads / inner width sharded); o/down: row-parallel;
+- the attention/MLP input enters as one replicated DTensor (``PrepareModuleInput``) that the column-parallel layers
+  share, so its gradient is reduced once per module in backward (Megatron's fused QKV / gate-up);
 - under SP the norms run on sequence shards (``SequenceParallel``) and the attention/MLP inputs are
-  all-gathered along the sequence (``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
+  all-gathered along the sequence (the same ``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
 - LM head: column-parallel with the *local* vocab shard as output, consumed by the vocab-parallel cross-entropy.
 
 The plan is the model's (model protocol); ``parallel.tensor.apply_tp`` applies whatever plan a model gives.
@@ -84,19 +86,21 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
             plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
         plan[p + "input_layernorm"] = norm_style()
         plan[p + "post_attention_layernorm"] = norm_style()
-        if sequence_parallel:
-            # Attention takes (x, cos, sin, segment_ids): only x is sequence-sharded and must be all-gathered.
-            plan[p + "self_attn"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            )
-            if not block.is_moe:
-                plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            else:
-                # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
-                # without SP: its parameters then get identical full gradients on every TP rank. Only its output
-                # is re-sharded (a local slice, no communication).
-                plan[p + "mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-                )  # fmt: skip
+        # Attention takes (x, cos, sin, segment_ids). x enters as one replicated DTensor (all-gathered from its
+        # sequence shards under SP) shared by q/k/v (gate/up): their input gradients add up as partial DTensors and
+        # are reduced once per module in backward, like Megatron's fused QKV and gate-up GEMMs. Left to each
+        # column-parallel layer, every one of them all-reduced its own input gradient (5 per block, not 2).
+        plan[p + "self_attn"] = PrepareModuleInput(
+            input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        )
+        if not block.is_moe:
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        elif sequence_parallel:
+            # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
+            # without SP: its parameters then get identical full gradients on every TP rank. Only its output
+            # is re-sharded (a local slice, no communication).
+            plan[p + "mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            )  # fmt: skip
     return plan

@@ -145,3 +145,45 @@ def test_indivisible_sizes_raise():
     with pytest.raises(ValueError, match=r"padded vocab size=101 .*vocab_multiple"):
         check_tp_divisible(CausalLM(cfg), 2)
     check_tp_divisible(CausalLM(cfg, vocab_multiple=2), 2)
+
+
+def _tp_collective_counts(sequence_parallel: bool) -> dict[str, dict[str, int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.parallel.comm import CommTracker
+
+    cfg = TransformerConfig(**dict(_CONFIGS["untied_qknorm"], qk_norm=False, num_layers=3))
+    model = CausalLM(cfg)
+    model.init_weights(seed=7)
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    model.loss_fn(model(ids), ids).backward()  # DTensor's sharding propagation, cached before the mode is on
+    model.zero_grad(set_to_none=True)
+    counts = {}
+    with CommTracker() as fwd:
+        loss = model.loss_fn(model(ids), ids)
+    with CommTracker() as bwd:
+        loss.backward()
+    for name, tracker in (("forward", fwd), ("backward", bwd)):
+        ops = next(iter(tracker.summary().values()))["ops"]
+        counts[name] = {op: stats["calls"] for op, stats in ops.items()}
+    return counts
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tp_reduces_each_module_input_gradient_once(launcher, sequence_parallel):
+    """Megatron's TP collectives and no more: per block 2 in forward (attention and MLP output) and 2 in backward
+    (their input gradients: q/k/v, gate/up share one replicated input, summed before one reduction); the
+    embedding, the head's input and the vocab-parallel loss (max, then target logit and sum-exp in one) add the
+    rest. Each column-parallel layer reducing its own input gradient made it 5 per block in backward."""
+    layers = 3
+    counts = launcher(2, _tp_collective_counts, sequence_parallel)[0]
+    fwd, bwd = counts["forward"], counts["backward"]
+    if not sequence_parallel:
+        # embedding + 2 per block, loss 2; backward: 2 per block + the head's input (replicated final norm output)
+        assert fwd == {"all_reduce": 1 + 2 * layers + 2}, fwd
+        assert bwd == {"all_reduce": 2 * layers + 1}, bwd
+    else:
+        # all-gather in / reduce-scatter out per module, the head's input gathered; backward mirrors them
+        assert fwd.get("all_gather", 0) == 2 * layers + 1 and fwd.get("reduce_scatter", 0) == 1 + 2 * layers, fwd
+        assert bwd.get("reduce_scatter", 0) == 2 * layers + 1 and bwd.get("all_gather", 0) == 2 * layers + 1, bwd
