@@ -80,13 +80,14 @@ def test_data_parallel_reduction_hides_under_backward():
     assert slow.comm["dp"] == pytest.approx(2 * 7 / 8 * 4 * psi / 1e9 - backward, rel=1e-3)
 
 
-def test_tensor_parallel_traffic_is_exposed_per_layer():
+def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():
     c = _layout(tensor_parallel_size=8, sequence_parallel=True)
     bw = 1e11
     cost = estimate_step(MODEL, c, 4096, 1, _profile(bandwidth=bw))
     act = 4096 * MODEL.hidden_size * 2  # one bf16 activation of a micro-batch
-    # forward and backward: 2 all-gathers + 2 reduce-scatters each, per layer
-    want = MODEL.num_layers * 2 * 2 * 2 * (7 / 8 * act / bw)
+    # forward and backward: 2 all-gathers + 2 reduce-scatters each, per layer; the embedding's reduce-scatter and
+    # the head's all-gather, both mirrored in backward; the loss's two fp32 all-reduces (1 and 2 floats a token)
+    want = (MODEL.num_layers * 2 * 2 * 2 + 4) * (7 / 8 * act / bw) + 2 * 7 / 8 * 4096 * (4 + 8) / bw
     assert cost.comm["tp"] == pytest.approx(want, rel=1e-6)
     assert cost.step_seconds > estimate_step(MODEL, c, 4096, 1, _profile()).step_seconds + 0.9 * want
 
@@ -225,3 +226,59 @@ def test_ranks_sharing_cores_step_their_own_parameters():
     assert got.step_seconds == pytest.approx(node / units, rel=1e-3)
     heaviest = MODEL.num_params() / 2 + MODEL.vocab_size * MODEL.hidden_size
     assert got.optimizer_seconds == pytest.approx(heaviest * per_param, rel=1e-3)  # the heaviest rank's own phase
+
+
+def test_blocking_collectives_on_shared_cores_cost_the_measured_wait():
+    # 8 ranks on 4 cores, TP 2: a blocking collective inside forward / backward costs the measured wait (wall time,
+    # once) in place of the link latency (work on the shared cores, twice over with 2 ranks a core)
+    latency, wait = 1e-3, 5e-3
+    hw = _profile(bandwidth=float("inf"), latency=latency).replace(devices_per_node=8, compute_units_per_node=4.0)
+    c = _layout(tensor_parallel_size=2)
+    base = estimate_step(MODEL, c, 4096, 8, hw)
+    waited = estimate_step(MODEL, c, 4096, 8, hw.replace(blocking_collective=[(2.0, wait), (8.0, 1.0)]))
+    micro_batches = 8 // c.dp
+    # per block 2 all-reduces in forward and 2 in backward; the embedding's, the head input's and the loss's two
+    calls = micro_batches * (4 * MODEL.num_layers + 4)
+    assert waited.comm["tp"] == pytest.approx(calls * wait, rel=1e-9)
+    assert waited.step_seconds - base.step_seconds == pytest.approx(calls * (wait - 2 * latency), rel=1e-6)
+    # devices of their own: the latency as before, the waits are a shared-core effect
+    dedicated = hw.replace(compute_units_per_node=0.0)
+    assert estimate_step(MODEL, c, 4096, 8, dedicated.replace(blocking_collective=[(2.0, wait)])) == estimate_step(
+        MODEL, c, 4096, 8, dedicated
+    )
+
+
+def test_tensor_parallel_host_overhead_per_block_and_at_the_ends():
+    hw = _profile()
+    over = hw.replace(tp_overhead=(1e-3, 2e-3, 3e-3, 4e-3))
+    c = _layout(tensor_parallel_size=2)
+    base, got = _rank_pass(MODEL, c, 4096, hw), _rank_pass(MODEL, c, 4096, over)
+    assert got.f - base.f == pytest.approx(MODEL.num_layers * 1e-3 + 3e-3)
+    assert got.b - base.b == pytest.approx(MODEL.num_layers * 2e-3 + 4e-3)
+    assert _rank_pass(MODEL, _layout(), 4096, over) == _rank_pass(MODEL, _layout(), 4096, hw)  # no TP, no DTensor
+    with pytest.raises(ValueError, match="tp_overhead"):
+        hw.replace(tp_overhead=(1.0, -1.0, 0.0, 0.0))
+
+
+def test_moe_overhead_is_added_per_moe_block():
+    mixtral = TransformerConfig.from_preset("mixtral-8x7b")
+    hw = _profile()
+    over = hw.replace(moe_overhead=(1e-3, 3e-3))
+    base, got = _rank_pass(mixtral, _layout(), 4096, hw), _rank_pass(mixtral, _layout(), 4096, over)
+    moe_blocks = sum(mixtral.is_moe_layer(i) for i in range(mixtral.num_layers))
+    assert moe_blocks == mixtral.num_layers
+    assert (got.f - base.f, got.b - base.b) == pytest.approx((moe_blocks * 1e-3, moe_blocks * 3e-3))
+    assert _rank_pass(MODEL, _layout(), 4096, over) == _rank_pass(MODEL, _layout(), 4096, hw)  # dense: nothing
+
+
+def test_concurrent_small_groups_share_the_cores():
+    # The calibration times one group alone on the node's cores; training runs every data-parallel group of the
+    # node at once. 8 ranks on 4 cores: 4 groups of 2 each get a core between two ranks (2x the calibrated time),
+    # one group of 8 runs as calibrated.
+    from lightning_flagscale.tune.cost import _data_parallel
+
+    hw = _profile(bandwidth=1e11).replace(devices_per_node=8)
+    shared = hw.replace(compute_units_per_node=4.0)
+    for layout, ratio in ((_layout(tensor_parallel_size=4), 2.0), (_layout(), 1.0)):
+        alone = _data_parallel(MODEL, layout, hw, last_backward=0.0, compute=0.0)[1]
+        assert _data_parallel(MODEL, layout, shared, last_backward=0.0, compute=0.0)[1] == pytest.approx(ratio * alone)

@@ -59,6 +59,12 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     for points in (profile.attention_calls, profile.ring_blocks):
         assert len(points) >= 4 and all(f > 0 and 0 < fwd < 2 and 0 < bwd < 2 for f, fwd, bwd in points)
         assert points[0][1] < points[-1][1] and points[0][2] < points[-1][2]
+    # the DTensor TP plan's host time per block and at the ends, and a blocking collective's wait with every rank
+    # computing (world 2 here: each rank has a core, so the wait may be ~0, never negative)
+    assert len(profile.tp_overhead) == 4 and profile.tp_overhead[0] > 0 and profile.tp_overhead[1] > 0
+    assert [n for n, _ in profile.blocking_collective] == [2.0] and profile.blocking_collective[0][1] >= 0
+    # an MoE block's time beyond its kernels: the residual of the MoE reference decoder, never negative
+    assert len(profile.moe_overhead) == 2 and min(profile.moe_overhead) >= 0
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

@@ -40,6 +40,7 @@ medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
@@ -235,6 +236,111 @@ def measure_reference_step(dtype: torch.dtype = torch.float32, repeats: int = 5)
     return _median_seconds(step, repeats)
 
 
+MOE_REFERENCE = dict(REFERENCE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=704)
+"""The :data:`REFERENCE` decoder with routed experts (every block MoE): its blocks' time beyond what the GEMMs,
+attention and memory-bound kernels predict is a calibrated profile's ``moe_overhead``."""
+
+
+def measure_moe_blocks(dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, float, float, float]:
+    """(forward, backward) seconds of the :data:`MOE_REFERENCE` decoder with one block, then with three."""
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models import CausalLM
+
+    ids = torch.randint(
+        0, REFERENCE["vocab_size"], (1, REFERENCE["max_seq_len"]), generator=torch.Generator().manual_seed(0)
+    )
+    out: list[float] = []
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        model = CausalLM(TransformerConfig(**dict(MOE_REFERENCE, num_layers=layers))).to(dtype)
+
+        def run(model=model):
+            loss = model.loss_fn(model(ids), ids)
+            return loss, loss.backward
+
+        out.extend(_forward_backward_seconds(run, repeats))
+    return tuple(out)  # type: ignore[return-value]
+
+
+def moe_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
+    """(forward, backward) seconds one MoE block of :data:`MOE_REFERENCE` took beyond what ``profile`` predicts for
+    it, from :func:`measure_moe_blocks`' busy times (the difference of three blocks and one: the ends cancel). The
+    routing, the index gathers of the dispatch, their scatter-add backward and the per-expert GEMMs' launch costs:
+    on this CPU more than the block's expert GEMMs themselves."""
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune.cost import _rank_pass
+
+    one_rank = ParallelConfig().resolve(1)
+    pred = [_rank_pass(TransformerConfig(**dict(MOE_REFERENCE, num_layers=n)), one_rank, REFERENCE["max_seq_len"],
+                       profile) for n in (1, 3)]  # fmt: skip
+    pred_f, pred_b = (pred[1].f - pred[0].f) / 2, (pred[1].b - pred[0].b) / 2
+    meas_f, meas_b = (busy[2] - busy[0]) / 2, (busy[3] - busy[1]) / 2
+    return max(0.0, meas_f - pred_f), max(0.0, meas_b - pred_b)
+
+
+def measure_tp_overhead(tp_mesh, dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, ...]:
+    """Host seconds the DTensor tensor-parallel plan adds to the :data:`REFERENCE` decoder, by pass: ``(per block
+    forward, per block backward, embedding + head + loss forward, their backward)``.
+
+    ``tp_mesh`` is a tensor-parallel mesh of one rank: the plan's DTensor wrapping, sharding propagation and
+    redistribution run, the collectives over one rank do not (they are priced as links). Two depths (1 and 3
+    blocks) separate the per-block part from the ends. On this CPU: ~4 ms per block, about a block's compute."""
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models import CausalLM
+    from lightning_flagscale.parallel.tensor import apply_tp
+
+    ids = torch.randint(
+        0, REFERENCE["vocab_size"], (1, REFERENCE["max_seq_len"]), generator=torch.Generator().manual_seed(0)
+    )
+    extra = {}
+    for layers in (1, 3):
+        times = []
+        for tp in (False, True):
+            torch.manual_seed(0)
+            model = CausalLM(TransformerConfig(**dict(REFERENCE, num_layers=layers))).to(dtype)
+            if tp:
+                apply_tp(model, tp_mesh, sequence_parallel=False)
+
+            def run(model=model):
+                loss = model.loss_fn(model(ids), ids)
+                return loss, loss.backward
+
+            times.append(_forward_backward_seconds(run, repeats))
+        extra[layers] = [max(0.0, t - p) for p, t in zip(*times, strict=True)]
+    block = [(three - one) / 2 for one, three in zip(extra[1], extra[3], strict=True)]
+    ends = [max(0.0, one - b) for one, b in zip(extra[1], block, strict=True)]
+    return tuple(max(0.0, b) for b in block) + tuple(ends)
+
+
+def measure_blocking_collective(group, calls: int = 60, gemms: int = 4, repeats: int = 3) -> float:
+    """Wall seconds a blocking collective adds to a loop that computes between calls, every rank at once.
+
+    Each rank of ``group`` runs ``gemms`` small GEMMs then a 4 KiB all-reduce over ``group``, against the GEMMs
+    alone. With more ranks than cores a peer is often descheduled when the call comes: the wait (0.7-1.6 ms here)
+    is what tensor- and expert-parallel collectives cost inside a step, not the latency of an idle ping-pong."""
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    w = torch.randn(1536, 512, dtype=torch.bfloat16)
+    buf = torch.ones(1024)
+
+    def loop(collective: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            for _ in range(gemms):
+                torch.nn.functional.linear(x, w)
+            if collective:
+                dist.all_reduce(buf, group=group)
+        return time.perf_counter() - start
+
+    loop(True)  # warm-up
+    alone, synced = [], []
+    for _ in range(repeats):  # alternated, so drifts of the machine hit both
+        dist.barrier()
+        alone.append(loop(False))
+        dist.barrier()
+        synced.append(loop(True))
+    return max(0.0, (statistics.median(synced) - statistics.median(alone)) / calls)
+
+
 def reference_compute_scale(profile: HardwareProfile, busy_seconds: float) -> float:
     """The ``compute_scale`` with which ``profile`` predicts the :data:`REFERENCE` step's measured busy time."""
     from lightning_flagscale.config import ParallelConfig, TransformerConfig
@@ -348,9 +454,22 @@ def _collective_worker(
         if optimizer_numel:  # every rank at once, as in training (they share the memory bus and the cores)
             dist.barrier()
             optimizer = _all_ranks_median(measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4), world)
+        tp_overhead, moe, blocking = None, None, {}
         if dtype is not None:  # the reference decoder step, every rank at once too
             dist.barrier()
             reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5)), world)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+            dist.barrier()
+            overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5))
+            tp_overhead = tuple(_all_ranks_median(v, world) for v in overhead)
+            dist.barrier()
+            moe = tuple(_all_ranks_median(v, world) for v in measure_moe_blocks(dtype, max(repeats, 5)))
+            for n in groups:  # every rank in a group of n at once, as tensor / expert parallelism runs
+                if world % n == 0:
+                    subgroup, _ = dist.new_subgroups(group_size=n)
+                    blocking[n] = _all_ranks_median(measure_blocking_collective(subgroup), world)
         results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
         for n in groups:
             group = dist.new_group(list(range(n)))
@@ -367,7 +486,7 @@ def _collective_worker(
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
         if rank == 0:
-            queue.put((results, optimizer, reference))
+            queue.put((results, optimizer, reference, tp_overhead, blocking, moe))
     finally:
         dist.destroy_process_group()
 
@@ -385,6 +504,23 @@ def measure_collectives(
     return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0, worlds=worlds)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _WorldTimes:
+    """What every rank of the spawned worlds timed at once (median over ranks, then over worlds); None when not
+    asked for."""
+
+    optimizer: float | None = None
+    """Seconds per parameter of the optimizer phase."""
+    reference: float | None = None
+    """Seconds of the :data:`REFERENCE` step."""
+    tp_overhead: tuple[float, ...] | None = None
+    """:func:`measure_tp_overhead`."""
+    blocking: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Group size -> :func:`measure_blocking_collective`."""
+    moe: tuple[float, ...] | None = None
+    """:func:`measure_moe_blocks`."""
+
+
 def _measure_world(
     group_sizes: Sequence[int],
     sizes: Sequence[int],
@@ -392,16 +528,15 @@ def _measure_world(
     optimizer_numel: int,
     worlds: int = 1,
     dtype: torch.dtype | None = None,
-) -> tuple[dict[str, dict[int, LinkPoint]], float | None, float | None]:
-    """(collective points, optimizer seconds per parameter of one rank while all ranks run it or None, seconds of
-    the :data:`REFERENCE` step in ``dtype`` while all ranks run it or None), each the
-    median over ``worlds`` freshly spawned process worlds: with more ranks than cores, how the scheduler places a
-    world's ranks decides its small-message latency for the whole run (one world timed a 2-rank all-reduce at
-    0.9 ms, the next at 3.3 ms), so one world is one draw."""
+) -> tuple[dict[str, dict[int, LinkPoint]], _WorldTimes]:
+    """(collective points, what all ranks timed at once: :class:`_WorldTimes`, the parts that need ``dtype`` only
+    with it), each the median over ``worlds`` freshly spawned process worlds: with more ranks than cores, how the
+    scheduler places a world's ranks decides its small-message latency for the whole run (one world timed a
+    2-rank all-reduce at 0.9 ms, the next at 3.3 ms), so one world is one draw."""
     world = max(max(group_sizes), 2)
     groups = sorted(set(group_sizes) | {2})
     ctx = mp.get_context("spawn")
-    draws: list[tuple[dict, float | None, float | None]] = []
+    draws: list[tuple] = []
     for _ in range(worlds):
         queue = ctx.Queue()
         args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, queue)
@@ -415,9 +550,18 @@ def _measure_world(
             med = [(x, statistics.median(d[0][kind][n][i][1] for d in draws)) for i, (x, _) in enumerate(pts)]
             alpha, busbw = fit_alpha_beta(med)
             out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
-    optimizer = statistics.median(d[1] for d in draws) if optimizer_numel else None
-    reference = statistics.median(d[2] for d in draws) if dtype is not None else None
-    return out, optimizer, reference
+    times = _WorldTimes()
+    if optimizer_numel:
+        times = dataclasses.replace(times, optimizer=statistics.median(d[1] for d in draws))
+    if dtype is not None:
+        times = dataclasses.replace(
+            times,
+            reference=statistics.median(d[2] for d in draws),
+            tp_overhead=tuple(statistics.median(d[3][i] for d in draws) for i in range(len(draws[0][3]))),
+            blocking={n: statistics.median(d[4][n] for d in draws) for n in draws[0][4]},
+            moe=tuple(statistics.median(d[5][i] for d in draws) for i in range(len(draws[0][5]))),
+        )
+    return out, times
 
 
 def _busy_seconds(wall: float, ranks: int, units: float) -> float:
@@ -511,7 +655,9 @@ def _calibrate(
 
     attention_calls = rates(measure_attention_calls(repeats=repeats, dtype=dtype))
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
-    links, optimizer, reference = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
+    links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
+    assert times.optimizer is not None and times.reference is not None
+    assert times.tp_overhead is not None and times.moe is not None
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
     if memory_bytes is None:
@@ -526,10 +672,16 @@ def _calibrate(
         attention_efficiency=min(1.0, attention / peak),
         attention_calls=attention_calls, ring_blocks=ring_blocks,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
-        optimizer_seconds_per_param=_busy_seconds(optimizer, world, units),
+        optimizer_seconds_per_param=_busy_seconds(times.optimizer, world, units),
+        tp_overhead=tuple(_busy_seconds(t, world, units) for t in times.tp_overhead),
+        blocking_collective=sorted((float(n), t) for n, t in times.blocking.items()),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
         f"{dtype_name}; inter-node points copy the intra-node ones; compute_scale from the reference decoder step)",
     )  # fmt: skip
-    assert reference is not None
-    return profile.replace(compute_scale=reference_compute_scale(profile, _busy_seconds(reference, world, units)))
+    profile = profile.replace(
+        compute_scale=reference_compute_scale(profile, _busy_seconds(times.reference, world, units))
+    )
+    return profile.replace(
+        moe_overhead=moe_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.moe])
+    )

@@ -107,7 +107,9 @@ def _calibrate(args: argparse.Namespace) -> None:
           f" {profile.attention_efficiency:.0%} of peak, memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce"
           f" x{max(groups)}: {ar.latency * 1e6:.0f} us + {ar.bus_bandwidth / 1e9:.2f} GB/s; backward GEMMs at"
           f" {profile.input_grad_gemm_factor:.2f}x (input grad) / {profile.weight_grad_gemm_factor:.2f}x (weight grad)"
-          " the forward rate")  # fmt: skip
+          f" the forward rate; TP host time {sum(profile.tp_overhead[:2]) * 1e3:.1f} ms a block, MoE dispatch"
+          f" {sum(profile.moe_overhead) * 1e3:.1f} ms a block, blocking collective waits "
+          + ", ".join(f"x{n:.0f}: {t * 1e3:.2f} ms" for n, t in profile.blocking_collective))  # fmt: skip
 
 
 def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:

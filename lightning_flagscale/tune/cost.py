@@ -29,9 +29,14 @@ last micro-batch's backward, so only what exceeds that backward (and the last bu
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
 (prefetched: only the excess over compute and the first gather show). The Adam step is memory-bound.
 
+Under TP the embedding, the head's input and the vocab-parallel loss add their collectives on the first and last
+stage, and a calibrated profile adds the DTensor plan's host time per block and at the ends (``tp_overhead``).
+
 When the ranks of a node share fewer compute units than there are ranks (``compute_units_per_node``: CPU processes
-on a few cores), the step takes at least the node's summed busy time over its units: a rank waiting in a pipeline
-bubble or on a peer lends its core to the others, so bubbles cost nothing until the critical path dominates.
+on a few cores), the step takes at least the node's summed busy time over its units (each rank's own optimizer
+phase included): a rank waiting in a pipeline bubble or on a peer lends its core to the others, so bubbles cost
+nothing until the critical path dominates. There a blocking collective inside forward or backward (TP, SP, CP, EP)
+costs the calibrated wait for a descheduled peer (``blocking_collective``, wall time) instead of its latency.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.tune.hardware import HardwareProfile
+from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 
 __all__ = ["StepCost", "calibrate_compute_scale", "estimate_step", "estimate_step_seconds", "stage_layer_counts"]
 
@@ -84,6 +89,16 @@ class _Pass:
     """Forward + backward averaged over the pipeline ranks (the heaviest rank's ``f + b`` without PP)."""
     others: tuple[tuple[float, float, float], ...] = ()
     """``(f, b, w)`` of every other pipeline rank: the pipeline fills and drains through them."""
+    calls: dict[str, float] = field(default_factory=dict)
+    """Blocking collectives per micro-batch by kind (``tp``, ``cp``, ``ep``), forward and backward together."""
+
+
+# Every link costs 1 s a call and nothing a byte: communication seconds priced on it are numbers of calls.
+_CALL_COUNTER = HardwareProfile(
+    name="call-counter",
+    links={kind: {s: [LinkPoint(group_size=2, latency=1.0, bus_bandwidth=math.inf)] for s in ("intra", "inter")}
+           for kind in COLLECTIVES},
+)  # fmt: skip
 
 
 def _tokens(model: TransformerConfig, c: ParallelConfig, seq_len: int) -> float:
@@ -193,17 +208,50 @@ def _block_pass(
 ) -> _Pass:
     gemm, attn, mem = _block_compute(model, c, seq_len, hw, moe)
     fwd_comm, bwd_comm = _block_comm(model, c, seq_len, hw, moe, attn)
-    f = gemm + attn[0] + mem + sum(fwd_comm.values())
+    host_f, host_b = hw.tp_overhead[:2] if c.tensor_parallel_size > 1 else (0.0, 0.0)
+    if moe:
+        host_f, host_b = host_f + hw.moe_overhead[0], host_b + hw.moe_overhead[1]
+    f = gemm + attn[0] + mem + host_f + sum(fwd_comm.values())
     dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
-    b = dgrad + w + attn[1] + 2 * mem + sum(bwd_comm.values())
+    b = dgrad + w + attn[1] + 2 * mem + host_b + sum(bwd_comm.values())
     if recompute == "full":
         b += f
     elif recompute == "selective":
         b += mem
-    comm = {k: fwd_comm.get(k, 0.0) + bwd_comm.get(k, 0.0) for k in set(fwd_comm) | set(bwd_comm)}
-    if recompute == "full":
-        comm = {k: v + fwd_comm.get(k, 0.0) for k, v in comm.items()}
-    return _Pass(f, b, w, comm)
+    fwd_calls, bwd_calls = _block_comm(model, c, seq_len, _CALL_COUNTER, moe, (0.0, 0.0))
+    return _Pass(f, b, w, _both(fwd_comm, bwd_comm, recompute), calls=_both(fwd_calls, bwd_calls, recompute))
+
+
+def _both(fwd: dict[str, float], bwd: dict[str, float], recompute: str) -> dict[str, float]:
+    """Forward + backward by kind; full recompute runs the forward's collectives again in backward."""
+    again = 2.0 if recompute == "full" else 1.0
+    return {k: again * fwd.get(k, 0.0) + bwd.get(k, 0.0) for k in set(fwd) | set(bwd)}
+
+
+def _ends_comm(
+    model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, first: bool, last: bool
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's tensor-parallel collectives outside the blocks: the
+    vocab-parallel embedding's all-reduce (first stage; under SP a reduce-scatter, all-gathered in backward), the
+    head's input (last stage: replicated, all-reduced in backward; under SP all-gathered, reduce-scattered back)
+    and the vocab-parallel cross-entropy's two all-reduces of fp32 per token (max; target logit and sum-exp)."""
+    tp = c.tensor_parallel_size
+    if tp <= 1:
+        return 0.0, 0.0
+    t, inter, sp = _tokens(model, c, seq_len), _inter(tp, 1, hw), c.sequence_parallel
+    act = t * model.hidden_size * BF16
+
+    def one(kind: str, nbytes: float) -> float:
+        return hw.collective_seconds(kind, nbytes, tp, inter_node=inter)
+
+    fwd = bwd = 0.0
+    if first:
+        fwd += one("reduce_scatter", act) if sp else one("all_reduce", act)
+        bwd += one("all_gather", act) if sp else 0.0
+    if last:
+        fwd += (one("all_gather", act) if sp else 0.0) + one("all_reduce", 4 * t) + one("all_reduce", 8 * t)
+        bwd += one("reduce_scatter", act) if sp else one("all_reduce", act)
+    return fwd, bwd
 
 
 def stage_layer_counts(model: TransformerConfig, c: ParallelConfig) -> list[int]:
@@ -239,6 +287,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     for stages in _rank_stages(c):
         f = b = w = 0.0
         comm: dict[str, float] = {}
+        calls: dict[str, float] = {}
         for s in stages:
             n_moe = sum(moe_flags[first[s] : first[s] + counts[s]])
             for moe, n in ((True, n_moe), (False, counts[s] - n_moe)):
@@ -249,19 +298,31 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                     cache[key] = _block_pass(model, c, seq_len, hw, *key)
                 one = cache[key]
                 f, b, w = f + n * one.f, b + n * one.b, w + n * one.w
-                for k, val in one.comm.items():
-                    comm[k] = comm.get(k, 0.0) + n * val
-            if s == c.num_stages - 1:  # LM head (vocab-parallel over TP) and loss
+                _add(comm, one.comm, n)
+                _add(calls, one.calls, n)
+            ends = (s == 0, s == c.num_stages - 1)
+            if any(ends) and c.tensor_parallel_size > 1:
+                ends_f, ends_b = _ends_comm(model, c, seq_len, hw, *ends)
+                f, b = f + ends_f, b + ends_b
+                _add(comm, {"tp": ends_f + ends_b})
+                _add(calls, {"tp": sum(_ends_comm(model, c, seq_len, _CALL_COUNTER, *ends))})
+            if ends[1]:  # LM head (vocab-parallel over TP) and loss
                 t, vocab = _tokens(model, c, seq_len), model.padded_vocab_size(c.tensor_parallel_size)
                 head = hw.gemm_seconds(t, vocab / c.tensor_parallel_size, model.hidden_size)
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
-                f, b, w = f + head, b + head_dgrad + head_w, w + head_w
-        ranks.append(_Pass(f, b, w, comm))
+                host_f, host_b = hw.tp_overhead[2:] if c.tensor_parallel_size > 1 else (0.0, 0.0)
+                f, b, w = f + head + host_f, b + head_dgrad + head_w + host_b, w + head_w
+        ranks.append(_Pass(f, b, w, comm, calls=calls))
     heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)
     best = ranks[heaviest]
     others = tuple((r.f, r.b, r.w) for i, r in enumerate(ranks) if i != heaviest)
     mean_fb = sum(r.f + r.b for r in ranks) / len(ranks)
-    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=mean_fb, others=others)
+    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=mean_fb, others=others, calls=best.calls)
+
+
+def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0.0) + times * v
 
 
 def _bubble(c: ParallelConfig, one: _Pass) -> float:
@@ -349,12 +410,13 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     for psi, n, inter in groups:
         if n <= 1:
             continue
+        share = _concurrent_groups_share(c, hw, n)
         if c.zero_stage == 0:
-            reduce = hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
+            reduce = share * hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
         else:
-            reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
+            reduce = share * hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
         bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
-        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
+        gather = share * hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
         if c.zero_stage in (0, 1, 2):
             exposed += max(bucket, reduce - last_backward)
             total += reduce
@@ -368,14 +430,27 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     return exposed, total, _optimizer_seconds(c, hw, dense, expert)
 
 
+def _concurrent_groups_share(c: ParallelConfig, hw: HardwareProfile, n: int) -> float:
+    """How much slower a collective over ``n`` ranks runs in training than calibrated, on ranks sharing cores: the
+    calibration ran one group on the node's cores, training runs every group of the node at once (2-rank groups
+    on 4 ranks over 2 cores: each rank gets half a core, not a whole one). 1 on devices of their own."""
+    if not _shared_ranks(c, hw):
+        return 1.0
+    units = hw.compute_units_per_node
+    return min(c.world_size, hw.devices_per_node) / units / max(1.0, n / units)
+
+
+def _shared_ranks(c: ParallelConfig, hw: HardwareProfile) -> bool:
+    """Whether the ranks of a node outnumber its ``compute_units_per_node`` (CPU processes on a few cores)."""
+    return 0 < hw.compute_units_per_node < min(c.world_size, hw.devices_per_node)
+
+
 def _shared_node_seconds(c: ParallelConfig, hw: HardwareProfile, mean_busy: float) -> float:
     """Time the ranks of one node need for their work when they share ``hw.compute_units_per_node`` compute units
     (0 when each device computes on its own): the node's summed busy time over its units."""
-    units = hw.compute_units_per_node
-    ranks = min(c.world_size, hw.devices_per_node)
-    if units <= 0 or ranks <= units:
+    if not _shared_ranks(c, hw):
         return 0.0
-    return mean_busy * ranks / units
+    return mean_busy * min(c.world_size, hw.devices_per_node) / hw.compute_units_per_node
 
 
 def _pass_key(c: ParallelConfig) -> tuple:
@@ -406,10 +481,13 @@ def estimate_step(
     per_replica = global_batch // dp
     m_total = max(1, per_replica // c.micro_batch_size)
     gas = c.gradient_accumulation_steps
-    key = _pass_key(c)
+    # Ranks sharing cores with a measured blocking-collective wait: the calls' latency is that wait, priced apart
+    # (wall time, once); their bytes stay work on the shared cores.
+    waits = _shared_ranks(c, hw) and bool(hw.blocking_collective)
+    key = (*_pass_key(c), waits)
     one = cache.get(key) if cache is not None else None
     if one is None:
-        one = _rank_pass(model, c, seq_len, hw)
+        one = _rank_pass(model, c, seq_len, hw.without_latency() if waits else hw)
         if cache is not None:
             cache[key] = one
     bubble = gas * _bubble(c, one)
@@ -429,10 +507,14 @@ def estimate_step(
     mean_optimizer = sum(_optimizer_seconds(c, hw, *r) for r in ranks) / len(ranks)
     shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + mean_optimizer)
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
-    if shared and shared + comm.get("pp", 0.0) + dp_total > step:
+    group = {"tp": c.tensor_parallel_size, "cp": c.context_parallel_size, "ep": c.expert_parallel_size}
+    wait = {k: m_total * n * hw.blocking_seconds(group[k]) for k, n in one.calls.items()} if waits else {}
+    if shared and shared + comm.get("pp", 0.0) + dp_total + sum(wait.values()) > step:
         # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
         comm["dp"] = dp_total
-        step, bubble, compute = shared + comm.get("pp", 0.0) + dp_total, 0.0, shared
+        _add(comm, wait)
+        step = shared + comm.get("pp", 0.0) + dp_total + sum(wait.values())
+        bubble, compute = 0.0, shared
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)

@@ -89,7 +89,7 @@ class LinkPoint:
     """beta^-1, bytes/s as nccl-tests' busbw (large-message)."""
 
 
-_POINT_FIELDS = ("gemm", "gemm_rows", "attention_calls", "ring_blocks")
+_POINT_FIELDS = ("gemm", "gemm_rows", "attention_calls", "ring_blocks", "blocking_collective")
 """Profile fields that are lists of points (tuples in memory, lists in JSON)."""
 
 
@@ -161,6 +161,22 @@ class HardwareProfile:
     resolves to on this device (``parallel/attention_kernels.TorchBlockKernel``: fp32 scores of the whole block,
     masked), by the block's full ``4 b sq sk h d`` FLOPs. Empty: ring blocks run a fused kernel at the
     ``attention_calls`` / ``attention_efficiency`` rates on their causal FLOPs (flash-attn, Transformer Engine)."""
+    tp_overhead: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Host seconds the DTensor tensor-parallel plan adds per micro-batch, beyond the kernels: ``(per block
+    forward, per block backward, embedding + head + loss forward, their backward)``. Measured by ``tune
+    --calibrate`` on a one-rank TP mesh (on this CPU ~4 ms a block, as much as the block's compute); 0 on GPUs,
+    where the host runs ahead of the kernels."""
+    moe_overhead: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds one MoE block adds per micro-batch beyond its GEMMs, attention and memory-bound
+    kernels: routing, the dispatch's index gathers and their scatter-add backward, per-expert launches. Measured by
+    ``tune --calibrate`` on a small MoE decoder (64 tokens, 4 experts, top-2), where it is a constant per block
+    (host and launch bound); 0 on GPUs."""
+    blocking_collective: list[tuple[float, float]] = field(default_factory=list)
+    """``(group size, seconds)``: on a host whose ranks share fewer cores than there are ranks, the wall time one
+    blocking collective inside forward / backward (TP, SP, EP, CP) adds to the step, measured with every rank
+    computing between calls (``tune --calibrate``): the wait for a peer the scheduler has descheduled, ~1 ms here,
+    where an idle ping-pong of the same size takes 0.2-0.8 ms. It replaces the links' latency for those calls
+    (their bytes stay work on the shared cores). Empty: the latency, as work."""
     input_grad_gemm_factor: float = 1.0
     """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
     same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
@@ -202,11 +218,22 @@ class HardwareProfile:
                     f"HardwareProfile {self.name!r}: {key} points are (FLOPs, forward efficiency, backward efficiency),"
                     " all > 0."
                 )
+        if len(self.tp_overhead) != 4 or min(self.tp_overhead) < 0:
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: tp_overhead is 4 non-negative seconds, got {self.tp_overhead}."
+            )
+        if len(self.moe_overhead) != 2 or min(self.moe_overhead) < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: moe_overhead is 2 non-negative seconds.")
+        if any(len(p) != 2 or p[0] < 2 or p[1] < 0 for p in self.blocking_collective):
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: blocking_collective points are (group size >= 2, seconds >= 0)."
+            )
         for kind in COLLECTIVES:
             for scope in ("intra", "inter"):
                 if not self.links.get(kind, {}).get(scope):
                     raise ValueError(f"HardwareProfile {self.name!r} has no {scope}-node points for {kind}.")
         object.__setattr__(self, "_link_cache", {})  # not a field: lookups repeat millions of times in a search
+        object.__setattr__(self, "_derived", {})  # profiles derived from this one (``without_latency``)
         # the point lists sorted once, and the forward / backward series of the call tables split once
         object.__setattr__(self, "_gemm_pts", sorted(self.gemm))
         object.__setattr__(self, "_rows_pts", sorted(self.gemm_rows))
@@ -276,6 +303,24 @@ class HardwareProfile:
         return self.memory_seconds(params * 34)
 
     # ---- communication ----
+    def blocking_seconds(self, group_size: int) -> float:
+        """``blocking_collective`` at the nearest measured group size (log scale); 0 without points or for one rank."""
+        if not self.blocking_collective or group_size <= 1:
+            return 0.0
+        near = min(self.blocking_collective, key=lambda p: (abs(math.log(p[0]) - math.log(group_size)), p[0]))
+        return near[1]
+
+    def without_latency(self) -> HardwareProfile:
+        """This profile with every link's latency 0 (their bytes only), for calls whose latency is priced apart."""
+        cache = self._derived  # type: ignore[attr-defined]
+        if "no_latency" not in cache:
+            links = {
+                kind: {scope: [dataclasses.replace(p, latency=0.0) for p in pts] for scope, pts in scopes.items()}
+                for kind, scopes in self.links.items()
+            }
+            cache["no_latency"] = self.replace(links=links)
+        return cache["no_latency"]
+
     def link(self, kind: str, group_size: int, scope: Scope) -> LinkPoint:
         """The point of the nearest group size (in log scale) for ``kind`` over ``scope`` links."""
         if kind not in COLLECTIVES:
@@ -313,6 +358,9 @@ class HardwareProfile:
         for key in _POINT_FIELDS:
             if key in data:
                 data[key] = [tuple(map(float, p)) for p in data[key]]
+        for key in ("tp_overhead", "moe_overhead"):
+            if key in data:
+                data[key] = tuple(map(float, data[key]))
         if "links" in data:
             data["links"] = {
                 kind: {
