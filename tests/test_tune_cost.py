@@ -269,16 +269,3 @@ def test_moe_overhead_is_added_per_moe_block():
     assert moe_blocks == mixtral.num_layers
     assert (got.f - base.f, got.b - base.b) == pytest.approx((moe_blocks * 1e-3, moe_blocks * 3e-3))
     assert _rank_pass(MODEL, _layout(), 4096, over) == _rank_pass(MODEL, _layout(), 4096, hw)  # dense: nothing
-
-
-def test_concurrent_small_groups_share_the_cores():
-    # The calibration times one group alone on the node's cores; training runs every data-parallel group of the
-    # node at once. 8 ranks on 4 cores: 4 groups of 2 each get a core between two ranks (2x the calibrated time),
-    # one group of 8 runs as calibrated.
-    from lightning_flagscale.tune.cost import _data_parallel
-
-    hw = _profile(bandwidth=1e11).replace(devices_per_node=8)
-    shared = hw.replace(compute_units_per_node=4.0)
-    for layout, ratio in ((_layout(tensor_parallel_size=4), 2.0), (_layout(), 1.0)):
-        alone = _data_parallel(MODEL, layout, hw, last_backward=0.0, compute=0.0)[1]
-        assert _data_parallel(MODEL, layout, shared, last_backward=0.0, compute=0.0)[1] == pytest.approx(ratio * alone)

@@ -410,13 +410,12 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
     for psi, n, inter in groups:
         if n <= 1:
             continue
-        share = _concurrent_groups_share(c, hw, n)
         if c.zero_stage == 0:
-            reduce = share * hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
+            reduce = hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
         else:
-            reduce = share * hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
+            reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
         bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
-        gather = share * hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
+        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
         if c.zero_stage in (0, 1, 2):
             exposed += max(bucket, reduce - last_backward)
             total += reduce
@@ -428,16 +427,6 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
             exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
             total += 2 * m * gather + reduce
     return exposed, total, _optimizer_seconds(c, hw, dense, expert)
-
-
-def _concurrent_groups_share(c: ParallelConfig, hw: HardwareProfile, n: int) -> float:
-    """How much slower a collective over ``n`` ranks runs in training than calibrated, on ranks sharing cores: the
-    calibration ran one group on the node's cores, training runs every group of the node at once (2-rank groups
-    on 4 ranks over 2 cores: each rank gets half a core, not a whole one). 1 on devices of their own."""
-    if not _shared_ranks(c, hw):
-        return 1.0
-    units = hw.compute_units_per_node
-    return min(c.world_size, hw.devices_per_node) / units / max(1.0, n / units)
 
 
 def _shared_ranks(c: ParallelConfig, hw: HardwareProfile) -> bool:
