@@ -238,7 +238,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "",
         "Terms of the cost model that the measured breakdown (forward+backward vs optimizer phase, per layout) showed "
         "wrong, fixed in `tune/` rather than fitted per layout (the first five on the CPU of the first runs, without "
-        "native bf16 and under load; the last three on this one):",
+        "native bf16 and under load; the rest on this one):",
         "",
         "- **backward GEMMs**: on a CPU without native bf16 the input-gradient GEMM `dY @ W` runs ~6x slower than the "
         "forward `X @ W^T` and the weight-gradient one ~2.5x faster; the model assumed all three at one rate "
@@ -281,6 +281,25 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "block kernel (fp32 scores of whole blocks, one call per ring step), not SDPA. The profile now carries "
         "`attention_calls` and `ring_blocks` by size, forward and backward apart (on the 02:55 measurements: "
         "`cp2-dp2` -21% -> -17%, MoE -28% -> -26%).",
+        "- **each rank's own optimizer phase on shared cores** (2026-11-26): the node's busy time charged every rank "
+        "the heaviest rank's phase; under a V placement rank 0 holds the embedding and the head and rank 1 neither "
+        "(on the 03:49 measurements: `pp2-zbv` +24% -> +3%, `pp4-gpipe` +15% -> +4%).",
+        "- **TP collectives, counted in the code** (2026-11-26): the model counted Megatron's 2 all-reduces per block "
+        "in backward; the code ran 5 (each column-parallel layer reduced its own input gradient). Fixed in the TP "
+        "plan (one replicated input DTensor per attention / MLP; TP=2 forward + backward on 4 ranks: 0.27 -> "
+        "0.22-0.24 s), and the model now adds the embedding's, the head input's and the loss's collectives.",
+        "- **TP host time** (2026-11-26): the DTensor plan's wrapping, sharding propagation and redistribution took "
+        "~4 ms a block on a one-rank mesh, as much as the block's compute; `tune --calibrate` measures it "
+        "(`tp_overhead`, per block and at the ends, forward and backward).",
+        "- **blocking collectives on shared cores** (2026-11-26): inside forward / backward a TP, EP or CP "
+        "collective waits for a peer the scheduler has descheduled; with every rank computing between calls it "
+        "costs 0.6-0.9 ms (2 ranks), where the idle latency the model used swung from 0.1 to 1.7 ms between "
+        "calibrations (that swing moved the TP rows from +18% to -37%). `tune --calibrate` times it in a loop of "
+        "GEMMs and calls, every rank at once (`blocking_collective`), and the model charges it per call as wall "
+        "time in place of the latency.",
+        "- **an MoE block beyond its kernels** (2026-11-26): measured on a small MoE decoder (`moe_overhead`): "
+        "0.4-0.6 ms forward, nothing in backward, so the one-process MoE compute was priced right; with EP = 1 "
+        "the MoE model (`moe-dp4`, measured separately: 0.47 s profiled) is predicted within 6%.",
         "",
         f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
         f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "
@@ -295,17 +314,15 @@ def write_report(results: dict, args, predict, path: Path) -> None:
                 else ", no longer one bias."
             )
         )
-        + f" The largest median error is `{worst}`. Effects of 4 ranks on 2 CPU "
-        "cores that the model does not price: a collective between two ranks waits for a peer the scheduler has "
-        "descheduled (ms per call, against the calibration's all-ranks-at-once timing: TP and CP layouts run "
-        "slower than predicted), the ZeRO-3 engine's copies around each all-gather and reduce-scatter (`zero3`: "
-        "flat's cast and flat gradient, FSDP2's per-parameter copy-in/copy-out), and the MoE layer "
-        "(`moe-ep2-dp4`, measured about as slow as dense `zero1` where the model predicts ~25% less: in one process, one "
-        "thread, bf16, forward + backward of 64 tokens, the MoE model took 0.91 of the dense model's time against "
-        "a predicted 0.81, i.e. its dispatch (index gathers, their `index_put_` backward, `index_add_`, the grouped "
-        "GEMMs of 32-row experts, 14-21% slower than the GEMM curve says at that shape) costs more than its FLOPs say, and under "
-        "EP = 2 each MoE layer adds two all-to-alls per pass and a count all-gather between two ranks that share "
-        "cores with the other two).",
+        + f" The largest median error is `{worst}`. Not priced: ZeRO-2's staging reduce-scatters inside backward "
+        "(measured ~0.04 s over ZeRO-1, predicted equal), selective recompute's per-op dispatch (torch's "
+        "selective-checkpoint mode intercepts every op of the block twice), and under EP = 2 the all-to-all "
+        "waits: profiled on rank 0, the step's 16 all-to-alls took 21-36 ms (1.3-2.3 ms each) against the "
+        "0.6-0.9 ms a blocking collective costs in the calibration's loop, while the async gradient reductions of "
+        "the expert and dense groups run on the same cores. Tried and dropped: charging 2-rank data-parallel "
+        "groups twice their calibrated time (the calibration runs one pair alone on the 2 cores, training runs "
+        "both pairs): over two measurements x three calibrations it gained one layout within 20% and lost 0.05 "
+        "of Spearman on average.",
         "",
         *_memory_misses(names, pm, mm, meas),
         "## Memory (per-rank peak)",

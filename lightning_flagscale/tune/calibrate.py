@@ -33,6 +33,13 @@
 - **End-to-end factor**: forward + backward of a small decoder (``REFERENCE``: our own layers, autograd, the host)
   run by every rank of the spawned worlds at once, as busy time; ``compute_scale`` is what makes the cost model
   predict it. Training adds Lightning's loop and the loss on top, so a measured step may still run slower.
+- **TP host time**: the same decoder with 1 and 3 blocks, plain and under the DTensor TP plan on a one-rank mesh
+  (``tp_overhead``: per block and at the ends, forward and backward; ~4 ms a block on this CPU).
+- **MoE block**: the decoder with routed experts (``MOE_REFERENCE``), 1 and 3 blocks: what a block takes beyond
+  the model's kernels (``moe_overhead``).
+- **Blocking collectives amid compute**: every rank alternates a few GEMMs and a small all-reduce in groups of
+  each size, against the GEMMs alone (``blocking_collective``): with more ranks than cores the call waits for a
+  descheduled peer, which is what TP / EP / CP collectives cost inside a step.
 
 Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
 medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on a measured step.
