@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -248,10 +249,14 @@ class _CommMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        # A tensor subclass (DTensor, ...) must first desugar into ops on plain tensors -- its redistribution
-        # collectives -- which then come back through this mode; returning NotImplemented lets it run.
+        # A DTensor must first desugar into ops on plain tensors -- its redistribution collectives -- which then
+        # come back through this mode; returning NotImplemented lets it run. Other subclasses (the fake tensors
+        # DTensor's sharding propagation runs an op on the first time it sees it) run as they are, unrecorded:
+        # refusing them left that propagation with no handler at all.
         if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
-            return NotImplemented
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         table = _TABLES.get(func.namespace)
         if table is not None:

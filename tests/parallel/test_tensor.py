@@ -157,8 +157,6 @@ def _tp_collective_counts(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     model.init_weights(seed=7)
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel)
     ids = torch.randint(0, cfg.vocab_size, (2, 8))
-    model.loss_fn(model(ids), ids).backward()  # DTensor's sharding propagation, cached before the mode is on
-    model.zero_grad(set_to_none=True)
     counts = {}
     with CommTracker() as fwd:
         loss = model.loss_fn(model(ids), ids)
