@@ -23,7 +23,8 @@
 - **Collectives**: small gloo process worlds (spawned here, CPU; ``worlds`` of them, 3 by default, each point the
   median over them: with more ranks than cores, one world's small-message latency is one draw of how the scheduler
   placed its ranks) time all-reduce, all-gather, reduce-scatter, all-to-all and P2P send/recv per group size and
-  message size, up to one fp32 gradient bucket (the size data parallelism's collectives run at: on a CPU, messages
+  message size, every group of that size at once (as training runs its data-, tensor- and expert-parallel groups:
+  two 2-rank reductions side by side on 2 cores take ~1.65x one alone), up to one fp32 gradient bucket (the size data parallelism's collectives run at: on a CPU, messages
   past the caches run at about half the bandwidth of 4 MiB ones); each ``LinkPoint`` of
   ``time = alpha + factor(n) * bytes / busbw`` (nccl-tests conventions, ``hardware.py``) takes its bandwidth from a
   least-squares line and its latency from the latency-bound points (``fit_alpha_beta``).
@@ -413,10 +414,10 @@ def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callabl
     if kind == "all_to_all":
         out = torch.empty(numel)
         return lambda: dist.all_to_all_single(out, x, group=group)
-    peer = 1 - rank  # p2p: ranks 0 and 1 exchange one buffer each way per call (send then receive)
+    peer = rank ^ 1  # p2p: ranks 2i and 2i+1 exchange one buffer each way per call (send then receive)
 
     def p2p():
-        if rank == 0:
+        if rank % 2 == 0:
             dist.send(x, peer)
             dist.recv(x, peer)
         else:
@@ -469,14 +470,17 @@ def _collective_worker(
                     blocking[n] = _all_ranks_median(measure_blocking_collective(subgroup), world)
         results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
         for n in groups:
-            group = dist.new_group(list(range(n)))
+            # Every group of n ranks at once, as training runs its data-, tensor- and expert-parallel groups (two
+            # 2-rank reductions side by side on 2 cores take ~1.65x one alone); one group if n does not divide.
+            concurrent = world % n == 0
+            group = dist.new_subgroups(group_size=n)[0] if concurrent else dist.new_group(list(range(n)))
             for kind in COLLECTIVES:
                 if kind == "p2p" and n != 2:
                     continue
                 for nbytes in sizes:
-                    if rank < n:
+                    dist.barrier()
+                    if concurrent or rank < n:
                         fn = _run_collective(kind, nbytes, group, n, rank)
-                        dist.barrier(group=group)
                         seconds = _median_seconds(fn, repeats)
                         if kind == "p2p":
                             seconds /= 2  # one call moves the buffer both ways
