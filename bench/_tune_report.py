@@ -297,6 +297,11 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "calibrations (that swing moved the TP rows from +18% to -37%). `tune --calibrate` times it in a loop of "
         "GEMMs and calls, every rank at once (`blocking_collective`), and the model charges it per call as wall "
         "time in place of the latency.",
+        "- **groups side by side** (2026-11-26): the calibration timed one group of a size alone on the cores; "
+        "training runs every group of that size at once (two 2-rank reduce-scatters side by side took 1.65x one "
+        "alone). `tune --calibrate` now times them that way: over the two measurements x three calibrations, time "
+        "within 20% went from 70 to 75 layouts of 78. A flat 2x on 2-rank groups in the model, tried first, "
+        "over-charged the TP and PP layouts (Spearman 0.83 -> 0.78) and was dropped.",
         "- **an MoE block beyond its kernels** (2026-11-26): measured on a small MoE decoder (`moe_overhead`): "
         "0.4-0.6 ms forward, nothing in backward, so the one-process MoE compute was priced right; with EP = 1 "
         "the MoE model (`moe-dp4`, measured separately: 0.47 s profiled) is predicted within 6%.",
@@ -319,10 +324,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "selective-checkpoint mode intercepts every op of the block twice), and under EP = 2 the all-to-all "
         "waits: profiled on rank 0, the step's 16 all-to-alls took 21-36 ms (1.3-2.3 ms each) against the "
         "0.6-0.9 ms a blocking collective costs in the calibration's loop, while the async gradient reductions of "
-        "the expert and dense groups run on the same cores. Tried and dropped: charging 2-rank data-parallel "
-        "groups twice their calibrated time (the calibration runs one pair alone on the 2 cores, training runs "
-        "both pairs): over two measurements x three calibrations it gained one layout within 20% and lost 0.05 "
-        "of Spearman on average.",
+        "the expert and dense groups run on the same cores.",
         "",
         *_memory_misses(names, pm, mm, meas),
         "## Memory (per-rank peak)",
