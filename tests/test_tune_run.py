@@ -32,6 +32,19 @@ def test_optimizer_busy_time_shares_the_cores():
         calibrate(optimizer_numel=0)
 
 
+def test_four_rank_calibration_times_every_group_size():
+    # 4 ranks: the 2-rank points come from both pairs at once ({0, 1} and {2, 3}, as training runs its groups;
+    # P2P between 2i and 2i+1), the 4-rank ones from the whole world; every collective gets a point per size
+    from lightning_flagscale.tune.calibrate import measure_collectives
+
+    links = measure_collectives(group_sizes=(2, 4), sizes=(4 << 10, 64 << 10), repeats=1)
+    for kind in COLLECTIVES:
+        sizes = [2] if kind == "p2p" else [2, 4]
+        assert sorted(links[kind]) == sizes, kind
+        for n in sizes:
+            assert links[kind][n].group_size == n and links[kind][n].latency >= 0 and links[kind][n].bus_bandwidth > 0
+
+
 def test_calibration_produces_a_sane_profile(tmp_path):
     profile = calibrate(group_sizes=(2,), message_bytes=(4 << 10, 256 << 10), gemm_sizes=(32, 128), seq_lens=(64,),
                         repeats=2, optimizer_numel=1 << 20, worlds=1)  # fmt: skip
