@@ -384,11 +384,6 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
     return out
 
 
-def _stage_params(model: TransformerConfig, c: ParallelConfig) -> tuple[float, float]:
-    """(dense, expert) parameters on the heaviest pipeline rank, before TP/EP division."""
-    return max(_rank_params(model, c), key=sum)
-
-
 def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float) -> float:
     """The optimizer phase of a rank holding ``dense`` and ``expert`` parameters (ZeRO shards them over DP)."""
     tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
@@ -396,11 +391,12 @@ def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, exp
     return sum(hw.optimizer_seconds(psi / n if c.zero_stage >= 1 else psi) for psi, n in groups)
 
 
-def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward: float, compute: float):
-    """(exposed seconds, total seconds, optimizer seconds) of gradient reduction and parameter gathers (exposed: what
-    backward and compute do not hide; total: their whole duration) and of the optimizer step."""
+def _data_parallel(
+    model, c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float, last_backward: float, compute: float
+):
+    """(exposed seconds, total seconds) of the gradient reduction and parameter gathers of a rank holding ``dense``
+    and ``expert`` parameters (exposed: what backward and compute do not hide; total: their whole duration)."""
     tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
-    dense, expert = _stage_params(model, c)
     groups = [(dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
     if expert:
         edp = dp * cp * tp // ep
@@ -426,7 +422,7 @@ def _data_parallel(model, c: ParallelConfig, hw: HardwareProfile, last_backward:
             per_block = gather / max(model.num_layers, 1)
             exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
             total += 2 * m * gather + reduce
-    return exposed, total, _optimizer_seconds(c, hw, dense, expert)
+    return exposed, total
 
 
 def _shared_ranks(c: ParallelConfig, hw: HardwareProfile) -> bool:
@@ -487,12 +483,14 @@ def estimate_step(
         act /= c.tensor_parallel_size if c.sequence_parallel else 1
         hop = hw.collective_seconds("p2p", act, 2, inter_node=_inter(p, c.world_size // p, hw))
         comm["pp"] = 2 * (m_total * c.virtual_pipeline_parallel_size + gas * (p - 1)) * hop
-    dp_exposed, dp_total, optimizer = _data_parallel(model, c, hw, last_backward=one.b, compute=busy)
+    ranks = _rank_params(model, c)
+    heaviest = max(ranks, key=sum)
+    dp_exposed, dp_total = _data_parallel(model, c, hw, *heaviest, last_backward=one.b, compute=busy)
+    optimizer = _optimizer_seconds(c, hw, *heaviest)
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
     compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
     # the node's busy time: each pipeline rank steps its own parameters (uneven stages and V placements differ)
-    ranks = _rank_params(model, c)
     mean_optimizer = sum(_optimizer_seconds(c, hw, *r) for r in ranks) / len(ranks)
     shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + mean_optimizer)
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.

@@ -104,6 +104,11 @@ def _log_linear(pts: list[tuple[float, float]], x: float) -> float:
     return pts[-1][1]
 
 
+def _nearest_group(points: list, group_size: int, size_of) -> Any:
+    """The point whose group size is nearest ``group_size`` in log scale (the smaller one on a tie)."""
+    return min(points, key=lambda p: (abs(math.log(size_of(p)) - math.log(group_size)), size_of(p)))
+
+
 def _flat_links(intra: tuple[float, float], inter: tuple[float, float]) -> dict[str, dict[str, list[LinkPoint]]]:
     """Same (latency, busbw) for every collective and group size; ring latency grows with log2 of the group."""
     out: dict[str, dict[str, list[LinkPoint]]] = {}
@@ -307,8 +312,7 @@ class HardwareProfile:
         """``blocking_collective`` at the nearest measured group size (log scale); 0 without points or for one rank."""
         if not self.blocking_collective or group_size <= 1:
             return 0.0
-        near = min(self.blocking_collective, key=lambda p: (abs(math.log(p[0]) - math.log(group_size)), p[0]))
-        return near[1]
+        return _nearest_group(self.blocking_collective, group_size, lambda p: p[0])[1]
 
     def without_latency(self) -> HardwareProfile:
         """This profile with every link's latency 0 (their bytes only), for calls whose latency is priced apart."""
@@ -328,10 +332,7 @@ class HardwareProfile:
         key = (kind, group_size, scope)
         cache = self._link_cache  # type: ignore[attr-defined]
         if key not in cache:
-            pts = self.links[kind][scope]
-            cache[key] = min(
-                pts, key=lambda p: (abs(math.log(p.group_size) - math.log(max(group_size, 1))), p.group_size)
-            )
+            cache[key] = _nearest_group(self.links[kind][scope], max(group_size, 1), lambda p: p.group_size)
         return cache[key]
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, *, inter_node: bool = False) -> float:
