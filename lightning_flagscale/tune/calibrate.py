@@ -448,26 +448,32 @@ def _collective_worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        optimizer = reference = None
+        times = _WorldTimes()
         if optimizer_numel:  # every rank at once, as in training (they share the memory bus and the cores)
             dist.barrier()
-            optimizer = _all_ranks_median(measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4), world)
-        tp_overhead, moe, blocking = None, None, {}
+            seconds = measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4)
+            times = dataclasses.replace(times, optimizer=_all_ranks_median(seconds, world))
         if dtype is not None:  # the reference decoder step, every rank at once too
-            dist.barrier()
-            reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5)), world)
             from torch.distributed.device_mesh import init_device_mesh
 
+            dist.barrier()
+            reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5)), world)
             mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
             dist.barrier()
             overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5))
-            tp_overhead = tuple(_all_ranks_median(v, world) for v in overhead)
             dist.barrier()
-            moe = tuple(_all_ranks_median(v, world) for v in measure_moe_blocks(dtype, max(repeats, 5)))
-            for n in groups:  # every rank in a group of n at once, as tensor / expert parallelism runs
-                if world % n == 0:
-                    subgroup, _ = dist.new_subgroups(group_size=n)
-                    blocking[n] = _all_ranks_median(measure_blocking_collective(subgroup), world)
+            moe = measure_moe_blocks(dtype, max(repeats, 5))
+            times = dataclasses.replace(
+                times,
+                reference=reference,
+                tp_overhead=tuple(_all_ranks_median(v, world) for v in overhead),
+                moe=tuple(_all_ranks_median(v, world) for v in moe),
+                blocking={
+                    n: _all_ranks_median(measure_blocking_collective(dist.new_subgroups(group_size=n)[0]), world)
+                    for n in groups
+                    if world % n == 0
+                },
+            )
         results: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
         for n in groups:
             # Every group of n ranks at once, as training runs its data-, tensor- and expert-parallel groups (two
@@ -487,7 +493,7 @@ def _collective_worker(
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
         if rank == 0:
-            queue.put((results, optimizer, reference, tp_overhead, blocking, moe))
+            queue.put((results, times))
     finally:
         dist.destroy_process_group()
 
@@ -551,18 +557,27 @@ def _measure_world(
             med = [(x, statistics.median(d[0][kind][n][i][1] for d in draws)) for i, (x, _) in enumerate(pts)]
             alpha, busbw = fit_alpha_beta(med)
             out[kind][n] = LinkPoint(group_size=n, latency=alpha, bus_bandwidth=busbw)
-    times = _WorldTimes()
-    if optimizer_numel:
-        times = dataclasses.replace(times, optimizer=statistics.median(d[1] for d in draws))
-    if dtype is not None:
-        times = dataclasses.replace(
-            times,
-            reference=statistics.median(d[2] for d in draws),
-            tp_overhead=tuple(statistics.median(d[3][i] for d in draws) for i in range(len(draws[0][3]))),
-            blocking={n: statistics.median(d[4][n] for d in draws) for n in draws[0][4]},
-            moe=tuple(statistics.median(d[5][i] for d in draws) for i in range(len(draws[0][5]))),
-        )
-    return out, times
+    return out, _median_times([d[1] for d in draws])
+
+
+def _median_times(draws: list[_WorldTimes]) -> _WorldTimes:
+    """Each timing's median over the worlds (element-wise for tuples and per group size)."""
+    first = draws[0]
+
+    def median(get: Callable[[_WorldTimes], float]) -> float:
+        return statistics.median(get(d) for d in draws)
+
+    def tuples(name: str) -> tuple[float, ...] | None:
+        values = getattr(first, name)
+        return None if values is None else tuple(median(lambda d, i=i: getattr(d, name)[i]) for i in range(len(values)))
+
+    return _WorldTimes(
+        optimizer=None if first.optimizer is None else median(lambda d: d.optimizer),
+        reference=None if first.reference is None else median(lambda d: d.reference),
+        tp_overhead=tuples("tp_overhead"),
+        moe=tuples("moe"),
+        blocking={n: median(lambda d, n=n: d.blocking[n]) for n in first.blocking},
+    )
 
 
 def _busy_seconds(wall: float, ranks: int, units: float) -> float:
