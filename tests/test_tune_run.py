@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import pytest
+import torch.multiprocessing as mp
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.tune import HardwareProfile, load_profile, search, tune_main
-from lightning_flagscale.tune.calibrate import _busy_seconds, calibrate, fit_alpha_beta
+from lightning_flagscale.tune.calibrate import _busy_seconds, _run_world, calibrate, fit_alpha_beta
 from lightning_flagscale.tune.hardware import COLLECTIVES
 from lightning_flagscale.tune.search import describe_layout
 
@@ -30,6 +32,35 @@ def test_optimizer_busy_time_shares_the_cores():
     assert _busy_seconds(1.0, ranks=4, units=0) == 1.0  # units unknown (GPUs): unchanged
     with pytest.raises(ValueError, match="optimizer_numel"):
         calibrate(optimizer_numel=0)
+
+
+def _world_rank(rank: int, mode: str, results) -> None:
+    """A calibration world's rank for the tests below: rank 1 hangs or fails, rank 0 reports."""
+    if rank == 1 and mode == "hang":
+        time.sleep(3600)
+    if rank == 1 and mode == "fail":
+        raise RuntimeError("rank 1 broke")
+    if rank == 0:
+        results.put(("done", mode))
+
+
+def test_a_calibration_world_that_hangs_is_killed_and_named():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    assert _run_world(_world_rank, ("ok", results), 2, results, timeout=60) == ("done", "ok")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="calibration world of 2 ranks did not finish within 3 s"):
+        _run_world(_world_rank, ("hang", results), 2, ctx.Queue(), timeout=3)
+    assert time.monotonic() - start < 30  # killed, not waited for
+    shared = ctx.Queue()  # rank 0 reports, rank 1 never exits
+    with pytest.raises(TimeoutError, match="did not exit within 3 s after the world reported"):
+        _run_world(_world_rank, ("hang", shared), 2, shared, timeout=3)
+
+
+def test_a_calibration_rank_that_fails_fails_the_calibration():
+    ctx = mp.get_context("spawn")
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke"):
+        _run_world(_world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=60)
 
 
 def test_four_rank_calibration_times_every_group_size():

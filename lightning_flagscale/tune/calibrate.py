@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import socket
 import statistics
 import time
@@ -528,6 +529,46 @@ class _WorldTimes:
     """:func:`measure_moe_blocks`."""
 
 
+WORLD_TIMEOUT_S = 900.0
+"""Seconds a spawned calibration world may take (one takes ~25 s here) before it is killed as hung."""
+
+
+def _run_world(fn: Callable, args: tuple, nprocs: int, results, timeout: float = WORLD_TIMEOUT_S):
+    """Spawn ``nprocs`` ranks of ``fn(rank, *args)`` and return what rank 0 puts on the queue ``results``.
+
+    A rank that raises or dies fails the call with torch's error naming it; a world that is still running after
+    ``timeout`` seconds (a collective some rank never joined) is killed and raises ``TimeoutError``, instead of
+    waiting forever on a deadlock."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        # The result first: a rank that exits with unread data on a queue waits for the reader (multiprocessing).
+        while True:
+            try:
+                result = results.get(timeout=1.0)
+                break
+            except queue.Empty:  # dead ranks fail the join, naming them; then the deadline
+                context.join(timeout=0)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"tune --calibrate: a calibration world of {nprocs} ranks did not finish within {timeout:.0f}"
+                        " s and was killed (a collective that some rank never joined?). Rerun it; if it hangs again,"
+                        " calibrate fewer group sizes (--calibrate-groups)."
+                    ) from None
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tune --calibrate: a rank of a calibration world of {nprocs} ranks did not exit within"
+                    f" {timeout:.0f} s after the world reported, and was killed."
+                )
+        return result
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 def _measure_world(
     group_sizes: Sequence[int],
     sizes: Sequence[int],
@@ -545,10 +586,9 @@ def _measure_world(
     ctx = mp.get_context("spawn")
     draws: list[tuple] = []
     for _ in range(worlds):
-        queue = ctx.Queue()
-        args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, queue)
-        mp.start_processes(_collective_worker, args=args, nprocs=world, join=True, start_method="spawn")
-        draws.append(queue.get(timeout=60))
+        results = ctx.Queue()
+        args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, results)
+        draws.append(_run_world(_collective_worker, args, world, results))
     out: dict[str, dict[int, LinkPoint]] = {}
     for kind, by_n in draws[0][0].items():
         out[kind] = {}
