@@ -25,7 +25,10 @@ Megatron-LM's distributed optimizer and the ZeRO paper (Rajbhandari et al., 2020
   accumulation window: deferring would need the full gradient, which is exactly what ZeRO-2 removes.
 
 The loss contract of the strategy is unchanged: each rank's gradient is its share of the step's token mean times
-the number of data x context ranks; the reduction sums and divides by ``divisor`` (that number).
+the number of data x context ranks; the reduction sums and divides by ``divisor`` (that number). The division is
+folded into the copy into the bucket (each gradient enters as ``g / divisor``, as torch's DDP reducer does), so no
+pass over the reduced buffer is spent on it; for a power-of-two divisor the result is bit-identical to dividing the
+sum.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class GradBucket:
         self.world = dist.get_world_size(group)
         # Gradients are summed over the group, then divided by how many distinct token shards fed them.
         self.divisor = divisor or self.world
+        self._scale = 1.0 / self.divisor  # applied while a gradient is copied in (see the module docstring)
         self.rank = dist.get_rank(group)
         self.shard = stage > 0
         self.persistent = stage < 2
@@ -147,10 +151,14 @@ class GradBucket:
             self.buffer = self._fresh()
         i = self.index[id(p)]
         slot = self.buffer[self.offsets[i] : self.offsets[i] + self.numels[i]]
+        g = g.reshape(-1)
         if self._written[i]:
-            slot.add_(g.reshape(-1))
+            slot.add_(g, alpha=self._scale)
         else:  # the window's first gradient of this parameter: no zero fill needed
-            slot.copy_(g.reshape(-1))
+            if g.dtype == slot.dtype:
+                torch.mul(g, self._scale, out=slot)
+            else:  # widen first: the quotient is rounded to the bucket's dtype, not the gradient's
+                slot.copy_(g).mul_(self._scale)
             self._written[i] = True
         p.grad = None
 
@@ -179,7 +187,6 @@ class GradBucket:
         self.work = None
         if self.shard:
             out, self._out = self._out, None
-            out.div_(self.divisor)
             if self.persistent:  # ZeRO-1: the reduced slice lives in the buffer's own slice (no second copy)
                 grad = self.buffer[self.shard_start : self.shard_start + self.shard_numel]
                 grad.copy_(out)
@@ -188,7 +195,6 @@ class GradBucket:
                 self.buffer = None
                 main_param.grad = out if main_param.grad is None else main_param.grad.add_(out)
             return
-        self.buffer.div_(self.divisor)
         if main_param is not None:
             main_param.grad = self.buffer
             return
