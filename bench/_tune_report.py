@@ -320,11 +320,16 @@ def write_report(results: dict, args, predict, path: Path) -> None:
             )
         )
         + f" The largest median error is `{worst}`. Not priced: ZeRO-2's staging reduce-scatters inside backward "
-        "(measured ~0.04 s over ZeRO-1, predicted equal), selective recompute's per-op dispatch (torch's "
-        "selective-checkpoint mode intercepts every op of the block twice), and under EP = 2 the all-to-all "
-        "waits: profiled on rank 0, the step's 16 all-to-alls took 21-36 ms (1.3-2.3 ms each) against the "
-        "0.6-0.9 ms a blocking collective costs in the calibration's loop, while the async gradient reductions of "
-        "the expert and dense groups run on the same cores.",
+        "(measured ~0.04 s over ZeRO-1, predicted equal) and selective recompute's per-op dispatch (torch's "
+        "selective-checkpoint mode intercepts every op of the block twice). And `moe-ep2-dp4` measures like "
+        "dense `zero1` (0.42 against 0.44 s in a rerun of the two, 2026-11-26 08:10), where the model has it ~20% "
+        "faster. Two suspects were measured and ruled out (2026-11-26, scripts in the closing note): the "
+        "expert-parallel block (the `MOE_REFERENCE` decoder with EP = 2 over rank pairs, all 4 ranks at once, "
+        "1 and 3 blocks: +1.9 ms wall a block over EP = 1, where the model charges ~3 ms for its 5 blocking "
+        "calls; the one-rank EP mesh's host time is 1.2 ms a block), and the data-parallel traffic of the two "
+        "group sizes (the collectives alone of its buckets, 11.5M parameters over 4 ranks and 8.65M over rank "
+        "pairs, took 0.64x those of `moe-dp4`'s 28.8M over 4; the model says 0.63x). What is left is how that "
+        "traffic and the step's compute share the two cores, which the model adds up.",
         "",
         *_memory_misses(names, pm, mm, meas),
         "## Memory (per-rank peak)",
