@@ -328,7 +328,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "1 and 3 blocks: +1.9 ms wall a block over EP = 1, where the model charges ~3 ms for its 5 blocking "
         "calls; the one-rank EP mesh's host time is 1.2 ms a block), and the data-parallel traffic of the two "
         "group sizes (the collectives alone of its buckets, 11.5M parameters over 4 ranks and 8.65M over rank "
-        "pairs, took 0.64x those of `moe-dp4`'s 28.8M over 4; the model says 0.63x). What is left is how that "
+        "pairs, took 0.58x those of `moe-dp4`'s 28.8M over 4, all ranks at once; the profile prices them at 0.61x). What is left is how that "
         "traffic and the step's compute share the two cores, which the model adds up.",
         "",
         *_memory_misses(names, pm, mm, meas),
