@@ -170,19 +170,15 @@ def _worker(rank: int, port: int, name: str, measure_memory: bool, queue) -> Non
 
 
 def _spawn(target, *args):
-    """Run ``target(rank, port, *args, queue)`` on 4 fresh processes; rank 0's ``queue.put`` is returned."""
+    """Run ``target(rank, port, *args, queue)`` on 4 fresh processes; rank 0's ``queue.put`` is returned. A rank that
+    dies fails the run naming it, and a world still running after 15 minutes is killed (``tune.calibrate``'s rule)."""
+    from lightning_flagscale.tune.calibrate import _run_world
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = queue.get()
-    for p in procs:
-        p.join()
-    return out
+    queue = mp.get_context("spawn").Queue()
+    return _run_world(target, (port, *args, queue), WORLD, queue)
 
 
 def _bandwidth_worker(rank: int, port: int, queue) -> None:
