@@ -305,6 +305,13 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "- **an MoE block beyond its kernels** (2026-11-26): measured on a small MoE decoder (`moe_overhead`): "
         "0.4-0.6 ms forward, nothing in backward, so the one-process MoE compute was priced right; with EP = 1 "
         "the MoE model (`moe-dp4`, measured separately: 0.47 s profiled) is predicted within 6%.",
+        "- **selective recompute's dispatch** (2026-11-26): torch's selective checkpointing runs a dispatch mode "
+        "that asks the policy about every op, in forward and again in the recompute; on this CPU that costs ~1 ms "
+        "forward and ~1.5 ms backward a block of this model (one process: none 6.2 ms a block, selective 8.4-8.8, "
+        "full 8.0-8.6; at h = 1024 and 512 tokens selective costs 5% and full 23%), against the few memory-bound "
+        "kernels the model charged. `tune --calibrate` measures it (`selective_overhead`, the residual of the "
+        'reference decoder under `recompute="selective"`): `zero1-selective` went from 11 points below `zero1` '
+        "to 0-5 points under three calibrations.",
         "",
         f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
         f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "
@@ -320,8 +327,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
             )
         )
         + f" The largest median error is `{worst}`. Not priced: ZeRO-2's staging reduce-scatters inside backward "
-        "(measured ~0.04 s over ZeRO-1, predicted equal) and selective recompute's per-op dispatch (torch's "
-        "selective-checkpoint mode intercepts every op of the block twice). And `moe-ep2-dp4` measures like "
+        "(measured ~0.04 s over ZeRO-1, predicted equal). And `moe-ep2-dp4` measures like "
         "dense `zero1` (0.42 against 0.44 s in a rerun of the two, 2026-11-26 08:10), where the model has it ~20% "
         "faster. Two suspects were measured and ruled out (2026-11-26, scripts in the closing note): the "
         "expert-parallel block (the `MOE_REFERENCE` decoder with EP = 2 over rank pairs, all 4 ranks at once, "

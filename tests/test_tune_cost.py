@@ -8,6 +8,7 @@ import pytest
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
+from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
 from lightning_flagscale.tune.cost import _rank_pass
 from lightning_flagscale.tune.hardware import COLLECTIVES
 
@@ -258,6 +259,37 @@ def test_tensor_parallel_host_overhead_per_block_and_at_the_ends():
     assert _rank_pass(MODEL, _layout(), 4096, over) == _rank_pass(MODEL, _layout(), 4096, hw)  # no TP, no DTensor
     with pytest.raises(ValueError, match="tp_overhead"):
         hw.replace(tp_overhead=(1.0, -1.0, 0.0, 0.0))
+
+
+def test_selective_overhead_is_added_per_selectively_recomputed_block():
+    hw = _profile()
+    over = hw.replace(selective_overhead=(1e-3, 3e-3))
+    c = _layout(recompute="selective")
+    base, got = _rank_pass(MODEL, c, 4096, hw), _rank_pass(MODEL, c, 4096, over)
+    assert (got.f - base.f, got.b - base.b) == pytest.approx((MODEL.num_layers * 1e-3, MODEL.num_layers * 3e-3))
+    for mode in ("none", "full"):  # no selective-checkpoint dispatch there
+        c = _layout(recompute=mode)
+        assert _rank_pass(MODEL, c, 4096, over) == _rank_pass(MODEL, c, 4096, hw)
+    with pytest.raises(ValueError, match="selective_overhead is 2 non-negative seconds"):
+        hw.replace(selective_overhead=(1e-3, -1e-3))
+
+
+def test_calibrated_block_overheads_are_the_residual_beyond_the_model():
+    """``tune --calibrate`` keeps what a block measured beyond the model's own prediction of it (the difference of
+    3 blocks and 1, so the embedding, head and loss cancel)."""
+    hw = _profile()
+    one_rank = ParallelConfig(recompute="selective").resolve(1)
+    pred = [_rank_pass(TransformerConfig(**dict(REFERENCE, num_layers=n)), one_rank, REFERENCE["max_seq_len"], hw)
+            for n in (1, 3)]  # fmt: skip
+    ends, extra = (0.01, 0.02), (2e-3, 5e-4)  # seconds the ends and each block's dispatch took beyond the model
+    busy = [
+        p
+        for pass_, n in zip(pred, (1, 3))
+        for p in (pass_.f + ends[0] + n * extra[0], pass_.b + ends[1] + n * extra[1])
+    ]
+    assert selective_block_overhead(hw, busy) == pytest.approx(extra)
+    below = [pred[0].f, pred[0].b, pred[1].f - 1e-3, pred[1].b - 1e-3]  # measured faster than predicted: no credit
+    assert selective_block_overhead(hw, below) == (0.0, 0.0)
 
 
 def test_moe_overhead_is_added_per_moe_block():

@@ -109,6 +109,8 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     assert [n for n, _ in profile.blocking_collective] == [2.0] and profile.blocking_collective[0][1] >= 0
     # an MoE block's time beyond its kernels: the residual of the MoE reference decoder, never negative
     assert len(profile.moe_overhead) == 2 and min(profile.moe_overhead) >= 0
+    # selective recompute's dispatch beyond the kernels it recomputes: the same residual, never negative
+    assert len(profile.selective_overhead) == 2 and min(profile.selective_overhead) >= 0
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

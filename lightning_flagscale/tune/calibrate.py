@@ -38,6 +38,9 @@
   (``tp_overhead``: per block and at the ends, forward and backward; ~4 ms a block on this CPU).
 - **MoE block**: the decoder with routed experts (``MOE_REFERENCE``), 1 and 3 blocks: what a block takes beyond
   the model's kernels (``moe_overhead``).
+- **Selective recompute**: the decoder with 1 and 3 blocks under ``recompute="selective"``: what torch's selective
+  checkpointing (a dispatch mode that asks the policy about every op, forward and recompute) adds to a block beyond
+  the recomputed kernels (``selective_overhead``; ~1 ms forward and ~1.5 ms backward a block on this CPU).
 - **Blocking collectives amid compute**: every rank alternates a few GEMMs and a small all-reduce in groups of
   each size, against the GEMMs alone (``blocking_collective``): with more ranks than cores the call waits for a
   descheduled peer, which is what TP / EP / CP collectives cost inside a step.
@@ -250,11 +253,15 @@ MOE_REFERENCE = dict(REFERENCE, num_experts=4, num_experts_per_tok=2, moe_interm
 attention and memory-bound kernels predict is a calibrated profile's ``moe_overhead``."""
 
 
-def _decoder_seconds(config: dict, layers: int, dtype: torch.dtype, repeats: int, tp_mesh=None) -> tuple[float, float]:
+def _decoder_seconds(
+    config: dict, layers: int, dtype: torch.dtype, repeats: int, tp_mesh=None, recompute: str = "none"
+) -> tuple[float, float]:
     """Median (forward, backward) seconds of a ``CausalLM`` of ``config`` with ``layers`` blocks on one sequence of
-    ``max_seq_len`` tokens (loss included), under the DTensor TP plan on ``tp_mesh`` if given."""
+    ``max_seq_len`` tokens (loss included), under the DTensor TP plan on ``tp_mesh`` if given, each block recomputed
+    per ``recompute``."""
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models import CausalLM
+    from lightning_flagscale.parallel.pipeline_recompute import apply_recompute
     from lightning_flagscale.parallel.tensor import apply_tp
 
     generator = torch.Generator().manual_seed(0)
@@ -263,6 +270,8 @@ def _decoder_seconds(config: dict, layers: int, dtype: torch.dtype, repeats: int
     model = CausalLM(TransformerConfig(**dict(config, num_layers=layers))).to(dtype)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=False)
+    if recompute != "none":
+        apply_recompute(model, recompute)
 
     def run():
         loss = model.loss_fn(model(ids), ids)
@@ -277,20 +286,43 @@ def measure_moe_blocks(dtype: torch.dtype = torch.float32, repeats: int = 5) -> 
     return (*one, *three)
 
 
+def measure_selective_blocks(dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, float, float, float]:
+    """(forward, backward) seconds of the :data:`REFERENCE` decoder under selective recompute, one block then three."""
+    one, three = (_decoder_seconds(REFERENCE, n, dtype, repeats, recompute="selective") for n in (1, 3))
+    return (*one, *three)
+
+
+def _block_residual(
+    profile: HardwareProfile, config: dict, parallel: dict, busy: Sequence[float]
+) -> tuple[float, float]:
+    """(forward, backward) seconds one block of ``config`` under ``parallel`` took beyond what ``profile`` predicts
+    for it, from busy times ``(forward, backward)`` of 1 then 3 blocks (their difference: the ends cancel)."""
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune.cost import _rank_pass
+
+    one_rank = ParallelConfig(**parallel).resolve(1)
+    pred = [_rank_pass(TransformerConfig(**dict(config, num_layers=n)), one_rank, REFERENCE["max_seq_len"], profile)
+            for n in (1, 3)]  # fmt: skip
+    pred_f, pred_b = (pred[1].f - pred[0].f) / 2, (pred[1].b - pred[0].b) / 2
+    meas_f, meas_b = (busy[2] - busy[0]) / 2, (busy[3] - busy[1]) / 2
+    return max(0.0, meas_f - pred_f), max(0.0, meas_b - pred_b)
+
+
+def selective_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
+    """(forward, backward) seconds selective recompute adds to a :data:`REFERENCE` block beyond what ``profile``
+    predicts for it (the recomputed memory-bound kernels), from :func:`measure_selective_blocks`' busy times: torch's
+    selective-checkpoint dispatch mode asks the policy about every op in forward and again in the recompute, and
+    caches the saved outputs. On this CPU ~1 ms forward and ~1.5 ms backward a block (at this size selective
+    recompute costs more time than full recompute; at h = 1024 and 512 tokens it costs 5% against full's 23%)."""
+    return _block_residual(profile, REFERENCE, {"recompute": "selective"}, busy)
+
+
 def moe_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
     """(forward, backward) seconds one MoE block of :data:`MOE_REFERENCE` took beyond what ``profile`` predicts for
     it, from :func:`measure_moe_blocks`' busy times (the difference of three blocks and one: the ends cancel): the
     routing, the dispatch's index gathers and their scatter-add backward, per-expert launches. On this CPU
     0.4-0.6 ms forward and nothing in backward, once the GEMMs are priced by their row count (``gemm_rows``)."""
-    from lightning_flagscale.config import ParallelConfig, TransformerConfig
-    from lightning_flagscale.tune.cost import _rank_pass
-
-    one_rank = ParallelConfig().resolve(1)
-    pred = [_rank_pass(TransformerConfig(**dict(MOE_REFERENCE, num_layers=n)), one_rank, REFERENCE["max_seq_len"],
-                       profile) for n in (1, 3)]  # fmt: skip
-    pred_f, pred_b = (pred[1].f - pred[0].f) / 2, (pred[1].b - pred[0].b) / 2
-    meas_f, meas_b = (busy[2] - busy[0]) / 2, (busy[3] - busy[1]) / 2
-    return max(0.0, meas_f - pred_f), max(0.0, meas_b - pred_b)
+    return _block_residual(profile, MOE_REFERENCE, {}, busy)
 
 
 def measure_tp_overhead(tp_mesh, dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, ...]:
@@ -464,11 +496,14 @@ def _collective_worker(
             overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5))
             dist.barrier()
             moe = measure_moe_blocks(dtype, max(repeats, 5))
+            dist.barrier()
+            selective = measure_selective_blocks(dtype, max(repeats, 5))
             times = dataclasses.replace(
                 times,
                 reference=reference,
                 tp_overhead=tuple(_all_ranks_median(v, world) for v in overhead),
                 moe=tuple(_all_ranks_median(v, world) for v in moe),
+                selective=tuple(_all_ranks_median(v, world) for v in selective),
                 blocking={
                     n: _all_ranks_median(measure_blocking_collective(dist.new_subgroups(group_size=n)[0]), world)
                     for n in groups
@@ -527,6 +562,8 @@ class _WorldTimes:
     """Group size -> :func:`measure_blocking_collective`."""
     moe: tuple[float, ...] | None = None
     """:func:`measure_moe_blocks`."""
+    selective: tuple[float, ...] | None = None
+    """:func:`measure_selective_blocks`."""
 
 
 WORLD_TIMEOUT_S = 900.0
@@ -616,6 +653,7 @@ def _median_times(draws: list[_WorldTimes]) -> _WorldTimes:
         reference=None if first.reference is None else median(lambda d: d.reference),
         tp_overhead=tuples("tp_overhead"),
         moe=tuples("moe"),
+        selective=tuples("selective"),
         blocking={n: median(lambda d, n=n: d.blocking[n]) for n in first.blocking},
     )
 
@@ -713,7 +751,7 @@ def _calibrate(
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
     links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
     assert times.optimizer is not None and times.reference is not None
-    assert times.tp_overhead is not None and times.moe is not None
+    assert times.tp_overhead is not None and times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
     if memory_bytes is None:
@@ -739,5 +777,6 @@ def _calibrate(
         compute_scale=reference_compute_scale(profile, _busy_seconds(times.reference, world, units))
     )
     return profile.replace(
-        moe_overhead=moe_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.moe])
+        moe_overhead=moe_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.moe]),
+        selective_overhead=selective_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.selective]),
     )

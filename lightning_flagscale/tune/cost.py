@@ -11,7 +11,8 @@ Per micro-batch and pipeline rank, a block costs
   forward and backward apart, and ring CP's blocks through the kernel they run (``_attention``);
 - **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
   read or written per token in forward, twice that in backward, at HBM bandwidth;
-- **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels;
+- **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels (plus,
+  on a calibrated profile, the host time of torch's selective-checkpoint dispatch, ``selective_overhead``);
 - exposed **TP/SP** collectives (2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters, per block and pass;
   nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls (after an
   all-gather of the per-expert row counts in forward; plus, for a global load-balancing or z loss, one all-reduce of
@@ -211,6 +212,8 @@ def _block_pass(
     host_f, host_b = hw.tp_overhead[:2] if c.tensor_parallel_size > 1 else (0.0, 0.0)
     if moe:
         host_f, host_b = host_f + hw.moe_overhead[0], host_b + hw.moe_overhead[1]
+    if recompute == "selective":
+        host_f, host_b = host_f + hw.selective_overhead[0], host_b + hw.selective_overhead[1]
     f = gemm + attn[0] + mem + host_f + sum(fwd_comm.values())
     dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
     b = dgrad + w + attn[1] + 2 * mem + host_b + sum(bwd_comm.values())

@@ -176,6 +176,11 @@ class HardwareProfile:
     kernels: routing, the dispatch's index gathers and their scatter-add backward, per-expert launches. Measured by
     ``tune --calibrate`` on a small MoE decoder (64 tokens, 4 experts, top-2), where it is a constant per block
     (host and launch bound); 0 on GPUs."""
+    selective_overhead: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds selective recompute adds per block and micro-batch beyond the memory-bound kernels
+    it recomputes: torch's selective-checkpoint dispatch mode runs the policy on every op, in forward and again in the
+    recompute. Measured by ``tune --calibrate`` on the reference decoder (~1 + 1.5 ms a block on this CPU, more than
+    full recompute costs at that size); 0 on GPUs, where the host runs ahead of the kernels."""
     blocking_collective: list[tuple[float, float]] = field(default_factory=list)
     """``(group size, seconds)``: on a host whose ranks share fewer cores than there are ranks, the wall time one
     blocking collective inside forward / backward (TP, SP, EP, CP) adds to the step, measured with every rank
@@ -227,8 +232,9 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile {self.name!r}: tp_overhead is 4 non-negative seconds, got {self.tp_overhead}."
             )
-        if len(self.moe_overhead) != 2 or min(self.moe_overhead) < 0:
-            raise ValueError(f"HardwareProfile {self.name!r}: moe_overhead is 2 non-negative seconds.")
+        for key in ("moe_overhead", "selective_overhead"):
+            if len(getattr(self, key)) != 2 or min(getattr(self, key)) < 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {key} is 2 non-negative seconds.")
         if any(len(p) != 2 or p[0] < 2 or p[1] < 0 for p in self.blocking_collective):
             raise ValueError(
                 f"HardwareProfile {self.name!r}: blocking_collective points are (group size >= 2, seconds >= 0)."
@@ -359,7 +365,7 @@ class HardwareProfile:
         for key in _POINT_FIELDS:
             if key in data:
                 data[key] = [tuple(map(float, p)) for p in data[key]]
-        for key in ("tp_overhead", "moe_overhead"):
+        for key in ("tp_overhead", "moe_overhead", "selective_overhead"):
             if key in data:
                 data[key] = tuple(map(float, data[key]))
         if "links" in data:
