@@ -280,15 +280,12 @@ def _decoder_seconds(
     return _forward_backward_seconds(run, repeats)
 
 
-def measure_moe_blocks(dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, float, float, float]:
-    """(forward, backward) seconds of the :data:`MOE_REFERENCE` decoder with one block, then with three."""
-    one, three = (_decoder_seconds(MOE_REFERENCE, n, dtype, repeats) for n in (1, 3))
-    return (*one, *three)
-
-
-def measure_selective_blocks(dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, float, float, float]:
-    """(forward, backward) seconds of the :data:`REFERENCE` decoder under selective recompute, one block then three."""
-    one, three = (_decoder_seconds(REFERENCE, n, dtype, repeats, recompute="selective") for n in (1, 3))
+def measure_blocks(
+    config: dict, dtype: torch.dtype = torch.float32, repeats: int = 5, recompute: str = "none"
+) -> tuple[float, float, float, float]:
+    """(forward, backward) seconds of a decoder of ``config`` with one block, then with three (``_decoder_seconds``):
+    what :func:`_block_residual` turns into a per-block overhead."""
+    one, three = (_decoder_seconds(config, n, dtype, repeats, recompute=recompute) for n in (1, 3))
     return (*one, *three)
 
 
@@ -310,7 +307,7 @@ def _block_residual(
 
 def selective_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
     """(forward, backward) seconds selective recompute adds to a :data:`REFERENCE` block beyond what ``profile``
-    predicts for it (the recomputed memory-bound kernels), from :func:`measure_selective_blocks`' busy times: torch's
+    predicts for it (the recomputed memory-bound kernels), from :func:`measure_blocks`' busy times (under selective recompute): torch's
     selective-checkpoint dispatch mode asks the policy about every op in forward and again in the recompute, and
     caches the saved outputs. On this CPU ~1 ms forward and ~1.5 ms backward a block (at this size selective
     recompute costs more time than full recompute; at h = 1024 and 512 tokens it costs 5% against full's 23%)."""
@@ -319,7 +316,7 @@ def selective_block_overhead(profile: HardwareProfile, busy: Sequence[float]) ->
 
 def moe_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
     """(forward, backward) seconds one MoE block of :data:`MOE_REFERENCE` took beyond what ``profile`` predicts for
-    it, from :func:`measure_moe_blocks`' busy times (the difference of three blocks and one: the ends cancel): the
+    it, from :func:`measure_blocks`' busy times (the difference of three blocks and one: the ends cancel): the
     routing, the dispatch's index gathers and their scatter-add backward, per-expert launches. On this CPU
     0.4-0.6 ms forward and nothing in backward, once the GEMMs are priced by their row count (``gemm_rows``)."""
     return _block_residual(profile, MOE_REFERENCE, {}, busy)
@@ -495,9 +492,9 @@ def _collective_worker(
             dist.barrier()
             overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5))
             dist.barrier()
-            moe = measure_moe_blocks(dtype, max(repeats, 5))
+            moe = measure_blocks(MOE_REFERENCE, dtype, max(repeats, 5))
             dist.barrier()
-            selective = measure_selective_blocks(dtype, max(repeats, 5))
+            selective = measure_blocks(REFERENCE, dtype, max(repeats, 5), recompute="selective")
             times = dataclasses.replace(
                 times,
                 reference=reference,
@@ -561,9 +558,9 @@ class _WorldTimes:
     blocking: dict[int, float] = dataclasses.field(default_factory=dict)
     """Group size -> :func:`measure_blocking_collective`."""
     moe: tuple[float, ...] | None = None
-    """:func:`measure_moe_blocks`."""
+    """:func:`measure_blocks` of :data:`MOE_REFERENCE`."""
     selective: tuple[float, ...] | None = None
-    """:func:`measure_selective_blocks`."""
+    """:func:`measure_blocks` of :data:`REFERENCE` under selective recompute."""
 
 
 WORLD_TIMEOUT_S = 900.0
@@ -776,7 +773,11 @@ def _calibrate(
     profile = profile.replace(
         compute_scale=reference_compute_scale(profile, _busy_seconds(times.reference, world, units))
     )
+
+    def busy(walls: Sequence[float]) -> list[float]:
+        return [_busy_seconds(t, world, units) for t in walls]
+
     return profile.replace(
-        moe_overhead=moe_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.moe]),
-        selective_overhead=selective_block_overhead(profile, [_busy_seconds(t, world, units) for t in times.selective]),
+        moe_overhead=moe_block_overhead(profile, busy(times.moe)),
+        selective_overhead=selective_block_overhead(profile, busy(times.selective)),
     )

@@ -91,6 +91,10 @@ class LinkPoint:
 
 _POINT_FIELDS = ("gemm", "gemm_rows", "attention_calls", "ring_blocks", "blocking_collective")
 """Profile fields that are lists of points (tuples in memory, lists in JSON)."""
+_BLOCK_OVERHEADS = ("moe_overhead", "selective_overhead")
+"""Per-block (forward, backward) host seconds of a calibrated profile."""
+_OVERHEAD_FIELDS = ("tp_overhead", *_BLOCK_OVERHEADS)
+"""Profile fields that are tuples of seconds (lists in JSON)."""
 
 
 def _log_linear(pts: list[tuple[float, float]], x: float) -> float:
@@ -232,7 +236,7 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile {self.name!r}: tp_overhead is 4 non-negative seconds, got {self.tp_overhead}."
             )
-        for key in ("moe_overhead", "selective_overhead"):
+        for key in _BLOCK_OVERHEADS:
             if len(getattr(self, key)) != 2 or min(getattr(self, key)) < 0:
                 raise ValueError(f"HardwareProfile {self.name!r}: {key} is 2 non-negative seconds.")
         if any(len(p) != 2 or p[0] < 2 or p[1] < 0 for p in self.blocking_collective):
@@ -365,7 +369,7 @@ class HardwareProfile:
         for key in _POINT_FIELDS:
             if key in data:
                 data[key] = [tuple(map(float, p)) for p in data[key]]
-        for key in ("tp_overhead", "moe_overhead", "selective_overhead"):
+        for key in _OVERHEAD_FIELDS:
             if key in data:
                 data[key] = tuple(map(float, data[key]))
         if "links" in data:
