@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter
+
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
     "ZERO2_MAX_STAGING",
@@ -55,8 +57,6 @@ __all__ = [
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # 4M elements (16 MiB in fp32) per bucket: several buckets to overlap, few launches
 ZERO2_MAX_STAGING = 2  # ZeRO-2 staging buffers alive at once: one reducing while the next one fills
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def profiler_active() -> bool:
@@ -175,7 +175,7 @@ class GradBucket:
         self._zero_unwritten()
         if self.shard:
             self._out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            self.work = _reduce_scatter(self._out, self.buffer, group=self.group, async_op=True)
+            self.work = reduce_scatter(self._out, self.buffer, group=self.group, async_op=True)
         else:
             self.work = dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
@@ -222,7 +222,7 @@ class GradBucket:
             self._write_params(shard)
             return
         full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-        work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=not wait)
+        work = all_gather(full, shard, group=self.group, async_op=not wait)
         if wait:
             self._write_params(full)
         else:  # ``shard`` may be the main parameter itself (fp32): it must not change before the gather completes
@@ -251,7 +251,7 @@ class GradBucket:
         if not self.shard:
             return t
         full = torch.empty(self.padded, dtype=t.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
+        all_gather(full, t.contiguous(), group=self.group)
         return full
 
     def zero_(self) -> None:

@@ -58,7 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _reduce_scatter
+from lightning_flagscale.parallel.collectives import reduce_scatter
+from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit
 
 __all__ = ["FlatUnit", "FlatZero3", "apply_flat_zero3", "find_flat_zero3", "summon_full_params"]
 
@@ -164,7 +165,7 @@ class FlatZero3:
             unit.reshard()
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
-        work = _reduce_scatter(out, grad, group=unit.group, async_op=True)
+        work = reduce_scatter(out, grad, group=unit.group, async_op=True)
         if self.trace is not None:
             self.trace.append(("reduce_scatter", unit.index))
         self._pending.append((unit, out, work, grad))

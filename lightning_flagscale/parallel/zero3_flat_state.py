@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_flagscale.parallel.collectives import all_gather
 from lightning_flagscale.parallel.zero3_flat import FlatZero3, find_flat_zero3
-from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _all_gather, _Slot
+from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _Slot
 
 __all__ = ["FlatZero3Optimizer", "flat_zero3_optimizers"]
 
@@ -75,7 +76,7 @@ class _Converter:
     def to_params(self, unit: FlatUnit, shard: Tensor) -> Iterator[tuple[_Slot, Tensor]]:
         """Collectively: each parameter's ``Shard(0)`` DTensor from the unit's flat shard vector ``shard``."""
         full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard.contiguous(), group=unit.group)
+        all_gather(full, shard.contiguous(), group=unit.group)
         for s in unit.slots:
             value = full[s.offset : s.offset + s.numel].view(_rows(s), -1)
             lo, hi = _chunk(_rows(s), unit.world, unit.rank)
@@ -94,7 +95,7 @@ class _Converter:
                 local[offset : offset + n] = v.reshape(-1).to(dtype)
             offset += n
         gathered = torch.empty(width * unit.world, dtype=dtype, device=unit.device)
-        _all_gather(gathered, local, group=unit.group)
+        all_gather(gathered, local, group=unit.group)
         full = torch.zeros(unit.padded, dtype=dtype, device=unit.device)
         starts = [0] * unit.world
         for i, s in enumerate(unit.slots):

@@ -15,16 +15,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_flagscale.parallel.collectives import all_gather
 from lightning_flagscale.parallel.data import num_shards
 
 if TYPE_CHECKING:
     from lightning_flagscale.parallel.zero3_flat import FlatZero3
 
 __all__ = ["FlatUnit"]
-
-# torch >= 2.10 names them *_single; the old names warn.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(kw_only=True)
@@ -152,7 +149,7 @@ class FlatUnit:
         self._repack()
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         self._src = self.flat_shard.detach().to(self.param_dtype)
-        self._work = _all_gather(self.full, self._src, group=self.group, async_op=True)
+        self._work = all_gather(self.full, self._src, group=self.group, async_op=True)
         if trace is not None:
             trace.append(("all_gather", self.index))
 

@@ -63,12 +63,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, _log_linear, algorithm_factor
-
-# torch >= 2.12 names the tensor forms *_single and deprecates the old names.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
     "calibrate",
@@ -437,10 +434,10 @@ def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callabl
         return lambda: dist.all_reduce(x, group=group)
     if kind == "all_gather":  # nccl-tests' size is the gathered output
         shard, out = torch.ones(numel // n), torch.empty(numel)
-        return lambda: _ALL_GATHER(out, shard, group=group)
+        return lambda: all_gather(out, shard, group=group)
     if kind == "reduce_scatter":
         out = torch.empty(numel // n)
-        return lambda: _REDUCE_SCATTER(out, x, group=group)
+        return lambda: reduce_scatter(out, x, group=group)
     if kind == "all_to_all":
         out = torch.empty(numel)
         return lambda: dist.all_to_all_single(out, x, group=group)
