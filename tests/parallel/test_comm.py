@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_flagscale.parallel.collectives import reduce_scatter
 from lightning_flagscale.parallel.comm import CommTracker, format_table, gather_summaries, merge_summaries
 from lightning_flagscale.parallel.memory import comm_theory_bytes
 
@@ -195,43 +194,6 @@ def test_list_rooted_and_coalesced_collectives(launcher):
         assert ops["reduce"] == {"calls": 1, "payload_bytes": 7 * F32, "wire_bytes": 7 * F32}
         assert ops["all_reduce"] == {"calls": 1, "payload_bytes": 5 * F32, "wire_bytes": 5 * F32}
         assert len(ops) == 7
-
-
-def _backend_reduce_scatter() -> dict:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _OpNames(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                self.names.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        inp = torch.arange(6 * world, dtype=dtype) * (rank + 1)
-        out = torch.empty(6, dtype=dtype)
-        with CommTracker() as comm, _OpNames() as seen:
-            reduce_scatter(out, inp, async_op=True).wait()
-        results[str(dtype)] = {"out": out.float().tolist(), "ops": _ops(comm), "c10d": seen.names}
-    return results
-
-
-def test_flat_reduce_scatter_runs_gloos_own_algorithm_and_counts_as_one_reduce_scatter(launcher):
-    """``collectives.reduce_scatter`` on gloo runs the list form (gloo's reduce-scatter, not the flat form's clone +
-    all-reduce): same result, and the same call and bytes in the accounting as the flat collective."""
-    for rank, res in enumerate(launcher(2, _backend_reduce_scatter)):
-        expected = [3.0 * v for v in range(6 * rank, 6 * rank + 6)]  # (1 + 2) x this rank's chunk of arange
-        for dtype in ("torch.float32", "torch.bfloat16"):
-            got = res[dtype]
-            assert got["out"] == expected
-            assert got["c10d"] == ["c10d::reduce_scatter_"]
-            size = 2 if dtype == "torch.bfloat16" else F32
-            assert got["ops"] == {"reduce_scatter": {"calls": 1, "payload_bytes": 12 * size, "wire_bytes": 6 * size}}
 
 
 def test_pipeline_schedule_p2p(launcher):
