@@ -40,7 +40,6 @@ def main() -> None:
 
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models.decoder import CausalLM
-    from lightning_flagscale.parallel.data import num_shards
     from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, GradBucket, GradReducer, bucket_runs
 
     torch.set_num_threads(1)
@@ -56,10 +55,7 @@ def main() -> None:
     tokens = torch.randint(0, MODEL["vocab_size"], (2, 128))
     plain, ours, ddp = make(), make(), DistributedDataParallel(make())
     params = list(ours.parameters())
-    buckets = [
-        GradBucket(run, dist.group.WORLD, stage=0)
-        for _, run in bucket_runs(params[::-1], DEFAULT_BUCKET_NUMEL, num_shards)
-    ]
+    buckets = [GradBucket(run, dist.group.WORLD, stage=0) for _, run in bucket_runs(params[::-1], DEFAULT_BUCKET_NUMEL)]
     reducer = GradReducer(buckets, overlap=True, hooks=True)
 
     def hand_over() -> None:  # what the strategy does at the optimizer step

@@ -93,10 +93,31 @@ def _main_param(bucket: GradBucket, params: list[nn.Parameter], main_dtype: torc
     master weights), in ``main_dtype``, tagged with its share of the global gradient norm."""
     flat = bucket.flatten([local_tensor(p).detach() for p in params], bucket.dtype)
     main = nn.Parameter(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel].to(main_dtype).clone())
-    tp_shards = num_shards(params[0])  # buckets never mix TP-sharded and TP-replicated parameters
-    main._fs_num_shards = (bucket.world if bucket.shard else 1) * tp_shards
-    main._fs_norm_scale = getattr(params[0], "_fs_norm_scale", 1.0)
+    main._fs_num_shards = bucket.world if bucket.shard else 1
+    segments = _norm_segments(bucket, params)
+    if len({weight for _, _, weight in segments}) <= 1:  # one share for the whole slice
+        main._fs_norm_scale = segments[0][2] if segments else 1.0
+    else:  # TP-sharded and TP-replicated parameters (or a tied copy) in one bucket: a share per run of elements
+        main._fs_norm_segments = segments
     return main
+
+
+def _norm_segments(bucket: GradBucket, params: list[nn.Parameter]) -> list[tuple[int, int, float]]:
+    """``(start, end, weight)`` runs of the bucket's main slice whose elements share a norm weight: the
+    parameter's TP shard count times its ``_fs_norm_scale`` (adjacent parameters with the same weight merged; the
+    padding belongs to no run: its gradient is zero)."""
+    lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
+    segments: list[tuple[int, int, float]] = []
+    for p, off, n in zip(params, bucket.offsets, bucket.numels):
+        start, end = max(off, lo), min(off + n, hi)
+        if start >= end:
+            continue
+        weight = float(num_shards(p) * getattr(p, "_fs_norm_scale", 1.0))
+        if segments and segments[-1][2] == weight and segments[-1][1] == start - lo:
+            segments[-1] = (segments[-1][0], end - lo, weight)
+        else:
+            segments.append((start - lo, end - lo, weight))
+    return segments
 
 
 class DistributedOptimizer:
@@ -145,7 +166,7 @@ class DistributedOptimizer:
                     " build the optimizer from `self.parameters()` inside `configure_optimizers`."
                 )
             # Reverse order: the last layers' gradients are ready first, so their bucket is reduced first.
-            runs = bucket_runs(params[::-1], bucket_numel, num_shards)
+            runs = bucket_runs(params[::-1], bucket_numel)
             buckets = [
                 GradBucket(run, groups[key[0]], stage=stage, divisor=(divisors or {}).get(key[0])) for key, run in runs
             ]
@@ -430,10 +451,15 @@ def clip_grad_norm_(
             g = local_tensor(p.grad).detach()
             # Each tensor's norm in (at least) fp32, summed over tensors in fp64: converting every gradient to fp64
             # first copied all of them (measured 36x slower than the fp32 norm on CPU, most of the optimizer phase).
-            low = g.dtype in (torch.bfloat16, torch.float16)
-            norm = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32 if low else None)
-            weight = getattr(p, "_fs_norm_scale", 1.0) * num_shards(p) / stage_ranks
-            total += weight * norm.double().pow(norm_type)
+            dtype = torch.float32 if g.dtype in (torch.bfloat16, torch.float16) else None
+            share = num_shards(p) / stage_ranks
+            # A bucket's main slice mixing TP-sharded and replicated parameters carries a weight per run of elements.
+            segments = getattr(p, "_fs_norm_segments", None) or [(0, g.numel(), getattr(p, "_fs_norm_scale", 1.0))]
+            flat = g.reshape(-1) if len(segments) > 1 else g
+            for start, end, weight in segments:
+                part = flat if len(segments) == 1 else flat[start:end]
+                norm = torch.linalg.vector_norm(part, norm_type, dtype=dtype)
+                total += weight * share * norm.double().pow(norm_type)
         if dist.is_initialized():
             dist.all_reduce(total)
         total = total.pow(1.0 / norm_type).float()

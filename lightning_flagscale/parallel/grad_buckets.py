@@ -369,13 +369,15 @@ class GradReducer:
             bucket.seen = 0
 
 
-def bucket_runs(params: list[nn.Parameter], bucket_numel: int, num_shards) -> list[tuple[tuple, list]]:
-    """Consecutive runs of parameters that can share a flat bucket: same reduction group, dtype, TP sharding and
-    share of the gradient norm, at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own)."""
+def bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tuple, list]]:
+    """Consecutive runs of parameters that can share a flat bucket: same reduction group and dtype, at most
+    ``bucket_numel`` elements (a larger parameter gets a bucket of its own). TP-sharded and TP-replicated parameters
+    share buckets (their shares of the gradient norm are kept per run of elements, ``data._norm_segments``):
+    keying on the sharding cut a TP layer's bucket at every norm weight, 27 buckets for 6 blocks under TP 2."""
     runs: list[tuple[tuple, list]] = []
     size = 0
     for p in params:
-        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype, num_shards(p), getattr(p, "_fs_norm_scale", 1.0))
+        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype)
         n = _local(p).numel()
         if runs and runs[-1][0] == key and size + n <= bucket_numel:
             runs[-1][1].append(p)
