@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.parallel.flops import flops_per_token
+from lightning_flagscale.parallel.grad_buckets import bucket_runs
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
 from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
-from lightning_flagscale.tune.cost import _rank_pass
+from lightning_flagscale.tune.cost import _bucket_sizes, _rank_pass
 from lightning_flagscale.tune.hardware import COLLECTIVES
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
@@ -75,10 +77,28 @@ def test_data_parallel_reduction_hides_under_backward():
     fast = estimate_step(MODEL, c, 4096, 8, _profile(bandwidth=1e12))
     psi = MODEL.num_params()
     reduce = 2 * 7 / 8 * 4 * psi / 1e12  # fp32 all-reduce over 8 ranks
-    assert fast.comm["dp"] < 0.05 * reduce  # only the last bucket shows
+    # only the last bucket shows: the embedding's (reduced last, a tensor larger than a bucket, alone)
+    embedding = MODEL.vocab_size * MODEL.hidden_size
+    assert fast.comm["dp"] == pytest.approx(reduce * embedding / psi, rel=1e-6)
     slow = estimate_step(MODEL, c, 4096, 8, _profile(bandwidth=1e9))
     backward = _rank_pass(MODEL, c, 4096, _profile()).b
     assert slow.comm["dp"] == pytest.approx(2 * 7 / 8 * 4 * psi / 1e9 - backward, rel=1e-3)
+
+
+def test_every_gradient_bucket_pays_the_link_latency():
+    """DDP / ZeRO launch one collective per bucket: the latency is paid per bucket, the bytes once."""
+    tiny = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    c = _layout(zero_stage=1)
+    for numel in (1 << 18, 1 << 20):
+        # the buckets the tuner counts are the ones the strategy cuts (one process: the same tensors)
+        params = list(CausalLM(tiny).parameters())
+        real = [sum(p.numel() for p in run) for _, run in bucket_runs(params[::-1], numel)]
+        assert _bucket_sizes(tiny, c, [0], numel)["dense"] == pytest.approx(real)
+        zero = estimate_step(tiny, c, 128, 8, _profile(bandwidth=float("inf"), latency=0.0), grad_bucket_numel=numel)
+        slow = estimate_step(tiny, c, 128, 8, _profile(bandwidth=float("inf"), latency=1e-3), grad_bucket_numel=numel)
+        # no compute hides anything at infinite bandwidth: each bucket's reduce-scatter and all-gather add 1 ms
+        assert slow.step_seconds - zero.step_seconds == pytest.approx(2 * len(real) * 1e-3, rel=0.05)
 
 
 def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():

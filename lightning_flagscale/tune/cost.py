@@ -387,6 +387,55 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
     return out
 
 
+def _layer_tensors(model: TransformerConfig, layer: int, tp: int, ep: int) -> list[tuple[str, float]]:
+    """(reduction group, elements on one rank) of each parameter tensor of block ``layer``, in registration order
+    (``models/decoder.py``: norm, q, k, v, o, norm, then the MLP: gate, up, down, or the router and the experts'
+    stacked gate_up and down, then shared experts)."""
+    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    out = [("dense", h), ("dense", h * q * d / tp), ("dense", h * kv * d / tp), ("dense", h * kv * d / tp)]
+    out += [("dense", q * d * h / tp), ("dense", h)]
+    if not model.is_moe_layer(layer):
+        return out + [("dense", h * model.intermediate_size / tp)] * 3
+    inner, e = model.moe_intermediate_size, model.num_experts
+    out += [("dense", h * e), ("expert", 2 * h * inner * e / ep), ("expert", h * inner * e / ep)]
+    if model.num_shared_experts:
+        out += [("dense", h * (model.shared_expert_intermediate_size or inner * model.num_shared_experts) / tp)] * 3
+    return out
+
+
+def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int], bucket_numel: float) -> dict:
+    """Elements of each gradient bucket of a rank holding pipeline ``stages``, by reduction group (``dense`` over
+    data x context ranks, ``expert`` over the expert-data-parallel ones), as ``parallel/grad_buckets.bucket_runs``
+    cuts them: the tensors in reverse registration order, runs of one group of at most ``bucket_numel`` elements, a
+    larger tensor alone."""
+    tp, ep, h = c.tensor_parallel_size, c.expert_parallel_size, model.hidden_size
+    embed = model.vocab_size * h / tp
+    counts = stage_layer_counts(model, c)
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    tensors: list[tuple[str, float]] = []
+    for s in sorted(stages):
+        if s == 0:
+            tensors.append(("dense", embed))
+        for layer in range(first[s], first[s] + counts[s]):
+            tensors += _layer_tensors(model, layer, tp, ep)
+        if s == c.num_stages - 1:
+            tensors.append(("dense", h))
+            if not (c.num_stages == 1 and model.tie_word_embeddings):
+                tensors.append(("dense", embed))
+    out: dict[str, list[float]] = {"dense": [], "expert": []}
+    key, size = None, 0.0
+    for group, n in reversed(tensors):
+        if group == key and size + n <= bucket_numel:
+            size += n
+            continue
+        if key is not None:
+            out[key].append(size)
+        key, size = group, n
+    if key is not None:
+        out[key].append(size)
+    return out
+
+
 def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float) -> float:
     """The optimizer phase of a rank holding ``dense`` and ``expert`` parameters (ZeRO shards them over DP)."""
     tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
@@ -395,28 +444,41 @@ def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, exp
 
 
 def _data_parallel(
-    model, c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float, last_backward: float, compute: float
+    model,
+    c: ParallelConfig,
+    hw: HardwareProfile,
+    dense: float,
+    expert: float,
+    last_backward: float,
+    compute: float,
+    buckets: dict[str, list[float]],
 ):
     """(exposed seconds, total seconds) of the gradient reduction and parameter gathers of a rank holding ``dense``
-    and ``expert`` parameters (exposed: what backward and compute do not hide; total: their whole duration)."""
+    and ``expert`` parameters (exposed: what backward and compute do not hide; total: their whole duration).
+    DDP / ZeRO-1 / ZeRO-2 issue one reduction and (ZeRO) one gather per gradient bucket (``buckets``, from
+    :func:`_bucket_sizes`), each paying the link's latency; the last bucket's reduction starts when backward ends."""
     tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
-    groups = [(dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
+    groups = [("dense", dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
     if expert:
         edp = dp * cp * tp // ep
-        groups.append((expert / ep, edp, _inter(edp, ep, hw)))  # experts reduce over the ranks holding the same ones
+        groups.append(("expert", expert / ep, edp, _inter(edp, ep, hw)))  # over the ranks holding the same experts
     exposed = total = 0.0
     m = c.gradient_accumulation_steps
-    for psi, n, inter in groups:
+    for name, psi, n, inter in groups:
         if n <= 1:
             continue
-        if c.zero_stage == 0:
-            reduce = hw.collective_seconds("all_reduce", 4 * psi, n, inter_node=inter)
-        else:
-            reduce = hw.collective_seconds("reduce_scatter", 4 * psi, n, inter_node=inter)
-        bucket = reduce * min(1.0, DEFAULT_BUCKET_NUMEL / max(psi, 1.0))
-        gather = hw.collective_seconds("all_gather", 2 * psi, n, inter_node=inter) if c.zero_stage else 0.0
+        sizes = buckets.get(name) if c.zero_stage < 3 else None
+        # each bucket's share of the bytes (the bucket sizes count tensors; the bytes stay ``psi``'s)
+        shares = [b / sum(sizes) for b in sizes] if sizes else [1.0]
+
+        def calls(kind: str, nbytes: float, shares=shares, n=n, inter=inter) -> list[float]:
+            return [hw.collective_seconds(kind, f * nbytes, n, inter_node=inter) for f in shares]
+
+        per_bucket = calls("all_reduce" if c.zero_stage == 0 else "reduce_scatter", 4 * psi)
+        reduce = sum(per_bucket)
+        gather = sum(calls("all_gather", 2 * psi)) if c.zero_stage else 0.0
         if c.zero_stage in (0, 1, 2):
-            exposed += max(bucket, reduce - last_backward)
+            exposed += max(per_bucket[-1], reduce - last_backward)
             total += reduce
         if c.zero_stage in (1, 2):
             exposed += gather
@@ -460,8 +522,12 @@ def estimate_step(
     hw: HardwareProfile,
     *,
     cache: dict | None = None,
+    grad_bucket_numel: float = DEFAULT_BUCKET_NUMEL,
 ) -> StepCost:
     """Predicted time of one optimizer step of ``global_batch`` sequences of ``seq_len`` tokens (module docstring).
+
+    ``grad_bucket_numel``: the strategy's gradient bucket size (DDP / ZeRO-1 / ZeRO-2 launch one collective per
+    bucket).
 
     ``cache``: a dict shared by calls with the same model, sequence length and profile (a search), so layouts that
     differ only in ZeRO stage or DP reuse the per-micro-batch pass."""
@@ -487,8 +553,10 @@ def estimate_step(
         hop = hw.collective_seconds("p2p", act, 2, inter_node=_inter(p, c.world_size // p, hw))
         comm["pp"] = 2 * (m_total * c.virtual_pipeline_parallel_size + gas * (p - 1)) * hop
     ranks = _rank_params(model, c)
-    heaviest = max(ranks, key=sum)
-    dp_exposed, dp_total = _data_parallel(model, c, hw, *heaviest, last_backward=one.b, compute=busy)
+    index = max(range(len(ranks)), key=lambda r: sum(ranks[r]))
+    heaviest = ranks[index]
+    buckets = _bucket_sizes(model, c, _rank_stages(c)[index], grad_bucket_numel)
+    dp_exposed, dp_total = _data_parallel(model, c, hw, *heaviest, last_backward=one.b, compute=busy, buckets=buckets)
     optimizer = _optimizer_seconds(c, hw, *heaviest)
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
