@@ -19,6 +19,7 @@ from pathlib import Path
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.cost import calibrate_compute_scale, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile, builtin_profile
 from lightning_flagscale.tune.memory import estimate_memory
@@ -59,9 +60,18 @@ class Point:
     mfu: float | None = None
     family: str = "bf16"
     note: str = ""
+    megatron_buckets: bool = False
+    """Gradient buckets sized as Megatron-LM sizes them by default (``max(40M, 1M x DP x CP)`` elements, its
+    ``DistributedDataParallelConfig.bucket_size``) rather than by our ``DEFAULT_BUCKET_NUMEL``."""
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(**self.layout).resolve(self.devices)
+
+    def grad_bucket_numel(self) -> int:
+        if not self.megatron_buckets:
+            return DEFAULT_BUCKET_NUMEL
+        c = self.config()
+        return max(40_000_000, 1_000_000 * c.dp * c.context_parallel_size)
 
     def published_tokens_per_gpu(self) -> float:
         if self.tokens_per_gpu is not None:
@@ -85,8 +95,9 @@ def _llama3(devices: int, cp: int, seq: int, tflops: float) -> Point:
         label=f"Llama 3 405B, {devices} GPUs, seq {seq}", model=LLAMA3_405B, devices=devices, seq_len=seq,
         layout=dict(tensor_parallel_size=8, context_parallel_size=cp, pipeline_parallel_size=16, sequence_parallel=True,
                     pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=4, zero_stage=1),
-        global_batch=16 * 1024 * 1024 // seq, mfu=tflops / 989, source=LLAMA3,
-        note=f"{tflops:.0f} TFLOPs/GPU published; 16M tokens/step; assumed: vpp 4, mbs 1, no recompute, ZeRO-1"
+        global_batch=16 * 1024 * 1024 // seq, mfu=tflops / 989, source=LLAMA3, megatron_buckets=True,
+        note=f"{tflops:.0f} TFLOPs/GPU published; 16M tokens/step; assumed: vpp 4, mbs 1, no recompute, ZeRO-1,"
+        " Megatron's gradient bucket size"
         f"{convention}",
     )  # fmt: skip
 
@@ -115,13 +126,13 @@ def points() -> list[Point]:
         Point(label="GPT-3 175B, 96 GPUs", model=GPT3_175B, devices=96, seq_len=4096, global_batch=1152, mfu=0.47,
               layout=dict(tensor_parallel_size=4, pipeline_parallel_size=8, sequence_parallel=True, zero_stage=1,
                           pipeline_schedule="interleaved_1f1b", virtual_pipeline_parallel_size=6),
-              source=MEGATRON, note="layout not in the README text (a figure): assumed TP4 PP8 (its parallelism"
-              " guide) with vpp 6, seq 4096, mbs 1"),
+              source=MEGATRON, megatron_buckets=True, note="layout not in the README text (a figure): assumed TP4"
+              " PP8 (its parallelism guide) with vpp 6, seq 4096, mbs 1; Megatron's default gradient buckets"),
         Point(label="GPT-3 175B, 4608 GPUs", model=GPT3_175B, devices=4608, seq_len=4096, global_batch=1152,
               mfu=0.42, layout=dict(tensor_parallel_size=4, pipeline_parallel_size=8, sequence_parallel=True,
                                     zero_stage=1, pipeline_schedule="interleaved_1f1b",
                                     virtual_pipeline_parallel_size=6),
-              source=MEGATRON, note="as above"),
+              source=MEGATRON, megatron_buckets=True, note="as above"),
         _titan8b(8, 5762, "bf16-500W"),
         _titan8b(128, 5605, "bf16-500W"),
         Point(label="Llama 3.1 405B FSDP16 TP8, 128 GPUs", model=LLAMA3_405B, devices=128, seq_len=8192,
@@ -167,13 +178,16 @@ def predict(hw: HardwareProfile) -> list[tuple[Point, float, float, float, bool]
         p = pts[index]
         base, field = (scaled["bf16-500W"], "gemm_scale") if family == "float8" else (hw, "compute_scale")
         scaled[family] = calibrate_compute_scale(p.model, p.config(), p.seq_len, p.global_batch, base,
-                                                 p.published_tokens_per_gpu() * p.devices, field=field)  # fmt: skip
+                                                 p.published_tokens_per_gpu() * p.devices, field=field,
+                                                 grad_bucket_numel=p.grad_bucket_numel())  # fmt: skip
     rows = []
     for i, p in enumerate(pts):
         c = p.config()
-        cost = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled[p.family])
+        buckets = p.grad_bucket_numel()
+        cost = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled[p.family], grad_bucket_numel=buckets)
         if p.family == "bf16-500W":  # what the production-fitted factor alone predicts for this platform
-            cross = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled["bf16"]).tokens_per_second / p.devices
+            cross = estimate_step(p.model, c, p.seq_len, p.global_batch, scaled["bf16"], grad_bucket_numel=buckets)
+            cross = cross.tokens_per_second / p.devices
             extra = f"with the Llama 3 (700 W) factor: {cross:,.0f} ({cross / p.published_tokens_per_gpu() - 1:+.0%})"
             p = dataclasses.replace(p, note=f"{p.note}; {extra}" if p.note else extra)
         memory = estimate_memory(p.model, c, p.seq_len, p.global_batch // (c.dp * c.micro_batch_size))

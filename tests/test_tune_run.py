@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
@@ -34,14 +35,24 @@ def test_optimizer_busy_time_shares_the_cores():
         calibrate(optimizer_numel=0)
 
 
-def _world_rank(rank: int, mode: str, results) -> None:
-    """A calibration world's rank for the tests below: rank 1 hangs or fails, rank 0 reports."""
+def _world_rank(rank: int, mode: str, results, reported=None) -> None:
+    """A calibration world's rank for the tests below: rank 1 hangs, fails or aborts (before rank 0 reports, or
+    after: ``reported`` is set once it has), rank 0 reports."""
     if rank == 1 and mode == "hang":
         time.sleep(3600)
     if rank == 1 and mode == "fail":
         raise RuntimeError("rank 1 broke")
+    if rank == 1 and mode == "abort_after":
+        reported.wait(120)
+        os.abort()
+    if rank == 1 and mode == "abort_before":
+        os.abort()
+    if rank == 0 and mode == "abort_before":
+        time.sleep(3600)
     if rank == 0:
         results.put(("done", mode))
+        if reported is not None:
+            reported.set()
 
 
 def test_a_calibration_world_that_hangs_is_killed_and_named():
@@ -63,6 +74,19 @@ def test_a_calibration_rank_that_fails_fails_the_calibration():
     ctx = mp.get_context("spawn")
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke"):
         _run_world(_world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=60)
+
+
+def test_a_rank_that_aborts_while_exiting_after_the_report_is_named_and_the_results_kept():
+    # torch 2.13 + gloo sometimes ends a finished process with "terminate called without an active exception"
+    ctx = mp.get_context("spawn")
+    results, reported = ctx.Queue(), ctx.Event()
+    with pytest.warns(UserWarning, match="process 1 terminated with signal SIGABRT after its world reported"):
+        assert _run_world(_world_rank, ("abort_after", results, reported), 2, results, timeout=120) == (
+            "done",
+            "abort_after",
+        )
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        _run_world(_world_rank, ("abort_before", ctx.Queue()), 2, ctx.Queue(), timeout=120)
 
 
 def test_four_rank_calibration_times_every_group_size():

@@ -57,6 +57,7 @@ import queue
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -567,7 +568,8 @@ WORLD_TIMEOUT_S = 900.0
 def _run_world(fn: Callable, args: tuple, nprocs: int, results, timeout: float = WORLD_TIMEOUT_S):
     """Spawn ``nprocs`` ranks of ``fn(rank, *args)`` and return what rank 0 puts on the queue ``results``.
 
-    A rank that raises or dies fails the call with torch's error naming it; a world that is still running after
+    A rank that raises or dies before rank 0 reported fails the call with torch's error naming it (one that dies
+    while exiting afterwards is named in a warning: the results are complete); a world that is still running after
     ``timeout`` seconds (a collective some rank never joined) is killed and raises ``TimeoutError``, instead of
     waiting forever on a deadlock."""
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
@@ -586,12 +588,17 @@ def _run_world(fn: Callable, args: tuple, nprocs: int, results, timeout: float =
                         " s and was killed (a collective that some rank never joined?). Rerun it; if it hangs again,"
                         " calibrate fewer group sizes (--calibrate-groups)."
                     ) from None
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"tune --calibrate: a rank of a calibration world of {nprocs} ranks did not exit within"
-                    f" {timeout:.0f} s after the world reported, and was killed."
-                )
+        try:
+            while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"tune --calibrate: a rank of a calibration world of {nprocs} ranks did not exit within"
+                        f" {timeout:.0f} s after the world reported, and was killed."
+                    )
+        except mp.ProcessExitedException as exc:
+            # Killed by a signal or a native abort while exiting, after rank 0 reported what every rank measured
+            # (torch 2.13 on gloo sometimes ends a process with "terminate called without an active exception").
+            warnings.warn(f"{exc} after its world reported; its results are complete and kept.", stacklevel=2)
         return result
     finally:
         for process in context.processes:

@@ -598,6 +598,7 @@ def calibrate_compute_scale(
     tokens_per_second: float,
     *,
     field: str = "compute_scale",
+    grad_bucket_numel: float = DEFAULT_BUCKET_NUMEL,
 ) -> HardwareProfile:
     """``hw`` with ``field`` (``compute_scale``, or ``gemm_scale`` for a GEMM-only speed-up) chosen so the predicted
     throughput of this layout equals ``tokens_per_second`` (bisection in log space; links are left as profiled)."""
@@ -606,7 +607,10 @@ def calibrate_compute_scale(
     lo, hi = 1e-3, 1e3
 
     def rate(scale: float) -> float:
-        return estimate_step(model, c, seq_len, global_batch, hw.replace(**{field: scale})).tokens_per_second
+        scaled = hw.replace(**{field: scale})
+        return estimate_step(
+            model, c, seq_len, global_batch, scaled, grad_bucket_numel=grad_bucket_numel
+        ).tokens_per_second
 
     if not rate(lo) <= tokens_per_second <= rate(hi):
         raise ValueError(
