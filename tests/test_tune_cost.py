@@ -15,6 +15,8 @@ from lightning_flagscale.tune.cost import _bucket_sizes, _rank_pass
 from lightning_flagscale.tune.hardware import COLLECTIVES
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
+_TINY = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 
 
 def _profile(bandwidth: float = float("inf"), latency: float = 0.0, hbm: float = 1e12) -> HardwareProfile:
@@ -87,8 +89,7 @@ def test_data_parallel_reduction_hides_under_backward():
 
 def test_every_gradient_bucket_pays_the_link_latency():
     """DDP / ZeRO launch one collective per bucket: the latency is paid per bucket, the bytes once."""
-    tiny = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    tiny = _TINY
     c = _layout(zero_stage=1)
     for numel in (1 << 18, 1 << 20):
         # the buckets the tuner counts are the ones the strategy cuts (one process: the same tensors)
@@ -99,6 +100,30 @@ def test_every_gradient_bucket_pays_the_link_latency():
         slow = estimate_step(tiny, c, 128, 8, _profile(bandwidth=float("inf"), latency=1e-3), grad_bucket_numel=numel)
         # no compute hides anything at infinite bandwidth: each bucket's reduce-scatter and all-gather add 1 ms
         assert slow.step_seconds - zero.step_seconds == pytest.approx(2 * len(real) * 1e-3, rel=0.05)
+
+
+def _tp_bucket_sizes(numel: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.parallel.tensor import apply_tp
+
+    model = CausalLM(_TINY)
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=False)
+    params = list(model.parameters())
+    return [sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in run)
+            for _, run in bucket_runs(params[::-1], numel)]  # fmt: skip
+
+
+def test_tensor_parallel_buckets_hold_sharded_and_replicated_parameters_as_the_tuner_counts(launcher):
+    """Under TP 2 the strategy's buckets (local shards of the sharded weights with the replicated norms) are the
+    ones ``_bucket_sizes`` prices: the norms no longer cut a bucket each."""
+    c = ParallelConfig(tensor_parallel_size=2).resolve(2)
+    for numel in (1 << 16, 1 << 18):  # tensors larger than a bucket (alone), then several tensors a bucket
+        real = launcher(2, _tp_bucket_sizes, numel)
+        assert real[0] == real[1]
+        assert _bucket_sizes(_TINY, c, [0], numel)["dense"] == pytest.approx(real[0])
+    # a bucket cut at every replicated norm would mean at least 2 x layers + 1 buckets
+    assert len(real[0]) < 2 * _TINY.num_layers + 1
 
 
 def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():
