@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
 from lightning_flagscale.tune import (
     BUILTIN_PROFILES,
@@ -135,6 +136,36 @@ def test_cli_errors_name_the_constraint(capsys):
         tune_main(["--preset", "llama-tiny", "--devices", "2", "--profile", "tpu"])
     with pytest.raises(SystemExit, match="TYPE:COUNT:PROFILE"):
         tune_main(["--preset", "llama-tiny", "--hetero", "H100-8"])
+
+
+def test_the_gradient_bucket_size_reaches_the_model_the_recipe_and_the_strategy(tmp_path, capsys):
+    """``--grad-bucket-numel``: priced (smaller buckets, more calls, each paying the latency), written into the
+    recipe the strategy reads, and left out of it at the default."""
+    from lightning_flagscale import FlagScaleStrategy
+
+    argv = ["--preset", "llama-tiny", "--devices", "4", "--seq-len", "64", "--global-batch", "8", "--top", "100000"]
+    default = {json.dumps(r["parallel"], sort_keys=True): r for r in _tune_json(capsys, *argv)["candidates"]}
+    small = {json.dumps(r["parallel"], sort_keys=True): r
+             for r in _tune_json(capsys, *argv, "--grad-bucket-numel", "4096")["candidates"]}  # fmt: skip
+    assert default.keys() == small.keys()  # the same layouts fit (ZeRO-2's two staging buckets shrink, no more)
+    slower = 0
+    for key, row in default.items():
+        zero, cp = row["parallel"].get("zero_stage", 0), row["parallel"].get("context_parallel_size", 1)
+        if row["data_parallel_size"] * cp > 1 and zero < 3:  # buckets reduced over data x context ranks
+            # more calls, each paying the latency, but a smaller last bucket after backward
+            slower += small[key]["step_seconds"] > row["step_seconds"]
+        else:  # no bucket reduction (one replica), or ZeRO-3's per-unit gathers: the bucket size plays no part
+            assert small[key]["step_seconds"] == pytest.approx(row["step_seconds"])
+    assert slower > 0
+    for numel, written in ((4096, True), (DEFAULT_BUCKET_NUMEL, False)):
+        path = tmp_path / f"best{numel}.yaml"
+        tune_main([*argv[:-2], "--top", "1", "--write-recipe", str(path), "--grad-bucket-numel", str(numel)])
+        init_args = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]
+        assert ("grad_bucket_numel" in init_args) is written
+        assert FlagScaleStrategy(**init_args)._grad_bucket_numel == numel
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="--grad-bucket-numel 0: a bucket holds at least one element"):
+        tune_main([*argv, "--grad-bucket-numel", "0"])
 
 
 def test_written_recipe_parses_and_constructs_the_strategy(tmp_path, capsys):

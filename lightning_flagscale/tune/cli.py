@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import HardwareProfile, load_profile
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", "--top-k", dest="top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.add_argument("--schedules", help="comma-separated pipeline schedules to search (default: all)")
+    p.add_argument("--grad-bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                   help="the strategy's grad_bucket_numel (DDP / ZeRO: one collective per bucket); written into the"
+                   " recipe when not the default")  # fmt: skip
     p.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile JSON")
     p.add_argument("--calibrate-out", default="hardware_profile.json")
     p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
@@ -155,8 +159,10 @@ def tune_main(argv: list[str]) -> None:
         raise SystemExit("--devices N is required (the number of devices to plan for).")
     space = SearchSpace(schedules=tuple(args.schedules.split(","))) if args.schedules else SearchSpace()
     keep = None if args.run else args.top
+    if args.grad_bucket_numel < 1:
+        raise SystemExit(f"--grad-bucket-numel {args.grad_bucket_numel}: a bucket holds at least one element.")
     result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
-                    space=space, top_k=keep)  # fmt: skip
+                    space=space, top_k=keep, grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
     if not result.candidates:
         raise SystemExit(no_fit_message(result, hw.memory_bytes, args.devices))
     best = result.candidates[0]
@@ -179,7 +185,8 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
     from lightning_flagscale.tune.runner import run_candidates
 
     runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
-                          devices=args.devices, workdir=args.run_dir, steps=args.run_steps)  # fmt: skip
+                          devices=args.devices, workdir=args.run_dir, steps=args.run_steps,
+                          grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
     print(f"{'layout':<56} {'predicted':>10} {'measured':>10} {'status'}")
     for r in runs:
         measured = f"{r.measured_step_seconds:9.3f}s" if r.measured_step_seconds else f"{'-':>10}"
@@ -200,7 +207,7 @@ def _write_best(args: argparse.Namespace, model: TransformerConfig, best: Candid
     accelerator = "cpu" if hw.device_type.startswith("cpu") else "gpu"
     recipe = recipe_dict(model, best.config, seq_len=args.seq_len, global_batch=args.global_batch,
                          devices=args.devices, max_steps=args.recipe_steps, accelerator=accelerator,
-                         devices_per_node=hw.devices_per_node)  # fmt: skip
+                         devices_per_node=hw.devices_per_node, grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
     header = (f"Written by `lightning-flagscale tune` ({hw.name} profile): {best.describe()}\n"
               f"predicted {best.tokens_per_second:.0f} tokens/s, {best.memory_bytes / 1e9:.2f} GB per device")  # fmt: skip
     path = write_recipe(args.write_recipe, recipe, header)

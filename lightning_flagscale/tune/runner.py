@@ -29,6 +29,7 @@ import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.presets import PRESETS
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.search import Candidate, describe_layout
 
 __all__ = ["HistoryPruner", "RunResult", "StepTimer", "recipe_dict", "run_candidates", "write_recipe"]
@@ -54,10 +55,11 @@ class StepTimer(L.Callback):
         (Path(self.out_dir) / f"{trainer.global_rank}.json").write_text(json.dumps(data))
 
 
-def _strategy_args(c: ParallelConfig) -> dict[str, Any]:
-    """ParallelConfig fields that differ from the defaults (DP is left to the world size)."""
+def _strategy_args(c: ParallelConfig, grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> dict[str, Any]:
+    """ParallelConfig fields that differ from the defaults (DP is left to the world size), and the gradient bucket
+    size when it is not the strategy's default."""
     default = ParallelConfig()
-    out = {}
+    out: dict[str, Any] = {} if grad_bucket_numel == DEFAULT_BUCKET_NUMEL else {"grad_bucket_numel": grad_bucket_numel}
     for f in dataclasses.fields(ParallelConfig):
         value = getattr(c, f.name)
         if f.name == "data_parallel_size" or value == getattr(default, f.name):
@@ -79,6 +81,7 @@ def recipe_dict(
     accelerator: str = "cpu",
     devices_per_node: int | None = None,
     callbacks: Sequence[dict[str, Any]] = (),
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> dict[str, Any]:
     """A LightningCLI recipe (the shape of ``lightning_flagscale/recipes/*.yaml``) that trains ``model`` under ``c``."""
     per_node = devices_per_node or devices
@@ -86,7 +89,7 @@ def recipe_dict(
         "accelerator": accelerator, "devices": min(devices, per_node), "max_steps": max_steps,
         "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_checkpointing": False, "logger": False,
         "enable_progress_bar": False, "enable_model_summary": False,
-        "strategy": {"class_path": "lightning_flagscale.FlagScaleStrategy", "init_args": _strategy_args(c)},
+        "strategy": {"class_path": "lightning_flagscale.FlagScaleStrategy", "init_args": _strategy_args(c, grad_bucket_numel)},
     }  # fmt: skip
     if devices > per_node:
         trainer["num_nodes"] = devices // per_node
@@ -225,6 +228,7 @@ def run_candidates(
     workdir: str | Path,
     steps: int = 5,
     timeout: float = 300.0,
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> list[RunResult]:
     """Run up to ``k`` of ``candidates`` (in order) for ``steps`` steps each, skipping those history prunes."""
     pruner, results = HistoryPruner(), []
@@ -237,7 +241,7 @@ def run_candidates(
             results.append(RunResult(cand, f"pruned: {reason}"))
             continue
         recipe = recipe_dict(model, cand.config, seq_len=seq_len, global_batch=global_batch, devices=devices,
-                             max_steps=steps)  # fmt: skip
+                             max_steps=steps, grad_bucket_numel=grad_bucket_numel)  # fmt: skip
         status, seconds, rss, message = _run_one(recipe, Path(workdir).resolve() / f"cand{i}", timeout)
         pruner.record(cand.config, status)
         results.append(RunResult(cand, status, seconds, rss, message))

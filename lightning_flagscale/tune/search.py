@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, min_microbatches, validate_schedule
 from lightning_flagscale.tune.cost import StepCost, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile
@@ -204,8 +205,10 @@ def search(
     space: SearchSpace | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     top_k: int | None = 10,
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> SearchResult:
-    """The ``top_k`` fastest layouts that fit in memory (``None``: all), with the pruning counts."""
+    """The ``top_k`` fastest layouts that fit in memory (``None``: all), with the pruning counts.
+    ``grad_bucket_numel``: the strategy's gradient bucket size (one collective per bucket; ZeRO-2's staging)."""
     hw = hardware or HardwareProfile()
     space = space or SearchSpace()
     if micro_batch_sizes is not None:
@@ -216,11 +219,12 @@ def search(
     cache: dict = {}
     for c in layouts:
         m = global_batch // (c.dp * c.micro_batch_size)
-        memory = estimate_memory(model, c, seq_len, m)
+        memory = estimate_memory(model, c, seq_len, m, bucket_numel=grad_bucket_numel)
         smallest = memory if smallest is None else min(smallest, memory)
         if memory > hw.memory_bytes:
             pruned["memory"] += 1
             continue
-        found.append(Candidate(c, memory, estimate_step(model, c, seq_len, global_batch, hw, cache=cache)))
+        cost = estimate_step(model, c, seq_len, global_batch, hw, cache=cache, grad_bucket_numel=grad_bucket_numel)
+        found.append(Candidate(c, memory, cost))
     found.sort(key=lambda cand: (cand.step_seconds, cand.memory_bytes))  # equal speed: the leaner layout first
     return SearchResult(found if top_k is None else found[:top_k], len(layouts), pruned, smallest)
