@@ -454,10 +454,10 @@ def clip_grad_norm_(
             dtype = torch.float32 if g.dtype in (torch.bfloat16, torch.float16) else None
             share = num_shards(p) / stage_ranks
             # A bucket's main slice mixing TP-sharded and replicated parameters carries a weight per run of elements.
-            segments = getattr(p, "_fs_norm_segments", None) or [(0, g.numel(), getattr(p, "_fs_norm_scale", 1.0))]
-            flat = g.reshape(-1) if len(segments) > 1 else g
-            for start, end, weight in segments:
-                part = flat if len(segments) == 1 else flat[start:end]
+            segments = getattr(p, "_fs_norm_segments", None)
+            parts = ([(g, getattr(p, "_fs_norm_scale", 1.0))] if segments is None
+                     else [(g.reshape(-1)[start:end], weight) for start, end, weight in segments])  # fmt: skip
+            for part, weight in parts:
                 norm = torch.linalg.vector_norm(part, norm_type, dtype=dtype)
                 total += weight * share * norm.double().pow(norm_type)
         if dist.is_initialized():

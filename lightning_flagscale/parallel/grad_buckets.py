@@ -51,6 +51,7 @@ __all__ = [
     "GradBucket",
     "GradReducer",
     "bucket_runs",
+    "cut_runs",
     "grad_local",
     "profiler_active",
 ]
@@ -374,15 +375,21 @@ def bucket_runs(params: list[nn.Parameter], bucket_numel: int) -> list[tuple[tup
     ``bucket_numel`` elements (a larger parameter gets a bucket of its own). TP-sharded and TP-replicated parameters
     share buckets (their shares of the gradient norm are kept per run of elements, ``data._norm_segments``):
     keying on the sharding cut a TP layer's bucket at every norm weight, 27 buckets for 6 blocks under TP 2."""
-    runs: list[tuple[tuple, list]] = []
-    size = 0
-    for p in params:
-        key = (getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype)
-        n = _local(p).numel()
+    items = [((getattr(p, "_flagscale_grad_group", "dp_cp"), p.dtype), _local(p).numel()) for p in params]
+    return [(key, [params[i] for i in run]) for key, run in cut_runs(items, bucket_numel)]
+
+
+def cut_runs(items: Sequence[tuple[object, float]], bucket_numel: float) -> list[tuple[object, list[int]]]:
+    """``(key, indices)`` of consecutive ``(key, numel)`` items grouped into buckets: one key per bucket, at most
+    ``bucket_numel`` elements (an item larger than that alone). The rule :func:`bucket_runs` applies to parameters
+    and the tuner (``tune.cost._bucket_sizes``) to the tensors it counts."""
+    runs: list[tuple[object, list[int]]] = []
+    size = 0.0
+    for i, (key, n) in enumerate(items):
         if runs and runs[-1][0] == key and size + n <= bucket_numel:
-            runs[-1][1].append(p)
+            runs[-1][1].append(i)
             size += n
         else:
-            runs.append((key, [p]))
+            runs.append((key, [i]))
             size = n
     return runs

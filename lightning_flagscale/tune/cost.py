@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 
 __all__ = ["StepCost", "calibrate_compute_scale", "estimate_step", "estimate_step_seconds", "stage_layer_counts"]
@@ -422,17 +422,10 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
             tensors.append(("dense", h))
             if not (c.num_stages == 1 and model.tie_word_embeddings):
                 tensors.append(("dense", embed))
+    tensors.reverse()
     out: dict[str, list[float]] = {"dense": [], "expert": []}
-    key, size = None, 0.0
-    for group, n in reversed(tensors):
-        if group == key and size + n <= bucket_numel:
-            size += n
-            continue
-        if key is not None:
-            out[key].append(size)
-        key, size = group, n
-    if key is not None:
-        out[key].append(size)
+    for group, run in cut_runs(tensors, bucket_numel):
+        out[group].append(sum(tensors[i][1] for i in run))
     return out
 
 
