@@ -354,9 +354,10 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "higher). Memory does not depend on load. The profiler records the allocations and frees of the training "
         "thread only: a tensor whose last reference goes away on gloo's worker thread (the input copy of an "
         "asynchronous reduce-scatter, when the worker releases its work after the training thread has waited for "
-        "it) is never seen freed, so its bytes stay counted. `net MiB` (allocated minus freed over the step, zero "
-        "for a step that ends in the state it began) shows how many bytes that left counted; the measured peak "
-        "can exceed the true one by up to that much.",
+        "it) is never seen freed. Such a free is placed where the address is allocated again on the training "
+        "thread (two blocks cannot be alive at one address); a block whose address never comes back stays "
+        "counted. `net MiB` (allocated minus freed over the step, zero for a step that ends in the state it "
+        "began) shows how many bytes stayed counted; the measured peak can exceed the true one by up to that much.",
         "",
         "| layout | pred. states MiB | meas. states MiB | pred. act.+transient MiB | live mb | pred. peak MiB"
         " | meas. peak MiB | net MiB | mem err |",

@@ -15,7 +15,9 @@ Per layout and rank, step 1 (Adam states exist) is measured for memory: the mode
 step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above that level during the step
 (forward, backward, gradient reduction and optimizer step), counted from the allocator's events by
 ``tune.measure.AllocationPeak`` (``torch.profiler`` with ``profile_memory=True``: every CPU allocation and free
-of the training thread, whatever made it; frees on gloo's worker threads are not seen, see ``net_delta``). The largest rank is compared with ``tune.memory.memory_breakdown`` for the layout's heaviest
+of the training thread, whatever made it; a free on gloo's worker threads is not seen, but is recovered when its
+address is allocated again, see ``net_delta`` for what stays counted). The largest rank is compared with
+``tune.memory.memory_breakdown`` for the layout's heaviest
 rank. Memory is measured in the first round only. Every round times ``TIMED_STEPS`` steps after the Adam states
 exist (wall clock from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``;
 median over all timed steps of all rounds: single steps of 4 ranks on 2 cores swing by 2x).
@@ -118,7 +120,7 @@ def _run_layout(name: str, measure_memory: bool) -> dict:
             if self.profiled:
                 self.peak.__exit__(None, None, None)
                 out["peak_delta"] = self.peak.peak_bytes
-                out["net_delta"] = self.peak.net_bytes  # > 0: frees made on another thread, which it cannot see
+                out["net_delta"] = self.peak.net_bytes  # > 0: frees made on another thread, address never reused
             elif trainer.global_step - 1 >= MEMORY_STEP:  # step 0 allocates the Adam states: never timed
                 out["times"].append(elapsed)
                 out["fwd_bwd"].append(self.t_fb)

@@ -16,7 +16,7 @@ from lightning_flagscale.tune.activations import (
     model_edge_bytes,
 )
 from lightning_flagscale.tune.inflight import max_live_microbatches
-from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations
+from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations, allocation_levels
 from lightning_flagscale.tune.memory import estimate_memory, memory_breakdown
 from tests.strategies._lm import tiny_config, trainer_run
 
@@ -177,3 +177,37 @@ def test_uneven_pipeline_split_heaviest_stage_decides():
     b_even, b_heavy = memory_breakdown(model, even, 64, 4), memory_breakdown(model, heavy, 64, 4)
     assert b_heavy.heaviest.pp_rank == 0 and b_heavy.peak > b_even.peak
     assert estimate_memory(model, heavy, 64, 4) == b_heavy.peak
+
+
+def test_allocation_levels_take_off_a_block_whose_address_comes_back():
+    mib = 2**20
+    events = [
+        (0, "a", 4 * mib),  # freed unseen (another thread), its address allocated again at t=2
+        (1, "b", 2 * mib),
+        (2, "a", 3 * mib),  # peak before this: 6 MiB; the 4 MiB block is gone at this instant
+        (3, "b", -2 * mib),
+        (4, "old", -1 * mib),  # allocated before the block started: lowers the level
+        (5, "c", 8 * mib),  # freed unseen, never reused: stays counted
+    ]
+    assert allocation_levels(events) == (10 * mib, 10 * mib)
+    assert allocation_levels(reversed(events)) == (10 * mib, 10 * mib)  # order comes from the times
+    # a free and a new block at its address at one instant: the free came first, the new block stays alive
+    assert allocation_levels([(0, "a", mib), (1, "a", mib), (1, "a", -mib)]) == (mib, mib)
+
+
+def test_allocation_peak_recovers_a_free_made_on_another_thread():
+    """A 40 MiB block (mmap'd, so its address comes back on the next allocation of that size) dropped on a helper
+    thread, the way gloo's worker threads drop collective buffers: the profiler sees no free; the reuse of the address
+    shows it."""
+    import threading
+
+    n = 40 * 2**20
+    with AllocationPeak() as m:
+        box = [torch.empty(n, dtype=torch.uint8)]
+        first = box[0].data_ptr()
+        thread = threading.Thread(target=box.clear)
+        thread.start()
+        thread.join()
+        again = torch.empty(n, dtype=torch.uint8)
+    assert again.data_ptr() == first, "the allocator did not reuse the address: the premise of this test"
+    assert (m.peak_bytes, m.net_bytes) == (n, n)

@@ -7,8 +7,11 @@
   the optimizer), on the thread that entered the block: the profiler's memory events are per thread, so what
   another thread allocates or frees is not seen (measured: an 8 MiB tensor allocated on a second thread is missing,
   and a 4 MiB tensor of this thread freed on a second thread stays counted in ``net_bytes``). Under gloo this
-  matters when a collective's worker thread drops the last reference to a buffer: ``net_bytes`` > 0 after a
-  steady-state step bounds how much the peak may be overstated by it.
+  matters when a collective's worker thread drops the last reference to a buffer. Such a free is recovered when the
+  address comes back: two blocks cannot be alive at one address, so a block never seen freed whose address is
+  allocated again on this thread was freed before that reuse, and is taken off there (:func:`allocation_levels`).
+  A block freed elsewhere whose address is never reused stays counted: ``net_bytes`` > 0 after a steady-state step
+  bounds how much the peak may still be overstated.
 * :class:`SavedActivations` counts the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
   each storage once and parameters excluded: the quantity the activation formulas of ``tune.activations`` predict.
 """
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["AllocationPeak", "SavedActivations"]
+__all__ = ["AllocationPeak", "SavedActivations", "allocation_levels"]
 
 
 class AllocationPeak:
@@ -41,13 +44,34 @@ class AllocationPeak:
     def __exit__(self, *exc: object) -> None:
         assert self._prof is not None
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        current = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            current += e.nbytes()
-            peak = max(peak, current)
-        self.peak_bytes, self.net_bytes = peak, current
+        events = []
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            fields = e.extra_fields
+            if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+                events.append((e.start_time_ns, (str(fields.device), fields.ptr), fields.alloc_size))
+        self.peak_bytes, self.net_bytes = allocation_levels(events)
         self._prof = None
+
+
+def allocation_levels(events: Iterable[tuple[int, object, int]]) -> tuple[int, int]:
+    """(peak, final) bytes above the starting level of allocator events ``(time, address, +bytes | -bytes)``.
+
+    A free of a block allocated before the events started lowers the level by its size. An allocation at an address
+    whose block is still alive (its free was made where the events do not see it) first frees that block.
+    """
+    alive: dict[object, int] = {}
+    current = peak = 0
+    for _, address, nbytes in sorted(events, key=lambda e: (e[0], e[2] >= 0)):  # a free first at one instant
+        if nbytes >= 0:
+            current += nbytes - alive.pop(address, 0)
+            alive[address] = nbytes
+        else:
+            current -= alive.pop(address, -nbytes)
+        peak = max(peak, current)
+    return peak, current
 
 
 class SavedActivations:
