@@ -35,8 +35,9 @@ stage, and a calibrated profile adds the DTensor plan's host time per block and 
 
 When the ranks of a node share fewer compute units than there are ranks (``compute_units_per_node``: CPU processes
 on a few cores), the step takes at least the node's summed busy time over its units (each rank's own optimizer
-phase included): a rank waiting in a pipeline bubble or on a peer lends its core to the others, so bubbles cost
-nothing until the critical path dominates. There a blocking collective inside forward or backward (TP, SP, CP, EP)
+phase included): a rank waiting in a pipeline bubble or on a peer lends its core to the others. With a pipeline the
+schedule torch runs is simulated on the shared units (``tune/shared_cores.py``): a rank on the critical path, in the
+fill and drain or with the heavier embedding or head stage, still cannot use more than one unit. There a blocking collective inside forward or backward (TP, SP, CP, EP)
 costs the calibrated wait for a descheduled peer (``blocking_collective``, wall time) instead of its latency.
 """
 
@@ -49,6 +50,8 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
+from lightning_flagscale.tune.inflight import schedule_actions
+from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
 
 __all__ = ["StepCost", "calibrate_compute_scale", "estimate_step", "estimate_step_seconds", "stage_layer_counts"]
 
@@ -92,6 +95,8 @@ class _Pass:
     """``(f, b, w)`` of every other pipeline rank: the pipeline fills and drains through them."""
     calls: dict[str, float] = field(default_factory=dict)
     """Blocking collectives per micro-batch by kind (``tp``, ``cp``, ``ep``), forward and backward together."""
+    stages: tuple[tuple[float, float, float], ...] = ()
+    """``(f, b, w)`` of every pipeline stage (chunk), by stage index."""
 
 
 # Every link costs 1 s a call and nothing a byte: communication seconds priced on it are numbers of calls.
@@ -287,11 +292,13 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}
     ranks: list[_Pass] = []
+    per_stage: dict[int, tuple[float, float, float]] = {}
     for stages in _rank_stages(c):
         f = b = w = 0.0
         comm: dict[str, float] = {}
         calls: dict[str, float] = {}
         for s in stages:
+            before = (f, b, w)
             n_moe = sum(moe_flags[first[s] : first[s] + counts[s]])
             for moe, n in ((True, n_moe), (False, counts[s] - n_moe)):
                 if n == 0:
@@ -315,12 +322,14 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
                 host_f, host_b = hw.tp_overhead[2:] if c.tensor_parallel_size > 1 else (0.0, 0.0)
                 f, b, w = f + head + host_f, b + head_dgrad + head_w + host_b, w + head_w
+            per_stage[s] = (f - before[0], b - before[1], w - before[2])
         ranks.append(_Pass(f, b, w, comm, calls=calls))
     heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)
     best = ranks[heaviest]
     others = tuple((r.f, r.b, r.w) for i, r in enumerate(ranks) if i != heaviest)
     mean_fb = sum(r.f + r.b for r in ranks) / len(ranks)
-    return _Pass(best.f, best.b, best.w, best.comm, mean_fb=mean_fb, others=others, calls=best.calls)
+    stage_times = tuple(per_stage[i] for i in range(len(per_stage)))
+    return _Pass(best.f, best.b, best.w, best.comm, mean_fb, others, best.calls, stage_times)
 
 
 def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
@@ -560,12 +569,19 @@ def estimate_step(
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
     group = {"tp": c.tensor_parallel_size, "cp": c.context_parallel_size, "ep": c.expert_parallel_size}
     wait = {k: m_total * n * hw.blocking_seconds(group[k]) for k, n in one.calls.items()} if waits else {}
-    if shared and shared + comm.get("pp", 0.0) + dp_total + sum(wait.values()) > step:
-        # the node's cores are the bottleneck: a rank idle in a bubble lends its share to the busy ones
+    node = shared + comm.get("pp", 0.0)
+    if shared and p > 1:
+        # the schedule run on the shared units: a rank idle in a bubble lends its share to the busy ones, but a rank
+        # on the critical path cannot use more than one unit (tune/shared_cores.py)
+        units = hw.compute_units_per_node * p / min(c.world_size, hw.devices_per_node)
+        actions = schedule_actions(c.pipeline_schedule, p, c.virtual_pipeline_parallel_size, m_total // gas)
+        node = gas * pipeline_seconds(actions, dict(enumerate(one.stages)), hop, units)
+        node += processor_sharing_seconds([_optimizer_seconds(c, hw, *r) for r in ranks], units)
+    if shared and node + dp_total + sum(wait.values()) > step:
         comm["dp"] = dp_total
         _add(comm, wait)
-        step = shared + comm.get("pp", 0.0) + dp_total + sum(wait.values())
-        bubble, compute = 0.0, shared
+        step = node + dp_total + sum(wait.values())
+        bubble, compute = max(0.0, node - shared - comm.get("pp", 0.0)), shared
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)
