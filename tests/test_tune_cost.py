@@ -237,6 +237,27 @@ def test_ranks_sharing_cores_absorb_the_pipeline_bubble_as_far_as_cores_allow():
     assert estimate_step(MODEL, pp, 4096, 16, hw.replace(compute_units_per_node=8.0)) == dedicated
 
 
+def test_pipeline_actions_pay_the_schedule_host_time():
+    # every forward and backward action of a schedule costs the calibrated host time: GPipe's critical path has
+    # m + p - 1 of each, on the heaviest rank and through the bubble alike; nothing without a pipeline
+    h, m, p = 2e-3, 4, 4
+    hw = _profile(hbm=float("inf"))
+    pp = _layout(pipeline_parallel_size=p, pipeline_schedule="gpipe")
+    plain, with_host = (estimate_step(MODEL, pp, 4096, 2 * m, x) for x in (hw, hw.replace(pipeline_action_overhead=h)))
+    assert with_host.step_seconds - plain.step_seconds == pytest.approx((m + p - 1) * 2 * h, rel=1e-6)
+    ddp = _layout()
+    assert estimate_step(MODEL, ddp, 4096, 8, hw.replace(pipeline_action_overhead=h)) == estimate_step(
+        MODEL, ddp, 4096, 8, hw
+    )
+    # zero-bubble splits each backward into an input- and a weight-gradient action: three actions a micro-batch
+    zb = _layout(pipeline_parallel_size=p, pipeline_schedule="zero_bubble", virtual_pipeline_parallel_size=2)
+    one = _rank_pass(MODEL, zb, 4096, hw)
+    host = _rank_pass(MODEL, zb, 4096, hw.replace(pipeline_action_overhead=h))
+    assert (host.f - one.f, host.b - one.b, host.w - one.w) == pytest.approx((2 * h, 4 * h, 2 * h))  # 2 chunks
+    with pytest.raises(ValueError, match="pipeline_action_overhead"):
+        hw.replace(pipeline_action_overhead=-1.0)
+
+
 def test_optimizer_time_is_the_measured_one_or_adam_traffic():
     # Without a measurement, Adam moves 34 bytes a parameter at HBM speed; a calibrated profile's per-parameter time
     # is used as measured, whatever compute_scale the end-to-end fit chose.

@@ -67,3 +67,16 @@ def test_a_deadlock_names_the_waiting_ranks():
         pipeline_seconds(actions, dict.fromkeys(range(2), (1.0, 1.0, 0.0)), 0.0, 2.0)
     with pytest.raises(ValueError, match="units"):
         pipeline_seconds(actions, dict.fromkeys(range(2), (1.0, 1.0, 0.0)), 0.0, 0.0)
+
+
+def test_the_calibrated_action_overhead_reproduces_the_measured_run():
+    # tune --calibrate times a GPipe run of trivial stages and fits the host time per action through this simulation
+    from lightning_flagscale.tune.calibrate import pipeline_action_overhead
+
+    p, m, hop, units = 4, 8, 1e-4, 2.0
+    actions = schedule_actions("gpipe", p, 1, m)
+    measured = pipeline_seconds(actions, dict.fromkeys(range(p), (1e-3, 1e-3, 0.0)), hop, units)
+    assert pipeline_action_overhead(measured, p, m, hop, units) == pytest.approx(1e-3, rel=1e-6)
+    hops_only = pipeline_seconds(actions, dict.fromkeys(range(p), (0.0, 0.0, 0.0)), hop, units)
+    assert hops_only == pytest.approx(2 * (p - 1) * hop)
+    assert pipeline_action_overhead(0.5 * hops_only, p, m, hop, units) == 0.0

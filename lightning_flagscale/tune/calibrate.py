@@ -41,6 +41,10 @@
 - **Selective recompute**: the decoder with 1 and 3 blocks under ``recompute="selective"``: what torch's selective
   checkpointing (a dispatch mode that asks the policy about every op, forward and recompute) adds to a block beyond
   the recomputed kernels (``selective_overhead``; ~1 ms forward and ~1.5 ms backward a block on this CPU).
+- **Pipeline schedule host time**: every rank of the spawned worlds is a stage of one 8x8 linear in a GPipe run of
+  ``PIPELINE_MICROBATCHES`` micro-batches (``torch.distributed.pipelining``); nothing is computed, so the run is
+  torch's bookkeeping and P2P calls per action plus the hops between stages. ``pipeline_action_overhead`` is the
+  host time per action that makes ``tune/shared_cores.py``'s simulation of that run take the measured time.
 - **Blocking collectives amid compute**: every rank alternates a few GEMMs and a small all-reduce in groups of
   each size, against the GEMMs alone (``blocking_collective``): with more ranks than cores the call waits for a
   descheduled peer, which is what TP / EP / CP collectives cost inside a step.
@@ -67,6 +71,8 @@ import torch.multiprocessing as mp
 from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, _log_linear, algorithm_factor
+from lightning_flagscale.tune.inflight import schedule_actions
+from lightning_flagscale.tune.shared_cores import pipeline_seconds
 
 __all__ = [
     "calibrate",
@@ -77,8 +83,10 @@ __all__ = [
     "measure_gemms",
     "measure_linear_gemms",
     "measure_optimizer_step",
+    "measure_pipeline_run",
     "measure_reference_step",
     "measure_ring_blocks",
+    "pipeline_action_overhead",
     "reference_compute_scale",
 ]
 
@@ -367,6 +375,53 @@ def measure_blocking_collective(group, calls: int = 60, gemms: int = 4, repeats:
     return max(0.0, (statistics.median(synced) - statistics.median(alone)) / calls)
 
 
+PIPELINE_MICROBATCHES = 8
+
+
+def measure_pipeline_run(microbatches: int = PIPELINE_MICROBATCHES, repeats: int = 5) -> float:
+    """Wall seconds of one GPipe run over every rank of the default process group, each a stage of one 8x8 linear
+    (the median over ``repeats`` runs after a warm-up, each run timed from a barrier to the last rank's end)."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(nn.Linear(8, 8), rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, microbatches, loss_fn=lambda out, target: out.float().pow(2).mean())
+    x = torch.randn(microbatches, 8)
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=x, losses=[])
+        else:
+            schedule.step()
+        times.append(time.perf_counter() - start)
+    per_rank: list[list[float]] = [[] for _ in range(world)]
+    dist.all_gather_object(per_rank, times[2:])
+    return statistics.median(max(run) for run in zip(*per_rank))
+
+
+def pipeline_action_overhead(seconds: float, p: int, microbatches: int, hop: float, units: float) -> float:
+    """Host seconds per schedule action that make the simulated GPipe run of ``p`` trivial stages
+    (``tune/shared_cores.py``, ``units`` shared compute units, ``hop`` between ranks) take ``seconds``; 0 when the
+    hops alone take that long."""
+    actions = schedule_actions("gpipe", p, 1, microbatches)
+
+    def run(h: float) -> float:
+        return pipeline_seconds(actions, dict.fromkeys(range(p), (h, h, 0.0)), hop, units)
+
+    if run(0.0) >= seconds:
+        return 0.0
+    lo, hi = 0.0, seconds
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if run(mid) < seconds else (lo, mid)
+    return (lo + hi) / 2
+
+
 def reference_compute_scale(profile: HardwareProfile, busy_seconds: float) -> float:
     """The ``compute_scale`` with which ``profile`` predicts the :data:`REFERENCE` step's measured busy time."""
     from lightning_flagscale.config import ParallelConfig, TransformerConfig
@@ -493,9 +548,12 @@ def _collective_worker(
             moe = measure_blocks(MOE_REFERENCE, dtype, max(repeats, 5))
             dist.barrier()
             selective = measure_blocks(REFERENCE, dtype, max(repeats, 5), recompute="selective")
+            dist.barrier()
+            pipeline = measure_pipeline_run(repeats=max(repeats, 5))
             times = dataclasses.replace(
                 times,
                 reference=reference,
+                pipeline=pipeline,
                 tp_overhead=tuple(_all_ranks_median(v, world) for v in overhead),
                 moe=tuple(_all_ranks_median(v, world) for v in moe),
                 selective=tuple(_all_ranks_median(v, world) for v in selective),
@@ -559,6 +617,8 @@ class _WorldTimes:
     """:func:`measure_blocks` of :data:`MOE_REFERENCE`."""
     selective: tuple[float, ...] | None = None
     """:func:`measure_blocks` of :data:`REFERENCE` under selective recompute."""
+    pipeline: float | None = None
+    """:func:`measure_pipeline_run` over the world."""
 
 
 WORLD_TIMEOUT_S = 900.0
@@ -652,6 +712,7 @@ def _median_times(draws: list[_WorldTimes]) -> _WorldTimes:
     return _WorldTimes(
         optimizer=None if first.optimizer is None else median(lambda d: d.optimizer),
         reference=None if first.reference is None else median(lambda d: d.reference),
+        pipeline=None if first.pipeline is None else median(lambda d: d.pipeline),
         tp_overhead=tuples("tp_overhead"),
         moe=tuples("moe"),
         selective=tuples("selective"),
@@ -751,7 +812,7 @@ def _calibrate(
     attention_calls = rates(measure_attention_calls(repeats=repeats, dtype=dtype))
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
     links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
-    assert times.optimizer is not None and times.reference is not None
+    assert times.optimizer is not None and times.reference is not None and times.pipeline is not None
     assert times.tp_overhead is not None and times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
@@ -781,7 +842,11 @@ def _calibrate(
     def busy(walls: Sequence[float]) -> list[float]:
         return [_busy_seconds(t, world, units) for t in walls]
 
+    hop = profile.collective_seconds("p2p", 8 * 4, 2)  # one micro-batch of the trivial stage between two ranks
     return profile.replace(
         moe_overhead=moe_block_overhead(profile, busy(times.moe)),
         selective_overhead=selective_block_overhead(profile, busy(times.selective)),
+        pipeline_action_overhead=pipeline_action_overhead(
+            times.pipeline, world, PIPELINE_MICROBATCHES, hop, min(units, world) if units > 0 else world
+        ),
     )

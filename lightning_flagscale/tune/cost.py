@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.flops import flops_per_token
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
@@ -273,8 +274,6 @@ def stage_layer_counts(model: TransformerConfig, c: ParallelConfig) -> list[int]
 
 def _rank_stages(c: ParallelConfig) -> list[list[int]]:
     """Stage indices held by each pipeline rank (loop or V placement, ``parallel/schedules.py``)."""
-    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
-
     p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
     if p > 1 and SCHEDULE_SPECS[c.pipeline_schedule].placement == "v":
         return [[r, 2 * p - 1 - r] for r in range(p)]
@@ -291,6 +290,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}
+    split = SCHEDULE_SPECS[c.pipeline_schedule].split_backward
     ranks: list[_Pass] = []
     per_stage: dict[int, tuple[float, float, float]] = {}
     for stages in _rank_stages(c):
@@ -322,6 +322,11 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
                 host_f, host_b = hw.tp_overhead[2:] if c.tensor_parallel_size > 1 else (0.0, 0.0)
                 f, b, w = f + head + host_f, b + head_dgrad + head_w + host_b, w + head_w
+            if c.pipeline_parallel_size > 1 and hw.pipeline_action_overhead:
+                # the schedule's host time per action: a forward, and a backward (an input- and a weight-gradient
+                # action under the zero-bubble family)
+                h = hw.pipeline_action_overhead
+                f, b, w = f + h, b + (2 * h if split else h), w + (h if split else 0.0)
             per_stage[s] = (f - before[0], b - before[1], w - before[2])
         ranks.append(_Pass(f, b, w, comm, calls=calls))
     heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)

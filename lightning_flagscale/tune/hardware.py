@@ -191,6 +191,10 @@ class HardwareProfile:
     computing between calls (``tune --calibrate``): the wait for a peer the scheduler has descheduled, ~1 ms here,
     where an idle ping-pong of the same size takes 0.2-0.8 ms. It replaces the links' latency for those calls
     (their bytes stay work on the shared cores). Empty: the latency, as work."""
+    pipeline_action_overhead: float = 0.0
+    """Host seconds of one pipeline schedule action (one micro-batch's forward or backward on one stage): torch's
+    schedule bookkeeping and its P2P calls. Measured by ``tune --calibrate`` from a GPipe run of trivial stages over
+    the calibration world (~1 ms an action on this CPU); 0 on GPUs, where the host runs ahead of the kernels."""
     input_grad_gemm_factor: float = 1.0
     """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
     same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
@@ -222,6 +226,8 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: backward GEMM factors must be > 0.")
         if self.optimizer_seconds_per_param < 0:
             raise ValueError(f"HardwareProfile {self.name!r}: optimizer_seconds_per_param must be >= 0 (0: derived).")
+        if self.pipeline_action_overhead < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: pipeline_action_overhead must be >= 0 seconds.")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         if any(len(p) != 2 or min(p) <= 0 for p in self.gemm_rows):
