@@ -333,6 +333,13 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "-26.7% -> -9.0%, -9.6%, -16.7%; 12:58 -25.6%, -26.1%, -32.0% -> -15.5%, -16.1%, -23.0%; 13:17 (measured "
         "after the change) -24.7%, -25.1%, -31.2% -> -14.5%, -15.1%, -21.9%. Layouts within 20% over the 9 (measurement, calibration) pairs: 108 -> 114 "
         "of 117. GPU profiles (a device per rank) are unchanged.",
+        "- **the schedule's own host time** (2026-11-26): torch's pipeline schedule spends host time on every action "
+        "(bookkeeping, the P2P calls): a 4-rank GPipe of one 8x8 linear a stage, nothing computed, takes ~11 ms for "
+        "4 micro-batches and ~17 ms for 8. `tune --calibrate` now times that run over its world and fits the host "
+        "time per action through the simulation above (`pipeline_action_overhead`: 0.34, 0.34 and 0.41 ms in the "
+        "three calibrations of 13:38-13:41); the model adds it to every forward and backward action. On the 13:17 "
+        "measurements with the first of those profiles, without -> with it: `pp4-gpipe` -23.0% -> -20.4%, "
+        "`pp2-1f1b-dp2` -18.2% -> -17.2%, `pp2-interleaved` -15.7% -> -14.0%, `pp2-zbv` -15.1% -> -12.7%.",
         "",
         f"What remains: the median layout's min-max range over the timed steps is {noise:.0%} of its median step, "
         f"while the predicted steps of the dense layouts differ by {spread:.0%} from fastest to slowest (they do "
@@ -348,11 +355,12 @@ def write_report(results: dict, args, predict, path: Path) -> None:
             )
         )
         + f" The largest median error is `{worst}`. Not priced: ZeRO-2's staging reduce-scatters inside backward "
-        "(measured ~0.04 s over ZeRO-1, predicted equal). The pipeline layouts are still 9-22% below the "
-        "measurement: torch's schedule itself costs host time per action (a 4-rank GPipe of one 64x64 linear a "
-        "stage: 11 ms for 4 micro-batches, 17 ms for 8, nothing computed), which the model does not price, and "
-        "`pp4-gpipe` (no data-parallel traffic) moves only through the one factor fitted on `ddp`: one anchor "
-        "layout carries every other layout's compute. Before the per-bucket pricing `moe-ep2-dp4` was predicted ~20% fast; its "
+        "(measured ~0.04 s over ZeRO-1, predicted equal). The one factor fitted on `ddp` carries every other "
+        "layout's compute, and `ddp`'s prediction is a third data-parallel traffic: a calibration that prices its "
+        "all-reduce higher (the first 13:38 profile: 4-rank latency 3.3 ms against 2.3 ms at 08:59) fits a faster "
+        "compute and moves every layout down together (11, 12 and 13 of 13 within 20% on the same measurements "
+        "under the three 13:38 profiles; 13, 12, 12 under the three of 08:59, which have no host-time term). Before "
+        "the per-bucket pricing `moe-ep2-dp4` was predicted ~20% fast; its "
         "expert-parallel block (+1.9 ms wall a block over EP = 1, the model charges ~3 ms) and the traffic of its "
         "two group sizes in isolation (0.58x `moe-dp4`'s, priced 0.61x) had been measured and matched; most of "
         "what was missing was the latency of its 11 bucket calls (priced: -12% to -16%).",
