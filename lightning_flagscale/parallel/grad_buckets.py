@@ -193,6 +193,9 @@ class GradBucket:
                 grad.copy_(out)
                 main_param.grad = grad
             else:  # ZeRO-2: accumulate into the fp32 main-gradient shard, free the staging buffer
+                # now: the work holds it too, and gloo's worker thread may let go of it last, at a varying time
+                # (flat ZeRO-3 frees its full gradients the same way)
+                self.buffer.untyped_storage().resize_(0)
                 self.buffer = None
                 main_param.grad = out if main_param.grad is None else main_param.grad.add_(out)
             return

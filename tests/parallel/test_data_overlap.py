@@ -42,7 +42,22 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
             stats["largest_bucket"] = max(b.padded for d in dopts for b in d.buckets)
             stats["num_buckets"] = sum(len(d.buckets) for d in dopts)
 
-    losses, params = trainer_run(kwargs, config, STEPS, clip=1.0, callbacks=[Stats()], accumulate=accumulate)
+    from lightning_flagscale.parallel.grad_buckets import GradBucket
+
+    finish = GradBucket.finish
+    staging: list[torch.Tensor] = []
+
+    def recording(self):  # ZeRO-2's staging buffers, to check they are freed once reduced
+        if self.shard and not self.persistent:
+            staging.append(self.buffer)
+        finish(self)
+
+    GradBucket.finish = recording
+    try:
+        losses, params = trainer_run(kwargs, config, STEPS, clip=1.0, callbacks=[Stats()], accumulate=accumulate)
+    finally:
+        GradBucket.finish = finish
+    stats["staging_bytes_left"] = [t.untyped_storage().nbytes() for t in staging]
     return losses, params, stats
 
 
@@ -87,6 +102,9 @@ def test_bucketed_reduction_matches_single_process(launcher, reference, case):
             assert stats["launched_in_backward"] == 0, stats
         if kwargs["zero_stage"] == 2:  # double buffering: never more than two buckets of full gradients
             assert 0 < stats["peak_staging_numel"] <= 2 * stats["largest_bucket"], stats
+            # each staging buffer freed when its reduction completed (not whenever gloo's worker let go of it)
+            left = stats.pop("staging_bytes_left")
+            assert len(left) == STEPS * stats["num_buckets"] and not any(left), left
         if kwargs.get("overlap_param_gather"):  # every bucket's all-gather still in flight when the step returns
             assert stats["pending_after_step"] == [stats["num_buckets"]] * STEPS, stats
             assert stats["pending_after_state_dict"] == 0 and stats["state_dict_current"], stats
