@@ -358,8 +358,9 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "(measured ~0.04 s over ZeRO-1, predicted equal). The one factor fitted on `ddp` carries every other "
         "layout's compute, and `ddp`'s prediction is a third data-parallel traffic: a calibration that prices its "
         "all-reduce higher (the first 13:38 profile: 4-rank latency 3.3 ms against 2.3 ms at 08:59) fits a faster "
-        "compute and moves every layout down together (11, 12 and 13 of 13 within 20% on the same measurements "
-        "under the three 13:38 profiles; 13, 12, 12 under the three of 08:59, which have no host-time term). Before "
+        "compute and moves every layout down together (on the 13:17 measurements 11, 12 and 13 of 13 within 20% "
+        "under the three 13:38 profiles, on the 14:14 ones 12, 13, 13; under the three of 08:59, which have no "
+        "host-time term, 13, 12, 12 and 13, 13, 12). Before "
         "the per-bucket pricing `moe-ep2-dp4` was predicted ~20% fast; its "
         "expert-parallel block (+1.9 ms wall a block over EP = 1, the model charges ~3 ms) and the traffic of its "
         "two group sizes in isolation (0.58x `moe-dp4`'s, priced 0.61x) had been measured and matched; most of "
@@ -377,7 +378,9 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "asynchronous reduce-scatter, when the worker releases its work after the training thread has waited for "
         "it) is never seen freed. Such a free is placed where the address is allocated again on the training "
         "thread (two blocks cannot be alive at one address); a block whose address never comes back stays "
-        "counted. `net MiB` (allocated minus freed over the step, zero for a step that ends in the state it "
+        "counted. Flat ZeRO-3's full gradients and ZeRO-2's staging buffers, the inputs of their reduce-scatters "
+        "and 25-57 MiB of flat ZeRO-3's step here, were such blocks until the code freed them itself when the "
+        "reduction completes (2026-11-26). `net MiB` (allocated minus freed over the step, zero for a step that ends in the state it "
         "began) shows how many bytes stayed counted; the measured peak can exceed the true one by up to that much.",
         "",
         "| layout | pred. states MiB | meas. states MiB | pred. act.+transient MiB | live mb | pred. peak MiB"
