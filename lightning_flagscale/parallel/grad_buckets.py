@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter
+from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter, release_input
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
@@ -192,10 +192,8 @@ class GradBucket:
                 grad = self.buffer[self.shard_start : self.shard_start + self.shard_numel]
                 grad.copy_(out)
                 main_param.grad = grad
-            else:  # ZeRO-2: accumulate into the fp32 main-gradient shard, free the staging buffer
-                # now: the work holds it too, and gloo's worker thread may let go of it last, at a varying time
-                # (flat ZeRO-3 frees its full gradients the same way)
-                self.buffer.untyped_storage().resize_(0)
+            else:  # ZeRO-2: accumulate into the fp32 main-gradient shard, free the staging buffer now
+                release_input(self.buffer)
                 self.buffer = None
                 main_param.grad = out if main_param.grad is None else main_param.grad.add_(out)
             return

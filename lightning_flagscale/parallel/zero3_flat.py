@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_flagscale.parallel.collectives import reduce_scatter
+from lightning_flagscale.parallel.collectives import reduce_scatter, release_input
 from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit
 
 __all__ = ["FlatUnit", "FlatZero3", "apply_flat_zero3", "find_flat_zero3", "summon_full_params"]
@@ -195,17 +195,10 @@ class FlatZero3:
             unit.reshard()
 
     def _complete(self, unit: FlatUnit, out: Tensor, work: dist.Work, grad: Tensor) -> None:
-        """Wait for a unit's reduce-scatter, free the full gradient it read and average the result into the shard
-        parameters' ``.grad``.
-
-        The work holds its input too (gloo's until its worker thread releases the work): dropping our reference
-        would leave the free to whichever thread lets go last, at a time that varies from run to run. Its storage
-        is freed here instead, once the collective is done with it (on GPUs the caching allocator's stream record
-        keeps the block from a new owner until the collective's stream has finished, as FSDP frees its buffers)."""
+        """Wait for a unit's reduce-scatter, free the full gradient it read (``collectives.release_input``) and
+        average the result into the shard parameters' ``.grad``."""
         work.wait()
-        storage = grad.untyped_storage()
-        if grad.storage_offset() == 0 and storage.nbytes() == grad.numel() * grad.element_size():  # ours alone
-            storage.resize_(0)
+        release_input(grad)
         if self.trace is not None:
             self.trace.append(("reduce_done", unit.index))
         out = out.div_(unit.world).to(unit.master_dtype)

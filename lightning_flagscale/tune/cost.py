@@ -37,8 +37,8 @@ When the ranks of a node share fewer compute units than there are ranks (``compu
 on a few cores), the step takes at least the node's summed busy time over its units (each rank's own optimizer
 phase included): a rank waiting in a pipeline bubble or on a peer lends its core to the others. With a pipeline the
 schedule torch runs is simulated on the shared units (``tune/shared_cores.py``): a rank on the critical path, in the
-fill and drain or with the heavier embedding or head stage, still cannot use more than one unit. There a blocking collective inside forward or backward (TP, SP, CP, EP)
-costs the calibrated wait for a descheduled peer (``blocking_collective``, wall time) instead of its latency.
+fill and drain or with the heavier embedding or head stage, still cannot use more than one unit. There a blocking
+collective inside forward or backward (TP, SP, CP, EP) costs the calibrated wait for a descheduled peer (``blocking_collective``, wall time) instead of its latency.
 """
 
 from __future__ import annotations
