@@ -89,47 +89,69 @@ def _memory_misses(names: list[str], pm: list[float], mm: list[float], meas: dic
 DEFAULT_PROFILE = "bench/results/tune_cpu_profile.json"
 
 
-def _hardware(args, measured_time: dict[str, float]):
-    """The calibrated profile (``tune --calibrate --calibrate-dtype bf16``) with its one end-to-end factor
-    (``compute_scale``) fitted on the first layout's measured step; every other layout is then a prediction."""
-    from lightning_flagscale.tune.cost import calibrate_compute_scale
+def _profile(args):
     from lightning_flagscale.tune.hardware import load_profile
 
     path = args.profile or DEFAULT_PROFILE
     if not Path(path).exists():
         raise SystemExit(f"{path} missing: run `lightning-flagscale tune --calibrate --calibrate-dtype bf16 "
                          f"--calibrate-out {path}` on this machine first.")  # fmt: skip
-    hw = load_profile(path)
-    first = args.layouts[0]
-    model, c, seq, batch = args.setup(first)
-    fitted = calibrate_compute_scale(model, c, seq, batch, hw, seq * batch / measured_time[first])
+    return path, load_profile(path)
+
+
+def _leave_one_out(args, names: list[str], measured_time: dict[str, float]) -> tuple[dict, str]:
+    """Per layout, the calibrated profile with its one end-to-end factor (``compute_scale``) fitted on the *other*
+    layouts' measured steps (``tune.cost.fit_compute_scale``: least squares in log step time), so no layout's
+    prediction has seen its own measurement, and no single layout's error in the unscaled terms (links, optimizer
+    phase) is passed, amplified, to all the others."""
+    from lightning_flagscale.tune.cost import MeasuredStep, fit_compute_scale
+
+    path, hw = _profile(args)
+    runs = {n: MeasuredStep(*args.setup(n), step_seconds=measured_time[n]) for n in names}
+    fits = {n: fit_compute_scale([r for k, r in runs.items() if k != n], hw) for n in names}
+    scales = [f.compute_scale for f in fits.values()]
     note = (
         f"profile `{path}` ({hw.source}; peak {hw.peak_flops / 1e9:.1f} GFLOP/s, backward GEMMs at "
-        f"{hw.input_grad_gemm_factor:.2f}x / {hw.weight_grad_gemm_factor:.2f}x the forward rate), "
-        f"`compute_scale` = {fitted.compute_scale:.3f} fitted on `{first}` (its time error is 0 by construction)"
+        f"{hw.input_grad_gemm_factor:.2f}x / {hw.weight_grad_gemm_factor:.2f}x the forward rate), `compute_scale` "
+        f"fitted for each layout on the {len(names) - 1} others (leave-one-out, `tune.cost.fit_compute_scale`): "
+        f"{min(scales):.3f}-{max(scales):.3f}"
     )
-    return fitted, note
+    return fits, note
 
 
 def _least_loaded(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
-    """The same checks on each layout's fastest round (the least-disturbed run, ``timeit``'s convention), with
-    ``compute_scale`` refitted on the first layout's fastest round: a secondary view, the targets above are the
-    medians."""
+    """The same checks on each layout's fastest round (the least-disturbed run, ``timeit``'s convention), fitted
+    leave-one-out on the fastest rounds: a secondary view, the targets above are the medians."""
     fast = {n: meas[n]["time"][1] for n in names}
-    try:
-        hw, _ = _hardware(args, fast)
-    except ValueError:  # the profile's fixed (unscaled) terms alone exceed that step: no compute_scale fits
-        return [
-            f"Secondary view, **fastest round**: not computed. `{names[0]}`'s fastest step ({fast[names[0]]:.2f} s) is "
-            "shorter than the profile's measured optimizer phase and collectives alone predict, so no "
-            "`compute_scale` fits it (the optimizer phase, timed once by `tune --calibrate`, varies 2-3x between "
-            "runs on this VM)."
-        ]
+    fits, _ = _leave_one_out(args, names, fast)
     return [
-        f"Secondary view, **fastest round** of each layout (least load; `compute_scale` = {hw.compute_scale:.3f} "
-        f"refitted on `{names[0]}`'s fastest round): "
+        "Secondary view, **fastest round** of each layout (least load; `compute_scale` refitted leave-one-out on "
+        "the fastest rounds): "
         + _view_checks(
-            names, [predict(n, hw)[1].step_seconds for n in names], [fast[n] for n in names], dense, "fastest"
+            names, [predict(n, fits[n])[1].step_seconds for n in names], [fast[n] for n in names], dense, "fastest"
+        )
+    ]
+
+
+def _single_anchor(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
+    """The method of the reports before 2026-11-26 evening: ``compute_scale`` fitted exactly on the first layout."""
+    from lightning_flagscale.tune.cost import calibrate_compute_scale
+
+    _, hw = _profile(args)
+    model, c, seq, batch = args.setup(names[0])
+    try:
+        hw = calibrate_compute_scale(model, c, seq, batch, hw, seq * batch / meas[names[0]]["time"][0])
+    except ValueError:  # the profile's unscaled terms alone exceed that step
+        return [f"Single-anchor view: not computed, no `compute_scale` fits `{names[0]}` alone."]
+    return [
+        f"Single-anchor view (the method before 2026-11-26 evening: `compute_scale` = {hw.compute_scale:.3f} fitted "
+        f"exactly on `{names[0]}`, whose own error is 0 by construction): "
+        + _view_checks(
+            names,
+            [predict(n, hw)[1].step_seconds for n in names],
+            [meas[n]["time"][0] for n in names],
+            dense,
+            "measured best",
         )
     ]
 
@@ -150,9 +172,7 @@ def _view_checks(names: list[str], pred: list[float], got: list[float], dense: l
 def _calibrated_view(names: list[str], meas: dict, args, predict, dense: list[int]) -> list[str]:
     """The same checks with no fit at all: the profile's own ``compute_scale``, which ``tune --calibrate`` sets from
     a reference decoder step (``calibrate.REFERENCE``), so every layout, the first included, is a prediction."""
-    from lightning_flagscale.tune.hardware import load_profile
-
-    hw = load_profile(args.profile or DEFAULT_PROFILE)
+    _, hw = _profile(args)
     if "reference decoder step" not in hw.source:
         return ["Calibrated view (no fit): not computed, the profile predates the reference-step calibration."]
     pred = [predict(n, hw)[1].step_seconds for n in names]
@@ -170,10 +190,10 @@ def _ok(flag: bool) -> str:
 def write_report(results: dict, args, predict, path: Path) -> None:
     names = [n for n in args.layouts if n in results["runs"]]
     meas = {n: _measured(results["runs"][n]) for n in names}
-    hw, hw_note = _hardware(args, {n: meas[n]["time"][0] for n in names})
+    fits, hw_note = _leave_one_out(args, names, {n: meas[n]["time"][0] for n in names})
     mem_rows, time_rows, pm, mm, pt, mt = [], [], [], [], [], []
     for n in names:
-        breakdown, cost = predict(n, hw)
+        breakdown, cost = predict(n, fits[n])
         heavy, m = breakdown.heaviest, meas[n]
         t_med, t_min, t_max = m["time"]
         fb = m["fwd_bwd"][0]
@@ -231,6 +251,8 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         f"({meas[best_meas]['time'][0]:.2f} s): {best_gap:+.1%} {_ok(best_gap <= 0.10)} (target within 10%)",
         "",
         *_least_loaded(names, meas, args, predict, dense),
+        "",
+        *_single_anchor(names, meas, args, predict, dense),
         "",
         *_calibrated_view(names, meas, args, predict, dense),
         "",
@@ -349,18 +371,22 @@ def write_report(results: dict, args, predict, path: Path) -> None:
             if noise >= spread / 2
             else f": {below} of {len(names) - 1} predictions are below the measurement"
             + (
-                " (a bias: the fit on `ddp` leaves the others too little compute)."
+                " (a bias: the fitted `compute_scale` leaves them too little compute)."
                 if below >= 0.75 * (len(names) - 1)
                 else ", no longer one bias."
             )
         )
         + f" The largest median error is `{worst}`. Not priced: ZeRO-2's staging reduce-scatters inside backward "
-        "(measured ~0.04 s over ZeRO-1, predicted equal). The one factor fitted on `ddp` carries every other "
-        "layout's compute, and `ddp`'s prediction is a third data-parallel traffic: a calibration that prices its "
-        "all-reduce higher (the first 13:38 profile: 4-rank latency 3.3 ms against 2.3 ms at 08:59) fits a faster "
-        "compute and moves every layout down together (on the 13:17 measurements 11, 12 and 13 of 13 within 20% "
-        "under the three 13:38 profiles, on the 14:14 ones 12, 13, 13; under the three of 08:59, which have no "
-        "host-time term, 13, 12, 12 and 13, 13, 12). Before "
+        "(measured ~0.04 s over ZeRO-1, predicted equal). Until 2026-11-26 evening the one factor was fitted "
+        "exactly on `ddp`, whose predicted step is ~55% unscaled terms (data-parallel traffic, optimizer phase), so "
+        "an error in those terms came back about twice as large in every other layout's compute: a calibration "
+        "that prices the 4-rank all-reduce at 3.3 ms instead of 2.3 moved the fit from 0.454 to 0.577 and every "
+        "layout down together. The method was changed, on that argument and before the next measurement, to the "
+        "leave-one-out fit (each layout's factor fitted by least squares in log step time on the other layouts). "
+        "Over the day's four measurements x six calibrations (08:59 and 13:38, three each), layouts within 20%: "
+        "single anchor 301, leave-one-out 312, no fit at all 277 of 312; Spearman is 0-0.05 lower under "
+        "leave-one-out (each layout has its own factor). "
+        "Before "
         "the per-bucket pricing `moe-ep2-dp4` was predicted ~20% fast; its "
         "expert-parallel block (+1.9 ms wall a block over EP = 1, the model charges ~3 ms) and the traffic of its "
         "two group sizes in isolation (0.58x `moe-dp4`'s, priced 0.61x) had been measured and matched; most of "

@@ -24,7 +24,8 @@ median over all timed steps of all rounds: single steps of 4 ranks on 2 cores sw
 
 Predicted time is ``tune.cost.estimate_step`` on the profile that ``tune --calibrate`` measured here (bf16 kernels
 with one thread, as each rank runs them; gloo links; the host's cores), with its one end-to-end factor
-(``compute_scale``) fitted on the first layout (DDP): every other layout is a prediction. ``--resume`` keeps the
+(``compute_scale``) fitted leave-one-out: each layout's on the other layouts' measured steps
+(``tune.cost.fit_compute_scale``, least squares in log step time), so every layout is a prediction. ``--resume`` keeps the
 runs saved in the JSON and runs only the missing ones (each run is a fresh 4-process world, saved when it ends; a
 sweep killed half-way loses nothing already measured).
 """

@@ -373,3 +373,56 @@ def test_moe_overhead_is_added_per_moe_block():
     assert moe_blocks == mixtral.num_layers
     assert (got.f - base.f, got.b - base.b) == pytest.approx((moe_blocks * 1e-3, moe_blocks * 3e-3))
     assert _rank_pass(MODEL, _layout(), 4096, over) == _rank_pass(MODEL, _layout(), 4096, hw)  # dense: nothing
+
+
+def _cpu_like() -> HardwareProfile:
+    """A profile whose step has unscaled terms (links, optimizer phase) beside the scaled compute, like a CPU one."""
+    return _profile(bandwidth=2e8, latency=1e-3).replace(
+        peak_flops=2e11, optimizer_seconds_per_param=5e-9, compute_units_per_node=2
+    )
+
+
+def test_fit_over_several_runs_recovers_the_scale_they_were_made_with():
+    from lightning_flagscale.tune import MeasuredStep, fit_compute_scale
+
+    hw = _cpu_like()
+    truth = hw.replace(compute_scale=0.37)
+    layouts = [_layout(), _layout(tensor_parallel_size=2), _layout(pipeline_parallel_size=2), _layout(zero_stage=3)]
+    runs = [MeasuredStep(_TINY, c, 64, 8, estimate_step(_TINY, c, 64, 8, truth).step_seconds) for c in layouts]
+    assert fit_compute_scale(runs, hw).compute_scale == pytest.approx(0.37, rel=1e-6)
+
+
+def test_fit_on_one_run_is_the_exact_fit_and_several_runs_share_their_errors():
+    import math
+
+    from lightning_flagscale.tune import MeasuredStep, calibrate_compute_scale, fit_compute_scale
+
+    hw = _cpu_like()
+    truth = hw.replace(compute_scale=0.5)
+    a, b = _layout(), _layout(tensor_parallel_size=2)
+    # a measured 15% slower and b 15% faster than the model at the true scale
+    ta = estimate_step(_TINY, a, 64, 8, truth).step_seconds * 1.15
+    tb = estimate_step(_TINY, b, 64, 8, truth).step_seconds / 1.15
+    runs = [MeasuredStep(_TINY, a, 64, 8, ta), MeasuredStep(_TINY, b, 64, 8, tb)]
+    only_a = fit_compute_scale(runs[:1], hw)
+    exact_a = calibrate_compute_scale(_TINY, a, 64, 8, hw, 64 * 8 / ta)
+    assert only_a.compute_scale == pytest.approx(exact_a.compute_scale, rel=1e-6)
+    only_b = fit_compute_scale(runs[1:], hw).compute_scale
+    both = fit_compute_scale(runs, hw).compute_scale
+    assert min(only_a.compute_scale, only_b) < both < max(only_a.compute_scale, only_b)
+
+    def loss(scale: float) -> float:
+        s = hw.replace(compute_scale=scale)
+        return sum(math.log(estimate_step(_TINY, r.config, 64, 8, s).step_seconds / r.step_seconds) ** 2 for r in runs)
+
+    assert loss(both) < min(loss(only_a.compute_scale), loss(only_b))
+    assert loss(both) <= min(loss(both * 1.01), loss(both / 1.01))
+
+
+def test_fit_refuses_no_runs_and_non_positive_times():
+    from lightning_flagscale.tune import MeasuredStep, fit_compute_scale
+
+    with pytest.raises(ValueError, match="at least one"):
+        fit_compute_scale([], _cpu_like())
+    with pytest.raises(ValueError, match="> 0"):
+        fit_compute_scale([MeasuredStep(_TINY, _layout(), 64, 8, 0.0)], _cpu_like())

@@ -10,7 +10,7 @@
   policy, times the (stage, micro-batch) pairs each schedule keeps alive; checked in ``bench/tune_validation.py``.
 - ``cost.py``: step time from per-block GEMM/attention/memory-bound times, recompute, each schedule's bubble, and
   exposed TP/SP/CP/EP/PP/DP communication through the link model; ``calibrate_compute_scale`` fits the one
-  end-to-end factor on a measured or published step.
+  end-to-end factor on a measured or published step, ``fit_compute_scale`` on several (least squares in log time).
 - ``search.py``: the layout space (TP, PP, VPP, schedule, CP + mode, EP, ETP, DP, ZeRO, SP, micro-batch, recompute),
   divisibility and memory pruning, ranking.
 - ``runner.py``: ``tune --run K`` trains the top K here with history pruning and writes the winner as a recipe.
@@ -18,7 +18,14 @@
 """
 
 from lightning_flagscale.tune.cli import tune_main
-from lightning_flagscale.tune.cost import StepCost, calibrate_compute_scale, estimate_step, estimate_step_seconds
+from lightning_flagscale.tune.cost import (
+    MeasuredStep,
+    StepCost,
+    calibrate_compute_scale,
+    estimate_step,
+    estimate_step_seconds,
+    fit_compute_scale,
+)
 from lightning_flagscale.tune.hardware import BUILTIN_PROFILES, Hardware, HardwareProfile, LinkPoint, load_profile
 from lightning_flagscale.tune.memory import MemoryBreakdown, estimate_memory, memory_breakdown
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
@@ -29,6 +36,7 @@ __all__ = [
     "Hardware",
     "HardwareProfile",
     "LinkPoint",
+    "MeasuredStep",
     "MemoryBreakdown",
     "SearchResult",
     "SearchSpace",
@@ -37,6 +45,7 @@ __all__ = [
     "estimate_memory",
     "estimate_step",
     "estimate_step_seconds",
+    "fit_compute_scale",
     "load_profile",
     "memory_breakdown",
     "search",

@@ -44,6 +44,7 @@ collective inside forward or backward (TP, SP, CP, EP) costs the calibrated wait
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
@@ -54,7 +55,15 @@ from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, Link
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
 
-__all__ = ["StepCost", "calibrate_compute_scale", "estimate_step", "estimate_step_seconds", "stage_layer_counts"]
+__all__ = [
+    "MeasuredStep",
+    "StepCost",
+    "calibrate_compute_scale",
+    "estimate_step",
+    "estimate_step_seconds",
+    "fit_compute_scale",
+    "stage_layer_counts",
+]
 
 BF16 = 2
 
@@ -635,3 +644,63 @@ def calibrate_compute_scale(
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if rate(mid) < tokens_per_second else (lo, mid)
     return hw.replace(**{field: math.sqrt(lo * hi)})
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One measured run for :func:`fit_compute_scale`: a layout and its measured optimizer-step time."""
+
+    model: TransformerConfig
+    config: ParallelConfig
+    seq_len: int
+    global_batch: int
+    step_seconds: float
+
+
+def fit_compute_scale(
+    runs: Sequence[MeasuredStep], hw: HardwareProfile, *, grad_bucket_numel: float = DEFAULT_BUCKET_NUMEL
+) -> HardwareProfile:
+    """``hw`` with the ``compute_scale`` that minimises the squared log error of the predicted against the measured
+    step over several runs (links, latencies and the optimizer phase are left as profiled).
+
+    One run fits exactly (:func:`calibrate_compute_scale`), and so inherits that run's error in the unscaled terms,
+    amplified by the share of its step they make up: a data-parallel step that is half all-reduce and optimizer
+    passes twice its all-reduce error into every other layout's compute. Fitted over several layouts, those errors
+    meet with opposite signs. The search is on a log grid over [1e-3, 1e3], refined by golden section around the
+    best point (the error is not assumed convex in the scale: the step is a max of phases)."""
+    if not runs:
+        raise ValueError("fit_compute_scale needs at least one measured run.")
+    bad = [r for r in runs if not r.step_seconds > 0]
+    if bad:
+        raise ValueError(f"measured step_seconds must be > 0, got {[r.step_seconds for r in bad]}.")
+
+    def loss(log_scale: float) -> float:
+        scaled = hw.replace(compute_scale=math.exp(log_scale))
+        return sum(
+            math.log(
+                estimate_step(
+                    r.model, r.config, r.seq_len, r.global_batch, scaled, grad_bucket_numel=grad_bucket_numel
+                ).step_seconds
+                / r.step_seconds
+            )
+            ** 2
+            for r in runs
+        )
+
+    grid = [math.log(1e-3) + i * math.log(1e6) / 120 for i in range(121)]
+    values = [loss(x) for x in grid]
+    i = min(range(len(grid)), key=values.__getitem__)
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(60):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - golden * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + golden * (hi - lo)
+            fb = loss(b)
+    return hw.replace(compute_scale=math.exp((lo + hi) / 2))
