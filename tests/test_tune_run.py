@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.tune import HardwareProfile, load_profile, search, tune_main
+from lightning_flagscale.tune import HardwareProfile, estimate_step, load_profile, search, tune_main
 from lightning_flagscale.tune.calibrate import _busy_seconds, _run_world, calibrate, fit_alpha_beta
 from lightning_flagscale.tune.hardware import COLLECTIVES
 from lightning_flagscale.tune.search import describe_layout
@@ -156,7 +156,7 @@ def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys
     best = tmp_path / "best.yaml"
     tune_main(["--preset", "llama-tiny", "--devices", "2", "--seq-len", "32", "--global-batch", "4", "--profile",
                str(tmp_path / "p.json"), "--schedules", "1f1b", "--run", "1", "--run-steps", "3", "--run-dir",
-               str(tmp_path / "runs"), "--write-recipe", str(best)])  # fmt: skip
+               str(tmp_path / "runs"), "--write-recipe", str(best), "--refit-profile", str(tmp_path / "refit.json")])  # fmt: skip
     out = capsys.readouterr().out
     row = re.search(r"^(\S.*?)\s+([\d.]+)s\s+([\d.]+)s ok", out, re.MULTILINE)
     assert row, out
@@ -166,3 +166,16 @@ def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys
     assert recipe["trainer"]["devices"] == 2 and recipe["trainer"]["accelerator"] == "cpu"
     written = ParallelConfig(**recipe["trainer"]["strategy"]["init_args"]).resolve(2)
     assert describe_layout(written) == layout  # the measured best is what the recipe trains
+    # the profile refitted on the one run predicts exactly that run's measured step (no timing asserted: the
+    # measurement is whatever this machine gave, the fit must reproduce it)
+    refit = load_profile(tmp_path / "refit.json")
+    assert "refitted on 1" in refit.source and refit.compute_scale != 1.0
+    model = TransformerConfig.from_preset("llama-tiny")
+    step = estimate_step(model, written, 32, 4, refit).step_seconds
+    assert step == pytest.approx(measured, abs=1e-3)  # `measured` as printed, to the millisecond
+
+
+def test_refit_profile_without_run_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="add --run"):
+        tune_main(["--preset", "llama-tiny", "--devices", "2", "--seq-len", "32", "--global-batch", "4",
+                   "--refit-profile", str(tmp_path / "r.json")])  # fmt: skip

@@ -4,6 +4,7 @@
     lightning-flagscale tune --calibrate --calibrate-out cpu.json           # micro-benchmarks -> profile JSON
     lightning-flagscale tune --preset llama-tiny --devices 2 --seq-len 64 --global-batch 4 --profile cpu.json \\
         --run 2 --write-recipe best.yaml                                     # train the top 2, write the winner
+        [--refit-profile cpu-refit.json]                                     # + the profile refitted on those runs
     lightning-flagscale tune --preset llama3-8b --hetero H100:8:h100,A100:8:a100 --seq-len 4096 --global-batch 64
 """
 
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="tune_runs")
     p.add_argument("--write-recipe", metavar="PATH",
                    help="write the best layout as a `fit --config` recipe (with --run: default RUN_DIR/best.yaml)")  # fmt: skip
+    p.add_argument("--refit-profile", metavar="PATH",
+                   help="with --run: write the profile with compute_scale refitted on the measured runs "
+                        "(least squares in log step time) for later `tune --profile PATH` searches")  # fmt: skip
     p.add_argument("--recipe-steps", type=int, default=100, help="trainer.max_steps of the written recipe")
     p.add_argument("--hetero", help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes)")
     return p
@@ -160,6 +164,8 @@ def tune_main(argv: list[str]) -> None:
         raise SystemExit("--devices N is required (the number of devices to plan for).")
     space = SearchSpace(schedules=tuple(args.schedules.split(","))) if args.schedules else SearchSpace()
     keep = None if args.run else args.top
+    if args.refit_profile and not args.run:
+        raise SystemExit("--refit-profile refits on measured runs: add --run K.")
     if args.grad_bucket_numel < 1:
         raise SystemExit(f"--grad-bucket-numel {args.grad_bucket_numel}: a bucket holds at least one element.")
     result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
@@ -168,7 +174,7 @@ def tune_main(argv: list[str]) -> None:
         raise SystemExit(no_fit_message(result, hw.memory_bytes, args.devices))
     best = result.candidates[0]
     if args.run:
-        best = _run(args, model, result)
+        best = _run(args, model, result, hw)
     shown = SearchResult(result.candidates[: args.top], result.considered, result.pruned, result.smallest_memory)
     if args.json:
         print(json.dumps({"model": model.name, "devices": args.devices, "profile": hw.name,
@@ -182,7 +188,7 @@ def tune_main(argv: list[str]) -> None:
         _write_best(args, model, best, hw)
 
 
-def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult) -> Candidate:
+def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> Candidate:
     from lightning_flagscale.tune.runner import run_candidates
 
     runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
@@ -199,7 +205,30 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
     ok = [r for r in runs if r.status == "ok" and r.measured_step_seconds]
     if not ok:
         raise SystemExit("None of the run candidates trained (see the status column).")
+    if args.refit_profile:
+        _refit(args, model, ok, hw)
     return min(ok, key=lambda r: r.measured_step_seconds).candidate
+
+
+def _refit(args: argparse.Namespace, model: TransformerConfig, runs: list, hw: HardwareProfile) -> None:
+    """Write ``hw`` with ``compute_scale`` fitted on the measured runs; print each run's refitted prediction."""
+    from lightning_flagscale.tune.cost import MeasuredStep, estimate_step, fit_compute_scale
+
+    measured = [
+        MeasuredStep(model, r.candidate.config, args.seq_len, args.global_batch, r.measured_step_seconds) for r in runs
+    ]
+    fitted = fit_compute_scale(measured, hw, grad_bucket_numel=args.grad_bucket_numel)
+    for m, r in zip(measured, runs):
+        step = estimate_step(
+            model, m.config, m.seq_len, m.global_batch, fitted, grad_bucket_numel=args.grad_bucket_numel
+        )
+        print(f"refitted {r.candidate.describe():<47} {step.step_seconds:9.3f}s {m.step_seconds:9.3f}s")
+    fitted = fitted.replace(
+        source=f"{hw.source}; compute_scale refitted on {len(runs)} `tune --run` step(s) of {model.name}"
+    )
+    fitted.save(args.refit_profile)
+    print(f"compute_scale {hw.compute_scale:.3f} -> {fitted.compute_scale:.3f} on {len(runs)} run(s); wrote "
+          f"{args.refit_profile}: lightning-flagscale tune --profile {args.refit_profile}")  # fmt: skip
 
 
 def _write_best(args: argparse.Namespace, model: TransformerConfig, best: Candidate, hw: HardwareProfile) -> None:

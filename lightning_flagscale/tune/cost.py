@@ -376,15 +376,8 @@ def _bubble(c: ParallelConfig, one: _Pass) -> float:
 
 def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
     """(dense, routed-expert) parameters of block ``layer``."""
-    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    dense = h * q * d + 2 * h * kv * d + q * d * h + 2 * h
-    if not model.is_moe_layer(layer):
-        return dense + 3 * h * model.intermediate_size, 0.0
-    inner = model.moe_intermediate_size
-    dense += h * model.num_experts
-    if model.num_shared_experts:
-        dense += 3 * h * (model.shared_expert_intermediate_size or inner * model.num_shared_experts)
-    return dense, 3.0 * h * inner * model.num_experts
+    tensors = _layer_tensors(model, layer, tp=1, ep=1)
+    return sum(n for g, n in tensors if g == "dense"), sum(n for g, n in tensors if g == "expert")
 
 
 def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[float, float]]:
