@@ -426,3 +426,7 @@ def test_fit_refuses_no_runs_and_non_positive_times():
         fit_compute_scale([], _cpu_like())
     with pytest.raises(ValueError, match="> 0"):
         fit_compute_scale([MeasuredStep(_TINY, _layout(), 64, 8, 0.0)], _cpu_like())
+    # a step shorter than the profile's unscaled terms (links, optimizer phase) alone: no compute speed reaches it
+    floor = estimate_step(_TINY, _layout(), 64, 8, _cpu_like().replace(compute_scale=1e6)).step_seconds
+    with pytest.raises(ValueError, match="shorter than this profile's model can reach"):
+        fit_compute_scale([MeasuredStep(_TINY, _layout(), 64, 8, floor / 2)], _cpu_like())

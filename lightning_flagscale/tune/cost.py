@@ -660,7 +660,8 @@ def fit_compute_scale(
     amplified by the share of its step they make up: a data-parallel step that is half all-reduce and optimizer
     passes twice its all-reduce error into every other layout's compute. Fitted over several layouts, those errors
     meet with opposite signs. The search is on a log grid over [1e-3, 1e3], refined by golden section around the
-    best point (the error is not assumed convex in the scale: the step is a max of phases)."""
+    best point (the error is not assumed convex in the scale: the step is a max of phases); a best point at either
+    end of the grid is refused, as :func:`calibrate_compute_scale` refuses a step out of reach."""
     if not runs:
         raise ValueError("fit_compute_scale needs at least one measured run.")
     bad = [r for r in runs if not r.step_seconds > 0]
@@ -683,6 +684,14 @@ def fit_compute_scale(
     grid = [math.log(1e-3) + i * math.log(1e6) / 120 for i in range(121)]
     values = [loss(x) for x in grid]
     i = min(range(len(grid)), key=values.__getitem__)
+    if i in (0, len(grid) - 1):
+        raise ValueError(
+            f"no compute_scale in [1e-3, 1e3] fits these {len(runs)} measured steps (the best is at the "
+            f"{'slow' if i == 0 else 'fast'} end): they are "
+            + ("longer" if i == 0 else "shorter")
+            + " than this profile's model can reach by compute alone; check the layouts, the measured times and the "
+            "profile's link and optimizer terms."
+        )
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     golden = (math.sqrt(5) - 1) / 2
     a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -98,8 +99,6 @@ class SavedActivations:
             storage = t.untyped_storage()
             self._alive[key] = storage.nbytes()
             self.total_bytes += storage.nbytes()
-            import weakref
-
             weakref.finalize(storage, self._alive.pop, key, None)
             self.peak_bytes = max(self.peak_bytes, sum(self._alive.values()))
         return t
