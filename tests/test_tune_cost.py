@@ -283,6 +283,12 @@ def test_collectives_on_shared_cores_are_not_hidden_under_backward():
     shared = estimate_step(MODEL, c, 4096, 8, hw.replace(compute_units_per_node=4.0))
     assert shared.comm["dp"] == pytest.approx(reduce, rel=1e-6)
     assert shared.step_seconds == pytest.approx(2 * dedicated.compute_seconds + reduce, rel=1e-6)
+    # the optimizer phase on the wall clock: every rank steps at once, 8 ranks on 4 cores take twice one rank's
+    hw = hw.replace(optimizer_seconds_per_param=1e-9)
+    dedicated = estimate_step(MODEL, c, 4096, 8, hw)
+    assert dedicated.optimizer_wall_seconds == dedicated.optimizer_seconds > 0
+    shared = estimate_step(MODEL, c, 4096, 8, hw.replace(compute_units_per_node=4.0))
+    assert shared.optimizer_wall_seconds == pytest.approx(2 * shared.optimizer_seconds, rel=1e-6)
 
 
 def test_ranks_sharing_cores_step_their_own_parameters():
@@ -299,6 +305,11 @@ def test_ranks_sharing_cores_step_their_own_parameters():
     assert got.step_seconds == pytest.approx(node / units, rel=1e-3)
     heaviest = MODEL.num_params() / 2 + MODEL.vocab_size * MODEL.hidden_size
     assert got.optimizer_seconds == pytest.approx(heaviest * per_param, rel=1e-3)  # the heaviest rank's own phase
+    # on the wall clock: the ranks' phases shared over the units (8 ranks, 4 units: each at half speed until the
+    # lighter ones finish)
+    light = MODEL.num_params() / 2 - MODEL.vocab_size * MODEL.hidden_size
+    both = 2 * light * per_param + (heaviest - light) * per_param
+    assert got.optimizer_wall_seconds == pytest.approx(both, rel=1e-3)
 
 
 def test_blocking_collectives_on_shared_cores_cost_the_measured_wait():

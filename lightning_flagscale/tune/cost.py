@@ -80,7 +80,10 @@ class StepCost:
     comm: dict[str, float] = field(default_factory=dict)
     """Exposed seconds per kind: ``tp``, ``cp``, ``ep``, ``pp``, ``dp``."""
     optimizer_seconds: float = 0.0
-    """The optimizer step (part of ``compute_seconds``)."""
+    """The heaviest rank's own optimizer step (part of ``compute_seconds``)."""
+    optimizer_wall_seconds: float = 0.0
+    """The optimizer phase on the wall clock: ``optimizer_seconds`` on devices of their own; on shared cores, every
+    rank stepping at once (what a timer around the phase measures)."""
     tokens_per_second: float
     mfu: float
     """Model FLOPs (``parallel.flops.flops_per_token``) per second over the devices' peak."""
@@ -583,8 +586,13 @@ def estimate_step(
         units = hw.compute_units_per_node * p / min(c.world_size, hw.devices_per_node)
         actions = schedule_actions(c.pipeline_schedule, p, c.virtual_pipeline_parallel_size, m_total // gas)
         node = gas * pipeline_seconds(actions, dict(enumerate(one.stages)), hop, units)
-        node += processor_sharing_seconds([_optimizer_seconds(c, hw, *r) for r in ranks], units)
+        shared_optimizer = processor_sharing_seconds([_optimizer_seconds(c, hw, *r) for r in ranks], units)
+        node += shared_optimizer
+    else:
+        shared_optimizer = _shared_node_seconds(c, hw, mean_optimizer)
+    optimizer_wall = optimizer
     if shared and node + dp_total + sum(wait.values()) > step:
+        optimizer_wall = shared_optimizer
         comm["dp"] = dp_total
         _add(comm, wait)
         step = node + dp_total + sum(wait.values())
@@ -595,7 +603,7 @@ def estimate_step(
     return StepCost(
         step_seconds=step, compute_seconds=compute, bubble_seconds=bubble,
         exposed_comm_seconds=sum(comm.values()), comm=comm, optimizer_seconds=optimizer,
-        tokens_per_second=tokens / step, mfu=mfu,
+        optimizer_wall_seconds=optimizer_wall, tokens_per_second=tokens / step, mfu=mfu,
     )  # fmt: skip
 
 
