@@ -441,3 +441,33 @@ def test_fit_refuses_no_runs_and_non_positive_times():
     floor = estimate_step(_TINY, _layout(), 64, 8, _cpu_like().replace(compute_scale=1e6)).step_seconds
     with pytest.raises(ValueError, match="shorter than this profile's model can reach"):
         fit_compute_scale([MeasuredStep(_TINY, _layout(), 64, 8, floor / 2)], _cpu_like())
+
+
+def test_the_training_loop_costs_its_measured_time_once_a_step():
+    # Lightning's loop and the step guard cost the same wall time whatever the layout: added once to the step (not
+    # scaled by compute_scale), on dedicated devices and on shared cores alike; the breakdown names it.
+    loop = 0.02
+    for hw in (_cpu_like(), _profile(bandwidth=1e11)):
+        for c in (_layout(), _layout(pipeline_parallel_size=2), _layout(tensor_parallel_size=2, zero_stage=3)):
+            plain = estimate_step(_TINY, c, 64, 8, hw)
+            got = estimate_step(_TINY, c, 64, 8, hw.replace(step_overhead=loop))
+            assert got.step_seconds == pytest.approx(plain.step_seconds + loop, rel=1e-9)
+            assert got.loop_seconds == loop and plain.loop_seconds == 0.0
+            faster = estimate_step(_TINY, c, 64, 8, hw.replace(step_overhead=loop, compute_scale=2.0))
+            assert faster.step_seconds - estimate_step(_TINY, c, 64, 8, hw.replace(compute_scale=2.0)).step_seconds == (
+                pytest.approx(loop, rel=1e-9)
+            )
+    with pytest.raises(ValueError, match="step_overhead"):
+        _cpu_like().replace(step_overhead=-0.001)
+
+
+def test_the_loop_overhead_is_the_measured_step_beyond_what_the_model_prices():
+    from lightning_flagscale.config import TransformerConfig as Config
+    from lightning_flagscale.tune.calibrate import LOOP_MODEL, training_loop_overhead
+
+    hw = _cpu_like()
+    priced = estimate_step(Config(**LOOP_MODEL), ParallelConfig(zero_stage=0).resolve(4), 64, 4, hw).step_seconds
+    assert training_loop_overhead(hw, priced + 0.015, 4) == pytest.approx(0.015, rel=1e-9)
+    # a profile that already carries an overhead is priced without it; a measurement below the price gives 0
+    assert training_loop_overhead(hw.replace(step_overhead=0.5), priced + 0.015, 4) == pytest.approx(0.015, rel=1e-9)
+    assert training_loop_overhead(hw, priced / 2, 4) == 0.0

@@ -140,6 +140,9 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     # the pipeline schedule's host time per action (a GPipe run of trivial stages over the 2 ranks): torch's
     # bookkeeping and P2P calls cost something, less than a second
     assert 0 < profile.pipeline_action_overhead < 1.0
+    # the training loop's own cost per step (a negligible decoder under Trainer + FlagScaleStrategy), beyond what the
+    # model prices for it: never negative, and far below a second
+    assert 0 <= profile.step_overhead < 1.0
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12

@@ -48,6 +48,10 @@
 - **Blocking collectives amid compute**: every rank alternates a few GEMMs and a small all-reduce in groups of
   each size, against the GEMMs alone (``blocking_collective``): with more ranks than cores the call waits for a
   descheduled peer, which is what TP / EP / CP collectives cost inside a step.
+- **The training loop**: every rank of the spawned worlds trains :data:`LOOP_MODEL`, a decoder of negligible size,
+  under ``Trainer`` + ``FlagScaleStrategy`` (data parallel, bf16-mixed, AdamW, clipping, as the recipes train);
+  what its step takes beyond what the cost model prices for it is ``step_overhead``: Lightning's loop and hooks, the
+  step guard and loss exchange with their scalar collectives (~20 ms a step here, with 4 ranks on 2 cores).
 
 Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
 medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on a measured step.
@@ -56,6 +60,7 @@ medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import socket
@@ -86,6 +91,7 @@ __all__ = [
     "measure_pipeline_run",
     "measure_reference_step",
     "measure_ring_blocks",
+    "measure_training_loop",
     "pipeline_action_overhead",
     "reference_compute_scale",
 ]
@@ -252,6 +258,72 @@ def measure_reference_step(dtype: torch.dtype = torch.float32, repeats: int = 5)
         torch.nn.functional.cross_entropy(logits, labels).backward()
 
     return _median_seconds(step, repeats)
+
+
+LOOP_MODEL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=1,
+                  num_key_value_heads=1, max_seq_len=64)  # fmt: skip
+"""A decoder whose training step is almost only the training loop's own cost (:func:`measure_training_loop`)."""
+
+
+def measure_training_loop(steps: int = 8, warmup: int = 2) -> float:
+    """Wall seconds of one optimizer step of :data:`LOOP_MODEL` trained by every rank of the initialized process
+    group under ``Trainer`` + ``FlagScaleStrategy`` (data parallel, ``FlagScalePrecision("bf16-mixed")``, AdamW,
+    clipping at 1.0, as the recipes train): each step timed from a barrier to the end of its batch, the median over
+    the steps after ``warmup``, the slowest rank's."""
+    import lightning as L
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.config import TransformerConfig
+    from lightning_flagscale.models import CausalLMModule
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # Lightning joins the process group this world already runs (as under torchrun)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    times: list[float] = []
+
+    class _Timer(L.Callback):
+        def on_train_batch_start(self, *args: object) -> None:
+            dist.barrier()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: object) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    config = TransformerConfig(**LOOP_MODEL)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, config.vocab_size, (world * (steps + warmup), config.max_seq_len + 1), generator=generator)
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=0),
+        plugins=[FlagScalePrecision("bf16-mixed")], max_steps=steps + warmup, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[_Timer()],
+    )  # fmt: skip
+    module = CausalLMModule(config, learning_rate=1e-4, warmup_steps=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.ERROR)  # the calibration's output stays its own
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader)
+    finally:
+        lightning_log.setLevel(level)
+    per_rank: list[float] = [0.0] * world
+    dist.all_gather_object(per_rank, statistics.median(times[warmup:]))
+    return max(per_rank)
+
+
+def training_loop_overhead(profile: HardwareProfile, seconds: float, world: int) -> float:
+    """``step_overhead``: the measured :func:`measure_training_loop` step beyond what ``profile`` prices for it."""
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune.cost import estimate_step
+
+    config = ParallelConfig(zero_stage=0).resolve(world)
+    model = TransformerConfig(**LOOP_MODEL)
+    priced = estimate_step(model, config, LOOP_MODEL["max_seq_len"], world, profile.replace(step_overhead=0.0))
+    return max(0.0, seconds - priced.step_seconds)
 
 
 MOE_REFERENCE = dict(REFERENCE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=704)
@@ -581,6 +653,8 @@ def _collective_worker(
                             seconds /= 2  # one call moves the buffer both ways
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
+        if dtype is not None:  # last: Lightning's Trainer joins this world's process group
+            times = dataclasses.replace(times, loop=measure_training_loop())
         if rank == 0:
             queue.put((results, times))
     finally:
@@ -619,6 +693,8 @@ class _WorldTimes:
     """:func:`measure_blocks` of :data:`REFERENCE` under selective recompute."""
     pipeline: float | None = None
     """:func:`measure_pipeline_run` over the world."""
+    loop: float | None = None
+    """:func:`measure_training_loop` over the world."""
 
 
 WORLD_TIMEOUT_S = 900.0
@@ -713,6 +789,7 @@ def _median_times(draws: list[_WorldTimes]) -> _WorldTimes:
         optimizer=None if first.optimizer is None else median(lambda d: d.optimizer),
         reference=None if first.reference is None else median(lambda d: d.reference),
         pipeline=None if first.pipeline is None else median(lambda d: d.pipeline),
+        loop=None if first.loop is None else median(lambda d: d.loop),
         tp_overhead=tuples("tp_overhead"),
         moe=tuples("moe"),
         selective=tuples("selective"),
@@ -813,6 +890,7 @@ def _calibrate(
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
     links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
     assert times.optimizer is not None and times.reference is not None and times.pipeline is not None
+    assert times.loop is not None
     assert times.tp_overhead is not None and times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
@@ -843,10 +921,11 @@ def _calibrate(
         return [_busy_seconds(t, world, units) for t in walls]
 
     hop = profile.collective_seconds("p2p", 8 * 4, 2)  # one micro-batch of the trivial stage between two ranks
-    return profile.replace(
+    profile = profile.replace(
         moe_overhead=moe_block_overhead(profile, busy(times.moe)),
         selective_overhead=selective_block_overhead(profile, busy(times.selective)),
         pipeline_action_overhead=pipeline_action_overhead(
             times.pipeline, world, PIPELINE_MICROBATCHES, hop, min(units, world) if units > 0 else world
         ),
     )
+    return profile.replace(step_overhead=training_loop_overhead(profile, times.loop, world))

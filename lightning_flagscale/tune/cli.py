@@ -118,7 +118,8 @@ def _calibrate(args: argparse.Namespace) -> None:
           f" the forward rate; TP host time {sum(profile.tp_overhead[:2]) * 1e3:.1f} ms a block, MoE dispatch"
           f" {sum(profile.moe_overhead) * 1e3:.1f} ms a block, selective recompute"
           f" {sum(profile.selective_overhead) * 1e3:.1f} ms a block, pipeline schedule"
-          f" {profile.pipeline_action_overhead * 1e3:.2f} ms an action, blocking collective waits "
+          f" {profile.pipeline_action_overhead * 1e3:.2f} ms an action, training loop"
+          f" {profile.step_overhead * 1e3:.1f} ms a step, blocking collective waits "
           + ", ".join(f"x{n:.0f}: {t * 1e3:.2f} ms" for n, t in profile.blocking_collective))  # fmt: skip
 
 

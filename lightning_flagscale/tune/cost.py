@@ -81,6 +81,8 @@ class StepCost:
     """Exposed seconds per kind: ``tp``, ``cp``, ``ep``, ``pp``, ``dp``."""
     optimizer_seconds: float = 0.0
     """The heaviest rank's own optimizer step (part of ``compute_seconds``)."""
+    loop_seconds: float = 0.0
+    """The training loop's own cost (``HardwareProfile.step_overhead``), part of ``step_seconds``."""
     optimizer_wall_seconds: float = 0.0
     """The optimizer phase on the wall clock: ``optimizer_seconds`` on devices of their own; on shared cores, every
     rank stepping at once (what a timer around the phase measures)."""
@@ -597,13 +599,14 @@ def estimate_step(
         _add(comm, wait)
         step = node + dp_total + sum(wait.values())
         bubble, compute = max(0.0, node - shared - comm.get("pp", 0.0)), shared
+    step += hw.step_overhead  # the training loop's own cost per step (Lightning, the step guard), wall time
     tokens = global_batch * seq_len
     world = c.world_size
     mfu = tokens / step * flops_per_token(model, seq_len) / (world * hw.peak_flops)
     return StepCost(
         step_seconds=step, compute_seconds=compute, bubble_seconds=bubble,
         exposed_comm_seconds=sum(comm.values()), comm=comm, optimizer_seconds=optimizer,
-        optimizer_wall_seconds=optimizer_wall, tokens_per_second=tokens / step, mfu=mfu,
+        optimizer_wall_seconds=optimizer_wall, loop_seconds=hw.step_overhead, tokens_per_second=tokens / step, mfu=mfu,
     )  # fmt: skip
 
 

@@ -195,6 +195,12 @@ class HardwareProfile:
     """Host seconds of one pipeline schedule action (one micro-batch's forward or backward on one stage): torch's
     schedule bookkeeping and its P2P calls. Measured by ``tune --calibrate`` from a GPipe run of trivial stages over
     the calibration world (~1 ms an action on this CPU); 0 on GPUs, where the host runs ahead of the kernels."""
+    step_overhead: float = 0.0
+    """Wall seconds an optimizer step costs beyond its model's work: Lightning's loop and hooks, the strategy's step
+    guard and loss exchange with their scalar collectives, the closure machinery. Measured by ``tune --calibrate``
+    as a step of a negligible decoder under ``Trainer`` + ``FlagScaleStrategy`` on the calibration world, less what
+    the model prices for that decoder (~20 ms here, with 4 ranks on 2 cores); 0 on the built-in GPU profiles, where
+    it is host time that the kernels of a step of seconds hide."""
     input_grad_gemm_factor: float = 1.0
     """Throughput of a linear layer's input-gradient GEMM (``dY @ W``) over its forward GEMM (``X @ W^T``) of the
     same size. 1 on GPUs (cuBLAS runs every layout near the same rate); measured by ``tune --calibrate``: on a CPU
@@ -228,6 +234,8 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: optimizer_seconds_per_param must be >= 0 (0: derived).")
         if self.pipeline_action_overhead < 0:
             raise ValueError(f"HardwareProfile {self.name!r}: pipeline_action_overhead must be >= 0 seconds.")
+        if self.step_overhead < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: step_overhead must be >= 0 seconds.")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         if any(len(p) != 2 or min(p) <= 0 for p in self.gemm_rows):
