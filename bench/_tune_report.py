@@ -392,7 +392,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "that prices the 4-rank all-reduce at 3.3 ms instead of 2.3 moved the fit from 0.454 to 0.577 and every "
         "layout down together. The method was changed, on that argument and before the next measurement, to the "
         "leave-one-out fit (each layout's factor fitted by least squares in log step time on the other layouts). "
-        "Over the day's six measurements x thirteen calibrations (08:59, 13:38, 15:51 three each, 16:56-17:00 four), "
+        "Over the day's six measurements x thirteen calibrations (08:59, 13:38, 15:52 three each, 16:50-16:54 four), "
         "layouts within 20%: single anchor 968, leave-one-out 1014, no fit at all 958 of 1014; Spearman is 0-0.05 "
         "lower under leave-one-out (each layout has its own factor; median 0.88 against 0.89), below 0.8 in one "
         "pair of 78 for each method. "
