@@ -56,8 +56,10 @@ def _measured(runs: list[list[dict]]) -> dict:
             times.append(slowest["times"][i])
             if slowest.get("fwd_bwd"):
                 fwd_bwd.append(slowest["fwd_bwd"][i])
-    net = nets[peaks.index(max(peaks))]
-    return {"peak": max(peaks), "state": statistics.median(states), "net": net, "time": _median_range(times),
+    # each profiled round reads at least the peak the training thread's allocator sees (a free made on gloo's worker
+    # thread is missed, and counted until its address comes back): the least reading is the tightest
+    net = nets[peaks.index(min(peaks))]
+    return {"peak": min(peaks), "state": statistics.median(states), "net": net, "time": _median_range(times),
             "fwd_bwd": _median_range(fwd_bwd) if fwd_bwd else (float("nan"),) * 3}  # fmt: skip
 
 
@@ -407,7 +409,9 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "",
         "Measured = state bytes at the start of step 1 (`parallel.memory.state_bytes`) + the peak of bytes "
         "allocated above that level during the step, from the allocator's events (`tune.measure.AllocationPeak`, "
-        "`torch.profiler` with `profile_memory=True`), largest rank, first round. Predicted = "
+        "`torch.profiler` with `profile_memory=True`), largest rank, the least reading over the profiled rounds (since "
+        "2026-11-26 17:40 every round profiles one step; a reading can only exceed what the training thread's "
+        "allocator holds, see below, so the least is the tightest; before, the first round alone). Predicted = "
         "`tune.memory.memory_breakdown`, heaviest rank (states + activations + transients, or the optimizer step if "
         "higher); its states are those at the backward peak, so ZeRO-2's include the two fp32 staging buckets (2 x 16 "
         "MiB here) that live only while gradients are reduced, and exceed the states measured at the start of the "
@@ -430,7 +434,7 @@ def write_report(results: dict, args, predict, path: Path) -> None:
         "",
         "Measured: wall clock of one optimizer step (batch start to batch end after a barrier), slowest rank, median "
         "(min-max) over the timed steps of all rounds (every step after step 0, which allocates the Adam states, "
-        "except the profiled memory step of round 1); `meas. fwd+bwd` ends at `on_before_optimizer_step`, "
+        "except the profiled memory steps); `meas. fwd+bwd` ends at `on_before_optimizer_step`, "
         "`meas. opt.` is the rest (gradient clipping, optimizer step, ZeRO parameter gathers). Predicted: "
         f"`tune.cost.estimate_step` with {hw_note}. Predicted breakdown: `compute` = GEMMs, attention, memory-bound "
         "kernels and recompute of the heaviest rank's micro-batches; `exposed comm` per kind; `bubble` per schedule; "

@@ -18,7 +18,10 @@ step (``parallel.memory.state_bytes``) plus the peak of bytes allocated above th
 of the training thread, whatever made it; a free on gloo's worker threads is not seen, but is recovered when its
 address is allocated again, see ``net_delta`` for what stays counted). The largest rank is compared with
 ``tune.memory.memory_breakdown`` for the layout's heaviest
-rank. Memory is measured in the first round only. Every round times ``TIMED_STEPS`` steps after the Adam states
+rank. Every round profiles one step for memory, and the least reading is kept: a reading can only exceed the bytes
+the training thread's allocator holds (gloo's reduce-scatter copy is allocated on the training thread and, in about
+one call of six, freed by gloo's worker thread, unseen until its address is reused; an all-gather or all-reduce shows
+nothing on the training thread), so each round is an upper bound of the same quantity. Every round times ``TIMED_STEPS`` steps after the Adam states
 exist (wall clock from batch start to batch end, slowest rank, and the part before ``on_before_optimizer_step``;
 median over all timed steps of all rounds: single steps of 4 ranks on 2 cores swing by 2x).
 
@@ -205,7 +208,7 @@ def _measure_all(args: argparse.Namespace) -> dict:
         for name in args.layouts:
             if len(results["runs"].get(name, [])) > r:
                 continue
-            gathered = _spawn(_worker, name, r == 0)
+            gathered = _spawn(_worker, name, True)
             results["runs"].setdefault(name, []).append(gathered)
             # saved after every run: a crash late in the sweep keeps what was measured
             Path(args.out + ".json").write_text(json.dumps(results, indent=1, default=float))
