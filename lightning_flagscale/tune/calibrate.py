@@ -293,20 +293,20 @@ def measure_training_loop(steps: int = 8, warmup: int = 2) -> float:
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(0, config.vocab_size, (world * (steps + warmup), config.max_seq_len + 1), generator=generator)
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=0),
-        plugins=[FlagScalePrecision("bf16-mixed")], max_steps=steps + warmup, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[_Timer()],
-    )  # fmt: skip
     module = CausalLMModule(config, learning_rate=1e-4, warmup_steps=0)
     loader = torch.utils.data.DataLoader(data, batch_size=1)
     lightning_log = logging.getLogger("lightning.pytorch")
     level = lightning_log.level
-    lightning_log.setLevel(logging.ERROR)  # the calibration's output stays its own
+    lightning_log.setLevel(logging.ERROR)  # the calibration's output stays its own (no device banner, no tips)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            trainer = L.Trainer(
+                accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=0),
+                plugins=[FlagScalePrecision("bf16-mixed")], max_steps=steps + warmup, gradient_clip_val=1.0,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_Timer()],
+            )  # fmt: skip
             trainer.fit(module, loader)
     finally:
         lightning_log.setLevel(level)
