@@ -890,8 +890,8 @@ def _calibrate(
     ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
     links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
     assert times.optimizer is not None and times.reference is not None and times.pipeline is not None
-    assert times.loop is not None
-    assert times.tp_overhead is not None and times.moe is not None and times.selective is not None
+    assert times.loop is not None and times.tp_overhead is not None
+    assert times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
     units = float(os.cpu_count() or 0)
     if memory_bytes is None:

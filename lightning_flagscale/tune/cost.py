@@ -703,7 +703,7 @@ def fit_compute_scale(
             + " than this profile's model can reach by compute alone; check the layouts, the measured times and the "
             "profile's link and optimizer terms."
         )
-    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    lo, hi = grid[i - 1], grid[i + 1]  # an interior point: the ends were refused above
     golden = (math.sqrt(5) - 1) / 2
     a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
     fa, fb = loss(a), loss(b)
