@@ -312,6 +312,23 @@ def test_ranks_sharing_cores_step_their_own_parameters():
     assert got.optimizer_wall_seconds == pytest.approx(both, rel=1e-3)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_balance_statistics_wait_for_the_tokens_group_on_shared_cores(ep):
+    # 8 ranks on 4 cores, a global balance loss: each MoE layer all-reduces its routing statistics over the 8 data-
+    # parallel ranks (moe/router.py), so on shared cores that call waits the 8-rank wait, whatever the EP size; the
+    # EP collectives (an all-gather and two all-to-alls forward, two all-to-alls backward) wait the EP group's.
+    moe = TransformerConfig.from_preset("mixtral-8x7b", moe_aux_loss_coeff=0.01)
+    hw = _profile(latency=1e-3).replace(devices_per_node=8, compute_units_per_node=4.0)
+    c = _layout(expert_parallel_size=ep)
+    base = estimate_step(moe, c, 4096, 8, hw)
+    two, eight = 5e-3, 7e-2
+    waited = estimate_step(moe, c, 4096, 8, hw.replace(blocking_collective=[(2.0, two), (8.0, eight)]))
+    ep_calls = 5 if ep > 1 else 0
+    per_layer = ep_calls * two + eight
+    assert waited.comm["ep"] == pytest.approx(moe.num_layers * per_layer, rel=1e-9)
+    assert waited.comm["ep"] - base.comm["ep"] == pytest.approx(moe.num_layers * (per_layer - (ep_calls + 1) * 1e-3))
+
+
 def test_blocking_collectives_on_shared_cores_cost_the_measured_wait():
     # 8 ranks on 4 cores, TP 2: a blocking collective inside forward / backward costs the measured wait (wall time,
     # once) in place of the link latency (work on the shared cores, twice over with 2 ranks a core)

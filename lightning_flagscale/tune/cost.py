@@ -109,7 +109,8 @@ class _Pass:
     others: tuple[tuple[float, float, float], ...] = ()
     """``(f, b, w)`` of every other pipeline rank: the pipeline fills and drains through them."""
     calls: dict[str, float] = field(default_factory=dict)
-    """Blocking collectives per micro-batch by kind (``tp``, ``cp``, ``ep``), forward and backward together."""
+    """Blocking collectives per micro-batch by kind (``tp``, ``cp``, ``ep``, and ``ep_stats``: a global balance loss's
+    all-reduce over the data x context-parallel ranks), forward and backward together."""
     stages: tuple[tuple[float, float, float], ...] = ()
     """``(f, b, w)`` of every pipeline stage (chunk), by stage index."""
 
@@ -181,6 +182,19 @@ def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     return diag_f + rest_f, diag_b + rest_b
 
 
+_STATS = "ep_stats"
+"""Key of the MoE routing statistics' all-reduce (a global balance loss) in the per-kind dicts: it runs over the
+data x context-parallel ranks, so its wait on shared cores is that group's; reported as ``ep`` communication."""
+
+
+def _fold_stats(by_kind: dict[str, float]) -> dict[str, float]:
+    """``by_kind`` with the routing statistics' all-reduce counted as ``ep`` (the kinds :class:`StepCost` reports)."""
+    out = {k: v for k, v in by_kind.items() if k != _STATS}
+    if _STATS in by_kind:
+        out["ep"] = out.get("ep", 0.0) + by_kind[_STATS]
+    return out
+
+
 def _block_comm(
     model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool, attn: tuple[float, float]
 ):
@@ -219,8 +233,8 @@ def _block_comm(
     balance = model.moe_aux_loss_coeff > 0 or model.moe_z_loss_coeff > 0
     if moe and balance and model.moe_aux_loss_scope == "global" and tokens_group > 1:
         stats = (2 * model.num_experts + 2) * 4  # one all-reduce of the routing statistics (fp32)
-        one = hw.collective_seconds("all_reduce", stats, tokens_group, inter_node=_inter(tokens_group, tp, hw))
-        fwd["ep"] = fwd.get("ep", 0.0) + one
+        # its own key: it runs over the tokens group, not the EP group (reported under ``ep``: _fold_stats)
+        fwd[_STATS] = hw.collective_seconds("all_reduce", stats, tokens_group, inter_node=_inter(tokens_group, tp, hw))
     return fwd, bwd
 
 
@@ -242,7 +256,8 @@ def _block_pass(
     elif recompute == "selective":
         b += mem
     fwd_calls, bwd_calls = _block_comm(model, c, seq_len, _CALL_COUNTER, moe, (0.0, 0.0))
-    return _Pass(f, b, w, _both(fwd_comm, bwd_comm, recompute), calls=_both(fwd_calls, bwd_calls, recompute))
+    comm = _fold_stats(_both(fwd_comm, bwd_comm, recompute))
+    return _Pass(f, b, w, comm, calls=_both(fwd_calls, bwd_calls, recompute))
 
 
 def _both(fwd: dict[str, float], bwd: dict[str, float], recompute: str) -> dict[str, float]:
@@ -579,8 +594,12 @@ def estimate_step(
     mean_optimizer = sum(_optimizer_seconds(c, hw, *r) for r in ranks) / len(ranks)
     shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + mean_optimizer)
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
-    group = {"tp": c.tensor_parallel_size, "cp": c.context_parallel_size, "ep": c.expert_parallel_size}
+    group = {
+        "tp": c.tensor_parallel_size, "cp": c.context_parallel_size, "ep": c.expert_parallel_size,
+        _STATS: c.dp * c.context_parallel_size,
+    }  # fmt: skip
     wait = {k: m_total * n * hw.blocking_seconds(group[k]) for k, n in one.calls.items()} if waits else {}
+    wait = _fold_stats(wait)
     node = shared + comm.get("pp", 0.0)
     if shared and p > 1:
         # the schedule run on the shared units: a rank idle in a bubble lends its share to the busy ones, but a rank
