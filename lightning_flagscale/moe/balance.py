@@ -55,12 +55,16 @@ def update_moe_state(model: nn.Module, group: dist.ProcessGroup | str | None = D
     The load is summed over each layer's token group (``MoELayer.token_group``, set by
     ``parallel.expert.set_moe_token_group``) unless ``group`` is given; every rank of that group must call this, once
     per optimizer step. Summing over ranks that hold the same tokens (TP replicas) scales every count alike and
-    changes no decision. ``CausalLMModule`` calls it after each optimizer step; :func:`balance_after_step` does it
+    changes no decision. Layers with neither a bias update nor hot experts read no load: they only reset it, without
+    a collective. ``CausalLMModule`` calls it after each optimizer step; :func:`balance_after_step` does it
     for plain PyTorch loops.
     """
     layers = [layer for _, layer in moe_layers(model)]
     batches: dict[int, tuple[dist.ProcessGroup | None, list[MoELayer]]] = {}
     for layer in layers:  # module order: the same collective sequence on every rank
+        if not _uses_load(layer):  # configuration, the same on every rank: no collective for a load nobody reads
+            layer.load_accum.zero_()
+            continue
         g = layer.resolved_token_group() if isinstance(group, str) else group
         batches.setdefault(id(g), (g, []))[1].append(layer)
     for g, members in batches.values():
@@ -69,6 +73,12 @@ def update_moe_state(model: nn.Module, group: dist.ProcessGroup | str | None = D
             dist.all_reduce(loads, group=g)  # one collective for all layers of the group
         for layer, load in zip(members, loads):
             _apply_load(layer, load)
+
+
+def _uses_load(layer: MoELayer) -> bool:
+    """Whether the step's load changes anything in ``layer``: a router bias to update, or hot experts to choose."""
+    bias_update = layer.bias_update_rate > 0 and layer.gate.e_score_correction_bias is not None
+    return bias_update or layer.hot_expert_config is not None
 
 
 def _apply_load(layer: MoELayer, load: Tensor) -> None:

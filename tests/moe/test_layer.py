@@ -133,6 +133,23 @@ def test_bias_balancing_updates_outside_autograd():
     assert layer.load_accum.sum() == 0 and not layer.gate.e_score_correction_bias.requires_grad
 
 
+@pytest.mark.parametrize("rate", [0.0, 1e-3])
+def test_update_moe_state_reduces_the_load_only_when_something_reads_it(rate, monkeypatch):
+    # Without a bias update or hot experts nothing reads the step's load: no collective (every rank has the same
+    # configuration, so every rank skips it); the accumulator is still reset.
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(t.shape))
+    layer = make_layer("deepseek-v3-tiny", moe_router_bias_update_rate=rate)
+    layer.train()
+    layer(torch.randn(2, 8, 64)).sum().backward()
+    assert layer.load_accum.sum() > 0
+    update_moe_state(layer, group=object())  # a group: the load would be summed over it
+    assert calls == ([(1, layer.num_experts)] if rate else [])
+    assert layer.load_accum.sum() == 0
+
+
 @pytest.mark.parametrize("level,threshold", [("light", None), ("medium", None), ("full", None), ("medium", 4)])
 def test_recompute_levels_same_gradients(level, threshold):
     x = torch.randn(2, 6, 64)
