@@ -35,6 +35,21 @@ def test_layers_must_cover_pipeline_stages():
         ParallelConfig(virtual_pipeline_parallel_size=2)
 
 
+def test_even_split_needs_a_virtual_size_that_divides_the_layer_slots_per_rank():
+    # 6 layers on 2 pipeline ranks: 3 slots a rank, which 2 chunks cannot share; the strategy's stage plan would
+    # refuse it at setup, so validating the layout against the model does already (and the tuner drops it)
+    model = TransformerConfig.from_preset("llama-tiny", num_layers=6)
+    interleaved = dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    with pytest.raises(
+        ValueError, match=r"virtual_pipeline_parallel_size=2 does not divide the 3 layer slots.*\[1, 3\]"
+    ):
+        ParallelConfig(**interleaved, virtual_pipeline_parallel_size=2).validate_model(model)
+    ParallelConfig(**interleaved, virtual_pipeline_parallel_size=3).validate_model(model)
+    # explicit layers, or the cost-balanced split, are not bound to equal slots
+    ParallelConfig(**interleaved, virtual_pipeline_parallel_size=2, pipeline_layers=[2, 1, 1, 2]).validate_model(model)
+    ParallelConfig(**interleaved, virtual_pipeline_parallel_size=2, pipeline_balance="cost").validate_model(model)
+
+
 def test_sequence_parallel_needs_tp():
     with pytest.raises(ValueError, match=r"sequence_parallel=True needs tensor_parallel_size > 1"):
         ParallelConfig(sequence_parallel=True)

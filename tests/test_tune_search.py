@@ -31,6 +31,17 @@ TINY = TransformerConfig.from_preset("llama-tiny")
 MOE = TransformerConfig.from_preset("mixtral-tiny", num_layers=8)  # enough blocks for 4 stages x 2 chunks
 
 
+def test_search_drops_virtual_sizes_the_even_split_cannot_take():
+    # 6 layers on 2 ranks: VPP 2 leaves 3 slots a rank for 2 chunks; the search used to rank it and fail inside the
+    # memory model's stage plan. It is refused (counted), and VPP 3 is searched instead.
+    model = TransformerConfig.from_preset("llama-tiny", num_layers=6)
+    space = SearchSpace(schedules=("interleaved_1f1b",), virtual_sizes=(2, 3), zero_stages=(1,), recompute=("none",))
+    result = search(model, 2, seq_len=64, global_batch=8, hardware=builtin_profile("h100"), space=space, top_k=None)
+    vpps = {c.config.virtual_pipeline_parallel_size for c in result.candidates if c.config.pp_enabled}
+    assert vpps == {3}
+    assert any(reason.startswith("invalid: virtual_pipeline_parallel_size=2 does") for reason in result.pruned)
+
+
 def test_every_candidate_of_the_full_space_constructs_and_validates():
     space = SearchSpace(expert_tensor_parallel_sizes=(1, 2))  # ETP 2 is refused by ParallelConfig: counted, dropped
     layouts, refused = enumerate_layouts(MOE, 8, seq_len=64, global_batch=16, space=space)

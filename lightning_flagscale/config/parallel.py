@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_flagscale.parallel.pipeline_plan import even_layer_counts
 from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
 
 if TYPE_CHECKING:
@@ -411,6 +412,9 @@ class ParallelConfig:
                 f"num_layers={config.num_layers} is smaller than pipeline x virtual stages = {self.num_stages};"
                 " lower pipeline_parallel_size/virtual_pipeline_parallel_size."
             )
+        if self.pp_enabled and self.pipeline_layers is None and self.pipeline_balance == "even":
+            # the even split pads to equal layer slots per pipeline rank, which the virtual size must divide
+            even_layer_counts(config.num_layers, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
         if self.pipeline_layers is not None and sum(self.pipeline_layers) != config.num_layers:
             raise ValueError(
                 f"pipeline_layers={self.pipeline_layers} sums to {sum(self.pipeline_layers)} but the model has "

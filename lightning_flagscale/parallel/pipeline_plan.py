@@ -23,6 +23,7 @@ __all__ = [
     "StagePlan",
     "build_stage_module",
     "check_units_cover_parameters",
+    "even_layer_counts",
     "is_layer_unit",
     "pipeline_unit_costs",
     "plan_stages",
@@ -107,7 +108,7 @@ def _padding_order(num_stages: int) -> list[int]:
     return order
 
 
-def _even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
+def even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
     """Real layers and padding slots per stage for an even split, padding to equal layers per pipeline rank."""
     stages = pp * vpp
     if num_layers % stages == 0:
@@ -185,7 +186,7 @@ def plan_stages(
         if sum(counts) != num_layers or min(counts) < 0:
             raise ValueError(f"pipeline_layers={counts} must be >= 0 and sum to the {num_layers} model blocks.")
     elif balance == "even":
-        counts, padding = _even_layer_counts(num_layers, pipeline_parallel_size, virtual_pipeline_parallel_size)
+        counts, padding = even_layer_counts(num_layers, pipeline_parallel_size, virtual_pipeline_parallel_size)
     elif balance == "cost":
         if unit_costs is None:
             raise ValueError("balance='cost' needs unit_costs (e.g. unit_param_costs(model)).")
