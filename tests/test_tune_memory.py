@@ -4,18 +4,21 @@ schedule keeps alive (counted on a real run)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.decoder import CausalLM
+from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
 from lightning_flagscale.tune.activations import (
     head_bytes,
     korthikanti_layer_bytes,
     layer_activation_bytes,
     model_edge_bytes,
 )
-from lightning_flagscale.tune.inflight import max_live_microbatches
+from lightning_flagscale.tune.inflight import live_activation_peak, max_live_microbatches, schedule_actions
 from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations, allocation_levels
 from lightning_flagscale.tune.memory import estimate_memory, memory_breakdown
 from tests.strategies._lm import tiny_config, trainer_run
@@ -125,6 +128,56 @@ def test_live_microbatches_match_what_the_schedule_keeps(launcher, schedule):
     counted = launcher(2, _count_live, schedule)
     vpp = 1 if schedule in ("gpipe", "1f1b") else 2
     assert counted == max_live_microbatches(schedule, 2, vpp, 4), (schedule, counted)  # 4 micro-batches of 1
+
+
+def _walk(actions, weight):
+    """The plain walk: live (stage, micro-batch) pairs added at F, freed at B or W; the first strict maximum."""
+    live, total, peak, count = set(), 0.0, 0.0, 0
+    for kind, stage, mb in actions:
+        if kind == "F":
+            live.add((stage, mb))
+            total += weight.get(stage, 0.0)
+            if total > peak:
+                peak, count = total, len(live)
+        elif kind in ("B", "W") and (stage, mb) in live:
+            live.discard((stage, mb))
+            total -= weight.get(stage, 0.0)
+    return peak, count
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_activation_peak_and_schedule_order_match_the_direct_computation(schedule):
+    # The search remembers each schedule's distinct live states and builds torch's order once, without its
+    # lowering to communication actions: same orders as torch's full schedule of every rank, same peaks as the
+    # plain walk, whatever the stage weights (zero for an empty stage included).
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
+    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+
+    spec = SCHEDULE_SPECS[schedule]
+    v = 3 if spec.stages_per_rank is None else spec.stages_per_rank  # interleaved: any virtual size; V: 2
+    rng = random.Random(0)
+    for p, m in ((2, 4), (4, 8), (4, 12)):
+        actions = schedule_actions(schedule, p, v, m)
+        if v > 1:
+            for rank in range(p):
+                ids = stage_ids_for_rank(rank, p, p * v, spec.placement)
+                stages = [SimpleNamespace(group_size=p, group_rank=rank, num_stages=p * v, stage_index=i,
+                                          is_first=i == 0, is_last=i == p * v - 1, submod=None) for i in ids]  # fmt: skip
+                full = getattr(torch_schedules, spec.torch_class)(stages, m, loss_fn=lambda out, target: out)
+                order = [(str(a.computation_type).rsplit(".", 1)[-1], a.stage_index, a.microbatch_index)
+                         for act in full.pipeline_order[rank] if act is not None for a in (act.sub_actions or (act,))]  # fmt: skip
+                kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+                assert list(actions[rank]) == [(kinds.get(k, k), s, mb) for k, s, mb in order]
+        for rank_actions in actions:
+            stages = sorted({s for _, s, _ in rank_actions})
+            for _ in range(4):
+                weight = {s: rng.choice([0.0, 1.0, rng.uniform(1e3, 1e9)]) for s in stages}
+                got, want = live_activation_peak(rank_actions, weight), _walk(rank_actions, weight)
+                assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-12)
 
 
 # ---- model states, measured on Trainer runs ----

@@ -13,7 +13,7 @@ warms up with ``min(m, p - r)`` forwards and then alternates one backward, one f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from types import SimpleNamespace
 
 __all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions"]
@@ -33,12 +33,13 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
     if spec.stages_per_rank == 1:
         return tuple(_single_stage_actions(schedule, p, r, m) for r in range(p))
     n = p * v
+    # The constructor computes every rank's order (``pipeline_order[r]`` for all r), whichever rank builds it: one
+    # schedule, built for rank 0's stages, gives them all.
+    stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=n, stage_index=s, is_first=s == 0,
+                              is_last=s == n - 1, submod=None) for s in stage_ids_for_rank(0, p, n, spec.placement)]  # fmt: skip
+    sched = _order_only(getattr(torch_schedules, spec.torch_class))(stages, m, loss_fn=lambda out, target: out)
     ranks = []
     for rank in range(p):
-        ids = stage_ids_for_rank(rank, p, n, spec.placement)
-        stages = [SimpleNamespace(group_size=p, group_rank=rank, num_stages=n, stage_index=s, is_first=s == 0,
-                                  is_last=s == n - 1, submod=None) for s in ids]  # fmt: skip
-        sched = getattr(torch_schedules, spec.torch_class)(stages, m, loss_fn=lambda out, target: out)
         actions = []
         for action in sched.pipeline_order[rank]:
             if action is None:
@@ -51,6 +52,14 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
                 actions.append((kind, sub.stage_index, sub.microbatch_index))
         ranks.append(tuple(actions))
     return tuple(ranks)
+
+
+@cache
+def _order_only(cls: type) -> type:
+    """``cls`` without the lowering of its compute actions to a runtime schedule with communication actions, which
+    its constructor runs after computing ``pipeline_order`` (into a separate ``pipeline_order_with_comms``): only the
+    order is read here, and the lowering took most of a search's time."""
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": lambda self, *args, **kwargs: None})
 
 
 def _single_stage_actions(schedule: str, p: int, rank: int, m: int) -> tuple[tuple[str, int, int], ...]:
@@ -66,20 +75,39 @@ def _single_stage_actions(schedule: str, p: int, rank: int, m: int) -> tuple[tup
 
 def live_activation_peak(actions: Sequence[tuple[str, int, int]], weight: dict[int, float]) -> tuple[float, int]:
     """Walk one rank's actions: (largest sum of ``weight[stage]`` over live (stage, micro-batch) pairs, the number
-    of pairs alive at that moment). Freed at ``B`` or ``W``."""
+    of pairs alive at that moment; the first such moment). Freed at ``B`` or ``W``."""
+    stages, counts = _live_counts(tuple(actions))
+    if len(stages) == 1:  # one stage: the most micro-batches alive is the peak (equal weights)
+        most = max(vector[0] for vector in counts)
+        w = weight.get(stages[0], 0.0)
+        return (w * most, most) if w * most > 0.0 else (0.0, 0)
+    peak, live = 0.0, 0
+    for vector in counts:  # the peak is at a forward; each distinct state once, in order of first occurrence
+        total = sum(weight.get(s, 0.0) * n for s, n in zip(stages, vector, strict=True))
+        if total > peak:
+            peak, live = total, sum(vector)
+    return peak, live
+
+
+@lru_cache(maxsize=4096)
+def _live_counts(actions: tuple[tuple[str, int, int], ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(the stages of ``actions``, the distinct per-stage counts of live micro-batches right after each forward, in
+    order of first occurrence): what :func:`live_activation_peak` needs of a walk, whatever the weights (a search
+    weighs the same schedule thousands of times)."""
+    stages = tuple(sorted({s for _, s, _ in actions}))
+    index = {s: i for i, s in enumerate(stages)}
     live: set[tuple[int, int]] = set()
-    peak, count = 0.0, 0
-    total = 0.0
+    count = [0] * len(stages)
+    seen: dict[tuple[int, ...], None] = {}
     for kind, stage, mb in actions:
         if kind == "F":
             live.add((stage, mb))
-            total += weight.get(stage, 0.0)
-            if total > peak:
-                peak, count = total, len(live)
+            count[index[stage]] += 1
+            seen.setdefault(tuple(count))
         elif kind in ("B", "W") and (stage, mb) in live:
             live.discard((stage, mb))
-            total -= weight.get(stage, 0.0)
-    return peak, count
+            count[index[stage]] -= 1
+    return stages, tuple(seen)
 
 
 def max_live_microbatches(schedule: str, p: int, v: int, m: int) -> list[int]:

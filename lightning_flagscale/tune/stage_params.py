@@ -73,13 +73,30 @@ class RankParams:
     """The largest single parameter (local shard): the biggest gradient autograd materialises at once."""
 
 
+_CACHE: dict[tuple, tuple[RankParams, ...]] = {}
+_CACHE_SIZE = 4096
+
+
 def rank_params(m: TransformerConfig, c: ParallelConfig, *, vocab_multiple: int = 64) -> list[RankParams]:
-    """Per pipeline rank, the parameters it holds (see module docstring)."""
+    """Per pipeline rank, the parameters it holds (see module docstring). Remembered per model and the layout
+    fields it depends on: a search asks for the same split thousands of times (ZeRO, micro-batch, recompute, CP)."""
+    p = c.pipeline_parallel_size
+    placement = SCHEDULE_SPECS[c.pipeline_schedule].placement if p > 1 else "loop"
+    layers = tuple(c.pipeline_layers) if c.pipeline_layers is not None else None
+    key = (repr(m), c.tensor_parallel_size, c.expert_parallel_size, p, c.virtual_pipeline_parallel_size, layers,
+           c.pipeline_balance, placement, vocab_multiple)  # fmt: skip
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.clear()
+        _CACHE[key] = tuple(_rank_params(m, c, placement, vocab_multiple))
+    return list(_CACHE[key])
+
+
+def _rank_params(m: TransformerConfig, c: ParallelConfig, placement: str, vocab_multiple: int) -> list[RankParams]:
     tp, ep, p = c.tensor_parallel_size, c.expert_parallel_size, c.pipeline_parallel_size
     layers = stage_layers(m, c, vocab_multiple=vocab_multiple)
     n = len(layers)
     vocab = m.padded_vocab_size(vocab_multiple) * m.hidden_size / tp
-    placement = SCHEDULE_SPECS[c.pipeline_schedule].placement if p > 1 else "loop"
     out = []
     for r in range(p):
         stages = stage_ids_for_rank(r, p, n, placement)
