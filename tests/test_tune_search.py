@@ -4,6 +4,8 @@ written recipe parses and builds the strategy."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -258,6 +260,37 @@ def test_hetero_plans_validate_and_give_faster_devices_more_work():
     for tiny in plan_hetero(TINY, [DeviceGroup(device_type=g.device_type, count=2, profile=g.profile) for g in groups],
                             seq_len=128, global_batch=8):  # fmt: skip
         tiny.config(4).stage_group_configs(TINY.num_layers)
+
+
+def test_hetero_planners_search_zero_stage_and_recompute_to_fit():
+    # Each rank of hetero-DP runs its share as one batch: llama3-8b at 4096 tokens and 6 sequences on an H100 does
+    # not fit with ZeRO-1 and no recompute (the CLI's example used to end there, advising a knob it does not have);
+    # the planner tries the ZeRO stages and recompute policies, and keeps the fastest plan that fits.
+    groups = [
+        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
+        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
+    ]
+    model = TransformerConfig.from_preset("llama3-8b")
+    kw = dict(seq_len=4096, global_batch=64)
+    with pytest.raises(ValueError, match=r"zero_stage \[1\] x recompute \['none'\].*memory constraint"):
+        plan_hetero_dp(model, groups, **kw, zero_stage=1, recompute="none")
+    plan = plan_hetero_dp(model, groups, **kw)
+    assert plan.parallel["recompute"] != "none"
+    assert all(m <= g.profile.memory_bytes for m, g in zip(plan.memory_bytes, [g for g in groups for _ in range(8)]))
+    fitting = []
+    for rc in ("none", "selective", "full"):
+        for zero in (1, 2, 3):
+            with contextlib.suppress(ValueError):
+                fitting.append(plan_hetero_dp(model, groups, **kw, zero_stage=zero, recompute=rc).step_seconds)
+    assert plan.step_seconds == min(fitting)
+    plan.config(16)
+    # meshes: with 24 GB a device nothing fits without recompute; the planner finds plans that recompute
+    small = [dataclasses.replace(g, profile=g.profile.replace(memory_bytes=24e9)) for g in groups]
+    assert plan_hetero(model, small, **kw, recompute="none") == []
+    meshes = plan_hetero(model, small, **kw)
+    assert meshes and all(p.parallel["recompute"] != "none" for p in meshes)
+    for p in meshes:
+        p.config(16).stage_group_configs(model.num_layers)
 
 
 def test_calibrated_scale_reproduces_a_measured_step():

@@ -32,6 +32,16 @@ from lightning_flagscale.tune.memory import estimate_memory
 __all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
 
 
+ZERO_STAGES = (1, 2, 3)
+"""ZeRO stages the planners try, in order of preference (the least sharding that fits)."""
+RECOMPUTE = ("none", "selective", "full")
+"""Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
+
+
+def _values(value: Any) -> tuple:
+    return (value,) if isinstance(value, int | str) else tuple(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceGroup:
     """``count`` devices of one type, consecutive in rank order."""
@@ -113,11 +123,14 @@ def plan_hetero(
     seq_len: int,
     global_batch: int,
     micro_batch_size: int = 1,
-    zero_stage: int = 1,
-    recompute: str = "none",
+    zero_stage: int | Sequence[int] = ZERO_STAGES,
+    recompute: str | Sequence[str] = RECOMPUTE,
     max_pp_per_mesh: int = 2,
 ) -> list[HeteroPlan]:
-    """Mesh plans (one mesh per device group) that fit in memory, fastest first."""
+    """Mesh plans (one mesh per device group) that fit in memory, fastest first.
+
+    ``zero_stage`` / ``recompute``: one value, or the values to try in order of preference; each mesh layout takes
+    the first recompute policy (the least recomputation) and, with it, the first ZeRO stage that fit in memory."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
     plans = []
@@ -127,9 +140,11 @@ def plan_hetero(
         samples = micro_batch_size * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
-        plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero_stage, recompute)
-        if plan is not None:
-            plans.append(plan)
+        for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
+            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc)
+            if plan is not None:
+                plans.append(plan)
+                break
     plans.sort(key=lambda p: p.step_seconds)
     return plans
 
@@ -175,16 +190,52 @@ def plan_hetero_dp(
     seq_len: int,
     global_batch: int,
     micro_batch_size: int = 1,
-    zero_stage: int = 1,
-    recompute: str = "none",
+    zero_stage: int | Sequence[int] = ZERO_STAGES,
+    recompute: str | Sequence[str] = RECOMPUTE,
 ) -> HeteroPlan:
-    """Every device a DP rank; samples per rank in proportion to speed (multiples of ``micro_batch_size``)."""
+    """Every device a DP rank; samples per rank in proportion to speed (multiples of ``micro_batch_size``). Each rank
+    runs its share as one batch. ``zero_stage`` / ``recompute``: one value, or the values to try; the fastest plan
+    that fits in memory is returned, and when none fits the error names the leanest one tried."""
     world = sum(g.count for g in groups)
     if global_batch % micro_batch_size or global_batch // micro_batch_size < world:
         raise ValueError(
             f"global_batch={global_batch} must give every one of the {world} ranks at least one micro-batch of"
             f" {micro_batch_size}; raise the batch or lower micro_batch_size."
         )
+    plans, errors = [], []
+    for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
+        try:
+            plans.append(_plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero, rc))
+        except _TooBig as err:
+            errors.append(err)
+    if not plans:
+        lean = min(errors, key=lambda e: e.excess)
+        tried = f"zero_stage {list(_values(zero_stage))} x recompute {list(_values(recompute))}"
+        raise ValueError(
+            f"hetero-DP does not fit with any of {tried}: the leanest (zero_stage={lean.zero},"
+            f" recompute={lean.recompute!r}) needs {lean.need / 1e9:.1f} GB on rank {lean.rank} ({lean.device})"
+            f" against {lean.budget / 1e9:.1f} GB (memory constraint); lower the global batch or the sequence length,"
+            " or use hetero meshes."
+        )
+    return min(plans, key=lambda p: p.step_seconds)
+
+
+@dataclass(frozen=True)
+class _TooBig(Exception):
+    rank: int
+    device: str
+    need: float
+    budget: float
+    zero: int
+    recompute: str
+
+    @property
+    def excess(self) -> float:
+        return self.need / self.budget
+
+
+def _plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero_stage, recompute) -> HeteroPlan:
+    world = sum(g.count for g in groups)
     one = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(1)
     per_sample = {g.device_type: estimate_step(model, one, seq_len, micro_batch_size, g.profile).step_seconds
                   / micro_batch_size for g in groups}  # fmt: skip
@@ -197,11 +248,9 @@ def plan_hetero_dp(
     memory = [estimate_memory(model, c, seq_len, b // micro_batch_size) for b in sizes]
     over = [i for i, (mem, g) in enumerate(zip(memory, ranks, strict=True)) if mem > g.profile.memory_bytes]
     if over:
-        raise ValueError(
-            f"hetero-DP does not fit: rank {over[0]} ({ranks[over[0]].device_type}) needs"
-            f" {memory[over[0]] / 1e9:.1f} GB against {ranks[over[0]].profile.memory_bytes / 1e9:.1f} GB (memory"
-            " constraint); raise zero_stage or use hetero meshes."
-        )
+        worst = max(over, key=lambda i: memory[i] / ranks[i].profile.memory_bytes)
+        raise _TooBig(worst, ranks[worst].device_type, memory[worst], ranks[worst].profile.memory_bytes, zero_stage,
+                      recompute)  # fmt: skip
     # the gradient reduction over all ranks, exposed as on the slowest link of the groups
     slowest = min((g.profile for g in groups), key=lambda p: p.links["all_reduce"]["inter"][0].bus_bandwidth)
     reduce = estimate_step(model, c, seq_len, world * micro_batch_size, slowest).comm.get("dp", 0.0)
