@@ -153,7 +153,10 @@ def test_calibration_produces_a_sane_profile(tmp_path):
 
 
 def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys):
-    HardwareProfile(name="cpu", device_type="cpu-1threads", peak_flops=2e10, hbm_bandwidth=5e9).save(
+    # A profile whose fittable range (compute_scale 1e-3..1e3) spans measured steps from ~0.5 ms to ~500 s: at a
+    # 2e10 peak its fastest reachable step was 53 ms, and a step measured faster than that (36-43 ms here) was
+    # rightly refused by the fit; the test depended on this machine being slow.
+    HardwareProfile(name="cpu", device_type="cpu-1threads", peak_flops=2e12, hbm_bandwidth=5e9).save(
         tmp_path / "p.json"
     )
     best = tmp_path / "best.yaml"
@@ -176,6 +179,28 @@ def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys
     model = TransformerConfig.from_preset("llama-tiny")
     step = estimate_step(model, written, 32, 4, refit).step_seconds
     assert step == pytest.approx(measured, abs=1e-3)  # `measured` as printed, to the millisecond
+
+
+def test_a_refit_out_of_reach_still_writes_the_recipe_and_fails_loudly(tmp_path, monkeypatch, capsys):
+    # Runs measured faster than the profile can reach at any compute_scale: the winner's recipe is written, no
+    # profile is, and the command exits with the fit's reason instead of a traceback.
+    import lightning_flagscale.tune.runner as runner
+    from lightning_flagscale.tune.runner import RunResult
+
+    def fake_runs(model, candidates, *, k, **kwargs):
+        return [RunResult(candidate=c, status="ok", measured_step_seconds=1e-9) for c in candidates[:k]]
+
+    monkeypatch.setattr(runner, "run_candidates", fake_runs)
+    HardwareProfile(name="cpu", device_type="cpu-1threads", peak_flops=2e10, hbm_bandwidth=5e9).save(
+        tmp_path / "p.json"
+    )
+    best, refit = tmp_path / "best.yaml", tmp_path / "refit.json"
+    with pytest.raises(SystemExit, match=r"--refit-profile .*refit.json not written: no compute_scale .* fast end"):
+        tune_main(["--preset", "llama-tiny", "--devices", "2", "--seq-len", "32", "--global-batch", "4", "--profile",
+                   str(tmp_path / "p.json"), "--run", "2", "--run-dir", str(tmp_path / "runs"), "--write-recipe",
+                   str(best), "--refit-profile", str(refit)])  # fmt: skip
+    assert best.exists() and not refit.exists()
+    assert "measured / predicted" in capsys.readouterr().out
 
 
 def test_refit_profile_without_run_is_refused(tmp_path):

@@ -187,6 +187,8 @@ def tune_main(argv: list[str]) -> None:
         args.write_recipe = str(Path(args.run_dir) / "best.yaml")  # --run always writes its winner
     if args.write_recipe:
         _write_best(args, model, best, hw)
+    if getattr(args, "refit_error", None):
+        raise SystemExit(args.refit_error)
 
 
 def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> Candidate:
@@ -207,7 +209,10 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
     if not ok:
         raise SystemExit("None of the run candidates trained (see the status column).")
     if args.refit_profile:
-        _refit(args, model, ok, hw)
+        try:
+            _refit(args, model, ok, hw)
+        except ValueError as err:  # the runs and the recipe stand; the refit is refused at the end, loudly
+            args.refit_error = f"--refit-profile {args.refit_profile} not written: {err}"
     return min(ok, key=lambda r: r.measured_step_seconds).candidate
 
 
