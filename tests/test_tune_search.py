@@ -293,6 +293,50 @@ def test_hetero_planners_search_zero_stage_and_recompute_to_fit():
         p.config(16).stage_group_configs(model.num_layers)
 
 
+def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
+    # Every mesh reduces its stages' gradients over its own DP ranks after the last backward (ZeRO-1 then gathers
+    # its parameters; ZeRO-3 gathers them during the step, prefetched under compute): with free links the step is the
+    # 1F1B schedule alone, with slow links what compute does not hide adds to it.
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+
+    def with_links(profile, bandwidth):
+        link = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=bandwidth)]
+        return profile.replace(links={k: {"intra": link, "inter": link} for k in COLLECTIVES})
+
+    model = TransformerConfig.from_preset("llama3-8b")
+    kw = dict(seq_len=4096, global_batch=64, micro_batch_size=1, recompute="none")
+
+    def layout(plan):
+        return [(m["tensor_parallel_size"], m["data_parallel_size"], m["pipeline_parallel_size"])
+                for m in plan.parallel["hetero_meshes"]]  # fmt: skip
+
+    steps = {}
+    for name, bandwidth in (("free", float("inf")), ("slow", 1e9)):
+        groups = [DeviceGroup(device_type="H100", count=8, profile=with_links(builtin_profile("h100"), bandwidth)),
+                  DeviceGroup(device_type="A100", count=8, profile=with_links(builtin_profile("a100"), bandwidth))]  # fmt: skip
+        for zero in (1, 3):
+            plans = plan_hetero(model, groups, **kw, zero_stage=zero)
+            plan = next(p for p in plans if layout(p) == [(2, 4, 1), (2, 4, 1)])
+            m = 64 // (plan.parallel["micro_batch_size"] * plan.parallel["hetero_meshes"][0]["data_parallel_size"])
+            schedule = (m + len(plan.stage_seconds) - 1) * max(plan.stage_seconds)
+            steps[name, zero] = plan.step_seconds - schedule
+    assert steps["free", 1] == pytest.approx(0.0, abs=1e-9) and steps["free", 3] == pytest.approx(0.0, abs=1e-9)
+    assert steps["slow", 1] > 0.0 and steps["slow", 3] > 0.0
+
+
+def test_hetero_mesh_planner_tries_micro_batch_sizes():
+    groups = [
+        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
+        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
+    ]
+    model = TransformerConfig.from_preset("llama3-8b")
+    kw = dict(seq_len=4096, global_batch=64)
+    plans = plan_hetero(model, groups, **kw)
+    assert {p.parallel["micro_batch_size"] for p in plans} == {1, 2, 4}
+    fixed = [plan_hetero(model, groups, **kw, micro_batch_size=mbs)[0].step_seconds for mbs in (1, 2, 4)]
+    assert plans[0].step_seconds == min(fixed)
+
+
 def test_calibrated_scale_reproduces_a_measured_step():
     from lightning_flagscale.tune import calibrate_compute_scale
 

@@ -7,9 +7,13 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
   mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
-  bisection on the stage time. The step is ``(m + S - 1) x slowest stage`` (1F1B over S stages, m micro-batches).
+  bisection on the stage time. The step is ``(m + S - 1) x slowest stage`` (1F1B over S stages, m micro-batches)
+  plus what compute does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's
+  DP ranks (``cost._data_parallel``, the strategy's bucket size). Micro-batch sizes are tried (1, 2, 4), and for
+  each layout the least recompute and then the least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
-  each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times.
+  each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times; the fastest ZeRO stage and
+  recompute policy that fit.
 
 Plans come out as the keyword arguments ``ParallelConfig`` / ``FlagScaleStrategy`` take (``hetero_meshes``,
 ``hetero_layers`` or ``hetero_dp_batch_sizes``) and are validated by constructing the config.
@@ -24,16 +28,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.tune.cost import _block_pass, _tokens, estimate_step
+from lightning_flagscale.tune.cost import _block_pass, _data_parallel, _tokens, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile
 from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.stage_params import layer_params
 
 __all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
 
 
 ZERO_STAGES = (1, 2, 3)
 """ZeRO stages the planners try, in order of preference (the least sharding that fits)."""
+MICRO_BATCH_SIZES = (1, 2, 4)
+"""Micro-batch sizes the mesh planner tries (as the homogeneous search does)."""
 RECOMPUTE = ("none", "selective", "full")
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
 
@@ -122,22 +130,24 @@ def plan_hetero(
     *,
     seq_len: int,
     global_batch: int,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | Sequence[int] = MICRO_BATCH_SIZES,
     zero_stage: int | Sequence[int] = ZERO_STAGES,
     recompute: str | Sequence[str] = RECOMPUTE,
     max_pp_per_mesh: int = 2,
 ) -> list[HeteroPlan]:
     """Mesh plans (one mesh per device group) that fit in memory, fastest first.
 
-    ``zero_stage`` / ``recompute``: one value, or the values to try in order of preference; each mesh layout takes
-    the first recompute policy (the least recomputation) and, with it, the first ZeRO stage that fit in memory."""
+    ``micro_batch_size``: one value or the values to try (one plan per mesh layout and size). ``zero_stage`` /
+    ``recompute``: one value, or the values to try in order of preference; each plan takes the first recompute
+    policy (the least recomputation) and, with it, the first ZeRO stage that fit in memory."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
     plans = []
-    for layouts in itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups)):
+    meshes = itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups))
+    for layouts, mbs in itertools.product(list(meshes), _values(micro_batch_size)):
         if sum(pp for _, _, pp in layouts) < 2:
             continue
-        samples = micro_batch_size * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
+        samples = mbs * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
         for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
@@ -173,6 +183,19 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
             return None
         memory.append(mem)
     times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
+    # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
+    # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
+    reduction, start = 0.0, 0
+    for s, (count, c, g) in enumerate(zip(layers, configs, stage_groups, strict=True)):
+        dense, expert = _stage_params(model, range(start, start + count), first=s == 0, last=s == stages - 1)
+        start += count
+        buckets = {
+            "dense": _buckets(dense / c.tensor_parallel_size),
+            "expert": _buckets(expert / c.expert_parallel_size),
+        }
+        exposed, _ = _data_parallel(model, c, g.profile, dense, expert, last_backward=times[s] * 2 / 3,
+                                    compute=m * times[s], buckets=buckets)  # fmt: skip
+        reduction = max(reduction, exposed)
     meshes = [
         dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, device_type=g.device_type)
         for (tp, dp, pp), g in zip(layouts, groups, strict=True)
@@ -180,7 +203,29 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
     parallel = dict(hetero_meshes=meshes, hetero_layers=layers, pipeline_schedule="1f1b", zero_stage=zero,
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
-                      step_seconds=(m + stages - 1) * max(times), memory_bytes=memory)  # fmt: skip
+                      step_seconds=(m + stages - 1) * max(times) + reduction, memory_bytes=memory)  # fmt: skip
+
+
+def _buckets(numel: float) -> list[float]:
+    """Gradient buckets of ``numel`` elements in reduction order, the strategy's bucket size each and the rest last
+    (the first layers' parameters: the last reduction, exposed after the last backward)."""
+    full, rest = divmod(numel, DEFAULT_BUCKET_NUMEL)
+    return [DEFAULT_BUCKET_NUMEL] * int(full) + ([rest] if rest else [])
+
+
+def _stage_params(model: TransformerConfig, layers: range, *, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of a stage holding ``layers`` (the embedding on the first stage, the final
+    norm and the head on the last), before TP / EP division."""
+    dense = expert = 0.0
+    for i in layers:
+        d, e = layer_params(model, i)
+        dense, expert = dense + d, expert + e
+    vocab = model.vocab_size * model.hidden_size
+    if first:
+        dense += vocab
+    if last:
+        dense += model.hidden_size + (0 if model.tie_word_embeddings and first else vocab)
+    return dense, expert
 
 
 def plan_hetero_dp(
