@@ -233,11 +233,16 @@ def test_balance_layers_equalises_stage_times():
         balance_layers([1.0] * 3, [0.0] * 3, 2)
 
 
-def test_hetero_plans_validate_and_give_faster_devices_more_work():
-    groups = [
-        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
-        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
+def _h100_a100(adjust=lambda profile: profile) -> list[DeviceGroup]:
+    """8 H100 then 8 A100, their built-in profiles passed through ``adjust``."""
+    return [
+        DeviceGroup(device_type=kind.upper(), count=8, profile=adjust(builtin_profile(kind)))
+        for kind in ("h100", "a100")
     ]
+
+
+def test_hetero_plans_validate_and_give_faster_devices_more_work():
+    groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")
     plans = plan_hetero(model, groups, seq_len=4096, global_batch=64)
     assert plans and [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
@@ -266,10 +271,7 @@ def test_hetero_planners_search_zero_stage_and_recompute_to_fit():
     # Each rank of hetero-DP runs its share as one batch: llama3-8b at 4096 tokens and 6 sequences on an H100 does
     # not fit with ZeRO-1 and no recompute (the CLI's example used to end there, advising a knob it does not have);
     # the planner tries the ZeRO stages and recompute policies, and keeps the fastest plan that fits.
-    groups = [
-        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
-        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
-    ]
+    groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")
     kw = dict(seq_len=4096, global_batch=64)
     with pytest.raises(ValueError, match=r"zero_stage \[1\] x recompute \['none'\].*memory constraint"):
@@ -312,8 +314,7 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
 
     steps = {}
     for name, bandwidth in (("free", float("inf")), ("slow", 1e9)):
-        groups = [DeviceGroup(device_type="H100", count=8, profile=with_links(builtin_profile("h100"), bandwidth)),
-                  DeviceGroup(device_type="A100", count=8, profile=with_links(builtin_profile("a100"), bandwidth))]  # fmt: skip
+        groups = _h100_a100(lambda profile, bandwidth=bandwidth: with_links(profile, bandwidth))
         for zero in (1, 3):
             plans = plan_hetero(model, groups, **kw, zero_stage=zero)
             plan = next(p for p in plans if layout(p) == [(2, 4, 1), (2, 4, 1)])
@@ -325,10 +326,7 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
 
 
 def test_hetero_mesh_planner_tries_micro_batch_sizes():
-    groups = [
-        DeviceGroup(device_type="H100", count=8, profile=builtin_profile("h100")),
-        DeviceGroup(device_type="A100", count=8, profile=builtin_profile("a100")),
-    ]
+    groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")
     kw = dict(seq_len=4096, global_batch=64)
     plans = plan_hetero(model, groups, **kw)

@@ -173,9 +173,10 @@ def tune_main(argv: list[str]) -> None:
                     space=space, top_k=keep, grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
     if not result.candidates:
         raise SystemExit(no_fit_message(result, hw.memory_bytes, args.devices))
-    best = result.candidates[0]
+    best, measured = result.candidates[0], []
     if args.run:
-        best = _run(args, model, result, hw)
+        measured = _run(args, model, result, hw)
+        best = min(measured, key=lambda r: r.measured_step_seconds).candidate
     shown = SearchResult(result.candidates[: args.top], result.considered, result.pruned, result.smallest_memory)
     if args.json:
         print(json.dumps({"model": model.name, "devices": args.devices, "profile": hw.name,
@@ -187,11 +188,15 @@ def tune_main(argv: list[str]) -> None:
         args.write_recipe = str(Path(args.run_dir) / "best.yaml")  # --run always writes its winner
     if args.write_recipe:
         _write_best(args, model, best, hw)
-    if getattr(args, "refit_error", None):
-        raise SystemExit(args.refit_error)
+    if args.refit_profile:  # after the recipe: a refit out of reach must not cost the runs' winner
+        try:
+            _refit(args, model, measured, hw)
+        except ValueError as err:
+            raise SystemExit(f"--refit-profile {args.refit_profile} not written: {err}") from None
 
 
-def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> Candidate:
+def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> list:
+    """Train the top ``--run`` candidates, print measured against predicted; the runs that trained."""
     from lightning_flagscale.tune.runner import run_candidates
 
     runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
@@ -208,12 +213,7 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
     ok = [r for r in runs if r.status == "ok" and r.measured_step_seconds]
     if not ok:
         raise SystemExit("None of the run candidates trained (see the status column).")
-    if args.refit_profile:
-        try:
-            _refit(args, model, ok, hw)
-        except ValueError as err:  # the runs and the recipe stand; the refit is refused at the end, loudly
-            args.refit_error = f"--refit-profile {args.refit_profile} not written: {err}"
-    return min(ok, key=lambda r: r.measured_step_seconds).candidate
+    return ok
 
 
 def _refit(args: argparse.Namespace, model: TransformerConfig, runs: list, hw: HardwareProfile) -> None:

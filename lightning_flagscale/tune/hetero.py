@@ -30,10 +30,16 @@ from typing import Any
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.tune.cost import _block_pass, _data_parallel, _tokens, estimate_step
+from lightning_flagscale.tune.cost import (
+    _block_pass,
+    _bucket_sizes,
+    _data_parallel,
+    _rank_params,
+    _tokens,
+    estimate_step,
+)
 from lightning_flagscale.tune.hardware import HardwareProfile
 from lightning_flagscale.tune.memory import estimate_memory
-from lightning_flagscale.tune.stage_params import layer_params
 
 __all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
 
@@ -185,14 +191,11 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
     times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
     # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
     # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
-    reduction, start = 0.0, 0
-    for s, (count, c, g) in enumerate(zip(layers, configs, stage_groups, strict=True)):
-        dense, expert = _stage_params(model, range(start, start + count), first=s == 0, last=s == stages - 1)
-        start += count
-        buckets = {
-            "dense": _buckets(dense / c.tensor_parallel_size),
-            "expert": _buckets(expert / c.expert_parallel_size),
-        }
+    split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
+    reduction = 0.0
+    for s, ((dense, expert), c, g) in enumerate(zip(_rank_params(model, split), configs, stage_groups, strict=True)):
+        on_mesh = dataclasses.replace(split, tensor_parallel_size=c.tensor_parallel_size)
+        buckets = _bucket_sizes(model, on_mesh, [s], DEFAULT_BUCKET_NUMEL)
         exposed, _ = _data_parallel(model, c, g.profile, dense, expert, last_backward=times[s] * 2 / 3,
                                     compute=m * times[s], buckets=buckets)  # fmt: skip
         reduction = max(reduction, exposed)
@@ -204,28 +207,6 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
                       step_seconds=(m + stages - 1) * max(times) + reduction, memory_bytes=memory)  # fmt: skip
-
-
-def _buckets(numel: float) -> list[float]:
-    """Gradient buckets of ``numel`` elements in reduction order, the strategy's bucket size each and the rest last
-    (the first layers' parameters: the last reduction, exposed after the last backward)."""
-    full, rest = divmod(numel, DEFAULT_BUCKET_NUMEL)
-    return [DEFAULT_BUCKET_NUMEL] * int(full) + ([rest] if rest else [])
-
-
-def _stage_params(model: TransformerConfig, layers: range, *, first: bool, last: bool) -> tuple[float, float]:
-    """(dense, routed-expert) parameters of a stage holding ``layers`` (the embedding on the first stage, the final
-    norm and the head on the last), before TP / EP division."""
-    dense = expert = 0.0
-    for i in layers:
-        d, e = layer_params(model, i)
-        dense, expert = dense + d, expert + e
-    vocab = model.vocab_size * model.hidden_size
-    if first:
-        dense += vocab
-    if last:
-        dense += model.hidden_size + (0 if model.tie_word_embeddings and first else vocab)
-    return dense, expert
 
 
 def plan_hetero_dp(
