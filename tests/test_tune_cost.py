@@ -188,6 +188,67 @@ def test_attention_is_timed_per_call_and_ring_blocks_through_their_kernel():
     )
 
 
+def test_each_attention_backend_is_priced_by_its_own_kernel_curve():
+    # attention_kernels: flash_attn at 20% forward / 10% backward, transformer_engine at 40% / 30%; torch has no
+    # curve here and falls back to this machine's measured calls (10% / 2%). A ring through a fused kernel is its
+    # causal FLOPs at that kernel's rate, whatever the torch block kernel's measured table says.
+    import dataclasses
+
+    from lightning_flagscale.tune.cost import _attention
+
+    kernels = {"flash_attn": [(1.0, 0.2, 0.1)], "transformer_engine": [(1.0, 0.4, 0.3)]}
+    hw = _profile().replace(attention_calls=[(1.0, 0.1, 0.02)], ring_blocks=[(1.0, 0.05, 0.04)],
+                            attention_kernels=kernels)  # fmt: skip
+    s, heads, d, peak = 4096, MODEL.num_attention_heads, MODEL.head_dim, hw.peak_flops
+    causal = 0.5 * 4 * s * s * heads * d
+    for backend, (fwd, bwd) in (("flash_attn", (0.2, 0.1)), ("transformer_engine", (0.4, 0.3)), ("torch", (0.1, 0.02))):
+        model = dataclasses.replace(MODEL, attn_backend=backend)
+        want = (causal / (fwd * peak), 2.5 * causal / (bwd * peak))
+        assert _attention(model, _layout(), s, hw) == pytest.approx(want)
+        if backend != "torch":  # ring CP 4 through the fused kernel: the causal FLOPs split over 4 ranks
+            ring = _layout(context_parallel_size=4)
+            assert _attention(model, ring, s, hw) == pytest.approx((want[0] / 4, want[1] / 4))
+
+
+def test_builtin_hopper_profiles_price_flash_attention_2_and_cudnn_from_their_benchmarks():
+    # FlashAttention-3 paper, H100 SXM5, head dim 128, at 16k tokens a call (16 heads of 128): FA2 335 TFLOP/s
+    # forward (causal) and 322 backward, cuDNN 539 / 516. torch's SDPA runs cuDNN on sm90 (torch 2.13).
+    import dataclasses
+
+    from lightning_flagscale.tune.hardware import builtin_profile
+
+    for name in ("h100", "h200"):
+        hw = builtin_profile(name)
+        flops = 2.0 * 16384 * 16384 * 2048
+        rate = hw.peak_flops * hw.compute_scale / 989e12
+        assert hw.attention_call_seconds(flops, backend="flash_attn") == pytest.approx(
+            (flops / (335e12 * rate), 2.5 * flops / (322e12 * rate))
+        )
+        assert hw.attention_call_seconds(flops, backend="transformer_engine") == pytest.approx(
+            (flops / (539e12 * rate), 2.5 * flops / (516e12 * rate))
+        )
+        assert hw.attention_call_seconds(flops) == hw.attention_call_seconds(flops, backend="transformer_engine")
+        # a whole step: only attention differs, and FlashAttention-2 makes it slower
+        c = _layout(context_parallel_size=2)
+        fa2, te = (estimate_step(dataclasses.replace(MODEL, attn_backend=b), c, 32768, 8, hw)
+                   for b in ("flash_attn", "transformer_engine"))  # fmt: skip
+        assert fa2.step_seconds > te.step_seconds
+    assert not builtin_profile("a100").attention_kernels  # no published A100 curves: attention_efficiency
+
+
+def test_attention_kernel_curves_are_validated_and_round_trip_through_json():
+    import json
+
+    hw = _profile().replace(attention_kernels={"flash_attn": [(1e9, 0.3, 0.25), (1e12, 0.34, 0.33)]})
+    assert HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    with pytest.raises(ValueError, match="attention_kernels maps attn_backend names"):
+        _profile().replace(attention_kernels={"flash": [(1.0, 0.3, 0.3)]})
+    with pytest.raises(ValueError, match="attention_kernels maps attn_backend names"):
+        _profile().replace(attention_kernels={"flash_attn": []})
+    with pytest.raises(ValueError, match=r"attention_kernels\['flash_attn'\] points are"):
+        _profile().replace(attention_kernels={"flash_attn": [(1.0, 0.0, 0.3)]})
+
+
 def test_few_rows_run_below_the_gemm_curve():
     # gemm_rows: a 16-row GEMM reaches half the efficiency its FLOPs give, 64 rows 0.8, from 256 rows up the curve
     hw = _profile()

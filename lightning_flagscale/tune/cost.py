@@ -175,10 +175,11 @@ def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     tp, u, ring = c.tensor_parallel_size, c.resolved_ulysses_size, c.ring_size
     local = seq_len / ring
     full = 4 * c.micro_batch_size * local * local * model.num_attention_heads / (tp * u) * model.head_dim
+    backend = model.attn_backend
     if ring <= 1:
-        return hw.attention_call_seconds(0.5 * full)
-    diag_f, diag_b = hw.ring_block_seconds(full, 0.5 * full)
-    rest_f, rest_b = hw.ring_block_seconds(0.5 * full, 0.5 * full, calls=ring - 1)
+        return hw.attention_call_seconds(0.5 * full, backend=backend)
+    diag_f, diag_b = hw.ring_block_seconds(full, 0.5 * full, backend=backend)
+    rest_f, rest_b = hw.ring_block_seconds(0.5 * full, 0.5 * full, calls=ring - 1, backend=backend)
     return diag_f + rest_f, diag_b + rest_b
 
 

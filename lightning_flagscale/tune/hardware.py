@@ -13,7 +13,8 @@ A :class:`HardwareProfile` holds
   Adam kernel): measured by ``tune --calibrate`` as the real optimizer phase of one parameter (gradient-norm clip,
   torch's AdamW, copy back to the bf16 weight), which on a CPU moves ~6x those bytes (one pass per elementwise op);
 - **attention efficiency**: achieved fraction of peak of the fused SDPA kernel on the FLOPs it really does
-  (causal kernels skip the masked half);
+  (causal kernels skip the masked half): one number, calls measured by size (``tune --calibrate``), or published
+  curves per ``attn_backend`` (``attention_kernels``: FlashAttention-2 and cuDNN differ by 1.6x on an H100);
 - an **alpha-beta link model per collective and group size**, inside a node (``intra``) and across nodes (``inter``):
   ``t = alpha + factor(n) * bytes / bus_bandwidth``, with the nccl-tests conventions
   (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): ``bytes`` is the per-rank buffer size, and
@@ -36,9 +37,19 @@ profiles below are for planning clusters you cannot measure from here. Their sou
   latency grows with the group, modelled by the per-size points).
 - GEMM efficiency: assumed saturating curves reaching ~75% of peak for large bf16 GEMMs (typical cuBLAS on
   H100/A100); *not a vendor number*: calibrate on the machine or fit ``compute_scale`` on a published step.
-- ``compute_scale`` = 0.84: fitted on Llama 3 405B on 16,384 H100s (400 TFLOP/s per GPU, Llama 3 paper Table 4) by
-  ``bench/tune_published.py`` (see ``bench/results/tune_published.md`` for the other published points it predicts);
-  the A100 and H200 profiles reuse it for want of a published point of their own.
+- Attention kernels (H100, H200: same SMs and clocks): the FlashAttention-3 paper's benchmark (Shah et al. 2024,
+  arXiv:2407.08608, Figures 5 and 6: H100 80GB SXM5 at 700 W, bf16, head dim 128, 16k tokens per call, hidden
+  2048), forward with the causal mask and backward without (the paper's only head-dim-128 backward).
+  ``attn_backend="flash_attn"`` runs FlashAttention-2 (flash-attn's ``flash_attn_func`` /
+  ``_flash_attn_forward``): 191-335 TFLOP/s forward, 214-322 backward from 512 to 16k tokens.
+  ``"transformer_engine"`` runs cuDNN's fused attention (TE's ``FusedAttention``), and so does ``"torch"``: torch
+  2.13's SDPA puts cuDNN first on sm90 when the runtime cuDNN is newer than 9.15
+  (``check_prefer_cudnn_attention`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``; with an older
+  cuDNN it runs FlashAttention-2): 315-539 forward, 305-516 backward (the paper's cuDNN of 2024: a lower bound for
+  newer releases). The A100 profile keeps ``attention_efficiency``.
+- ``compute_scale`` = 0.875: fitted on Llama 3 405B on 16,384 H100s (400 TFLOP/s per GPU, Llama 3 paper Table 4)
+  by ``bench/tune_published.py`` (see ``bench/results/tune_published.md`` for the other published points it
+  predicts); the A100 and H200 profiles reuse it for want of a published point of their own.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BUILTIN_PROFILES",
     "COLLECTIVES",
     "Hardware",
@@ -65,6 +77,8 @@ __all__ = [
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Scope = Literal["intra", "inter"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "flash_attn", "transformer_engine")
+"""``TransformerConfig.attn_backend`` values a profile's ``attention_kernels`` can price."""
 
 
 def algorithm_factor(kind: str, n: int) -> float:
@@ -165,6 +179,12 @@ class HardwareProfile:
     peak, backward fraction of peak on 2.5x those FLOPs)``, sorted by FLOPs. Empty: ``attention_efficiency`` for
     both passes (fused GPU kernels). On a CPU a small call is overhead-bound and its backward costs far more than
     2.5 forwards (64 tokens: 0.14 ms forward, 0.94 ms backward)."""
+    attention_kernels: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    """Published rates of the fused attention kernel each ``attn_backend`` runs on this device, in the
+    ``attention_calls`` format: ``{"torch" | "flash_attn" | "transformer_engine": [(causal FLOPs of one call,
+    forward fraction of peak, backward fraction of peak on 2.5x those FLOPs), ...]}``. A backend listed here is
+    priced by its curve; one that is not falls back to ``attention_calls`` (this machine's SDPA, measured), then to
+    ``attention_efficiency``. The built-in GPU profiles take them from kernel benchmarks (module docstring)."""
     ring_blocks: list[tuple[float, float, float]] = field(default_factory=list)
     """The same for one block of ring context-parallel attention through the kernel ``attn_backend="torch"``
     resolves to on this device (``parallel/attention_kernels.TorchBlockKernel``: fp32 scores of the whole block,
@@ -240,12 +260,20 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
         if any(len(p) != 2 or min(p) <= 0 for p in self.gemm_rows):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm_rows points are (rows, factor), both > 0.")
-        for key in ("attention_calls", "ring_blocks"):
-            if any(len(p) != 3 or min(p) <= 0 for p in getattr(self, key)):
+        tables = {"attention_calls": self.attention_calls, "ring_blocks": self.ring_blocks}
+        tables.update({f"attention_kernels[{b!r}]": pts for b, pts in self.attention_kernels.items()})
+        for key, pts in tables.items():
+            if any(len(p) != 3 or min(p) <= 0 for p in pts):
                 raise ValueError(
                     f"HardwareProfile {self.name!r}: {key} points are (FLOPs, forward efficiency, backward efficiency),"
                     " all > 0."
                 )
+        unknown = sorted(set(self.attention_kernels) - set(ATTENTION_BACKENDS))
+        if unknown or any(not pts for pts in self.attention_kernels.values()):
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: attention_kernels maps attn_backend names {ATTENTION_BACKENDS} to"
+                f" non-empty point lists; got keys {sorted(self.attention_kernels)}."
+            )
         if len(self.tp_overhead) != 4 or min(self.tp_overhead) < 0:
             raise ValueError(
                 f"HardwareProfile {self.name!r}: tp_overhead is 4 non-negative seconds, got {self.tp_overhead}."
@@ -267,6 +295,7 @@ class HardwareProfile:
         object.__setattr__(self, "_gemm_pts", sorted(self.gemm))
         object.__setattr__(self, "_rows_pts", sorted(self.gemm_rows))
         calls = {key: sorted(getattr(self, key)) for key in ("attention_calls", "ring_blocks")}
+        calls.update({("kernel", b): sorted(pts) for b, pts in self.attention_kernels.items()})
         object.__setattr__(
             self, "_call_series", {k: ([(f, e) for f, e, _ in v], [(f, e) for f, _, e in v]) for k, v in calls.items()}
         )
@@ -298,25 +327,32 @@ class HardwareProfile:
     def attention_seconds(self, flops: float) -> float:
         return flops / (self.peak_flops * self.attention_efficiency * self.compute_scale)
 
-    def attention_call_seconds(self, flops: float, calls: float = 1.0) -> tuple[float, float]:
-        """(forward, backward) seconds of ``calls`` fused attention calls of ``flops`` (causal half) each."""
+    def attention_call_seconds(self, flops: float, calls: float = 1.0, backend: str = "torch") -> tuple[float, float]:
+        """(forward, backward) seconds of ``calls`` fused attention calls of ``flops`` (causal half) each, through
+        the kernel ``attn_backend=backend`` runs (``attention_kernels``, else this machine's ``attention_calls``,
+        else ``attention_efficiency``)."""
         if flops <= 0 or calls <= 0:
             return 0.0, 0.0
+        if backend in self.attention_kernels:
+            return self._calls(("kernel", backend), flops, calls)
         if not self.attention_calls:
             one = self.attention_seconds(flops)
             return calls * one, calls * 2.5 * one
         return self._calls("attention_calls", flops, calls)
 
-    def ring_block_seconds(self, flops: float, causal_flops: float, calls: float = 1.0) -> tuple[float, float]:
+    def ring_block_seconds(
+        self, flops: float, causal_flops: float, calls: float = 1.0, backend: str = "torch"
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of ``calls`` ring-attention blocks of ``flops`` (whole block) each, whose
-        visible part is ``causal_flops`` (what a fused kernel computes)."""
-        if not self.ring_blocks:
-            return self.attention_call_seconds(causal_flops, calls)
+        visible part is ``causal_flops`` (what a fused kernel computes). ``ring_blocks`` (measured here) price the
+        ``torch`` block kernel; other backends, and profiles without the table, run a fused kernel."""
+        if not self.ring_blocks or backend != "torch":
+            return self.attention_call_seconds(causal_flops, calls, backend)
         if flops <= 0 or calls <= 0:
             return 0.0, 0.0
         return self._calls("ring_blocks", flops, calls)
 
-    def _calls(self, table: str, flops: float, calls: float) -> tuple[float, float]:
+    def _calls(self, table: str | tuple[str, str], flops: float, calls: float) -> tuple[float, float]:
         fwd, bwd = self._call_series[table]  # type: ignore[attr-defined]
         rate = self.peak_flops * self.compute_scale
         return calls * flops / (rate * _log_linear(fwd, flops)), calls * 2.5 * flops / (rate * _log_linear(bwd, flops))
@@ -371,6 +407,7 @@ class HardwareProfile:
         out = dataclasses.asdict(self)
         for key in _POINT_FIELDS:
             out[key] = [list(p) for p in getattr(self, key)]
+        out["attention_kernels"] = {b: [list(p) for p in pts] for b, pts in self.attention_kernels.items()}
         return out
 
     @classmethod
@@ -386,6 +423,10 @@ class HardwareProfile:
         for key in _OVERHEAD_FIELDS:
             if key in data:
                 data[key] = tuple(map(float, data[key]))
+        if "attention_kernels" in data:
+            data["attention_kernels"] = {
+                b: [tuple(map(float, p)) for p in pts] for b, pts in data["attention_kernels"].items()
+            }
         if "links" in data:
             data["links"] = {
                 kind: {
@@ -423,18 +464,33 @@ def Hardware(**kwargs: Any) -> HardwareProfile:  # the pre-profile class name, k
                               "hbm_bandwidth": float("inf"), "links": links, **kwargs})  # fmt: skip
 
 
+def _kernel_curve(
+    forward_tflops: tuple[float, ...], backward_tflops: tuple[float, ...]
+) -> list[tuple[float, float, float]]:
+    """``attention_kernels`` points from the FlashAttention-3 paper's H100 benchmark (module docstring): sequence
+    lengths 512..16k at 16k tokens per call and 16 heads of 128, so one call's causal forward FLOPs are
+    ``2 x seq x 16384 x 2048``; rates are TFLOP/s on the 989 TFLOP/s dense bf16 peak."""
+    seqs = (512, 1024, 2048, 4096, 8192, 16384)
+    return [(2.0 * s * 16384 * 2048, f / 989, b / 989) for s, f, b in zip(seqs, forward_tflops, backward_tflops)]
+
+
+# FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), H100 80GB SXM5 (700 W), bf16, head dim 128: forward
+# with causal mask; backward without (the paper has no causal backward for head dim 128).
+_FA2_H100 = _kernel_curve((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322))
+_CUDNN_H100 = _kernel_curve((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516))
+_HOPPER_KERNELS = {"flash_attn": _FA2_H100, "transformer_engine": _CUDNN_H100, "torch": _CUDNN_H100}
 _SOURCES = "see lightning_flagscale/tune/hardware.py module docstring"
-_FITTED_SCALE = 0.84  # bench/tune_published.py: Llama 3 405B, 16K H100s
+_FITTED_SCALE = 0.875  # bench/tune_published.py: Llama 3 405B, 16K H100s (FlashAttention-2 assumed)
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
         name="h100", device_type="H100", peak_flops=989e12, memory_bytes=80e9, hbm_bandwidth=3.35e12,
         links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
-        source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
+        attention_kernels=_HOPPER_KERNELS, source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "h200": HardwareProfile(
         name="h200", device_type="H200", peak_flops=989e12, memory_bytes=141e9, hbm_bandwidth=4.8e12,
         links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
-        source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
+        attention_kernels=_HOPPER_KERNELS, source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "a100": HardwareProfile(
         name="a100", device_type="A100", peak_flops=312e12, memory_bytes=80e9, hbm_bandwidth=2.04e12,
