@@ -342,3 +342,38 @@ def test_calibrated_scale_reproduces_a_measured_step():
     hw = builtin_profile("h100")
     fitted = calibrate_compute_scale(TINY, c, 64, 8, hw, tokens_per_second=1e5)
     assert estimate_step(TINY, c, 64, 8, fitted).tokens_per_second == pytest.approx(1e5, rel=1e-6)
+
+
+def test_ring_context_parallelism_through_the_torch_block_kernel_is_not_ranked_on_gpu_profiles(capsys):
+    """A GPU profile prices torch's fused SDPA, not the exact fp32 block kernel ring CP runs with
+    ``attn_backend="torch"``: those layouts are refused with the fix named, Ulysses (SDPA) is ranked, and a fused
+    backend, or a profile that measured the block kernel, ranks the ring again."""
+    model = TransformerConfig.from_preset("llama-tiny")
+    h100 = builtin_profile("h100")
+    argv = dict(seq_len=256, global_batch=8, top_k=None)
+
+    def modes(result):
+        return {(c.config.context_parallel_mode if c.config.context_parallel_size > 1 else "none")
+                for c in result.candidates}  # fmt: skip
+
+    torch_ring = search(model, 4, hardware=h100, **argv)
+    assert modes(torch_ring) == {"none", "ulysses"}
+    refused = {why: n for why, n in torch_ring.pruned.items() if why.startswith("kernel:")}
+    assert sum(refused.values()) > 0 and all("attn_backend='torch'" in why for why in refused)
+    with pytest.raises(ValueError, match="Set attn_backend='flash_attn' or 'transformer_engine' for a fused ring"):
+        estimate_step(model, ParallelConfig(context_parallel_size=2).resolve(2), 256, 2, h100)
+    for backend in ("flash_attn", "transformer_engine"):
+        fused = search(dataclasses.replace(model, attn_backend=backend), 4, hardware=h100, **argv)
+        assert modes(fused) == {"none", "ulysses", "ring", "hybrid"} and not any(
+            why.startswith("kernel:") for why in fused.pruned
+        )
+    measured = search(model, 4, hardware=h100.replace(ring_blocks=[(1.0, 0.01, 0.01)]), **argv)
+    assert "ring" in modes(measured)
+    # the CLI says how many it left out and how to rank them
+    tune_main(["--preset", "llama-tiny", "--devices", "4", "--seq-len", "256", "--global-batch", "8"])
+    out = capsys.readouterr().out
+    assert f"{sum(refused.values())} ring / hybrid context-parallel layouts not ranked" in out
+    tune_main(["--preset", "llama-tiny", "--devices", "4", "--seq-len", "256", "--global-batch", "8", "--top", "50",
+               "--attn-backend", "flash_attn"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "not ranked" not in out and " ring " in out

@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.tune.hardware import HardwareProfile, load_profile
+from lightning_flagscale.tune.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
 __all__ = ["candidate_json", "no_fit_message", "tune_main"]
@@ -31,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
     p.add_argument("--profile", default="h100", help="h100 | h200 | a100 | path to a profile JSON (--calibrate)")
     p.add_argument("--memory-gb", type=float, help="override the profile's device memory")
+    p.add_argument("--attn-backend", choices=ATTENTION_BACKENDS,
+                   help="attention backend to plan for (default: the preset's); the profile prices its kernel")  # fmt: skip
     p.add_argument("--top", "--top-k", dest="top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.add_argument("--schedules", help="comma-separated pipeline schedules to search (default: all)")
@@ -88,6 +91,11 @@ def no_fit_message(result: SearchResult, budget: float, devices: int) -> str:
 def _print_table(model: TransformerConfig, result: SearchResult, hw: HardwareProfile, devices: int) -> None:
     print(f"{model.name}: {model.num_params() / 1e9:.2f}B parameters, {devices} x {hw.name}, {result.considered} valid"
           f" layouts, {result.pruned.get('memory', 0)} over the {hw.memory_bytes / 1e9:.0f} GB budget")  # fmt: skip
+    unpriced = sum(n for why, n in result.pruned.items() if why.startswith("kernel:"))
+    if unpriced:
+        print(f"{unpriced} ring / hybrid context-parallel layouts not ranked: with attn_backend={model.attn_backend!r}"
+              f" they run the exact fp32 block kernel, which the {hw.name!r} profile does not price"
+              " (--attn-backend flash_attn or transformer_engine ranks them with a fused ring)")  # fmt: skip
     print(f"{'#':>2} {'layout':<56} {'tokens/s':>11} {'/device':>8} {'MFU':>6} {'memory/budget':>14} {'bubble':>7}"
           f" {'exp.comm':>8} {'step':>8}")  # fmt: skip
     for i, cand in enumerate(result.candidates, 1):
@@ -154,6 +162,8 @@ def tune_main(argv: list[str]) -> None:
         return _calibrate(args)
     try:
         model = TransformerConfig.from_preset(args.preset)
+        if args.attn_backend:
+            model = dataclasses.replace(model, attn_backend=args.attn_backend)
         hw = load_profile(args.profile)
     except ValueError as err:
         raise SystemExit(str(err)) from None

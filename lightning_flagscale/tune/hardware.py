@@ -345,7 +345,17 @@ class HardwareProfile:
     ) -> tuple[float, float]:
         """(forward, backward) seconds of ``calls`` ring-attention blocks of ``flops`` (whole block) each, whose
         visible part is ``causal_flops`` (what a fused kernel computes). ``ring_blocks`` (measured here) price the
-        ``torch`` block kernel; other backends, and profiles without the table, run a fused kernel."""
+        ``torch`` block kernel; other backends, and profiles without the table, run a fused kernel. A profile whose
+        ``attention_kernels`` price torch's SDPA (a GPU) but that has no ``ring_blocks`` cannot price the torch
+        block kernel, which is not SDPA: it raises, naming the backends that run a fused ring."""
+        if backend == "torch" and not self.ring_blocks and "torch" in self.attention_kernels:
+            raise ValueError(
+                f"Ring context parallelism with attn_backend='torch' runs the exact fp32 block kernel"
+                f" (parallel/attention_kernels.TorchBlockKernel, the reference path), which hardware profile"
+                f" {self.name!r} does not price: its 'torch' curve is torch's fused SDPA. Set attn_backend='flash_attn'"
+                " or 'transformer_engine' for a fused ring, use context_parallel_mode='ulysses', or measure the block"
+                " kernel on the device (tune --calibrate)."
+            )
         if not self.ring_blocks or backend != "torch":
             return self.attention_call_seconds(causal_flops, calls, backend)
         if flops <= 0 or calls <= 0:
