@@ -46,7 +46,8 @@ profiles below are for planning clusters you cannot measure from here. Their sou
   2.13's SDPA puts cuDNN first on sm90 when the runtime cuDNN is newer than 9.15
   (``check_prefer_cudnn_attention`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``; with an older
   cuDNN it runs FlashAttention-2): 315-539 forward, 305-516 backward (the paper's cuDNN of 2024: a lower bound for
-  newer releases). The A100 profile keeps ``attention_efficiency``.
+  newer releases). The A100 profile keeps ``attention_efficiency`` = 0.5 for every backend, an assumption inside
+  the 50-73% of peak forward the FlashAttention-2 paper (arXiv:2307.08691) reports on A100.
 - ``compute_scale`` = 0.875: fitted on Llama 3 405B on 16,384 H100s (400 TFLOP/s per GPU, Llama 3 paper Table 4)
   by ``bench/tune_published.py`` (see ``bench/results/tune_published.md`` for the other published points it
   predicts); the A100 and H200 profiles reuse it for want of a published point of their own.
