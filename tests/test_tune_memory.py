@@ -18,7 +18,12 @@ from lightning_flagscale.tune.activations import (
     layer_activation_bytes,
     model_edge_bytes,
 )
-from lightning_flagscale.tune.inflight import live_activation_peak, max_live_microbatches, schedule_actions
+from lightning_flagscale.tune.inflight import (
+    live_activation_peak,
+    max_live_microbatches,
+    schedule_actions,
+    schedule_live_peak,
+)
 from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations, allocation_levels
 from lightning_flagscale.tune.memory import estimate_memory, memory_breakdown
 from tests.strategies._lm import tiny_config, trainer_run
@@ -172,12 +177,13 @@ def test_activation_peak_and_schedule_order_match_the_direct_computation(schedul
                          for act in full.pipeline_order[rank] if act is not None for a in (act.sub_actions or (act,))]  # fmt: skip
                 kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
                 assert list(actions[rank]) == [(kinds.get(k, k), s, mb) for k, s, mb in order]
-        for rank_actions in actions:
+        for rank, rank_actions in enumerate(actions):
             stages = sorted({s for _, s, _ in rank_actions})
             for _ in range(4):
                 weight = {s: rng.choice([0.0, 1.0, rng.uniform(1e3, 1e9)]) for s in stages}
                 got, want = live_activation_peak(rank_actions, weight), _walk(rank_actions, weight)
                 assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-12)
+                assert schedule_live_peak(schedule, p, v, m, rank, weight) == got  # the walk cached by its integers
 
 
 # ---- model states, measured on Trainer runs ----

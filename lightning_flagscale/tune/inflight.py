@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from functools import cache, lru_cache
 from types import SimpleNamespace
 
-__all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions"]
+__all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions", "schedule_live_peak"]
 
 
 @lru_cache(maxsize=256)
@@ -76,9 +76,23 @@ def _single_stage_actions(schedule: str, p: int, rank: int, m: int) -> tuple[tup
 def live_activation_peak(actions: Sequence[tuple[str, int, int]], weight: dict[int, float]) -> tuple[float, int]:
     """Walk one rank's actions: (largest sum of ``weight[stage]`` over live (stage, micro-batch) pairs, the number
     of pairs alive at that moment; the first such moment). Freed at ``B`` or ``W``."""
-    stages, counts = _live_counts(tuple(actions))
+    return _weigh(*_live_counts(tuple(actions)), weight)
+
+
+def schedule_live_peak(schedule: str, p: int, v: int, m: int, rank: int, weight: dict[int, float]) -> tuple[float, int]:
+    """:func:`live_activation_peak` of rank ``rank`` of ``schedule_actions(schedule, p, v, m)``, its walk cached by
+    those integers (a search weighs the same few schedules ~10^5 times; hashing their action lists was most of it)."""
+    return _weigh(*_schedule_live_counts(schedule, p, v, m)[rank], weight)
+
+
+@lru_cache(maxsize=1024)
+def _schedule_live_counts(schedule: str, p: int, v: int, m: int) -> tuple:
+    return tuple(_live_counts(actions) for actions in schedule_actions(schedule, p, v, m))
+
+
+def _weigh(stages: tuple[int, ...], counts: tuple[tuple[int, ...], ...], weight: dict[int, float]) -> tuple[float, int]:
     if len(stages) == 1:  # one stage: the most micro-batches alive is the peak (equal weights)
-        most = max(vector[0] for vector in counts)
+        most = counts[0][0]
         w = weight.get(stages[0], 0.0)
         return (w * most, most) if w * most > 0.0 else (0.0, 0)
     peak, live = 0.0, 0
@@ -107,6 +121,8 @@ def _live_counts(actions: tuple[tuple[str, int, int], ...]) -> tuple[tuple[int, 
         elif kind in ("B", "W") and (stage, mb) in live:
             live.discard((stage, mb))
             count[index[stage]] -= 1
+    if len(stages) == 1:  # only the most live micro-batches matter (:func:`_weigh`)
+        return stages, ((max(vector[0] for vector in seen),),)
     return stages, tuple(seen)
 
 

@@ -33,7 +33,7 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
 from lightning_flagscale.parallel.memory import expected_state_bytes
 from lightning_flagscale.tune.activations import head_bytes, layer_activation_bytes, model_edge_bytes
-from lightning_flagscale.tune.inflight import live_activation_peak, schedule_actions
+from lightning_flagscale.tune.inflight import schedule_live_peak
 from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
 
 __all__ = ["MemoryBreakdown", "RankMemory", "estimate_memory", "memory_breakdown", "stage_params"]
@@ -119,10 +119,19 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
     """(kept bytes of one micro-batch on ``stage``, largest recompute re-materialisation on it)."""
     tp, sp = c.tensor_parallel_size, c.sequence_parallel
     kept, extra = model_edge_bytes(m, tokens, act_bytes=e), 0.0
-    for i in layers:
-        k, full = layer_activation_bytes(m, tokens, layer=i, act_bytes=e, tp=tp, sequence_parallel=sp,
+    # a layer's bytes depend on its index only through its kind (dense or MoE): one call per kind (a search prices
+    # ~10^5 layouts x stages x layers)
+    kinds: dict[bool, tuple[int, int]] = {}  # is MoE -> (first such layer, count)
+    if m.is_moe:
+        for i in layers:
+            first, n = kinds.get(m.is_moe_layer(i), (i, 0))
+            kinds[m.is_moe_layer(i)] = (first, n + 1)
+    elif layers:
+        kinds[False] = (layers[0], len(layers))
+    for first, n in kinds.values():
+        k, full = layer_activation_bytes(m, tokens, layer=first, act_bytes=e, tp=tp, sequence_parallel=sp,
                                          recompute=recompute)  # fmt: skip
-        kept, extra = kept + k, max(extra, full - k)
+        kept, extra = kept + n * k, max(extra, full - k)
     boundary = tokens * e * m.hidden_size / (tp if sp else 1)
     if stage > 0:
         kept += boundary  # the received input, kept by the stage for its input gradient
@@ -188,11 +197,7 @@ def memory_breakdown(
     e = _ACT_BYTES[precision]
     tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
-    if pp == 1:  # the per-rank batch of one accumulation step runs as one forward/backward
-        batch = max(1, num_microbatches // c.gradient_accumulation_steps)
-        actions = (tuple(("F", 0, i) for i in range(batch)) + tuple(("B", 0, i) for i in range(batch)),)
-    else:
-        actions = schedule_actions(c.pipeline_schedule, pp, c.virtual_pipeline_parallel_size, num_microbatches)
+    batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
     head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
     modes = _recompute_modes(c)
     out = []
@@ -205,7 +210,11 @@ def memory_breakdown(
             extra = max(extra, rematerialised)
         if pp == 1:  # one batch of ``batch`` micro-batches: the transients scale with it
             weights = {0: weights[0]}
-        activations, live = live_activation_peak(actions[p.pp_rank], weights)
+        if pp == 1:  # every micro-batch of the batch alive at the end of its forward
+            activations, live = (weights[0] * batch, batch) if weights[0] > 0.0 else (0.0, 0)
+        else:
+            activations, live = schedule_live_peak(c.pipeline_schedule, pp, c.virtual_pipeline_parallel_size,
+                                                   num_microbatches, p.pp_rank, weights)  # fmt: skip
         scale = live if pp == 1 else 1
         if n - 1 in p.stages:
             extra = max(extra, head.forward_transient, head.backward_transient)
