@@ -325,6 +325,28 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
     assert steps["slow", 1] > 0.0 and steps["slow", 3] > 0.0
 
 
+def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
+    # Only inter-node P2P is slow (1 ms + 1 GB/s): an H100 mesh (TP 2, DP 4) feeding an A100 mesh (TP 2, DP 4) moves
+    # each micro-batch's activations forward and their gradients back across nodes; every receiving rank gets its
+    # DP rows whole (4096 tokens x 4096 hidden x bf16 for one sample), exposed once per 1F1B slot each way.
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+
+    def with_links(profile):
+        free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
+        slow = [LinkPoint(group_size=2, latency=1e-3, bus_bandwidth=1e9)]
+        links = {k: {"intra": free, "inter": slow if k == "p2p" else free} for k in COLLECTIVES}
+        return profile.replace(links=links)
+
+    model = TransformerConfig.from_preset("llama3-8b")
+    plans = plan_hetero(model, _h100_a100(with_links), seq_len=4096, global_batch=64, micro_batch_size=1,
+                        zero_stage=1, recompute="none")  # fmt: skip
+    plan = next(p for p in plans if [(m["tensor_parallel_size"], m["data_parallel_size"], m["pipeline_parallel_size"])
+                                     for m in p.parallel["hetero_meshes"]] == [(2, 4, 1), (2, 4, 1)])  # fmt: skip
+    slots = 64 // 4 + 2 - 1  # m micro-batches of 4 samples (1 per DP rank) over 2 stages
+    hop = 1e-3 + 4096 * 4096 * 2 / 1e9
+    assert plan.step_seconds - slots * max(plan.stage_seconds) == pytest.approx(2 * slots * hop, rel=1e-9)
+
+
 def test_hetero_mesh_planner_tries_micro_batch_sizes():
     groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")

@@ -7,9 +7,11 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
   mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
-  bisection on the stage time. The step is ``(m + S - 1) x slowest stage`` (1F1B over S stages, m micro-batches)
-  plus what compute does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's
-  DP ranks (``cost._data_parallel``, the strategy's bucket size). Micro-batch sizes are tried (1, 2, 4), and for
+  bisection on the stage time. The step is ``(m + S - 1) x (slowest stage + 2 boundary hops)`` (1F1B over S
+  stages, m micro-batches; the activations forward and their gradients back across the slowest boundary, exposed
+  as the homogeneous model prices pipeline hops, over the inter-node links between device types) plus what compute
+  does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's DP ranks
+  (``cost._data_parallel``, the strategy's bucket size). Micro-batch sizes are tried (1, 2, 4), and for
   each layout the least recompute and then the least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
   each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times; the fastest ZeRO stage and
@@ -31,6 +33,7 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
 from lightning_flagscale.tune.cost import (
+    BF16,
     _block_pass,
     _bucket_sizes,
     _data_parallel,
@@ -189,6 +192,8 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
             return None
         memory.append(mem)
     times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
+    hop = max(_boundary_seconds(model, seq_len, samples, (configs[s], stage_groups[s]),
+                                (configs[s + 1], stage_groups[s + 1])) for s in range(stages - 1))  # fmt: skip
     # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
     # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
     split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
@@ -206,7 +211,23 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
     parallel = dict(hetero_meshes=meshes, hetero_layers=layers, pipeline_schedule="1f1b", zero_stage=zero,
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
-                      step_seconds=(m + stages - 1) * max(times) + reduction, memory_bytes=memory)  # fmt: skip
+                      step_seconds=(m + stages - 1) * (max(times) + 2 * hop) + reduction,
+                      memory_bytes=memory)  # fmt: skip
+
+
+def _boundary_seconds(model: TransformerConfig, seq_len: int, samples: int, send: tuple, recv: tuple) -> float:
+    """One micro-batch's activations (or, back, their gradients) across a stage boundary, as
+    ``parallel/hetero_boundary.py`` moves them: every receiving rank gets its data-parallel rows whole (no sequence
+    parallelism in these plans: each TP rank holds a replica), the senders' TP replicas share the sends; the busiest
+    rank of either direction sets the time. Between device types the pieces cross nodes, at the slower side's
+    inter-node P2P; inside a group, over its intra-node links unless the group spans nodes."""
+    (cs, gs), (cr, gr) = send, recv
+    whole = samples * seq_len * model.hidden_size * BF16
+    per_rank = max(whole / cr.dp, whole / cs.dp, whole * cr.tensor_parallel_size / (cs.dp * cs.tensor_parallel_size),
+                   whole * cs.tensor_parallel_size / (cr.dp * cr.tensor_parallel_size))  # fmt: skip
+    if gs is gr:
+        return gs.profile.collective_seconds("p2p", per_rank, 2, inter_node=gs.count > gs.profile.devices_per_node)
+    return max(g.profile.collective_seconds("p2p", per_rank, 2, inter_node=True) for g in (gs, gr))
 
 
 def plan_hetero_dp(
