@@ -284,6 +284,16 @@ MISSES = [
     "  Llama 3 CP16 row also depends on how the paper counts attention FLOPs in its 380 TFLOPs (see its note).",
     "  Layout details the sources do not publish (virtual stages, micro-batch size, ZeRO flavour) are assumptions",
     "  named in the last column.",
+    "- **Checked, not tabulated:** NeMo's long-sequence table (`docs/source/performance/performance_long_sequence.md`,",
+    "  LLAMA2-7B FP8 on DGX-H100, NeMo 24.03.01: TFLOPS/GPU from 4K to 1M tokens with TP, PP, DP and CP up to 32).",
+    "  The page gives neither its batch sizes nor its FLOP formula, so its rows would carry three unstated",
+    "  assumptions. With 4M tokens a step, no recompute and the fp8 GEMM factor fitted on its 4K row, its eight other",
+    "  rows predict within -11% to +0% at FlashAttention-2's rate, and +8% to +43% at the cuDNN rate of the",
+    "  FlashAttention-3 paper, though cuDNN is what Transformer Engine runs on H100s (TE prefers it on sm90,",
+    "  TransformerEngine#497, and its ring has run it since early 2024, #572). So on long sequences Megatron's ring",
+    "  ran near FlashAttention-2's speed: either the cuDNN of that early-2024 container was slower than the one the",
+    "  paper measured, or TE's ring pays per-step costs the model does not price. A measured TE ring on H100s would",
+    "  tell which.",
 ]
 
 
