@@ -149,6 +149,10 @@ def test_cli_errors_name_the_constraint(capsys):
         tune_main(["--preset", "llama-tiny", "--devices", "2", "--profile", "tpu"])
     with pytest.raises(SystemExit, match="TYPE:COUNT:PROFILE"):
         tune_main(["--preset", "llama-tiny", "--hetero", "H100-8"])
+    with pytest.raises(SystemExit, match="--run trains the candidates here on CPU processes, where"
+                       " attn_backend='flash_attn' cannot run"):  # fmt: skip
+        tune_main(["--preset", "llama-tiny", "--devices", "2", "--seq-len", "64", "--global-batch", "4", "--run", "1",
+                   "--attn-backend", "flash_attn"])  # fmt: skip
 
 
 def test_the_gradient_bucket_size_reaches_the_model_the_recipe_and_the_strategy(tmp_path, capsys):

@@ -177,6 +177,9 @@ def tune_main(argv: list[str]) -> None:
     keep = None if args.run else args.top
     if args.refit_profile and not args.run:
         raise SystemExit("--refit-profile refits on measured runs: add --run K.")
+    if args.run and model.attn_backend != "torch":
+        raise SystemExit(f"--run trains the candidates here on CPU processes, where attn_backend={model.attn_backend!r}"
+                         " cannot run (it needs a CUDA GPU); drop --attn-backend to run them, or --run to rank only.")  # fmt: skip
     if args.grad_bucket_numel < 1:
         raise SystemExit(f"--grad-bucket-numel {args.grad_bucket_numel}: a bucket holds at least one element.")
     result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
