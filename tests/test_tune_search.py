@@ -310,7 +310,7 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
         return profile.replace(links={k: {"intra": link, "inter": link} for k in COLLECTIVES})
 
     model = TransformerConfig.from_preset("llama3-8b")
-    kw = dict(seq_len=4096, global_batch=64, micro_batch_size=1, recompute="none")
+    kw = dict(seq_len=4096, global_batch=64, micro_batch_size=1, recompute="none", schedule="1f1b")
 
     def layout(plan):
         return [(m["tensor_parallel_size"], m["data_parallel_size"], m["pipeline_parallel_size"])
@@ -343,12 +343,53 @@ def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
 
     model = TransformerConfig.from_preset("llama3-8b")
     plans = plan_hetero(model, _h100_a100(with_links), seq_len=4096, global_batch=64, micro_batch_size=1,
-                        zero_stage=1, recompute="none")  # fmt: skip
+                        zero_stage=1, recompute="none", schedule="1f1b")  # fmt: skip
     plan = next(p for p in plans if [(m["tensor_parallel_size"], m["data_parallel_size"], m["pipeline_parallel_size"])
                                      for m in p.parallel["hetero_meshes"]] == [(2, 4, 1), (2, 4, 1)])  # fmt: skip
     slots = 64 // 4 + 2 - 1  # m micro-batches of 4 samples (1 per DP rank) over 2 stages
     hop = 1e-3 + 4096 * 4096 * 2 / 1e9
     assert plan.step_seconds - slots * max(plan.stage_seconds) == pytest.approx(2 * slots * hop, rel=1e-9)
+
+
+def test_hetero_mesh_planner_tries_interleaved_and_zero_bubble_schedules():
+    # With two model chunks per stage group the fill and drain shrink: with free links and the same layers, the
+    # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/2) slowest-stage slots, and zero-bubble fills what is
+    # left of each slot with deferred weight gradients. Every plan validates as the strategy's config.
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+
+    free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
+
+    def with_free_links(profile):
+        return profile.replace(links={k: {"intra": free, "inter": free} for k in COLLECTIVES})
+
+    model = TransformerConfig.from_preset("llama3-8b")
+    groups = _h100_a100(with_free_links)
+    kw = dict(seq_len=4096, global_batch=16, micro_batch_size=1, zero_stage=1, recompute="none")
+    plans = plan_hetero(model, groups, **kw)
+    assert {p.parallel["pipeline_schedule"] for p in plans} == {"1f1b", "interleaved_1f1b", "zero_bubble"}
+    for p in plans:
+        c = p.config(16)
+        c.stage_group_configs(model.num_layers)
+        assert c.virtual_pipeline_parallel_size == (1 if p.parallel["pipeline_schedule"] == "1f1b" else 2)
+
+    def key(p):
+        return json.dumps(p.parallel["hetero_meshes"]), p.parallel["micro_batch_size"]
+
+    by = {name: {key(p): p for p in plans if p.parallel["pipeline_schedule"] == name}
+          for name in ("1f1b", "interleaved_1f1b", "zero_bubble")}  # fmt: skip
+    checked = 0
+    for k, one in by["1f1b"].items():
+        il, zb = by["interleaved_1f1b"].get(k), by["zero_bubble"].get(k)
+        if il is None or zb is None or il.parallel["hetero_layers"] != one.parallel["hetero_layers"]:
+            continue
+        stages, slowest = len(one.stage_seconds), max(one.stage_seconds)
+        assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest / 2, rel=1e-9)
+        assert zb.step_seconds < il.step_seconds
+        checked += 1
+    assert checked > 0
+    # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B
+    first = next(k for k in by["1f1b"] if k in by["interleaved_1f1b"])
+    assert by["interleaved_1f1b"][first].memory_bytes[0] > by["1f1b"][first].memory_bytes[0]
 
 
 def test_hetero_mesh_planner_tries_micro_batch_sizes():

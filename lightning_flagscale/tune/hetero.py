@@ -7,12 +7,16 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
   mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
-  bisection on the stage time. The step is ``(m + S - 1) x (slowest stage + 2 boundary hops)`` (1F1B over S
-  stages, m micro-batches; the activations forward and their gradients back across the slowest boundary, exposed
-  as the homogeneous model prices pipeline hops, over the inter-node links between device types) plus what compute
-  does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's DP ranks
-  (``cost._data_parallel``, the strategy's bucket size). Micro-batch sizes are tried (1, 2, 4), and for
-  each layout the least recompute and then the least ZeRO stage that fit in memory.
+  bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``(m + S - 1)``
+  slots over S stages and m micro-batches; interleaved 1F1B and zero-bubble with two model chunks per stage group:
+  ``(S - 1) / 2`` fill-and-drain slots, zero-bubble's filled with deferred weight gradients, as the homogeneous
+  model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary (activations forward, their gradients
+  back, exposed as the homogeneous model prices pipeline hops, over the inter-node links between device types), plus
+  what compute does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's DP
+  ranks (``cost._data_parallel``, the strategy's bucket size). A stage group's memory holds the live micro-batches
+  its schedule really keeps (``inflight.max_live_microbatches``). Schedules (1F1B, interleaved 1F1B,
+  zero-bubble) and micro-batch sizes (1, 2, 4) are tried, and for each layout the least recompute and then the
+  least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
   each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times; the fastest ZeRO stage and
   recompute policy that fit.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,7 @@ from typing import Any
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
+from lightning_flagscale.parallel.schedules import validate_schedule
 from lightning_flagscale.tune.cost import (
     BF16,
     _block_pass,
@@ -42,6 +48,7 @@ from lightning_flagscale.tune.cost import (
     estimate_step,
 )
 from lightning_flagscale.tune.hardware import HardwareProfile
+from lightning_flagscale.tune.inflight import max_live_microbatches
 from lightning_flagscale.tune.memory import estimate_memory
 
 __all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
@@ -53,6 +60,8 @@ MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes the mesh planner tries (as the homogeneous search does)."""
 RECOMPUTE = ("none", "selective", "full")
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+"""Pipeline schedules the mesh planner tries (the last two with two model chunks per stage group)."""
 
 
 def _values(value: Any) -> tuple:
@@ -123,14 +132,15 @@ def _mesh_layouts(group: DeviceGroup, model: TransformerConfig, max_pp: int) -> 
     return out
 
 
-def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tuple[float, float, ParallelConfig]:
-    """(block seconds per micro-batch, LM head seconds) on one stage of this mesh, and its homogeneous config."""
+def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tuple[float, float, float, ParallelConfig]:
+    """(block seconds per micro-batch, their weight-gradient part, LM head seconds) on one stage of this mesh, and
+    its homogeneous config."""
     tp, dp, _ = layout
     c = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, zero_stage=zero,
                        micro_batch_size=samples // dp, recompute=recompute).resolve(tp * dp)  # fmt: skip
     block = _block_pass(model, c, seq_len, group.profile, model.is_moe, recompute)
     head = group.profile.gemm_seconds(_tokens(model, c, seq_len), model.vocab_size / tp, model.hidden_size)
-    return block.f + block.b, head + sum(group.profile.backward_gemm_seconds(head)), c
+    return block.f + block.b, block.w, head + sum(group.profile.backward_gemm_seconds(head)), c
 
 
 def plan_hetero(
@@ -142,25 +152,27 @@ def plan_hetero(
     micro_batch_size: int | Sequence[int] = MICRO_BATCH_SIZES,
     zero_stage: int | Sequence[int] = ZERO_STAGES,
     recompute: str | Sequence[str] = RECOMPUTE,
+    schedule: str | Sequence[str] = SCHEDULES,
     max_pp_per_mesh: int = 2,
 ) -> list[HeteroPlan]:
     """Mesh plans (one mesh per device group) that fit in memory, fastest first.
 
-    ``micro_batch_size``: one value or the values to try (one plan per mesh layout and size). ``zero_stage`` /
-    ``recompute``: one value, or the values to try in order of preference; each plan takes the first recompute
-    policy (the least recomputation) and, with it, the first ZeRO stage that fit in memory."""
+    ``micro_batch_size`` / ``schedule``: one value or the values to try (one plan per mesh layout, size and
+    schedule). ``zero_stage`` / ``recompute``: one value, or the values to try in order of preference; each plan
+    takes the first recompute policy (the least recomputation) and, with it, the first ZeRO stage that fit in
+    memory."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
     plans = []
     meshes = itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups))
-    for layouts, mbs in itertools.product(list(meshes), _values(micro_batch_size)):
+    for layouts, mbs, name in itertools.product(list(meshes), _values(micro_batch_size), _values(schedule)):
         if sum(pp for _, _, pp in layouts) < 2:
             continue
         samples = mbs * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
         for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
-            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc)
+            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc, name)
             if plan is not None:
                 plans.append(plan)
                 break
@@ -168,32 +180,43 @@ def plan_hetero(
     return plans
 
 
-def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute) -> HeteroPlan | None:
-    per_layer, extra, configs, stage_groups = [], [], [], []
+def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b"):
+    """The plan of these mesh layouts under ``schedule``, or None when it cannot run or does not fit."""
+    v = 1 if schedule == "1f1b" else 2  # model chunks per stage group
+    per_layer, weight_grad, extra, configs, stage_groups = [], [], [], [], []
     for g, layout in zip(groups, layouts, strict=True):
-        block, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
+        block, w, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
         for _ in range(layout[2]):
             per_layer.append(block)
+            weight_grad.append(w)
             extra.append(0.0)
             configs.append(c)
             stage_groups.append(g)
-    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[1]
+    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[2]
     try:
         layers = balance_layers(per_layer, extra, model.num_layers)
     except ValueError:
         return None
     m = global_batch // samples
     stages = len(layers)
+    try:
+        validate_schedule(schedule, stages, v, m)
+    except ValueError:
+        return None
+    if min(layers) < v:  # every model chunk needs a block
+        return None
+    live = max_live_microbatches(schedule, stages, v, m)  # (chunk, micro-batch) activation sets per stage group
     memory = []
     for s, (count, c, g) in enumerate(zip(layers, configs, stage_groups, strict=True)):
-        in_flight = min(m, stages - s)  # 1F1B: stage s holds S - s micro-batches
+        in_flight = math.ceil(live[s] / v)  # a chunk holds 1/v of the group's blocks
         mem = estimate_memory(dataclasses.replace(model, num_layers=count), c, seq_len, in_flight)
         if mem > g.profile.memory_bytes:
             return None
         memory.append(mem)
     times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
-    hop = max(_boundary_seconds(model, seq_len, samples, (configs[s], stage_groups[s]),
-                                (configs[s + 1], stage_groups[s + 1])) for s in range(stages - 1))  # fmt: skip
+    slowest = max(range(stages), key=times.__getitem__)
+    hop = max(_boundary_seconds(model, seq_len, samples, (configs[a], stage_groups[a]), (configs[b], stage_groups[b]))
+              for a, b in _boundaries(stages, v))  # fmt: skip
     # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
     # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
     split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
@@ -208,11 +231,32 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
         dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, device_type=g.device_type)
         for (tp, dp, pp), g in zip(layouts, groups, strict=True)
     ]
-    parallel = dict(hetero_meshes=meshes, hetero_layers=layers, pipeline_schedule="1f1b", zero_stage=zero,
+    parallel = dict(hetero_meshes=meshes, hetero_layers=layers, pipeline_schedule=schedule, zero_stage=zero,
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
+    if v > 1:
+        parallel["virtual_pipeline_parallel_size"] = v
+    run = _schedule_seconds(schedule, v, m, stages, times[slowest], layers[slowest] * weight_grad[slowest])
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
-                      step_seconds=(m + stages - 1) * (max(times) + 2 * hop) + reduction,
-                      memory_bytes=memory)  # fmt: skip
+                      step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction, memory_bytes=memory)  # fmt: skip
+
+
+def _schedule_seconds(schedule: str, v: int, m: int, stages: int, slowest: float, weight_grad: float) -> float:
+    """``m`` micro-batches through ``stages`` stage groups of ``v`` chunks each, paced by the slowest group (``slowest``
+    seconds a micro-batch, ``weight_grad`` of them its weight gradients); the bubbles are the homogeneous model's
+    (``cost._bubble``): 1F1B fills and drains over ``stages - 1`` slots, interleaving divides the slots by ``v``, and
+    zero-bubble fills them with deferred weight gradients, leaving ``max(0, f + b - 2w)`` a slot."""
+    if schedule == "1f1b":
+        return (m + stages - 1) * slowest
+    if schedule == "interleaved_1f1b":
+        return (m + (stages - 1) / v) * slowest
+    if schedule == "zero_bubble":
+        return m * slowest + (stages - 1) / v * max(0.0, slowest - 2 * weight_grad)
+    raise ValueError(f"schedule={schedule!r}: the mesh planner prices {SCHEDULES}.")
+
+
+def _boundaries(stages: int, v: int) -> list[tuple[int, int]]:
+    """Stage-group pairs activations cross: in order, and with model chunks from the last group back to the first."""
+    return [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if v > 1 else [])
 
 
 def _boundary_seconds(model: TransformerConfig, seq_len: int, samples: int, send: tuple, recv: tuple) -> float:
