@@ -349,12 +349,19 @@ def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
     slots = 64 // 4 + 2 - 1  # m micro-batches of 4 samples (1 per DP rank) over 2 stages
     hop = 1e-3 + 4096 * 4096 * 2 / 1e9
     assert plan.step_seconds - slots * max(plan.stage_seconds) == pytest.approx(2 * slots * hop, rel=1e-9)
+    # which boundaries a schedule crosses: looped chunks wrap from the last stage group to the first, a V turns inside
+    from lightning_flagscale.tune.hetero import _boundaries
+
+    assert _boundaries(3, 1, False) == [(0, 1), (1, 2)] == _boundaries(3, 2, True)
+    assert _boundaries(3, 2, False) == [(0, 1), (1, 2), (2, 0)]
 
 
-def test_hetero_mesh_planner_tries_interleaved_and_zero_bubble_schedules():
+def test_hetero_mesh_planner_tries_every_schedule():
     # With two model chunks per stage group the fill and drain shrink: with free links and the same layers, the
-    # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/2) slowest-stage slots, and zero-bubble fills what is
-    # left of each slot with deferred weight gradients. Every plan validates as the strategy's config.
+    # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/2) slowest-stage slots, zero-bubble fills what is
+    # left of each slot with deferred weight gradients (ZBV the same), DualPipeV leaves f + 2b - 3w of a slot (more
+    # than zero-bubble's f + b - 2w, and more than a whole slot when TP's exposed collectives make b > 3w).
+    # Every plan validates as the strategy's config.
     from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
 
     free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
@@ -366,7 +373,8 @@ def test_hetero_mesh_planner_tries_interleaved_and_zero_bubble_schedules():
     groups = _h100_a100(with_free_links)
     kw = dict(seq_len=4096, global_batch=16, micro_batch_size=1, zero_stage=1, recompute="none")
     plans = plan_hetero(model, groups, **kw)
-    assert {p.parallel["pipeline_schedule"] for p in plans} == {"1f1b", "interleaved_1f1b", "zero_bubble"}
+    names = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+    assert {p.parallel["pipeline_schedule"] for p in plans} == set(names)
     for p in plans:
         c = p.config(16)
         c.stage_group_configs(model.num_layers)
@@ -375,16 +383,16 @@ def test_hetero_mesh_planner_tries_interleaved_and_zero_bubble_schedules():
     def key(p):
         return json.dumps(p.parallel["hetero_meshes"]), p.parallel["micro_batch_size"]
 
-    by = {name: {key(p): p for p in plans if p.parallel["pipeline_schedule"] == name}
-          for name in ("1f1b", "interleaved_1f1b", "zero_bubble")}  # fmt: skip
+    by = {name: {key(p): p for p in plans if p.parallel["pipeline_schedule"] == name} for name in names}
     checked = 0
     for k, one in by["1f1b"].items():
-        il, zb = by["interleaved_1f1b"].get(k), by["zero_bubble"].get(k)
-        if il is None or zb is None or il.parallel["hetero_layers"] != one.parallel["hetero_layers"]:
+        il, zb, zbv, dpv = (by[name].get(k) for name in names[1:])
+        if any(p is None or p.parallel["hetero_layers"] != one.parallel["hetero_layers"] for p in (il, zb, zbv, dpv)):
             continue
         stages, slowest = len(one.stage_seconds), max(one.stage_seconds)
         assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest / 2, rel=1e-9)
-        assert zb.step_seconds < il.step_seconds
+        assert zb.step_seconds < il.step_seconds and zbv.step_seconds == pytest.approx(zb.step_seconds, rel=1e-12)
+        assert zb.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
         checked += 1
     assert checked > 0
     # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B

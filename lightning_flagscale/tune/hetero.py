@@ -7,16 +7,16 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
   mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
-  bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``(m + S - 1)``
-  slots over S stages and m micro-batches; interleaved 1F1B and zero-bubble with two model chunks per stage group:
-  ``(S - 1) / 2`` fill-and-drain slots, zero-bubble's filled with deferred weight gradients, as the homogeneous
-  model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary (activations forward, their gradients
-  back, exposed as the homogeneous model prices pipeline hops, over the inter-node links between device types), plus
-  what compute does not hide of the slowest stage's data-parallel reduction and ZeRO gathers over its mesh's DP
-  ranks (``cost._data_parallel``, the strategy's bucket size). A stage group's memory holds the live micro-batches
-  its schedule really keeps (``inflight.max_live_microbatches``). Schedules (1F1B, interleaved 1F1B,
-  zero-bubble) and micro-batch sizes (1, 2, 4) are tried, and for each layout the least recompute and then the
-  least ZeRO stage that fit in memory.
+  bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``m + S - 1``
+  slots over S stages and m micro-batches; interleaved 1F1B, zero-bubble, ZBV and DualPipeV with two model chunks
+  per stage group: ``(S - 1) / 2`` fill-and-drain slots, the zero-bubble family's filled with deferred weight
+  gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary
+  (activations forward, their gradients back, exposed as the homogeneous model prices pipeline hops, over the
+  inter-node links between device types), plus what compute does not hide of the slowest stage's data-parallel
+  reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the strategy's bucket size). A stage
+  group's memory holds the live micro-batches its schedule really keeps (``inflight.max_live_microbatches``). The
+  schedules of ``SCHEDULES`` and micro-batch sizes 1, 2, 4 are tried, and for each layout the least recompute and
+  then the least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
   each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times; the fastest ZeRO stage and
   recompute policy that fit.
@@ -37,12 +37,13 @@ from typing import Any
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.parallel.schedules import validate_schedule
+from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
 from lightning_flagscale.tune.cost import (
     BF16,
     _block_pass,
     _bucket_sizes,
     _data_parallel,
+    _Pass,
     _rank_params,
     _tokens,
     estimate_step,
@@ -60,8 +61,8 @@ MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes the mesh planner tries (as the homogeneous search does)."""
 RECOMPUTE = ("none", "selective", "full")
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
-"""Pipeline schedules the mesh planner tries (the last two with two model chunks per stage group)."""
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+"""Pipeline schedules the mesh planner tries (all but 1F1B with two model chunks per stage group)."""
 
 
 def _values(value: Any) -> tuple:
@@ -132,15 +133,15 @@ def _mesh_layouts(group: DeviceGroup, model: TransformerConfig, max_pp: int) -> 
     return out
 
 
-def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tuple[float, float, float, ParallelConfig]:
-    """(block seconds per micro-batch, their weight-gradient part, LM head seconds) on one stage of this mesh, and
-    its homogeneous config."""
+def _stage_cost(model, layout, group, samples, seq_len, zero, recompute) -> tuple[_Pass, float, ParallelConfig]:
+    """One block's pass (forward, backward, weight-gradient seconds per micro-batch) and the LM head seconds on one
+    stage of this mesh, and its homogeneous config."""
     tp, dp, _ = layout
     c = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, zero_stage=zero,
                        micro_batch_size=samples // dp, recompute=recompute).resolve(tp * dp)  # fmt: skip
     block = _block_pass(model, c, seq_len, group.profile, model.is_moe, recompute)
     head = group.profile.gemm_seconds(_tokens(model, c, seq_len), model.vocab_size / tp, model.hidden_size)
-    return block.f + block.b, block.w, head + sum(group.profile.backward_gemm_seconds(head)), c
+    return block, head + sum(group.profile.backward_gemm_seconds(head)), c
 
 
 def plan_hetero(
@@ -183,16 +184,16 @@ def plan_hetero(
 def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b"):
     """The plan of these mesh layouts under ``schedule``, or None when it cannot run or does not fit."""
     v = 1 if schedule == "1f1b" else 2  # model chunks per stage group
-    per_layer, weight_grad, extra, configs, stage_groups = [], [], [], [], []
+    per_layer, passes, extra, configs, stage_groups = [], [], [], [], []
     for g, layout in zip(groups, layouts, strict=True):
-        block, w, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
+        block, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
         for _ in range(layout[2]):
-            per_layer.append(block)
-            weight_grad.append(w)
+            per_layer.append(block.f + block.b)
+            passes.append(block)
             extra.append(0.0)
             configs.append(c)
             stage_groups.append(g)
-    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[2]
+    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[1]
     try:
         layers = balance_layers(per_layer, extra, model.num_layers)
     except ValueError:
@@ -216,7 +217,7 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
     times = [n * t + e for n, t, e in zip(layers, per_layer, extra, strict=True)]
     slowest = max(range(stages), key=times.__getitem__)
     hop = max(_boundary_seconds(model, seq_len, samples, (configs[a], stage_groups[a]), (configs[b], stage_groups[b]))
-              for a, b in _boundaries(stages, v))  # fmt: skip
+              for a, b in _boundaries(stages, v, SCHEDULE_SPECS[schedule].placement == "v"))  # fmt: skip
     # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
     # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
     split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
@@ -235,28 +236,37 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
     if v > 1:
         parallel["virtual_pipeline_parallel_size"] = v
-    run = _schedule_seconds(schedule, v, m, stages, times[slowest], layers[slowest] * weight_grad[slowest])
+    n, one = layers[slowest], passes[slowest]
+    run = _schedule_seconds(schedule, v, m, stages, times[slowest], n * one.b, n * one.w)
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
                       step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction, memory_bytes=memory)  # fmt: skip
 
 
-def _schedule_seconds(schedule: str, v: int, m: int, stages: int, slowest: float, weight_grad: float) -> float:
-    """``m`` micro-batches through ``stages`` stage groups of ``v`` chunks each, paced by the slowest group (``slowest``
-    seconds a micro-batch, ``weight_grad`` of them its weight gradients); the bubbles are the homogeneous model's
-    (``cost._bubble``): 1F1B fills and drains over ``stages - 1`` slots, interleaving divides the slots by ``v``, and
-    zero-bubble fills them with deferred weight gradients, leaving ``max(0, f + b - 2w)`` a slot."""
+def _schedule_seconds(
+    schedule: str, v: int, m: int, stages: int, slowest: float, backward: float, weight_grad: float
+) -> float:
+    """``m`` micro-batches through ``stages`` stage groups of ``v`` chunks each, paced by the slowest group
+    (``slowest`` seconds a micro-batch, ``backward`` of them its backward and ``weight_grad`` its weight gradients);
+    the bubbles are the homogeneous model's (``cost._bubble``): 1F1B fills and drains over ``stages - 1`` slots,
+    interleaving divides the slots by ``v``, zero-bubble and ZBV fill them with deferred weight gradients (``f + b -
+    2w`` left a slot), DualPipeV leaves ``f + 2b - 3w``."""
     if schedule == "1f1b":
         return (m + stages - 1) * slowest
-    if schedule == "interleaved_1f1b":
-        return (m + (stages - 1) / v) * slowest
-    if schedule == "zero_bubble":
-        return m * slowest + (stages - 1) / v * max(0.0, slowest - 2 * weight_grad)
-    raise ValueError(f"schedule={schedule!r}: the mesh planner prices {SCHEDULES}.")
+    slot = {
+        "interleaved_1f1b": slowest,
+        "zero_bubble": max(0.0, slowest - 2 * weight_grad),
+        "zbv": max(0.0, slowest - 2 * weight_grad),
+        "dualpipev": max(0.0, slowest + backward - 3 * weight_grad),
+    }
+    if schedule not in slot:
+        raise ValueError(f"schedule={schedule!r}: the mesh planner prices {SCHEDULES}.")
+    return m * slowest + (stages - 1) / v * slot[schedule]
 
 
-def _boundaries(stages: int, v: int) -> list[tuple[int, int]]:
-    """Stage-group pairs activations cross: in order, and with model chunks from the last group back to the first."""
-    return [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if v > 1 else [])
+def _boundaries(stages: int, v: int, v_shaped: bool) -> list[tuple[int, int]]:
+    """Stage-group pairs activations cross: in order, and with looped model chunks (interleaved placement) from the
+    last group back to the first; a V-shaped placement turns inside the last group and comes back the same way."""
+    return [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if v > 1 and not v_shaped else [])
 
 
 def _boundary_seconds(model: TransformerConfig, seq_len: int, samples: int, send: tuple, recv: tuple) -> float:
