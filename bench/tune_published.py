@@ -216,12 +216,10 @@ def predict(hw: HardwareProfile) -> list[tuple[Point, float, float, float, bool]
 
 def _other_kernel(p: Point, cal: Point, hw: HardwareProfile) -> str:
     """What ``p`` predicts if its platform ran cuDNN attention instead: calibration row refitted, then ``p``."""
-    alt = {k: dataclasses.replace(x, attention="transformer_engine") for k, x in (("p", p), ("cal", cal))}
-    c = alt["cal"]
+    c, q = (dataclasses.replace(x, attention="transformer_engine") for x in (cal, p))
     fitted = calibrate_compute_scale(c.priced_model(), c.config(), c.seq_len, c.global_batch, hw,
                                      c.published_tokens_per_gpu() * c.devices,
                                      grad_bucket_numel=c.grad_bucket_numel())  # fmt: skip
-    q = alt["p"]
     cost = estimate_step(q.priced_model(), q.config(), q.seq_len, q.global_batch, fitted,
                          grad_bucket_numel=q.grad_bucket_numel())  # fmt: skip
     tps = cost.tokens_per_second / q.devices

@@ -349,19 +349,28 @@ class HardwareProfile:
         ``torch`` block kernel; other backends, and profiles without the table, run a fused kernel. A profile whose
         ``attention_kernels`` price torch's SDPA (a GPU) but that has no ``ring_blocks`` cannot price the torch
         block kernel, which is not SDPA: it raises, naming the backends that run a fused ring."""
+        reason = self.unpriced_ring(backend)
+        if reason:
+            raise ValueError(reason)
+        if not self.ring_blocks or backend != "torch":
+            return self.attention_call_seconds(causal_flops, calls, backend)
+        if flops <= 0 or calls <= 0:
+            return 0.0, 0.0
+        return self._calls("ring_blocks", flops, calls)
+
+    def unpriced_ring(self, backend: str) -> str | None:
+        """Why this profile cannot price ring-attention blocks through ``backend`` (None when it can): its ``torch``
+        curve is torch's fused SDPA (a GPU), while a ring through ``attn_backend="torch"`` runs the exact block
+        kernel, and no ``ring_blocks`` were measured for it."""
         if backend == "torch" and not self.ring_blocks and "torch" in self.attention_kernels:
-            raise ValueError(
+            return (
                 f"Ring context parallelism with attn_backend='torch' runs the exact fp32 block kernel"
                 f" (parallel/attention_kernels.TorchBlockKernel, the reference path), which hardware profile"
                 f" {self.name!r} does not price: its 'torch' curve is torch's fused SDPA. Set attn_backend='flash_attn'"
                 " or 'transformer_engine' for a fused ring, use context_parallel_mode='ulysses', or measure the block"
                 " kernel on the device (tune --calibrate)."
             )
-        if not self.ring_blocks or backend != "torch":
-            return self.attention_call_seconds(causal_flops, calls, backend)
-        if flops <= 0 or calls <= 0:
-            return 0.0, 0.0
-        return self._calls("ring_blocks", flops, calls)
+        return None
 
     def _calls(self, table: str | tuple[str, str], flops: float, calls: float) -> tuple[float, float]:
         fwd, bwd = self._call_series[table]  # type: ignore[attr-defined]

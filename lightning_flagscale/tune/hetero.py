@@ -41,6 +41,7 @@ from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_sche
 from lightning_flagscale.tune.cost import (
     BF16,
     _block_pass,
+    _bubble,
     _bucket_sizes,
     _data_parallel,
     _Pass,
@@ -164,6 +165,9 @@ def plan_hetero(
     memory."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
+    unknown = sorted(set(_values(schedule)) - set(SCHEDULES))
+    if unknown:
+        raise ValueError(f"schedule={unknown}: the mesh planner plans {SCHEDULES}.")
     plans = []
     meshes = itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups))
     for layouts, mbs, name in itertools.product(list(meshes), _values(micro_batch_size), _values(schedule)):
@@ -236,31 +240,13 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
                     micro_batch_size=samples // layouts[0][1], recompute=recompute)  # fmt: skip
     if v > 1:
         parallel["virtual_pipeline_parallel_size"] = v
-    n, one = layers[slowest], passes[slowest]
-    run = _schedule_seconds(schedule, v, m, stages, times[slowest], n * one.b, n * one.w)
+    # the schedule's fill and drain, priced as the homogeneous model prices them, every slot at the slowest stage
+    n, one, pace = layers[slowest], passes[slowest], times[slowest]
+    pipeline = ParallelConfig(pipeline_parallel_size=stages, pipeline_schedule=schedule,
+                              virtual_pipeline_parallel_size=v)  # fmt: skip
+    run = m * pace + _bubble(pipeline, _Pass(f=pace - n * one.b, b=n * one.b, w=n * one.w, comm={}))
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
                       step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction, memory_bytes=memory)  # fmt: skip
-
-
-def _schedule_seconds(
-    schedule: str, v: int, m: int, stages: int, slowest: float, backward: float, weight_grad: float
-) -> float:
-    """``m`` micro-batches through ``stages`` stage groups of ``v`` chunks each, paced by the slowest group
-    (``slowest`` seconds a micro-batch, ``backward`` of them its backward and ``weight_grad`` its weight gradients);
-    the bubbles are the homogeneous model's (``cost._bubble``): 1F1B fills and drains over ``stages - 1`` slots,
-    interleaving divides the slots by ``v``, zero-bubble and ZBV fill them with deferred weight gradients (``f + b -
-    2w`` left a slot), DualPipeV leaves ``f + 2b - 3w``."""
-    if schedule == "1f1b":
-        return (m + stages - 1) * slowest
-    slot = {
-        "interleaved_1f1b": slowest,
-        "zero_bubble": max(0.0, slowest - 2 * weight_grad),
-        "zbv": max(0.0, slowest - 2 * weight_grad),
-        "dualpipev": max(0.0, slowest + backward - 3 * weight_grad),
-    }
-    if schedule not in slot:
-        raise ValueError(f"schedule={schedule!r}: the mesh planner prices {SCHEDULES}.")
-    return m * slowest + (stages - 1) / v * slot[schedule]
 
 
 def _boundaries(stages: int, v: int, v_shaped: bool) -> list[tuple[int, int]]:

@@ -124,8 +124,9 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
     kinds: dict[bool, tuple[int, int]] = {}  # is MoE -> (first such layer, count)
     if m.is_moe:
         for i in layers:
-            first, n = kinds.get(m.is_moe_layer(i), (i, 0))
-            kinds[m.is_moe_layer(i)] = (first, n + 1)
+            moe = m.is_moe_layer(i)
+            first, n = kinds.get(moe, (i, 0))
+            kinds[moe] = (first, n + 1)
     elif layers:
         kinds[False] = (layers[0], len(layers))
     for first, n in kinds.values():
@@ -208,9 +209,7 @@ def memory_breakdown(
             kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s])
             weights[s] = kept + (head.saved if s == n - 1 else 0.0)
             extra = max(extra, rematerialised)
-        if pp == 1:  # one batch of ``batch`` micro-batches: the transients scale with it
-            weights = {0: weights[0]}
-        if pp == 1:  # every micro-batch of the batch alive at the end of its forward
+        if pp == 1:  # one batch of ``batch`` micro-batches, all alive at the end of its forward
             activations, live = (weights[0] * batch, batch) if weights[0] > 0.0 else (0.0, 0)
         else:
             activations, live = schedule_live_peak(c.pipeline_schedule, pp, c.virtual_pipeline_parallel_size,

@@ -224,11 +224,11 @@ def search(
         if memory > hw.memory_bytes:
             pruned["memory"] += 1
             continue
-        try:
-            cost = estimate_step(model, c, seq_len, global_batch, hw, cache=cache, grad_bucket_numel=grad_bucket_numel)
-        except ValueError as err:  # a kernel the profile cannot price (ring CP through the torch block kernel)
-            pruned["kernel: " + " ".join(str(err).split()[:6])] += 1
+        unpriced = hw.unpriced_ring(model.attn_backend) if c.ring_size > 1 else None
+        if unpriced:  # a kernel the profile cannot price (ring CP through the torch block kernel on a GPU)
+            pruned["kernel: " + " ".join(unpriced.split()[:6])] += 1
             continue
+        cost = estimate_step(model, c, seq_len, global_batch, hw, cache=cache, grad_bucket_numel=grad_bucket_numel)
         found.append(Candidate(c, memory, cost))
     found.sort(key=lambda cand: (cand.step_seconds, cand.memory_bytes))  # equal speed: the leaner layout first
     return SearchResult(found if top_k is None else found[:top_k], len(layouts), pruned, smallest)
