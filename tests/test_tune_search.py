@@ -398,6 +398,8 @@ def test_hetero_mesh_planner_tries_every_schedule():
     # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B
     first = next(k for k in by["1f1b"] if k in by["interleaved_1f1b"])
     assert by["interleaved_1f1b"][first].memory_bytes[0] > by["1f1b"][first].memory_bytes[0]
+    with pytest.raises(ValueError, match=r"schedule=\['gpipe'\]: the mesh planner plans"):
+        plan_hetero(model, groups, **kw, schedule=("1f1b", "gpipe"))
 
 
 def test_hetero_mesh_planner_tries_micro_batch_sizes():
