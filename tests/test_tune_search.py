@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 
 import pytest
 import yaml
@@ -149,10 +150,97 @@ def test_cli_errors_name_the_constraint(capsys):
         tune_main(["--preset", "llama-tiny", "--devices", "2", "--profile", "tpu"])
     with pytest.raises(SystemExit, match="TYPE:COUNT:PROFILE"):
         tune_main(["--preset", "llama-tiny", "--hetero", "H100-8"])
-    with pytest.raises(SystemExit, match="--run trains the candidates here on CPU processes, where"
-                       " attn_backend='flash_attn' cannot run"):  # fmt: skip
-        tune_main(["--preset", "llama-tiny", "--devices", "2", "--seq-len", "64", "--global-batch", "4", "--run", "1",
-                   "--attn-backend", "flash_attn"])  # fmt: skip
+
+
+def test_run_trains_on_the_device_the_profile_describes(tmp_path, monkeypatch, capsys):
+    """``--run`` trains CPU processes for a CPU profile and CUDA devices for a GPU one, and refuses up front what this
+    machine cannot run: a GPU plan on too few CUDA devices (its predictions compared with, or refitted on, CPU steps
+    would mean nothing) and a fused attention backend on CPU processes."""
+    import torch
+
+    import lightning_flagscale.tune.runner as runner
+    from lightning_flagscale.tune.runner import RunResult
+
+    argv = ["--preset", "llama-tiny", "--devices", "2", "--seq-len", "64", "--global-batch", "4", "--run", "1",
+            "--run-dir", str(tmp_path / "runs")]  # fmt: skip
+    seen = []
+
+    def fake_runs(model, candidates, *, k, accelerator, **kwargs):
+        seen.append((model.attn_backend, accelerator))
+        return [RunResult(c, "ok", 0.5, 3e9, 2.5e9 if accelerator == "gpu" else None) for c in candidates[:k]]
+
+    monkeypatch.setattr(runner, "run_candidates", fake_runs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"profile 'h100' \(H100\) plans 2 GPUs; this machine has 0 CUDA device"):
+        tune_main(argv)  # the built-in H100 profile, no GPU here
+    HardwareProfile(name="cpu", device_type="cpu-1threads", peak_flops=2e10, hbm_bandwidth=5e9).save(
+        tmp_path / "cpu.json"
+    )
+    cpu = [*argv, "--profile", str(tmp_path / "cpu.json")]
+    with pytest.raises(SystemExit, match=r"--run trains the candidates here on CPU processes .* where"
+                       r" attn_backend='flash_attn' cannot run"):  # fmt: skip
+        tune_main([*cpu, "--attn-backend", "flash_attn"])
+    assert seen == []  # nothing ran
+    tune_main(cpu)
+    assert seen == [("torch", "cpu")] and "allocated" not in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "runs" / "best.yaml").read_text())["trainer"]["accelerator"] == "cpu"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit, match="plans 2 GPUs; this machine has 1 CUDA device"):
+        tune_main(argv)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    tune_main([*argv, "--attn-backend", "flash_attn"])  # a fused backend trains on GPUs
+    out = capsys.readouterr().out
+    assert seen[-1] == ("flash_attn", "gpu") and "note:" not in out
+    assert re.search(r" ok memory [\d.]+ GB predicted, 2.50 GB allocated", out), out  # the device peak, not RSS
+    assert yaml.safe_load((tmp_path / "runs" / "best.yaml").read_text())["trainer"]["accelerator"] == "gpu"
+    tune_main([*argv, "--profile", "a100"])  # an A100 plan run on H100s: said, not refused
+    assert seen[-1] == ("torch", "gpu")
+    assert "note: profile 'a100' describes A100 devices and this machine runs 'NVIDIA H100" in capsys.readouterr().out
+
+
+def test_run_candidates_train_on_the_accelerator_they_are_given(tmp_path, monkeypatch):
+    import lightning_flagscale.tune.runner as runner
+
+    recipes = []
+
+    def fake_run_one(recipe, workdir, timeout):
+        recipes.append(recipe)
+        return "ok", 0.1, {"rss": 1e9, "device": 5e8}, ""
+
+    monkeypatch.setattr(runner, "_run_one", fake_run_one)
+    model = TransformerConfig.from_preset("llama-tiny")
+    cands = search(model, 2, seq_len=64, global_batch=4, hardware=load_profile("h100"), top_k=2).candidates
+    runs = runner.run_candidates(model, cands[:1], k=1, seq_len=64, global_batch=4, devices=2, workdir=tmp_path,
+                                 accelerator="gpu")  # fmt: skip
+    assert [r["trainer"]["accelerator"] for r in recipes] == ["gpu"]
+    assert [(r.status, r.peak_rss_bytes, r.peak_device_bytes) for r in runs] == [("ok", 1e9, 5e8)]
+    assert runs[0].to_dict()["peak_device_bytes"] == 5e8
+
+
+def test_the_step_timer_waits_for_the_device_and_reads_its_peak(tmp_path, monkeypatch):
+    """On a CUDA device each step's end waits for the kernels (the host would time its launches) and the device's
+    allocator peak is recorded; a CPU rank records none."""
+    import types
+
+    import torch
+
+    from lightning_flagscale.tune.runner import StepTimer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123)
+    trainer = types.SimpleNamespace(global_rank=1)
+    for device, expect in ((torch.device("cuda", 1), 123), (torch.device("cpu"), None)):
+        calls.clear()
+        timer, module = StepTimer(str(tmp_path / device.type)), types.SimpleNamespace(device=device)
+        timer.on_train_batch_end(trainer, module, None, None, 0)
+        timer.on_train_end(trainer, module)
+        assert calls == ([("sync", device)] if expect else []) and len(timer.times) == 1
+        data = json.loads((tmp_path / device.type / "1.json").read_text())
+        assert data["peak_device"] == expect and data["peak_rss"] > 0
 
 
 def test_the_gradient_bucket_size_reaches_the_model_the_recipe_and_the_strategy(tmp_path, capsys):

@@ -177,9 +177,8 @@ def tune_main(argv: list[str]) -> None:
     keep = None if args.run else args.top
     if args.refit_profile and not args.run:
         raise SystemExit("--refit-profile refits on measured runs: add --run K.")
-    if args.run and model.attn_backend != "torch":
-        raise SystemExit(f"--run trains the candidates here on CPU processes, where attn_backend={model.attn_backend!r}"
-                         " cannot run (it needs a CUDA GPU); drop --attn-backend to run them, or --run to rank only.")  # fmt: skip
+    if args.run:
+        args.accelerator = _run_accelerator(hw, args.devices, model.attn_backend)
     if args.grad_bucket_numel < 1:
         raise SystemExit(f"--grad-bucket-numel {args.grad_bucket_numel}: a bucket holds at least one element.")
     result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
@@ -208,17 +207,48 @@ def tune_main(argv: list[str]) -> None:
             raise SystemExit(f"--refit-profile {args.refit_profile} not written: {err}") from None
 
 
+def _run_accelerator(hw: HardwareProfile, devices: int, attn_backend: str) -> str:
+    """What ``--run`` trains on, refusing up front what this machine cannot run: ``cpu`` processes for a profile
+    measured on CPUs (``tune --calibrate`` here), else CUDA devices, as many as the plan has. Candidates run on
+    this machine only, and a GPU plan's predictions compared with (or refitted on) CPU steps would mean nothing."""
+    import torch
+
+    if hw.device_type.startswith("cpu"):
+        if attn_backend != "torch":
+            raise SystemExit(f"--run trains the candidates here on CPU processes ({hw.name!r} is a CPU profile), where"
+                             f" attn_backend={attn_backend!r} cannot run (it needs a CUDA GPU); drop --attn-backend to"
+                             " run them, or --run to rank only.")  # fmt: skip
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < devices:
+        raise SystemExit(f"--run trains the candidates on this machine, and profile {hw.name!r} ({hw.device_type})"
+                         f" plans {devices} GPUs; this machine has {gpus} CUDA device(s). Run `tune --run` on a node with"
+                         f" {devices} GPUs, plan for --devices {gpus or 'N'} here, or drop --run to rank only (on CPUs:"
+                         " `tune --calibrate` writes a profile of this machine to run against).")  # fmt: skip
+    name = torch.cuda.get_device_name(0)
+    if hw.device_type.lower() not in name.lower():
+        print(f"note: profile {hw.name!r} describes {hw.device_type} devices and this machine runs {name!r}: measured"
+              " steps will not match its predictions (--refit-profile refits its compute_scale on them)")  # fmt: skip
+    return "gpu"
+
+
 def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> list:
     """Train the top ``--run`` candidates, print measured against predicted; the runs that trained."""
     from lightning_flagscale.tune.runner import run_candidates
 
     runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
                           devices=args.devices, workdir=args.run_dir, steps=args.run_steps,
-                          grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
+                          grad_bucket_numel=args.grad_bucket_numel, accelerator=args.accelerator)  # fmt: skip
     print(f"{'layout':<56} {'predicted':>10} {'measured':>10} {'status'}")
     for r in runs:
         measured = f"{r.measured_step_seconds:9.3f}s" if r.measured_step_seconds else f"{'-':>10}"
-        print(f"{r.candidate.describe():<56} {r.candidate.step_seconds:9.3f}s {measured} {r.status} {r.message}")
+        memory = ""
+        if r.peak_device_bytes is not None:  # a CUDA run: the allocator's peak is what the memory model predicts
+            memory = (f" memory {r.candidate.memory_bytes / 1e9:.2f} GB predicted,"
+                      f" {r.peak_device_bytes / 1e9:.2f} GB allocated")  # fmt: skip
+        print(
+            f"{r.candidate.describe():<56} {r.candidate.step_seconds:9.3f}s {measured} {r.status}{memory} {r.message}"
+        )
     ratios = sorted(r.measured_step_seconds / r.candidate.step_seconds for r in runs if r.measured_step_seconds)
     if ratios:
         print(f"measured / predicted: median {ratios[len(ratios) // 2]:.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f});"

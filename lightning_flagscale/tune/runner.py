@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
@@ -38,20 +39,26 @@ _RECOMPUTE_LEVEL = {"none": 0, "selective": 1, "full": 2}
 
 
 class StepTimer(L.Callback):
-    """Writes ``{rank}.json`` under ``out_dir`` at the end of fit: rank 0's step end times and each rank's peak RSS."""
+    """Writes ``{rank}.json`` under ``out_dir`` at the end of fit: rank 0's step end times, each rank's peak RSS and,
+    on a CUDA device, its peak allocated device memory (what the memory model predicts). On a GPU each step's end
+    waits for the device (kernels run asynchronously: the host would otherwise time its own launches)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
         self.times: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
         self.times.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning_flagscale.parallel.memory import peak_rss_bytes
 
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
-        data = {"times": self.times, "peak_rss": peak_rss_bytes()}
+        device = pl_module.device
+        peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        data = {"times": self.times, "peak_rss": peak_rss_bytes(), "peak_device": peak_device}
         (Path(self.out_dir) / f"{trainer.global_rank}.json").write_text(json.dumps(data))
 
 
@@ -179,6 +186,8 @@ class RunResult:
     """``ok``, ``oom``, ``error`` or ``pruned: ...``."""
     measured_step_seconds: float | None = None
     peak_rss_bytes: float | None = None
+    peak_device_bytes: float | None = None
+    """The most device memory any rank allocated (CUDA runs; None on CPU ranks, whose RSS holds the runtime too)."""
     message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,7 +195,7 @@ class RunResult:
             "layout": self.candidate.describe(), "status": self.status,
             "predicted_step_seconds": self.candidate.step_seconds, "measured_step_seconds": self.measured_step_seconds,
             "predicted_memory_bytes": self.candidate.memory_bytes, "peak_rss_bytes": self.peak_rss_bytes,
-            "message": self.message,
+            "peak_device_bytes": self.peak_device_bytes, "message": self.message,
         }  # fmt: skip
 
 
@@ -194,7 +203,8 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def _run_one(recipe: dict[str, Any], workdir: Path, timeout: float) -> tuple[str, float | None, float | None, str]:
+def _run_one(recipe: dict[str, Any], workdir: Path, timeout: float) -> tuple[str, float | None, dict[str, Any], str]:
+    """``(status, median step seconds, peak memory {"rss", "device"} over the ranks, message)``."""
     times_dir = workdir / "timer"
     recipe["trainer"].setdefault("callbacks", []).append(
         {"class_path": "lightning_flagscale.tune.runner.StepTimer", "init_args": {"out_dir": str(times_dir)}}
@@ -205,16 +215,17 @@ def _run_one(recipe: dict[str, Any], workdir: Path, timeout: float) -> tuple[str
     try:
         proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "error", None, None, f"timed out after {timeout:.0f}s"
+        return "error", None, {}, f"timed out after {timeout:.0f}s"
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
         oom = "out of memory" in proc.stderr.lower() or "outofmemory" in proc.stderr.lower()
-        return ("oom" if oom else "error"), None, None, " | ".join(tail)
+        return ("oom" if oom else "error"), None, {}, " | ".join(tail)
     ranks = [json.loads(p.read_text()) for p in sorted(times_dir.glob("*.json"))]
     times = next((r["times"] for r in ranks if r["times"]), [])
     steps = [b - a for a, b in itertools.pairwise(times)][1:]  # the first steps warm up
     seconds = statistics.median(steps) if steps else None
-    return "ok", seconds, max(r["peak_rss"] for r in ranks), ""
+    device = [r["peak_device"] for r in ranks if r.get("peak_device") is not None]
+    return "ok", seconds, {"rss": max(r["peak_rss"] for r in ranks), "device": max(device, default=None)}, ""
 
 
 def run_candidates(
@@ -229,8 +240,10 @@ def run_candidates(
     steps: int = 5,
     timeout: float = 300.0,
     grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    accelerator: str = "cpu",
 ) -> list[RunResult]:
-    """Run up to ``k`` of ``candidates`` (in order) for ``steps`` steps each, skipping those history prunes."""
+    """Run up to ``k`` of ``candidates`` (in order) for ``steps`` steps each on this machine's ``accelerator``
+    (``cpu`` processes or ``gpu`` devices), skipping those history prunes."""
     pruner, results = HistoryPruner(), []
     ran = 0
     for i, cand in enumerate(candidates):
@@ -241,9 +254,9 @@ def run_candidates(
             results.append(RunResult(cand, f"pruned: {reason}"))
             continue
         recipe = recipe_dict(model, cand.config, seq_len=seq_len, global_batch=global_batch, devices=devices,
-                             max_steps=steps, grad_bucket_numel=grad_bucket_numel)  # fmt: skip
-        status, seconds, rss, message = _run_one(recipe, Path(workdir).resolve() / f"cand{i}", timeout)
+                             max_steps=steps, grad_bucket_numel=grad_bucket_numel, accelerator=accelerator)  # fmt: skip
+        status, seconds, peak, message = _run_one(recipe, Path(workdir).resolve() / f"cand{i}", timeout)
         pruner.record(cand.config, status)
-        results.append(RunResult(cand, status, seconds, rss, message))
+        results.append(RunResult(cand, status, seconds, peak.get("rss"), peak.get("device"), message))
         ran += 1
     return results
