@@ -35,6 +35,87 @@ def test_optimizer_busy_time_shares_the_cores():
         calibrate(optimizer_numel=0)
 
 
+def test_gpu_calibration_is_refused_without_the_gpus_it_needs(monkeypatch, tmp_path):
+    # on this machine (no CUDA device): the CUDA path says how many GPUs it needs and has, before measuring anything
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"groups of 4 needs 4 GPUs \(one a rank\); this machine has 0"):
+        calibrate(device="cuda", group_sizes=(2, 4))
+    with pytest.raises(SystemExit, match=r"groups of 2 needs 2 GPUs \(one a rank\); this machine has 0"):
+        tune_main(["--calibrate", "--calibrate-device", "cuda", "--calibrate-groups", "2", "--calibrate-out",
+                   str(tmp_path / "gpu.json")])  # fmt: skip
+    assert not (tmp_path / "gpu.json").exists()
+    with pytest.raises(ValueError, match="calibrate 'cpu' processes or 'cuda' devices"):
+        calibrate(device="xpu")
+
+
+def test_gpu_timings_wait_for_the_device(monkeypatch):
+    """CUDA kernels run asynchronously: every timed repeat (and each of a forward and its backward) is bracketed by
+    a device synchronisation, or the host would time its launches; CPU timings need none."""
+    import torch
+
+    from lightning_flagscale.tune.calibrate import _forward_backward_seconds, _median_seconds
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    cuda = torch.device("cuda", 0)
+    _median_seconds(lambda: events.append("run"), 3, cuda)
+    assert events == ["run"] + ["sync", "run", "sync"] * 3  # warm-up, then each repeat between two waits
+    events.clear()
+    _forward_backward_seconds(lambda: (events.append("fwd"), lambda: events.append("bwd")), 1, cuda)
+    assert events == ["sync", "fwd", "sync", "bwd", "sync"] * 2
+    events.clear()
+    _median_seconds(lambda: events.append("run"), 2)
+    assert events == ["run"] * 3
+
+
+def test_fused_attention_kernels_are_measured_where_installed(monkeypatch):
+    """A GPU calibration curves each fused backend that is installed (flash-attn here, faked; Transformer Engine
+    absent), never on CPU processes; the per-call curve of a backend goes through its ring block kernel, on the
+    causal half of the score FLOPs."""
+    import sys
+    import types
+
+    import torch
+
+    from lightning_flagscale.tune.calibrate import _fused_kernels, _kernel_calls, measure_attention_calls
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_interface = types.ModuleType("flash_attn.flash_attn_interface")
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fake.flash_attn_interface)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not installed
+    assert _fused_kernels(torch.device("cuda", 0)) == ["flash_attn"]
+    assert _fused_kernels(torch.device("cpu")) == []
+    causal = _kernel_calls("torch", (16, 32), 2, 1, 8, 1, torch.float32, torch.device("cpu"), causal=True)
+    whole = _kernel_calls("torch", (16, 32), 2, 1, 8, 1, torch.float32, torch.device("cpu"), causal=False)
+    assert [f for f, _, _ in causal] == [0.5 * 4 * n * n * 2 * 8 for n in (16, 32)]
+    assert [f for f, _, _ in whole] == [4 * n * n * 2 * 8 for n in (16, 32)]
+    assert all(fwd > 0 and bwd > 0 for _, fwd, bwd in causal + whole)
+    sdpa = measure_attention_calls((16, 32), heads=2, head_dim=8, repeats=1)
+    assert [f for f, _, _ in sdpa] == [f for f, _, _ in causal]  # the same FLOPs convention as a fused curve
+
+
+def test_a_gpu_calibration_times_a_kernel_bound_reference():
+    """``compute_scale`` is fitted on the reference decoder's step: on an H100 the CPU reference (14M parameters on
+    64 tokens) would take under a millisecond of kernels, i.e. its launches, and set the factor for launch-bound
+    work; the GPU's (Llama-3-8B blocks on 4096 tokens, dense and MoE) is priced at tens of milliseconds."""
+    from lightning_flagscale.tune.calibrate import references
+    from lightning_flagscale.tune.cost import _rank_pass
+
+    h100 = load_profile("h100").replace(compute_scale=1.0)
+
+    def seconds(reference: dict) -> float:
+        config = TransformerConfig(**reference)
+        one = _rank_pass(config, ParallelConfig().resolve(1), config.max_seq_len, h100)
+        return one.f + one.b
+
+    dense, moe = references("cuda")
+    assert TransformerConfig(**moe).num_experts == 8 and seconds(dense) > 0.01 and seconds(moe) > 0.01
+    assert seconds(references("cpu")[0]) < 1e-3
+
+
 def _world_rank(rank: int, mode: str, results, reported=None) -> None:
     """A calibration world's rank for the tests below: rank 1 hangs, fails or aborts (before rank 0 reports, or
     after: ``reported`` is set once it has), rank 0 reports."""
@@ -146,6 +227,9 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
         assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12
+    # CPU processes: gloo, no fused kernel curves (flash-attn and TE need a GPU)
+    assert profile.device_type.startswith("cpu-") and "gloo, CPU, float32" in profile.source
+    assert profile.attention_kernels == {}
     profile.save(tmp_path / "cpu.json")
     assert load_profile(tmp_path / "cpu.json") == profile
     tiny = TransformerConfig.from_preset("llama-tiny")

@@ -53,6 +53,16 @@
   what its step takes beyond what the cost model prices for it is ``step_overhead``: Lightning's loop and hooks, the
   step guard and loss exchange with their scalar collectives (~20 ms a step here, with 4 ranks on 2 cores).
 
+**On GPUs** (``device="cuda"``, the default on a machine with one) the same measurements run with one GPU a rank
+and NCCL between them, at a GPU's sizes (:data:`CUDA_SHAPES`: GEMMs to 8192, attention calls to 16K tokens at head
+dim 128, messages to 256 MiB; reference decoders of Llama-3-8B blocks on 4096 tokens, :data:`CUDA_REFERENCE`, so
+the fitted factors see kernel-bound steps, not a tiny model's launches), in bf16 unless told otherwise. Every
+timing waits for the device to finish (``torch.cuda.synchronize``), and each fused attention backend installed
+(flash-attn, Transformer Engine) gets its own curve in ``attention_kernels``, through the block kernel ring
+attention calls. GPUs do not share compute the way CPU ranks share cores (``compute_units_per_node`` 0: busy time
+is wall time). The GPU path is written against torch's CUDA and NCCL APIs and flash-attn's / Transformer Engine's
+kernels, and has not run on a GPU in this project's CI (it has none): the CPU path is the tested one.
+
 Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
 medians and ``cost.calibrate_compute_scale`` can refit the end-to-end factor on a measured step.
 """
@@ -97,26 +107,37 @@ __all__ = [
 ]
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+CPU = torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (CUDA runs asynchronously: the host would otherwise time launches)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device = CPU) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def measure_gemms(
-    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3
+    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3, device: torch.device = CPU
 ) -> list[tuple[float, float]]:
     """``(flops, flop/s)`` of square ``n x n x n``, tall ``8n x n x n`` and (``n >= 256``) short ``n/8 x n x n``
     matmuls."""
-    return sorted((flops, rate) for flops, rate, _, _ in measure_linear_gemms(sizes, dtype, repeats))
+    return sorted((flops, rate) for flops, rate, _, _ in measure_linear_gemms(sizes, dtype, repeats, device))
 
 
 def measure_linear_gemms(
-    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3
+    sizes: Sequence[int], dtype: torch.dtype = torch.float32, repeats: int = 3, device: torch.device = CPU
 ) -> list[tuple[float, float, float, float]]:
     """``(flops, forward flop/s, input-grad flop/s, weight-grad flop/s)`` of a linear layer's three GEMMs at the
     shapes of :func:`measure_gemms`: forward ``X @ W^T``, input gradient ``dY @ W``, weight gradient ``dY^T @ X``
@@ -126,9 +147,9 @@ def measure_linear_gemms(
         # square, tall (many tokens) and, for wide layers, short (a small micro-batch's tokens through a wide layer)
         for rows in (n, 8 * n, *((n // 8,) if n >= 256 else ())):
             x, w, g = (
-                torch.randn(rows, n, dtype=dtype),
-                torch.randn(n, n, dtype=dtype),
-                torch.randn(rows, n, dtype=dtype),
+                torch.randn(rows, n, dtype=dtype, device=device),
+                torch.randn(n, n, dtype=dtype, device=device),
+                torch.randn(rows, n, dtype=dtype, device=device),
             )
             flops = 2.0 * rows * n * n
             runs = (
@@ -136,7 +157,7 @@ def measure_linear_gemms(
                 lambda g=g, w=w: g @ w,
                 lambda g=g, x=x: g.t() @ x,
             )
-            out.append((flops, *(flops / _median_seconds(fn, repeats) for fn in runs)))
+            out.append((flops, *(flops / _median_seconds(fn, repeats, device) for fn in runs)))
     return sorted(out)
 
 
@@ -145,41 +166,53 @@ def measure_gemm_rows(
     width: int = 1024,
     dtype: torch.dtype = torch.float32,
     repeats: int = 3,
+    device: torch.device = CPU,
 ) -> list[tuple[int, float, float]]:
     """``(rows, FLOPs, forward flop/s)`` of ``rows`` tokens through a ``width x width`` linear layer."""
-    w = torch.randn(width, width, dtype=dtype)
+    w = torch.randn(width, width, dtype=dtype, device=device)
     out = []
     for r in rows:
-        x = torch.randn(r, width, dtype=dtype)
+        x = torch.randn(r, width, dtype=dtype, device=device)
         flops = 2.0 * r * width * width
-        out.append((r, flops, flops / _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), repeats)))
+        seconds = _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), repeats, device)
+        out.append((r, flops, flops / seconds))
     return out
 
 
 def measure_attention(
-    seq_lens: Sequence[int], heads: int = 4, head_dim: int = 64, repeats: int = 3, dtype: torch.dtype = torch.float32
+    seq_lens: Sequence[int],
+    heads: int = 4,
+    head_dim: int = 64,
+    repeats: int = 3,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
 ) -> float:
     """Best achieved FLOP/s of causal SDPA forward (on the causal half of the score FLOPs)."""
     best = 0.0
     for s in seq_lens:
-        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype) for _ in range(3))
+        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype, device=device) for _ in range(3))
         flops = 0.5 * 4 * s * s * heads * head_dim
 
         def run(q=q, k=k, v=v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        best = max(best, flops / _median_seconds(run, repeats))
+        best = max(best, flops / _median_seconds(run, repeats, device))
     return best
 
 
-def _forward_backward_seconds(run: Callable[[], tuple[torch.Tensor, Callable[[], object]]], repeats: int):
+def _forward_backward_seconds(
+    run: Callable[[], tuple[torch.Tensor, Callable[[], object]]], repeats: int, device: torch.device = CPU
+):
     """Median (forward, backward) seconds of ``run()``, which returns the forward's output and its backward."""
     fwd, bwd = [], []
     for i in range(repeats + 1):  # the first is a warm-up
+        _sync(device)
         start = time.perf_counter()
         _, backward = run()
+        _sync(device)
         mid = time.perf_counter()
         backward()
+        _sync(device)
         if i:
             fwd.append(mid - start)
             bwd.append(time.perf_counter() - mid)
@@ -192,19 +225,56 @@ def measure_attention_calls(
     head_dim: int = 64,
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+    backend: str = "torch",
 ) -> list[tuple[float, float, float]]:
-    """``(causal-half FLOPs, forward seconds, backward seconds)`` of one causal SDPA call per sequence length, with
-    autograd as training runs it (the backward separately: on a CPU it is not 2.5 forwards at small sizes)."""
+    """``(causal-half FLOPs, forward seconds, backward seconds)`` of one causal attention call per sequence length
+    through ``backend``: torch's SDPA with autograd as training runs it (the backward separately: on a CPU it is not
+    2.5 forwards at small sizes), or a fused kernel (``flash_attn``, ``transformer_engine``: the block kernel ring
+    attention calls, ``parallel.attention_kernels``, over the whole causal sequence)."""
+    if backend != "torch":
+        return _kernel_calls(backend, seq_lens, heads, heads, head_dim, repeats, dtype, device, causal=True)
     out = []
     for s in seq_lens:
-        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, heads, s, head_dim, dtype=dtype)
+        q, k, v = (torch.randn(1, heads, s, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, heads, s, head_dim, dtype=dtype, device=device)
 
         def run(q=q, k=k, v=v, grad=grad):
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             return o, lambda: o.backward(grad)
 
-        out.append((0.5 * 4 * s * s * heads * head_dim, *_forward_backward_seconds(run, repeats)))
+        out.append((0.5 * 4 * s * s * heads * head_dim, *_forward_backward_seconds(run, repeats, device)))
+    return out
+
+
+def _kernel_calls(
+    backend: str,
+    lens: Sequence[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    repeats: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool,
+) -> list[tuple[float, float, float]]:
+    """``(FLOPs, forward seconds, backward seconds)`` of one ``n x n`` call of ``backend``'s attention block kernel
+    per ``n`` in ``lens``: the whole block's score FLOPs, or their causal half when ``causal``."""
+    from lightning_flagscale.parallel.attention_kernels import get_attention_kernel
+
+    kernel, out = get_attention_kernel(backend), []
+    for n in lens:
+        q = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(1, n, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+        pos, scale = torch.arange(n, device=device), head_dim**-0.5
+
+        def run(q=q, k=k, v=v, pos=pos, scale=scale):
+            o, lse = kernel.forward(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos)
+            dout = torch.ones_like(o)
+            return o, lambda: kernel.backward(dout, q, k, v, o, lse, scale=scale, causal=causal, q_pos=pos, k_pos=pos)
+
+        flops = 4.0 * n * n * heads * head_dim * (0.5 if causal else 1.0)
+        out.append((flops, *_forward_backward_seconds(run, repeats, device)))
     return out
 
 
@@ -215,25 +285,12 @@ def measure_ring_blocks(
     head_dim: int = 64,
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
 ) -> list[tuple[float, float, float]]:
     """``(FLOPs of the whole block, forward seconds, backward seconds)`` of one fully visible ring-attention block
     of ``n x n`` tokens through ``attn_backend="torch"``'s kernel (``TorchBlockKernel``, what ring CP runs without
     flash-attn or Transformer Engine)."""
-    from lightning_flagscale.parallel.attention_kernels import TorchBlockKernel
-
-    kernel, out = TorchBlockKernel(), []
-    for n in block_lens:
-        q = torch.randn(1, n, heads, head_dim, dtype=dtype)
-        k, v = (torch.randn(1, n, kv_heads, head_dim, dtype=dtype) for _ in range(2))
-        pos, scale = torch.arange(n), head_dim**-0.5
-
-        def run(q=q, k=k, v=v, pos=pos, scale=scale):
-            o, lse = kernel.forward(q, k, v, scale=scale, causal=False, q_pos=pos, k_pos=pos)
-            dout = torch.ones_like(o)
-            return o, lambda: kernel.backward(dout, q, k, v, o, lse, scale=scale, causal=False, q_pos=pos, k_pos=pos)
-
-        out.append((4.0 * n * n * heads * head_dim, *_forward_backward_seconds(run, repeats)))
-    return out
+    return _kernel_calls("torch", block_lens, heads, kv_heads, head_dim, repeats, dtype, device, causal=False)
 
 
 REFERENCE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=2, num_attention_heads=8,
@@ -242,22 +299,30 @@ REFERENCE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_l
 ``compute_scale``: what our layers, autograd and the host add to the kernels timed above."""
 
 
-def measure_reference_step(dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
-    """Median seconds of forward + backward (cross-entropy on the logits) of the :data:`REFERENCE` decoder."""
+CUDA_REFERENCE = dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=2,
+                      num_attention_heads=32, num_key_value_heads=8, max_seq_len=4096)  # fmt: skip
+"""A GPU's reference decoder: Llama-3-8B blocks on 4096 tokens (~13 TFLOPs a step), so the step is bound by the
+kernels, as a real model's is, not by the launches of a tiny one (which would set ``compute_scale`` ~100x low)."""
+
+
+def measure_reference_step(
+    dtype: torch.dtype = torch.float32, repeats: int = 5, device: torch.device = CPU, reference: dict = REFERENCE
+) -> float:
+    """Median seconds of forward + backward (cross-entropy on the logits) of the ``reference`` decoder."""
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models import CausalLM
 
-    config = TransformerConfig(**REFERENCE)
+    config = TransformerConfig(**reference)
     generator = torch.Generator().manual_seed(0)
-    model = CausalLM(config).to(dtype)
-    ids = torch.randint(0, config.vocab_size, (1, config.max_seq_len), generator=generator)
-    labels = torch.randint(0, config.vocab_size, (config.max_seq_len,), generator=generator)
+    model = CausalLM(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (1, config.max_seq_len), generator=generator).to(device)
+    labels = torch.randint(0, config.vocab_size, (config.max_seq_len,), generator=generator).to(device)
 
     def step() -> None:
         logits = model(ids).float().reshape(-1, config.vocab_size)
         torch.nn.functional.cross_entropy(logits, labels).backward()
 
-    return _median_seconds(step, repeats)
+    return _median_seconds(step, repeats, device)
 
 
 LOOP_MODEL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=1,
@@ -265,7 +330,7 @@ LOOP_MODEL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_laye
 """A decoder whose training step is almost only the training loop's own cost (:func:`measure_training_loop`)."""
 
 
-def measure_training_loop(steps: int = 8, warmup: int = 2) -> float:
+def measure_training_loop(steps: int = 8, warmup: int = 2, device: torch.device = CPU) -> float:
     """Wall seconds of one optimizer step of :data:`LOOP_MODEL` trained by every rank of the initialized process
     group under ``Trainer`` + ``FlagScaleStrategy`` (data parallel, ``FlagScalePrecision("bf16-mixed")``, AdamW,
     clipping at 1.0, as the recipes train): each step timed from a barrier to the end of its batch, the median over
@@ -283,10 +348,12 @@ def measure_training_loop(steps: int = 8, warmup: int = 2) -> float:
 
     class _Timer(L.Callback):
         def on_train_batch_start(self, *args: object) -> None:
+            _sync(device)
             dist.barrier()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, *args: object) -> None:
+            _sync(device)
             times.append(time.perf_counter() - self.start)
 
     config = TransformerConfig(**LOOP_MODEL)
@@ -302,7 +369,8 @@ def measure_training_loop(steps: int = 8, warmup: int = 2) -> float:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = L.Trainer(
-                accelerator="cpu", devices=world, strategy=FlagScaleStrategy(zero_stage=0),
+                accelerator="gpu" if device.type == "cuda" else "cpu", devices=world,
+                strategy=FlagScaleStrategy(zero_stage=0),
                 plugins=[FlagScalePrecision("bf16-mixed")], max_steps=steps + warmup, gradient_clip_val=1.0,
                 logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_Timer()],
@@ -329,10 +397,22 @@ def training_loop_overhead(profile: HardwareProfile, seconds: float, world: int)
 MOE_REFERENCE = dict(REFERENCE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=704)
 """The :data:`REFERENCE` decoder with routed experts (every block MoE): its blocks' time beyond what the GEMMs,
 attention and memory-bound kernels predict is a calibrated profile's ``moe_overhead``."""
+CUDA_MOE_REFERENCE = dict(CUDA_REFERENCE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=3584)
+
+
+def references(device_type: str) -> tuple[dict, dict]:
+    """(dense, MoE) reference decoders a calibration on ``device_type`` times."""
+    return (CUDA_REFERENCE, CUDA_MOE_REFERENCE) if device_type == "cuda" else (REFERENCE, MOE_REFERENCE)
 
 
 def _decoder_seconds(
-    config: dict, layers: int, dtype: torch.dtype, repeats: int, tp_mesh=None, recompute: str = "none"
+    config: dict,
+    layers: int,
+    dtype: torch.dtype,
+    repeats: int,
+    tp_mesh=None,
+    recompute: str = "none",
+    device: torch.device = CPU,
 ) -> tuple[float, float]:
     """Median (forward, backward) seconds of a ``CausalLM`` of ``config`` with ``layers`` blocks on one sequence of
     ``max_seq_len`` tokens (loss included), under the DTensor TP plan on ``tp_mesh`` if given, each block recomputed
@@ -343,9 +423,9 @@ def _decoder_seconds(
     from lightning_flagscale.parallel.tensor import apply_tp
 
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config["vocab_size"], (1, config["max_seq_len"]), generator=generator)
+    ids = torch.randint(0, config["vocab_size"], (1, config["max_seq_len"]), generator=generator).to(device)
     torch.manual_seed(0)
-    model = CausalLM(TransformerConfig(**dict(config, num_layers=layers))).to(dtype)
+    model = CausalLM(TransformerConfig(**dict(config, num_layers=layers))).to(device=device, dtype=dtype)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=False)
     if recompute != "none":
@@ -355,15 +435,19 @@ def _decoder_seconds(
         loss = model.loss_fn(model(ids), ids)
         return loss, loss.backward
 
-    return _forward_backward_seconds(run, repeats)
+    return _forward_backward_seconds(run, repeats, device)
 
 
 def measure_blocks(
-    config: dict, dtype: torch.dtype = torch.float32, repeats: int = 5, recompute: str = "none"
+    config: dict,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+    recompute: str = "none",
+    device: torch.device = CPU,
 ) -> tuple[float, float, float, float]:
     """(forward, backward) seconds of a decoder of ``config`` with one block, then with three (``_decoder_seconds``):
     what :func:`_block_residual` turns into a per-block overhead."""
-    one, three = (_decoder_seconds(config, n, dtype, repeats, recompute=recompute) for n in (1, 3))
+    one, three = (_decoder_seconds(config, n, dtype, repeats, recompute=recompute, device=device) for n in (1, 3))
     return (*one, *three)
 
 
@@ -376,31 +460,37 @@ def _block_residual(
     from lightning_flagscale.tune.cost import _rank_pass
 
     one_rank = ParallelConfig(**parallel).resolve(1)
-    pred = [_rank_pass(TransformerConfig(**dict(config, num_layers=n)), one_rank, REFERENCE["max_seq_len"], profile)
+    pred = [_rank_pass(TransformerConfig(**dict(config, num_layers=n)), one_rank, config["max_seq_len"], profile)
             for n in (1, 3)]  # fmt: skip
     pred_f, pred_b = (pred[1].f - pred[0].f) / 2, (pred[1].b - pred[0].b) / 2
     meas_f, meas_b = (busy[2] - busy[0]) / 2, (busy[3] - busy[1]) / 2
     return max(0.0, meas_f - pred_f), max(0.0, meas_b - pred_b)
 
 
-def selective_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
+def selective_block_overhead(
+    profile: HardwareProfile, busy: Sequence[float], reference: dict = REFERENCE
+) -> tuple[float, float]:
     """(forward, backward) seconds selective recompute adds to a :data:`REFERENCE` block beyond what ``profile``
     predicts for it (the recomputed memory-bound kernels), from :func:`measure_blocks`' busy times (under selective recompute): torch's
     selective-checkpoint dispatch mode asks the policy about every op in forward and again in the recompute, and
     caches the saved outputs. On this CPU ~1 ms forward and ~1.5 ms backward a block (at this size selective
     recompute costs more time than full recompute; at h = 1024 and 512 tokens it costs 5% against full's 23%)."""
-    return _block_residual(profile, REFERENCE, {"recompute": "selective"}, busy)
+    return _block_residual(profile, reference, {"recompute": "selective"}, busy)
 
 
-def moe_block_overhead(profile: HardwareProfile, busy: Sequence[float]) -> tuple[float, float]:
+def moe_block_overhead(
+    profile: HardwareProfile, busy: Sequence[float], reference: dict = MOE_REFERENCE
+) -> tuple[float, float]:
     """(forward, backward) seconds one MoE block of :data:`MOE_REFERENCE` took beyond what ``profile`` predicts for
     it, from :func:`measure_blocks`' busy times (the difference of three blocks and one: the ends cancel): the
     routing, the dispatch's index gathers and their scatter-add backward, per-expert launches. On this CPU
     0.4-0.6 ms forward and nothing in backward, once the GEMMs are priced by their row count (``gemm_rows``)."""
-    return _block_residual(profile, MOE_REFERENCE, {}, busy)
+    return _block_residual(profile, reference, {}, busy)
 
 
-def measure_tp_overhead(tp_mesh, dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[float, ...]:
+def measure_tp_overhead(
+    tp_mesh, dtype: torch.dtype = torch.float32, repeats: int = 5, device: torch.device = CPU, reference=REFERENCE
+) -> tuple[float, ...]:
     """Host seconds the DTensor tensor-parallel plan adds to the :data:`REFERENCE` decoder, by pass: ``(per block
     forward, per block backward, embedding + head + loss forward, their backward)``.
 
@@ -409,32 +499,36 @@ def measure_tp_overhead(tp_mesh, dtype: torch.dtype = torch.float32, repeats: in
     blocks) separate the per-block part from the ends. On this CPU: ~4 ms per block, about a block's compute."""
     extra = {}
     for layers in (1, 3):
-        plain = _decoder_seconds(REFERENCE, layers, dtype, repeats)
-        planned = _decoder_seconds(REFERENCE, layers, dtype, repeats, tp_mesh)
+        plain = _decoder_seconds(reference, layers, dtype, repeats, device=device)
+        planned = _decoder_seconds(reference, layers, dtype, repeats, tp_mesh, device=device)
         extra[layers] = [max(0.0, t - p) for p, t in zip(plain, planned, strict=True)]
     block = [max(0.0, (three - one) / 2) for one, three in zip(extra[1], extra[3], strict=True)]
     ends = [max(0.0, one - b) for one, b in zip(extra[1], block, strict=True)]
     return (*block, *ends)
 
 
-def measure_blocking_collective(group, calls: int = 60, gemms: int = 4, repeats: int = 3) -> float:
+def measure_blocking_collective(
+    group, calls: int = 60, gemms: int = 4, repeats: int = 3, device: torch.device = CPU
+) -> float:
     """Wall seconds a blocking collective adds to a loop that computes between calls, every rank at once.
 
     Each rank of ``group`` runs ``gemms`` small GEMMs then a 4 KiB all-reduce over ``group``, against the GEMMs
     alone. With more ranks than cores a peer is often descheduled when the call comes: the wait (0.6-0.9 ms for 2 of
     4 ranks on 2 cores here) is what tensor- and expert-parallel collectives cost inside a step, not the latency
     of an idle ping-pong."""
-    x = torch.randn(64, 512, dtype=torch.bfloat16)
-    w = torch.randn(1536, 512, dtype=torch.bfloat16)
-    buf = torch.ones(1024)
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device=device)
+    w = torch.randn(1536, 512, dtype=torch.bfloat16, device=device)
+    buf = torch.ones(1024, device=device)
 
     def loop(collective: bool) -> float:
+        _sync(device)
         start = time.perf_counter()
         for _ in range(calls):
             for _ in range(gemms):
                 torch.nn.functional.linear(x, w)
             if collective:
                 dist.all_reduce(buf, group=group)
+        _sync(device)
         return time.perf_counter() - start
 
     loop(True)  # warm-up
@@ -450,18 +544,21 @@ def measure_blocking_collective(group, calls: int = 60, gemms: int = 4, repeats:
 PIPELINE_MICROBATCHES = 8
 
 
-def measure_pipeline_run(microbatches: int = PIPELINE_MICROBATCHES, repeats: int = 5) -> float:
+def measure_pipeline_run(
+    microbatches: int = PIPELINE_MICROBATCHES, repeats: int = 5, device: torch.device = CPU
+) -> float:
     """Wall seconds of one GPipe run over every rank of the default process group, each a stage of one 8x8 linear
     (the median over ``repeats`` runs after a warm-up, each run timed from a barrier to the last rank's end)."""
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    stage = PipelineStage(nn.Linear(8, 8), rank, world, torch.device("cpu"))
+    stage = PipelineStage(nn.Linear(8, 8).to(device), rank, world, device)
     schedule = ScheduleGPipe(stage, microbatches, loss_fn=lambda out, target: out.float().pow(2).mean())
-    x = torch.randn(microbatches, 8)
+    x = torch.randn(microbatches, 8, device=device)
     times = []
     for _ in range(repeats + 2):
+        _sync(device)
         dist.barrier()
         start = time.perf_counter()
         if rank == 0:
@@ -470,6 +567,7 @@ def measure_pipeline_run(microbatches: int = PIPELINE_MICROBATCHES, repeats: int
             schedule.step(target=x, losses=[])
         else:
             schedule.step()
+        _sync(device)
         times.append(time.perf_counter() - start)
     per_rank: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(per_rank, times[2:])
@@ -494,34 +592,37 @@ def pipeline_action_overhead(seconds: float, p: int, microbatches: int, hop: flo
     return (lo + hi) / 2
 
 
-def reference_compute_scale(profile: HardwareProfile, busy_seconds: float) -> float:
-    """The ``compute_scale`` with which ``profile`` predicts the :data:`REFERENCE` step's measured busy time."""
+def reference_compute_scale(profile: HardwareProfile, busy_seconds: float, reference: dict = REFERENCE) -> float:
+    """The ``compute_scale`` with which ``profile`` predicts the ``reference`` step's measured busy time."""
     from lightning_flagscale.config import ParallelConfig, TransformerConfig
     from lightning_flagscale.tune.cost import _rank_pass
 
-    config = TransformerConfig(**REFERENCE)
+    config = TransformerConfig(**reference)
     one = _rank_pass(config, ParallelConfig().resolve(1), config.max_seq_len, profile.replace(compute_scale=1.0))
     return (one.f + one.b) / busy_seconds
 
 
 def measure_memory_bandwidth(
-    numel: int = 8 * 1024 * 1024, repeats: int = 3, dtype: torch.dtype = torch.float32
+    numel: int = 8 * 1024 * 1024, repeats: int = 3, dtype: torch.dtype = torch.float32, device: torch.device = CPU
 ) -> float:
     """Bytes/s of an out-of-place add in ``dtype`` (two reads, one write)."""
-    a, b, c = torch.randn(numel, dtype=dtype), torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-    return 3 * a.element_size() * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
+    a, b = (torch.randn(numel, dtype=dtype, device=device) for _ in range(2))
+    c = torch.empty(numel, dtype=dtype, device=device)
+    return 3 * a.element_size() * numel / _median_seconds(lambda: torch.add(a, b, out=c), repeats, device)
 
 
-def measure_optimizer_step(numel: int = 4 * 1024 * 1024, repeats: int = 3, tensors: int = 2) -> float:
+def measure_optimizer_step(
+    numel: int = 4 * 1024 * 1024, repeats: int = 3, tensors: int = 2, device: torch.device = CPU
+) -> float:
     """Seconds per parameter of the optimizer phase over ``numel`` fp32 main parameters in ``tensors`` flat buffers
     (our gradient buckets): finiteness check, global-norm clip, AdamW step (weight decay on), bf16 weight copy."""
     from lightning_flagscale.parallel.data import clip_grad_norm_, grads_finite
 
     sizes = [numel // tensors] * tensors
-    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    weights = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    weights = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes]
     optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1)
 
     def step() -> None:
@@ -532,7 +633,7 @@ def measure_optimizer_step(numel: int = 4 * 1024 * 1024, repeats: int = 3, tenso
             w.copy_(p.detach())
 
     step()  # allocates the Adam moments
-    return _median_seconds(step, repeats) / numel
+    return _median_seconds(step, repeats, device) / numel
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -555,19 +656,21 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     return max(0.0, alpha), 1.0 / slope
 
 
-def _run_collective(kind: str, nbytes: int, group, n: int, rank: int) -> Callable[[], object]:
+def _run_collective(
+    kind: str, nbytes: int, group, n: int, rank: int, device: torch.device = CPU
+) -> Callable[[], object]:
     numel = max(n, nbytes // 4 // n * n)
-    x = torch.ones(numel)
+    x = torch.ones(numel, device=device)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(x, group=group)
     if kind == "all_gather":  # nccl-tests' size is the gathered output
-        shard, out = torch.ones(numel // n), torch.empty(numel)
+        shard, out = torch.ones(numel // n, device=device), torch.empty(numel, device=device)
         return lambda: all_gather(out, shard, group=group)
     if kind == "reduce_scatter":
-        out = torch.empty(numel // n)
+        out = torch.empty(numel // n, device=device)
         return lambda: reduce_scatter(out, x, group=group)
     if kind == "all_to_all":
-        out = torch.empty(numel)
+        out = torch.empty(numel, device=device)
         return lambda: dist.all_to_all_single(out, x, group=group)
     peer = rank ^ 1  # p2p: ranks 2i and 2i+1 exchange one buffer each way per call (send then receive)
 
@@ -598,30 +701,38 @@ def _collective_worker(
     optimizer_numel: int,
     dtype: torch.dtype | None,
     queue,
+    device_type: str = "cpu",
 ):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device_type == "cuda":  # one GPU a rank, NCCL between them (what training runs)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = CPU
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         times = _WorldTimes()
         if optimizer_numel:  # every rank at once, as in training (they share the memory bus and the cores)
             dist.barrier()
-            seconds = measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4)
+            seconds = measure_optimizer_step(optimizer_numel, max(repeats, 5), tensors=4, device=device)
             times = dataclasses.replace(times, optimizer=_all_ranks_median(seconds, world))
         if dtype is not None:  # the reference decoder step, every rank at once too
             from torch.distributed.device_mesh import init_device_mesh
 
+            dense, sparse = references(device_type)
             dist.barrier()
-            reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5)), world)
-            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+            reference = _all_ranks_median(measure_reference_step(dtype, max(repeats, 5), device, dense), world)
+            mesh = init_device_mesh(device_type, (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
             dist.barrier()
-            overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5))
+            overhead = measure_tp_overhead(mesh, dtype, max(repeats, 5), device, dense)
             dist.barrier()
-            moe = measure_blocks(MOE_REFERENCE, dtype, max(repeats, 5))
+            moe = measure_blocks(sparse, dtype, max(repeats, 5), device=device)
             dist.barrier()
-            selective = measure_blocks(REFERENCE, dtype, max(repeats, 5), recompute="selective")
+            selective = measure_blocks(dense, dtype, max(repeats, 5), recompute="selective", device=device)
             dist.barrier()
-            pipeline = measure_pipeline_run(repeats=max(repeats, 5))
+            pipeline = measure_pipeline_run(repeats=max(repeats, 5), device=device)
             times = dataclasses.replace(
                 times,
                 reference=reference,
@@ -630,7 +741,9 @@ def _collective_worker(
                 moe=tuple(_all_ranks_median(v, world) for v in moe),
                 selective=tuple(_all_ranks_median(v, world) for v in selective),
                 blocking={
-                    n: _all_ranks_median(measure_blocking_collective(dist.new_subgroups(group_size=n)[0]), world)
+                    n: _all_ranks_median(
+                        measure_blocking_collective(dist.new_subgroups(group_size=n)[0], device=device), world
+                    )
                     for n in groups
                     if world % n == 0
                 },
@@ -647,14 +760,14 @@ def _collective_worker(
                 for nbytes in sizes:
                     dist.barrier()
                     if concurrent or rank < n:
-                        fn = _run_collective(kind, nbytes, group, n, rank)
-                        seconds = _median_seconds(fn, repeats)
+                        fn = _run_collective(kind, nbytes, group, n, rank, device)
+                        seconds = _median_seconds(fn, repeats, device)
                         if kind == "p2p":
                             seconds /= 2  # one call moves the buffer both ways
                         results[kind].setdefault(n, []).append((algorithm_factor(kind, n) * nbytes, seconds))
             dist.barrier()
         if dtype is not None:  # last: Lightning's Trainer joins this world's process group
-            times = dataclasses.replace(times, loop=measure_training_loop())
+            times = dataclasses.replace(times, loop=measure_training_loop(device=device))
         if rank == 0:
             queue.put((results, times))
     finally:
@@ -668,10 +781,11 @@ def _free_port() -> int:
 
 
 def measure_collectives(
-    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3, worlds: int = 1
+    group_sizes: Sequence[int], sizes: Sequence[int], repeats: int = 3, worlds: int = 1, device_type: str = "cpu"
 ) -> dict[str, dict[int, LinkPoint]]:
-    """Fitted alpha-beta points per collective and group size, from spawned gloo worlds of ``max(group_sizes)``."""
-    return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0, worlds=worlds)[0]
+    """Fitted alpha-beta points per collective and group size, from spawned worlds of ``max(group_sizes)`` ranks
+    (gloo on CPU processes, NCCL with one GPU a rank for ``device_type="cuda"``)."""
+    return _measure_world(group_sizes, sizes, repeats, optimizer_numel=0, worlds=worlds, device_type=device_type)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -750,6 +864,7 @@ def _measure_world(
     optimizer_numel: int,
     worlds: int = 1,
     dtype: torch.dtype | None = None,
+    device_type: str = "cpu",
 ) -> tuple[dict[str, dict[int, LinkPoint]], _WorldTimes]:
     """(collective points, what all ranks timed at once: :class:`_WorldTimes`, the parts that need ``dtype`` only
     with it), each the median over ``worlds`` freshly spawned process worlds: with more ranks than cores, how the
@@ -761,7 +876,7 @@ def _measure_world(
     draws: list[tuple] = []
     for _ in range(worlds):
         results = ctx.Queue()
-        args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, results)
+        args = (world, _free_port(), list(sizes), groups, repeats, optimizer_numel, dtype, results, device_type)
         draws.append(_run_world(_collective_worker, args, world, results))
     out: dict[str, dict[int, LinkPoint]] = {}
     for kind, by_n in draws[0][0].items():
@@ -811,65 +926,133 @@ def _gemm_rates(linear: list[tuple[float, float, float, float]]) -> list[tuple[f
     return [(f, statistics.median(rates)) for f, rates in sorted(by_flops.items())]
 
 
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The sizes a calibration times: small enough for a CPU, large enough to reach a GPU's rates."""
+
+    gemm_sizes: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    """Causal SDPA forward lengths for ``attention_efficiency``."""
+    message_bytes: tuple[int, ...]
+    attention_calls: tuple[int, ...]
+    """Sequence lengths of the per-call attention curves (``attention_calls``, ``attention_kernels``)."""
+    attention_heads: int
+    attention_head_dim: int
+    ring_blocks: tuple[int, ...]
+    rows_width: int
+    """Width of the layer ``gemm_rows`` runs few tokens through."""
+    memory_numel: int
+
+
+CPU_SHAPES = Shapes(
+    gemm_sizes=(64, 128, 256, 512, 1024), seq_lens=(256, 1024),
+    message_bytes=(4 << 10, 256 << 10, 4 << 20, 4 * DEFAULT_BUCKET_NUMEL),
+    attention_calls=(16, 32, 64, 128, 256, 1024), attention_heads=8, attention_head_dim=64,
+    ring_blocks=(8, 16, 32, 64, 128, 256), rows_width=1024, memory_numel=8 * 1024 * 1024,
+)  # fmt: skip
+CUDA_SHAPES = Shapes(
+    gemm_sizes=(512, 1024, 2048, 4096, 8192), seq_lens=(2048, 8192),
+    message_bytes=(64 << 10, 1 << 20, 16 << 20, 4 * DEFAULT_BUCKET_NUMEL, 256 << 20),
+    attention_calls=(512, 1024, 2048, 4096, 8192, 16384), attention_heads=16, attention_head_dim=128,
+    ring_blocks=(256, 512, 1024, 2048, 4096), rows_width=4096, memory_numel=256 * 1024 * 1024,
+)  # fmt: skip
+"""A GPU's sizes: GEMMs to 8192 (an H100 reaches its rate past 4096), attention calls to 16K tokens at head dim 128
+(the FlashAttention-3 paper's benchmark range), messages to 256 MiB (NCCL's bandwidth plateau)."""
+
+FUSED_BACKENDS = ("flash_attn", "transformer_engine")
+
+
 def calibrate(
     *,
     group_sizes: Sequence[int] = (2, 4),
-    message_bytes: Sequence[int] = (4 << 10, 256 << 10, 4 << 20, 4 * DEFAULT_BUCKET_NUMEL),
-    gemm_sizes: Sequence[int] = (64, 128, 256, 512, 1024),
-    seq_lens: Sequence[int] = (256, 1024),
+    message_bytes: Sequence[int] | None = None,
+    gemm_sizes: Sequence[int] | None = None,
+    seq_lens: Sequence[int] | None = None,
     repeats: int = 3,
     memory_bytes: float | None = None,
     name: str = "calibrated",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     threads: int | None = None,
     optimizer_numel: int = 16 * 1024 * 1024,
     worlds: int = 3,
+    device: str | None = None,
 ) -> HardwareProfile:
     """Measure this machine (see the module docstring) and return its profile; ``devices_per_node`` is the largest
-    group measured (the processes that share this machine's links). ``dtype``: the compute dtype training runs its
-    GEMMs, attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``). ``threads``: the intra-op
-    threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run single-threaded; on a loaded
-    machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms per call, which is not what a
-    single-threaded rank sees); default: this process's setting. ``optimizer_numel``: fp32 main parameters per rank
-    the optimizer phase is timed on. ``worlds``: process worlds spawned for the collectives and the optimizer phase
-    (the median of each point over them)."""
+    group measured (the processes that share this machine's links). ``device``: ``"cpu"`` (CPU processes over gloo)
+    or ``"cuda"`` (one GPU a rank, NCCL, every kernel timed to the device's completion, and the ``attention_kernels``
+    of each fused backend installed: flash-attn, Transformer Engine); default: ``cuda`` when this machine has a GPU.
+    Sizes left ``None`` take the device's :class:`Shapes`. ``dtype``: the compute dtype training runs its GEMMs,
+    attention and elementwise kernels in (``torch.bfloat16`` for ``bf16-mixed``; default: fp32 on CPU, bf16 on a
+    GPU). ``threads``: the intra-op threads of one training rank (CPU ranks launched with ``OMP_NUM_THREADS=1`` run
+    single-threaded; on a loaded machine a multi-threaded kernel waits for its descheduled helper threads, ~20 ms
+    per call, which is not what a single-threaded rank sees); default: this process's setting. ``optimizer_numel``:
+    fp32 main parameters per rank the optimizer phase is timed on. ``worlds``: process worlds spawned for the
+    collectives and the optimizer phase (the median of each point over them)."""
     if optimizer_numel <= 0:
         raise ValueError(f"optimizer_numel={optimizer_numel}: the optimizer phase needs parameters to time; pass > 0.")
     if worlds < 1:
         raise ValueError(f"worlds={worlds}: spawn at least one process world to time the collectives.")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: calibrate 'cpu' processes or 'cuda' devices.")
+    world = max(max(group_sizes), 2)
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world:
+            raise ValueError(
+                f"Calibrating CUDA devices over groups of {world} needs {world} GPUs (one a rank); this machine has"
+                f" {gpus}. Pass smaller --calibrate-groups (at least 2 GPUs: the links are measured between them)."
+            )
+    shapes = CUDA_SHAPES if device == "cuda" else CPU_SHAPES
+    shapes = dataclasses.replace(
+        shapes,
+        gemm_sizes=tuple(gemm_sizes or shapes.gemm_sizes),
+        seq_lens=tuple(seq_lens or shapes.seq_lens),
+        message_bytes=tuple(message_bytes or shapes.message_bytes),
+    )
+    if dtype is None:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         return _calibrate(
-            group_sizes,
-            message_bytes,
-            gemm_sizes,
-            seq_lens,
-            repeats,
-            memory_bytes,
-            name,
-            dtype,
-            optimizer_numel,
-            worlds,
+            group_sizes, shapes, repeats, memory_bytes, name, dtype, optimizer_numel, worlds, torch.device(device)
         )
     finally:
         torch.set_num_threads(saved)
 
 
+def _fused_kernels(device: torch.device) -> list[str]:
+    """The fused attention backends this device can run (installed, on a GPU)."""
+    from lightning_flagscale.parallel.attention_kernels import get_attention_kernel
+
+    if device.type != "cuda":
+        return []
+    out = []
+    for backend in FUSED_BACKENDS:
+        try:
+            get_attention_kernel(backend)
+        except RuntimeError:  # not installed
+            continue
+        out.append(backend)
+    return out
+
+
 def _calibrate(
     group_sizes: Sequence[int],
-    message_bytes: Sequence[int],
-    gemm_sizes: Sequence[int],
-    seq_lens: Sequence[int],
+    shapes: Shapes,
     repeats: int,
     memory_bytes: float | None,
     name: str,
     dtype: torch.dtype,
     optimizer_numel: int,
     worlds: int,
+    device: torch.device = CPU,
 ) -> HardwareProfile:
-    linear = measure_linear_gemms(gemm_sizes, dtype, repeats=repeats)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    linear = measure_linear_gemms(shapes.gemm_sizes, dtype, repeats=repeats, device=device)
     gemm_rates = _gemm_rates(linear)
     peak = max(rate for _, rate in gemm_rates)
     # backward layouts relative to the forward one at the same size: the median over shapes
@@ -879,42 +1062,65 @@ def _calibrate(
     # each row count's rate over what its FLOPs alone give on the curve; from 512 rows up, the curve itself
     gemm_rows = [
         (float(r), rate / (peak * _log_linear(gemm, flops)))
-        for r, flops, rate in measure_gemm_rows(dtype=dtype, repeats=repeats)
+        for r, flops, rate in measure_gemm_rows(width=shapes.rows_width, dtype=dtype, repeats=repeats, device=device)
     ] + [(512.0, 1.0)]
-    attention = measure_attention(seq_lens, repeats=repeats, dtype=dtype)
+    attention = measure_attention(shapes.seq_lens, repeats=repeats, dtype=dtype, device=device)
 
     def rates(points: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
         return [(f, f / (fwd * peak), 2.5 * f / (bwd * peak)) for f, fwd, bwd in points]
 
-    attention_calls = rates(measure_attention_calls(repeats=repeats, dtype=dtype))
-    ring_blocks = rates(measure_ring_blocks(repeats=repeats, dtype=dtype))
-    links, times = _measure_world(group_sizes, message_bytes, repeats, optimizer_numel, worlds, dtype)
+    heads, head_dim = shapes.attention_heads, shapes.attention_head_dim
+    attention_calls = rates(measure_attention_calls(shapes.attention_calls, heads, head_dim, repeats, dtype, device))
+    # the block kernel ring CP runs with attn_backend="torch" (exact fp32 scores, on any device)
+    ring_blocks = rates(
+        measure_ring_blocks(shapes.ring_blocks, heads, max(1, heads // 2), head_dim, repeats, dtype, device)
+    )
+    kernels = {  # fused backends installed on this GPU: their own curves (tune prices each attn_backend by it)
+        b: rates(measure_attention_calls(shapes.attention_calls, heads, head_dim, repeats, dtype, device, backend=b))
+        for b in _fused_kernels(device)
+    }
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the worlds' rank 0 shares this GPU: hand back what the kernels above cached
+    links, times = _measure_world(
+        group_sizes, shapes.message_bytes, repeats, optimizer_numel, worlds, dtype, device_type=device.type
+    )
     assert times.optimizer is not None and times.reference is not None and times.pipeline is not None
     assert times.loop is not None and times.tp_overhead is not None
     assert times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
-    units = float(os.cpu_count() or 0)
-    if memory_bytes is None:
-        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
-    per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
     dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":  # a GPU a rank: nothing shared to charge, busy time is wall time
+        units = 0.0
+        device_type = torch.cuda.get_device_name(device)
+        if memory_bytes is None:
+            memory_bytes = float(torch.cuda.get_device_properties(device).total_memory)
+        setup = f"NCCL, {world} x {device_type}, {dtype_name}; attention kernels: {', '.join(kernels) or 'none'}"
+    else:
+        units = float(os.cpu_count() or 0)
+        device_type = f"cpu-{torch.get_num_threads()}threads"
+        if memory_bytes is None:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+        setup = f"gloo, CPU, {dtype_name}"
+    per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
+    bandwidth = measure_memory_bandwidth(shapes.memory_numel, repeats, dtype, device)
     profile = HardwareProfile(
-        name=name, device_type=f"cpu-{torch.get_num_threads()}threads", peak_flops=peak, memory_bytes=memory_bytes,
-        hbm_bandwidth=measure_memory_bandwidth(repeats=repeats, dtype=dtype), devices_per_node=world,
+        name=name, device_type=device_type, peak_flops=peak, memory_bytes=memory_bytes,
+        hbm_bandwidth=bandwidth, devices_per_node=world,
         compute_units_per_node=units,
         gemm=gemm, gemm_rows=gemm_rows,
         attention_efficiency=min(1.0, attention / peak),
-        attention_calls=attention_calls, ring_blocks=ring_blocks,
+        attention_calls=attention_calls, ring_blocks=ring_blocks, attention_kernels=kernels,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,
         optimizer_seconds_per_param=_busy_seconds(times.optimizer, world, units),
         tp_overhead=tuple(_busy_seconds(t, world, units) for t in times.tp_overhead),
         blocking_collective=sorted((float(n), t) for n, t in times.blocking.items()),
         links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
-        source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; gloo, CPU, "
-        f"{dtype_name}; inter-node points copy the intra-node ones; compute_scale from the reference decoder step)",
+        source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; {setup}; "
+        "inter-node points copy the intra-node ones; compute_scale from the reference decoder step)",
     )  # fmt: skip
+    dense, sparse = references(device.type)
     profile = profile.replace(
-        compute_scale=reference_compute_scale(profile, _busy_seconds(times.reference, world, units))
+        compute_scale=reference_compute_scale(profile, _busy_seconds(times.reference, world, units), dense)
     )
 
     def busy(walls: Sequence[float]) -> list[float]:
@@ -922,8 +1128,8 @@ def _calibrate(
 
     hop = profile.collective_seconds("p2p", 8 * 4, 2)  # one micro-batch of the trivial stage between two ranks
     profile = profile.replace(
-        moe_overhead=moe_block_overhead(profile, busy(times.moe)),
-        selective_overhead=selective_block_overhead(profile, busy(times.selective)),
+        moe_overhead=moe_block_overhead(profile, busy(times.moe), sparse),
+        selective_overhead=selective_block_overhead(profile, busy(times.selective), dense),
         pipeline_action_overhead=pipeline_action_overhead(
             times.pipeline, world, PIPELINE_MICROBATCHES, hop, min(units, world) if units > 0 else world
         ),

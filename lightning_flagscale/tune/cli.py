@@ -43,8 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile JSON")
     p.add_argument("--calibrate-out", default="hardware_profile.json")
     p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
-    p.add_argument("--calibrate-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="dtype of the GEMM/attention/memory benchmarks: the one training computes in")  # fmt: skip
+    p.add_argument("--calibrate-dtype", choices=("fp32", "bf16"),
+                   help="dtype of the GEMM/attention/memory benchmarks: the one training computes in (default: fp32"
+                   " on CPU processes, bf16 on GPUs)")  # fmt: skip
+    p.add_argument("--calibrate-device", choices=("cpu", "cuda"),
+                   help="measure CPU processes (gloo) or CUDA devices (NCCL, one a rank; flash-attn and Transformer"
+                   " Engine kernels when installed); default: cuda when this machine has a GPU")  # fmt: skip
     p.add_argument(
         "--calibrate-threads", type=int, help="intra-op threads of one rank (1 for CPU ranks that share a host)"
     )
@@ -112,11 +116,16 @@ def _calibrate(args: argparse.Namespace) -> None:
     from lightning_flagscale.tune.calibrate import calibrate
 
     groups = tuple(int(x) for x in args.calibrate_groups.split(","))
-    kw = dict(group_sizes=groups, threads=args.calibrate_threads)
-    if args.calibrate_dtype == "bf16":  # CPU bf16 GEMMs can run at ~1 GFLOP/s: keep the shapes small
-        profile = calibrate(**kw, dtype=torch.bfloat16, gemm_sizes=(64, 128, 256, 512))
-    else:
+    device = args.calibrate_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kw: dict[str, Any] = dict(group_sizes=groups, threads=args.calibrate_threads, device=device)
+    if args.calibrate_dtype:
+        kw["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.calibrate_dtype]
+    if device == "cpu" and args.calibrate_dtype == "bf16":  # CPU bf16 GEMMs can run at ~1 GFLOP/s: small shapes
+        kw["gemm_sizes"] = (64, 128, 256, 512)
+    try:
         profile = calibrate(**kw)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     profile.save(args.calibrate_out)
     ar = profile.link("all_reduce", max(groups), "intra")
     print(f"wrote {args.calibrate_out}: peak {profile.peak_flops / 1e9:.1f} GFLOP/s, attention"
