@@ -445,11 +445,11 @@ def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
 
 
 def test_hetero_mesh_planner_tries_every_schedule():
-    # With two model chunks per stage group the fill and drain shrink: with free links and the same layers, the
-    # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/2) slowest-stage slots, zero-bubble fills what is
-    # left of each slot with deferred weight gradients (ZBV the same), DualPipeV leaves f + 2b - 3w of a slot (more
-    # than zero-bubble's f + b - 2w, and more than a whole slot when TP's exposed collectives make b > 3w).
-    # Every plan validates as the strategy's config.
+    # With v model chunks per stage group the fill and drain shrink: with free links and the same layers, the
+    # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/v) slowest-stage slots (v = 2 and 4), zero-bubble
+    # fills what is left of each slot with deferred weight gradients (ZBV, two chunks, the same as zero-bubble's two),
+    # DualPipeV leaves f + 2b - 3w of a slot (more than zero-bubble's f + b - 2w, and more than a whole slot when TP's
+    # exposed collectives make b > 3w). Every plan validates as the strategy's config.
     from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
 
     free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
@@ -461,31 +461,43 @@ def test_hetero_mesh_planner_tries_every_schedule():
     groups = _h100_a100(with_free_links)
     kw = dict(seq_len=4096, global_batch=16, micro_batch_size=1, zero_stage=1, recompute="none")
     plans = plan_hetero(model, groups, **kw)
-    names = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-    assert {p.parallel["pipeline_schedule"] for p in plans} == set(names)
+    kinds = [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2), ("zero_bubble", 4),
+             ("zbv", 2), ("dualpipev", 2)]  # fmt: skip
+
+    def kind(p):
+        return p.parallel["pipeline_schedule"], p.parallel.get("virtual_pipeline_parallel_size", 1)
+
+    assert {kind(p) for p in plans} == set(kinds)
     for p in plans:
         c = p.config(16)
         c.stage_group_configs(model.num_layers)
-        assert c.virtual_pipeline_parallel_size == (1 if p.parallel["pipeline_schedule"] == "1f1b" else 2)
+        assert (c.pipeline_schedule, c.virtual_pipeline_parallel_size) == kind(p)
 
     def key(p):
         return json.dumps(p.parallel["hetero_meshes"]), p.parallel["micro_batch_size"]
 
-    by = {name: {key(p): p for p in plans if p.parallel["pipeline_schedule"] == name} for name in names}
+    by = {k: {key(p): p for p in plans if kind(p) == k} for k in kinds}
     checked = 0
-    for k, one in by["1f1b"].items():
-        il, zb, zbv, dpv = (by[name].get(k) for name in names[1:])
-        if any(p is None or p.parallel["hetero_layers"] != one.parallel["hetero_layers"] for p in (il, zb, zbv, dpv)):
+    for k, one in by[("1f1b", 1)].items():
+        il2, il4, zb2, zb4, zbv, dpv = (by[name].get(k) for name in kinds[1:])
+        same = (il2, il4, zb2, zb4, zbv, dpv)
+        if any(p is None or p.parallel["hetero_layers"] != one.parallel["hetero_layers"] for p in same):
             continue
         stages, slowest = len(one.stage_seconds), max(one.stage_seconds)
-        assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest / 2, rel=1e-9)
-        assert zb.step_seconds < il.step_seconds and zbv.step_seconds == pytest.approx(zb.step_seconds, rel=1e-12)
-        assert zb.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
+        for v, il in ((2, il2), (4, il4)):
+            assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest * (1 - 1 / v), rel=1e-9)
+        assert zb2.step_seconds < il2.step_seconds and zb4.step_seconds < il4.step_seconds
+        assert zbv.step_seconds == pytest.approx(zb2.step_seconds, rel=1e-12)
+        assert zb2.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
         checked += 1
     assert checked > 0
     # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B
-    first = next(k for k in by["1f1b"] if k in by["interleaved_1f1b"])
-    assert by["interleaved_1f1b"][first].memory_bytes[0] > by["1f1b"][first].memory_bytes[0]
+    first = next(k for k in by[("1f1b", 1)] if k in by[("interleaved_1f1b", 2)])
+    assert by[("interleaved_1f1b", 2)][first].memory_bytes[0] > by[("1f1b", 1)][first].memory_bytes[0]
+    only = plan_hetero(model, groups, **kw, schedule="interleaved_1f1b", virtual_size=4)
+    assert only and {kind(p) for p in only} == {("interleaved_1f1b", 4)}
+    with pytest.raises(ValueError, match="virtual_size=1: multi-chunk schedules hold at least 2"):
+        plan_hetero(model, groups, **kw, virtual_size=1)
     with pytest.raises(ValueError, match=r"schedule=\['gpipe'\]: the mesh planner plans"):
         plan_hetero(model, groups, **kw, schedule=("1f1b", "gpipe"))
 

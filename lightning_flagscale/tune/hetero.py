@@ -8,9 +8,9 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
   mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
   bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``m + S - 1``
-  slots over S stages and m micro-batches; interleaved 1F1B, zero-bubble, ZBV and DualPipeV with two model chunks
-  per stage group: ``(S - 1) / 2`` fill-and-drain slots, the zero-bubble family's filled with deferred weight
-  gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary
+  slots over S stages and m micro-batches; interleaved 1F1B and zero-bubble with v = 2 or 4 model chunks per stage
+  group (``VIRTUAL_SIZES``), ZBV and DualPipeV with two: ``(S - 1) / v`` fill-and-drain slots, the zero-bubble
+  family's filled with deferred weight gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary
   (activations forward, their gradients back, exposed as the homogeneous model prices pipeline hops, over the
   inter-node links between device types), plus what compute does not hide of the slowest stage's data-parallel
   reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the strategy's bucket size). A stage
@@ -63,7 +63,23 @@ MICRO_BATCH_SIZES = (1, 2, 4)
 RECOMPUTE = ("none", "selective", "full")
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-"""Pipeline schedules the mesh planner tries (all but 1F1B with two model chunks per stage group)."""
+"""Pipeline schedules the mesh planner tries."""
+VIRTUAL_SIZES = (2, 4)
+"""Model chunks per stage group the looped multi-chunk schedules (interleaved 1F1B, zero-bubble) are tried with, as
+the homogeneous search tries them (``SearchSpace.virtual_sizes``); ZBV and DualPipeV hold two, 1F1B one."""
+
+
+def _schedule_chunks(schedules: Sequence[str], virtual_sizes: Sequence[int]) -> list[tuple[str, int]]:
+    """(schedule, model chunks per stage group) pairs to plan."""
+    out: list[tuple[str, int]] = []
+    for name in schedules:
+        if name == "1f1b":
+            out.append((name, 1))
+        elif SCHEDULE_SPECS[name].placement == "v":
+            out.append((name, 2))
+        else:
+            out.extend((name, v) for v in virtual_sizes)
+    return out
 
 
 def _values(value: Any) -> tuple:
@@ -156,28 +172,33 @@ def plan_hetero(
     recompute: str | Sequence[str] = RECOMPUTE,
     schedule: str | Sequence[str] = SCHEDULES,
     max_pp_per_mesh: int = 2,
+    virtual_size: int | Sequence[int] = VIRTUAL_SIZES,
 ) -> list[HeteroPlan]:
     """Mesh plans (one mesh per device group) that fit in memory, fastest first.
 
     ``micro_batch_size`` / ``schedule``: one value or the values to try (one plan per mesh layout, size and
-    schedule). ``zero_stage`` / ``recompute``: one value, or the values to try in order of preference; each plan
-    takes the first recompute policy (the least recomputation) and, with it, the first ZeRO stage that fit in
-    memory."""
+    schedule). ``virtual_size``: the model chunks per stage group interleaved 1F1B and zero-bubble are tried with
+    (ZBV and DualPipeV hold two). ``zero_stage`` / ``recompute``: one value, or the values to try in order of
+    preference; each plan takes the first recompute policy (the least recomputation) and, with it, the first ZeRO
+    stage that fit in memory."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
     unknown = sorted(set(_values(schedule)) - set(SCHEDULES))
     if unknown:
         raise ValueError(f"schedule={unknown}: the mesh planner plans {SCHEDULES}.")
+    if any(v < 2 for v in _values(virtual_size)):
+        raise ValueError(f"virtual_size={virtual_size}: multi-chunk schedules hold at least 2 model chunks a group.")
+    chunked = _schedule_chunks(_values(schedule), _values(virtual_size))
     plans = []
     meshes = itertools.product(*(_mesh_layouts(g, model, max_pp_per_mesh) for g in groups))
-    for layouts, mbs, name in itertools.product(list(meshes), _values(micro_batch_size), _values(schedule)):
+    for layouts, mbs, (name, v) in itertools.product(list(meshes), _values(micro_batch_size), chunked):
         if sum(pp for _, _, pp in layouts) < 2:
             continue
         samples = mbs * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
         for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
-            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc, name)
+            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc, name, v)
             if plan is not None:
                 plans.append(plan)
                 break
@@ -185,9 +206,9 @@ def plan_hetero(
     return plans
 
 
-def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b"):
-    """The plan of these mesh layouts under ``schedule``, or None when it cannot run or does not fit."""
-    v = 1 if schedule == "1f1b" else 2  # model chunks per stage group
+def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b", v=1):
+    """The plan of these mesh layouts under ``schedule`` with ``v`` model chunks per stage group, or None when it
+    cannot run or does not fit."""
     per_layer, passes, extra, configs, stage_groups = [], [], [], [], []
     for g, layout in zip(groups, layouts, strict=True):
         block, _, c = _stage_cost(model, layout, g, samples, seq_len, zero, recompute)
