@@ -97,6 +97,19 @@ def test_fused_attention_kernels_are_measured_where_installed(monkeypatch):
     assert [f for f, _, _ in sdpa] == [f for f, _, _ in causal]  # the same FLOPs convention as a fused curve
 
 
+def test_a_gpu_node_takes_the_network_between_nodes_from_its_builtin_profile():
+    # one node measures NVLink, not the network between nodes: an H100 node's profile keeps the built-in H100
+    # inter-node links (400G/GPU) rather than pricing multi-node plans at NVLink rates; an unknown GPU gets none
+    from lightning_flagscale.tune.calibrate import builtin_inter_node_links
+
+    name, links = builtin_inter_node_links("NVIDIA H100 80GB HBM3")
+    h100 = load_profile("h100")
+    assert name == "h100" and set(links) == set(COLLECTIVES)
+    assert all(links[k] == h100.links[k]["inter"] != h100.links[k]["intra"] for k in COLLECTIVES)
+    assert builtin_inter_node_links("NVIDIA A100-SXM4-80GB")[0] == "a100"
+    assert builtin_inter_node_links("NVIDIA L40S") is None
+
+
 def test_a_gpu_calibration_times_a_kernel_bound_reference():
     """``compute_scale`` is fitted on the reference decoder's step: on an H100 the CPU reference (14M parameters on
     64 tokens) would take under a millisecond of kernels, i.e. its launches, and set the factor for launch-bound

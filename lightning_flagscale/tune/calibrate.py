@@ -60,7 +60,9 @@ the fitted factors see kernel-bound steps, not a tiny model's launches), in bf16
 timing waits for the device to finish (``torch.cuda.synchronize``), and each fused attention backend installed
 (flash-attn, Transformer Engine) gets its own curve in ``attention_kernels``, through the block kernel ring
 attention calls. GPUs do not share compute the way CPU ranks share cores (``compute_units_per_node`` 0: busy time
-is wall time). The GPU path is written against torch's CUDA and NCCL APIs and flash-attn's / Transformer Engine's
+is wall time). One node cannot measure the network between nodes: an H100, H200 or A100 takes its built-in
+profile's inter-node links (:func:`builtin_inter_node_links`), another GPU copies its intra-node ones (and says so in
+the profile's ``source``). The GPU path is written against torch's CUDA and NCCL APIs and flash-attn's / Transformer Engine's
 kernels, and has not run on a GPU in this project's CI (it has none): the CPU path is the tested one.
 
 Timing is the median of repeats after a warm-up; on a shared machine it is noisy, which is why a profile stores
@@ -1023,6 +1025,18 @@ def calibrate(
         torch.set_num_threads(saved)
 
 
+def builtin_inter_node_links(device_name: str) -> tuple[str, dict[str, list[LinkPoint]]] | None:
+    """(built-in profile name, its inter-node links per collective) for a GPU whose name contains a built-in
+    profile's device type (``NVIDIA H100 80GB HBM3`` -> ``h100``), else None. One node cannot measure the network
+    between nodes; copying NVLink's rates there would price every multi-node plan as if it stayed in one node."""
+    from lightning_flagscale.tune.hardware import BUILTIN_PROFILES
+
+    for name, profile in BUILTIN_PROFILES.items():
+        if profile.device_type.lower() in device_name.lower():
+            return name, {kind: scopes["inter"] for kind, scopes in profile.links.items()}
+    return None
+
+
 def _fused_kernels(device: torch.device) -> list[str]:
     """The fused attention backends this device can run (installed, on a GPU)."""
     from lightning_flagscale.parallel.attention_kernels import get_attention_kernel
@@ -1089,19 +1103,24 @@ def _calibrate(
     assert times.moe is not None and times.selective is not None
     world = max(max(group_sizes), 2)
     dtype_name = str(dtype).removeprefix("torch.")
+    per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
+    inter, inter_note = per_scope, "inter-node points copy the intra-node ones"
     if device.type == "cuda":  # a GPU a rank: nothing shared to charge, busy time is wall time
         units = 0.0
         device_type = torch.cuda.get_device_name(device)
         if memory_bytes is None:
             memory_bytes = float(torch.cuda.get_device_properties(device).total_memory)
         setup = f"NCCL, {world} x {device_type}, {dtype_name}; attention kernels: {', '.join(kernels) or 'none'}"
+        builtin = builtin_inter_node_links(device_type)
+        if builtin is not None:
+            inter = {kind: builtin[1].get(kind, pts) for kind, pts in per_scope.items()}
+            inter_note = f"inter-node points from the built-in {builtin[0]!r} profile (one node cannot measure them)"
     else:
         units = float(os.cpu_count() or 0)
         device_type = f"cpu-{torch.get_num_threads()}threads"
         if memory_bytes is None:
             memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
         setup = f"gloo, CPU, {dtype_name}"
-    per_scope = {kind: sorted(points.values(), key=lambda p: p.group_size) for kind, points in links.items()}
     bandwidth = measure_memory_bandwidth(shapes.memory_numel, repeats, dtype, device)
     profile = HardwareProfile(
         name=name, device_type=device_type, peak_flops=peak, memory_bytes=memory_bytes,
@@ -1114,9 +1133,9 @@ def _calibrate(
         optimizer_seconds_per_param=_busy_seconds(times.optimizer, world, units),
         tp_overhead=tuple(_busy_seconds(t, world, units) for t in times.tp_overhead),
         blocking_collective=sorted((float(n), t) for n, t in times.blocking.items()),
-        links={kind: {"intra": pts, "inter": pts} for kind, pts in per_scope.items()},
+        links={kind: {"intra": pts, "inter": inter[kind]} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; {setup}; "
-        "inter-node points copy the intra-node ones; compute_scale from the reference decoder step)",
+        f"{inter_note}; compute_scale from the reference decoder step)",
     )  # fmt: skip
     dense, sparse = references(device.type)
     profile = profile.replace(
