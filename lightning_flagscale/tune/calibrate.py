@@ -1089,8 +1089,11 @@ def _calibrate(
     ring_blocks = rates(
         measure_ring_blocks(shapes.ring_blocks, heads, max(1, heads // 2), head_dim, repeats, dtype, device)
     )
-    kernels = {  # fused backends installed on this GPU: their own curves (tune prices each attn_backend by it)
-        b: rates(measure_attention_calls(shapes.attention_calls, heads, head_dim, repeats, dtype, device, backend=b))
+    # fused backends installed on this GPU: their own curves (tune prices each attn_backend by it), in half
+    # precision whatever the calibration dtype (flash-attn and TE's fused attention run nothing else)
+    half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    kernels = {
+        b: rates(measure_attention_calls(shapes.attention_calls, heads, head_dim, repeats, half, device, backend=b))
         for b in _fused_kernels(device)
     }
     if device.type == "cuda":
