@@ -176,3 +176,36 @@ def test_speed_aware_split_equalises_stage_times():
     assert [c.tensor_parallel_size for c in config.stage_group_configs(8)] == [2, 1]
     with pytest.raises(ValueError, match="not both"):
         ParallelConfig(hetero_meshes=[fast, slow], hetero_layers=[6, 2], hetero_device_speed={"fast": 1.0})
+
+
+def test_a_tuner_hetero_plan_trains_as_the_single_process_run(launcher):
+    """``tune --hetero``'s plans are what the strategy runs: the planner's best mesh plan for two device groups (one
+    4x faster), and its best plan feeding another mesh layout from data-parallel ranks (micro-batches split over
+    them, activations resliced at the boundary), passed as they come
+    out (``HeteroPlan.parallel``) to ``FlagScaleStrategy``, train the single-process fp32 run's losses and weights
+    (SGD, ragged labels, clipping)."""
+    from lightning_flagscale.tune import HardwareProfile
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+    from lightning_flagscale.tune.hetero import DeviceGroup, plan_hetero
+
+    link = [LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e10)]
+    fast = HardwareProfile(name="fast", device_type="fast", peak_flops=4e10, hbm_bandwidth=5e10, memory_bytes=1e9,
+                           links={k: {"intra": link, "inter": link} for k in COLLECTIVES})  # fmt: skip
+    slow = fast.replace(name="slow", device_type="slow", peak_flops=1e10, hbm_bandwidth=1.25e10)
+    groups = [DeviceGroup(device_type=p.device_type, count=2, profile=p) for p in (fast, slow)]
+    global_batch = 8
+    plans = plan_hetero(_config(), groups, seq_len=16, global_batch=global_batch)
+
+    def shapes(plan):
+        return [{k: v for k, v in m.items() if k != "device_type"} for m in plan.parallel["hetero_meshes"]]
+
+    # the best plan feeding a TP mesh from a DP mesh (its micro-batch split over the first mesh's DP ranks)
+    mixed = next(p for p in plans if shapes(p)[0]["data_parallel_size"] > 1 and shapes(p)[0] != shapes(p)[1])
+    reference = reference_run(_config(), STEPS, clip=1.0, global_batch=global_batch)
+    for plan in (plans[0], mixed):
+        layers = plan.parallel["hetero_layers"]
+        assert sum(layers) == 4 and layers[0] > layers[-1]  # the fast group takes more blocks
+        first_dp = plan.parallel["hetero_meshes"][0]["data_parallel_size"]
+        results = launcher(4, trainer_run, plan.parallel, _config(), STEPS, clip=1.0,
+                           batch_size=global_batch // first_dp)  # fmt: skip
+        assert_matches_reference(results, reference, str(plan.parallel))
