@@ -48,6 +48,28 @@ def test_uneven_shares_match_single_process(launcher, zero_stage):
     )
 
 
+def test_a_tuner_hetero_dp_plan_trains_as_the_single_process_run(launcher):
+    """``tune --hetero``'s hetero-DP plan is what the strategy runs: for a 3x faster and a slower device, the shares
+    it plans (``HeteroPlan.parallel``, passed as it comes out) are the batches each rank trains, and the run matches
+    the single-process fp32 run (SGD, ragged labels, clipping)."""
+    from lightning_flagscale.tune import HardwareProfile
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+    from lightning_flagscale.tune.hetero import DeviceGroup, plan_hetero_dp
+
+    link = [LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e10)]
+    fast = HardwareProfile(name="fast", device_type="fast", peak_flops=3e10, hbm_bandwidth=3e10, memory_bytes=1e9,
+                           links={k: {"intra": link, "inter": link} for k in COLLECTIVES})  # fmt: skip
+    slow = fast.replace(name="slow", device_type="slow", peak_flops=1e10, hbm_bandwidth=1e10)
+    groups = [DeviceGroup(device_type=p.device_type, count=1, profile=p) for p in (fast, slow)]
+    plan = plan_hetero_dp(tiny_config(), groups, seq_len=16, global_batch=4)
+    sizes = plan.parallel["hetero_dp_batch_sizes"]
+    assert sizes == [3, 1]  # in proportion to speed, in whole micro-batches
+    reference = reference_run(tiny_config(), 3, clip=1.0, ragged=True)
+    outputs = launcher(2, _run_recording_batch_sizes, plan.parallel)
+    assert [seen for _, seen in outputs] == [[sizes[0]] * 3, [sizes[1]] * 3]
+    assert_matches_reference([r for r, _ in outputs], reference, str(plan.parallel), every_rank_holds_all=True)
+
+
 def test_lightning_reseeds_the_batch_samplers_every_epoch():
     """Lightning calls set_epoch on `loader.batch_sampler.sampler` only: both hetero batch samplers must follow it."""
     from lightning.fabric.utilities.data import _set_sampler_epoch
