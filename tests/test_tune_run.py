@@ -50,6 +50,36 @@ def test_gpu_calibration_is_refused_without_the_gpus_it_needs(monkeypatch, tmp_p
         calibrate(device="xpu")
 
 
+def test_the_calibrate_command_passes_the_device_and_dtype(monkeypatch, tmp_path, capsys):
+    # the CLI's wiring (the measurements themselves: test_calibration_produces_a_sane_profile): the device defaults
+    # to CUDA where there is one, the dtype to the device's (None: calibrate decides), CPU bf16 keeps GEMMs small
+    import torch
+
+    import lightning_flagscale.tune.calibrate as calibrate_module
+
+    seen = []
+    h100 = load_profile("h100").replace(device_type="NVIDIA H100 80GB HBM3")
+
+    def fake(**kw):
+        seen.append(kw)
+        return h100
+
+    monkeypatch.setattr(calibrate_module, "calibrate", fake)
+    out = ["--calibrate-out", str(tmp_path / "p.json")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tune_main(["--calibrate", *out])
+    assert seen[-1]["device"] == "cuda" and "dtype" not in seen[-1] and "gemm_sizes" not in seen[-1]
+    printed = capsys.readouterr().out
+    assert "(NVIDIA H100 80GB HBM3, flash_attn attention curve, transformer_engine attention curve, torch attention" \
+        " curve): peak 989 TFLOP/s" in printed  # fmt: skip
+    assert load_profile(tmp_path / "p.json") == h100
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tune_main(["--calibrate", "--calibrate-dtype", "bf16", *out])
+    assert seen[-1]["device"] == "cpu" and seen[-1]["dtype"] is torch.bfloat16 and seen[-1]["gemm_sizes"]
+    tune_main(["--calibrate", "--calibrate-device", "cuda", "--calibrate-dtype", "fp32", *out])
+    assert seen[-1]["device"] == "cuda" and seen[-1]["dtype"] is torch.float32 and "gemm_sizes" not in seen[-1]
+
+
 def test_gpu_timings_wait_for_the_device(monkeypatch):
     """CUDA kernels run asynchronously: every timed repeat (and each of a forward and its backward) is bracketed by
     a device synchronisation, or the host would time its launches; CPU timings need none."""

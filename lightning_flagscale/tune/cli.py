@@ -128,7 +128,13 @@ def _calibrate(args: argparse.Namespace) -> None:
         raise SystemExit(str(err)) from None
     profile.save(args.calibrate_out)
     ar = profile.link("all_reduce", max(groups), "intra")
-    print(f"wrote {args.calibrate_out}: peak {profile.peak_flops / 1e9:.1f} GFLOP/s, attention"
+    peak = (
+        f"{profile.peak_flops / 1e12:.0f} TFLOP/s"
+        if profile.peak_flops >= 1e13
+        else f"{profile.peak_flops / 1e9:.1f} GFLOP/s"
+    )
+    kernels = "".join(f", {b} attention curve" for b in profile.attention_kernels)
+    print(f"wrote {args.calibrate_out} ({profile.device_type}{kernels}): peak {peak}, attention"
           f" {profile.attention_efficiency:.0%} of peak, memory {profile.hbm_bandwidth / 1e9:.1f} GB/s, all-reduce"
           f" x{max(groups)}: {ar.latency * 1e6:.0f} us + {ar.bus_bandwidth / 1e9:.2f} GB/s; backward GEMMs at"
           f" {profile.input_grad_gemm_factor:.2f}x (input grad) / {profile.weight_grad_gemm_factor:.2f}x (weight grad)"
