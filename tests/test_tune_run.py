@@ -308,6 +308,28 @@ def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys
     assert step == pytest.approx(measured, abs=1e-3)  # `measured` as printed, to the millisecond
 
 
+def test_a_hetero_recipe_written_by_tune_trains_with_fit(tmp_path, capsys):
+    # tune --hetero --write-recipe on two CPU device groups (one 4x faster), then `fit --config` on that file: the
+    # plan as written is a recipe the CLI trains (4 processes, a couple of steps)
+    from lightning_flagscale.tune.hardware import LinkPoint
+    from lightning_flagscale.tune.runner import _run_one
+
+    link = [LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e10)]
+    fast = HardwareProfile(name="fast", device_type="cpu-fast", peak_flops=4e10, hbm_bandwidth=5e10, memory_bytes=1e9,
+                           links={k: {"intra": link, "inter": link} for k in COLLECTIVES})  # fmt: skip
+    slow = fast.replace(name="slow", device_type="cpu-slow", peak_flops=1e10, hbm_bandwidth=1.25e10)
+    for profile in (fast, slow):
+        profile.save(tmp_path / f"{profile.name}.json")
+    path = tmp_path / "hetero.yaml"
+    tune_main(["--preset", "llama-tiny", "--hetero", f"fast:2:{tmp_path / 'fast.json'},slow:2:{tmp_path / 'slow.json'}",
+               "--seq-len", "32", "--global-batch", "8", "--write-recipe", str(path), "--recipe-steps", "3"])  # fmt: skip
+    assert f"wrote {path}" in capsys.readouterr().out
+    recipe = yaml.safe_load(path.read_text())
+    assert recipe["trainer"]["accelerator"] == "cpu" and recipe["trainer"]["devices"] == 4
+    status, seconds, _, message = _run_one(recipe, tmp_path / "run", timeout=600)
+    assert status == "ok" and seconds > 0, message  # it trained and its steps were timed
+
+
 def test_a_refit_out_of_reach_still_writes_the_recipe_and_fails_loudly(tmp_path, monkeypatch, capsys):
     # Runs measured faster than the profile can reach at any compute_scale: the winner's recipe is written, no
     # profile is, and the command exits with the fit's reason instead of a traceback.

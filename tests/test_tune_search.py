@@ -502,6 +502,38 @@ def test_hetero_mesh_planner_tries_every_schedule():
         plan_hetero(model, groups, **kw, schedule=("1f1b", "gpipe"))
 
 
+def test_the_hetero_command_honours_or_refuses_every_flag(tmp_path, capsys):
+    """``tune --hetero`` takes --schedules, --memory-gb, --grad-bucket-numel and --write-recipe (the fastest plan as
+    a ``fit --config`` recipe) and refuses, naming why, what a hetero plan cannot use; nothing is silently ignored."""
+    argv = ["--preset", "llama3-8b", "--hetero", "H100:8:h100,A100:8:a100", "--seq-len", "4096", "--global-batch", "64"]
+    for extra, message in (
+        (["--run", "1"], "--run does not apply to --hetero: hetero plans are not trained here"),
+        (["--refit-profile", "r.json"], "--refit-profile does not apply to --hetero"),
+        (["--profile", "a100"], "--profile does not apply to --hetero: each device group names its profile"),
+        (["--devices", "8"], "--devices 8 disagrees with the 16 devices of --hetero"),
+        (["--schedules", "1f1b,gpipe"], r"--schedules 1f1b,gpipe: schedule=\['gpipe'\]: the mesh planner plans"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            tune_main(argv + extra)
+    tune_main([*argv, "--schedules", "zbv", "--json", "--top", "100"])
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and {p["parallel"]["pipeline_schedule"] for p in plans if p["kind"] == "meshes"} == {"zbv"}
+    with pytest.raises(SystemExit, match="No heterogeneous plan fits in memory"):
+        tune_main([*argv, "--memory-gb", "1"])  # every group's budget, not the unused --profile's
+    assert "hetero-DP does not fit" in capsys.readouterr().out
+    recipe_path = tmp_path / "hetero.yaml"
+    tune_main([*argv, "--write-recipe", str(recipe_path), "--grad-bucket-numel", "1000000", "--recipe-steps", "7"])
+    first = capsys.readouterr().out.splitlines()[0]  # the fastest plan, printed first
+    best = json.loads(first[first.index("{") :])
+    recipe = yaml.safe_load(recipe_path.read_text())
+    trainer = recipe["trainer"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["num_nodes"], trainer["max_steps"]) == ("gpu", 8, 2, 7)
+    assert trainer["strategy"]["init_args"] == {**best, "grad_bucket_numel": 1000000}
+    first_dp = best["hetero_meshes"][0]["data_parallel_size"] if "hetero_meshes" in best else 1
+    assert recipe["data"]["batch_size"] == 64 // first_dp and recipe["data"]["seq_len"] == 4096
+    assert "predicted step" in recipe_path.read_text().splitlines()[0]
+
+
 def test_hetero_mesh_planner_tries_micro_batch_sizes():
     groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")

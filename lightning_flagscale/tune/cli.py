@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="number of devices (required unless --calibrate or --hetero)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    p.add_argument("--profile", default="h100", help="h100 | h200 | a100 | path to a profile JSON (--calibrate)")
+    p.add_argument("--profile", help="h100 (default) | h200 | a100 | path to a profile JSON (--calibrate)")
     p.add_argument("--memory-gb", type=float, help="override the profile's device memory")
     p.add_argument("--attn-backend", choices=ATTENTION_BACKENDS,
                    help="attention backend to plan for (default: the preset's); the profile prices its kernel")  # fmt: skip
@@ -61,7 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --run: write the profile with compute_scale refitted on the measured runs "
                         "(least squares in log step time) for later `tune --profile PATH` searches")  # fmt: skip
     p.add_argument("--recipe-steps", type=int, default=100, help="trainer.max_steps of the written recipe")
-    p.add_argument("--hetero", help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes)")
+    p.add_argument(
+        "--hetero",
+        help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes and"
+        " hetero-DP; --write-recipe writes the fastest plan)",
+    )
     return p
 
 
@@ -147,27 +151,81 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:
-    from lightning_flagscale.tune.hetero import DeviceGroup, plan_hetero, plan_hetero_dp
+    from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
 
+    # what the homogeneous search takes and a hetero plan cannot: refused, never ignored
+    refused = {"--run": args.run, "--refit-profile": args.refit_profile, "--profile": args.profile}
+    for flag, value in refused.items():
+        if value:
+            why = ("each device group names its profile (TYPE:COUNT:PROFILE)" if flag == "--profile" else
+                   "hetero plans are not trained here (they need the device groups); write the best with"
+                   " --write-recipe and run it with `fit --config`")  # fmt: skip
+            raise SystemExit(f"{flag} does not apply to --hetero: {why}.")
     groups = []
     for item in args.hetero.split(","):
         parts = item.split(":")
         if len(parts) != 3 or not parts[1].isdigit():
             raise SystemExit(f"--hetero entry {item!r} must be TYPE:COUNT:PROFILE, e.g. H100:8:h100.")
-        groups.append(DeviceGroup(device_type=parts[0], count=int(parts[1]), profile=load_profile(parts[2])))
-    kw = dict(seq_len=args.seq_len, global_batch=args.global_batch)
-    plans = plan_hetero(model, groups, **kw)[: args.top]
+        try:
+            profile = load_profile(parts[2])
+        except ValueError as err:
+            raise SystemExit(f"--hetero entry {item!r}: {err}") from None
+        if args.memory_gb:
+            profile = profile.replace(memory_bytes=args.memory_gb * 1e9)
+        groups.append(DeviceGroup(device_type=parts[0], count=int(parts[1]), profile=profile))
+    world = sum(g.count for g in groups)
+    if args.devices and args.devices != world:
+        raise SystemExit(f"--devices {args.devices} disagrees with the {world} devices of --hetero; drop --devices.")
+    kw = dict(seq_len=args.seq_len, global_batch=args.global_batch, grad_bucket_numel=args.grad_bucket_numel)
+    schedules = tuple(args.schedules.split(",")) if args.schedules else SCHEDULES
+    try:
+        plans = plan_hetero(model, groups, **kw, schedule=schedules)[: args.top]
+    except ValueError as err:
+        raise SystemExit(f"--schedules {args.schedules}: {err}") from None
     try:
         plans.append(plan_hetero_dp(model, groups, **kw))
     except ValueError as err:
         print(f"hetero-DP: {err}")
+    plans.sort(key=lambda p: p.step_seconds)
     if args.json:
         print(json.dumps([dict(p.__dict__) for p in plans], indent=1))
-        return
+    elif plans:
+        for p in plans:
+            print(f"{p.kind:<9} step {p.step_seconds:8.3f}s imbalance {p.imbalance:5.2f} {json.dumps(p.parallel)}")
     if not plans:
         raise SystemExit("No heterogeneous plan fits in memory on these device groups (memory constraint).")
-    for p in sorted(plans, key=lambda p: p.step_seconds):
-        print(f"{p.kind:<9} step {p.step_seconds:8.3f}s imbalance {p.imbalance:5.2f} {json.dumps(p.parallel)}")
+    if args.write_recipe:
+        _write_hetero(args, model, plans[0], groups)
+
+
+def _write_hetero(args: argparse.Namespace, model: TransformerConfig, plan: Any, groups: list) -> None:
+    """The fastest hetero plan as a ``fit --config`` recipe: its ``parallel`` as the strategy's arguments."""
+    from lightning_flagscale.config import ParallelConfig
+    from lightning_flagscale.tune.runner import recipe_dict, write_recipe
+
+    world = sum(g.count for g in groups)
+    per_node = min(g.profile.devices_per_node for g in groups)
+    if world > per_node and world % per_node:
+        raise SystemExit(f"--write-recipe: {world} devices do not fill whole nodes of {per_node} (Lightning runs the same"
+                         " number of devices on every node); plan device groups that do.")  # fmt: skip
+    cpu = all(g.profile.device_type.startswith("cpu") for g in groups)
+    recipe = recipe_dict(model, ParallelConfig().resolve(world), seq_len=args.seq_len, global_batch=args.global_batch,
+                         devices=world, max_steps=args.recipe_steps, accelerator="cpu" if cpu else "gpu",
+                         devices_per_node=per_node)  # fmt: skip
+    strategy = dict(plan.parallel)
+    if args.grad_bucket_numel != DEFAULT_BUCKET_NUMEL:
+        strategy["grad_bucket_numel"] = args.grad_bucket_numel
+    recipe["trainer"]["strategy"]["init_args"] = strategy
+    # the loader's batch per data-parallel rank: hetero meshes read the first mesh's DP share of each step;
+    # hetero-DP's samplers cut every rank's share (hetero_dp_batch_sizes) out of the whole global batch
+    first_dp = plan.parallel["hetero_meshes"][0]["data_parallel_size"] if plan.kind == "meshes" else 1
+    recipe["data"]["batch_size"] = args.global_batch // first_dp
+    groups_text = ", ".join(f"{g.count} x {g.device_type} ({g.profile.name})" for g in groups)
+    header = (f"Written by `lightning-flagscale tune --hetero` for {groups_text}: {plan.kind}, predicted step"
+              f" {plan.step_seconds:.3f} s.\nRanks fill the device groups in rank order, or by FLAGSCALE_DEVICE_TYPE"
+              " set per process to the group's type.")  # fmt: skip
+    path = write_recipe(args.write_recipe, recipe, header)
+    print(f"wrote {path}: lightning-flagscale fit --config {path}")
 
 
 def tune_main(argv: list[str]) -> None:
@@ -179,7 +237,7 @@ def tune_main(argv: list[str]) -> None:
         model = TransformerConfig.from_preset(args.preset)
         if args.attn_backend:
             model = dataclasses.replace(model, attn_backend=args.attn_backend)
-        hw = load_profile(args.profile)
+        hw = load_profile(args.profile or "h100")
     except ValueError as err:
         raise SystemExit(str(err)) from None
     if args.memory_gb:

@@ -173,6 +173,7 @@ def plan_hetero(
     schedule: str | Sequence[str] = SCHEDULES,
     max_pp_per_mesh: int = 2,
     virtual_size: int | Sequence[int] = VIRTUAL_SIZES,
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> list[HeteroPlan]:
     """Mesh plans (one mesh per device group) that fit in memory, fastest first.
 
@@ -180,7 +181,7 @@ def plan_hetero(
     schedule). ``virtual_size``: the model chunks per stage group interleaved 1F1B and zero-bubble are tried with
     (ZBV and DualPipeV hold two). ``zero_stage`` / ``recompute``: one value, or the values to try in order of
     preference; each plan takes the first recompute policy (the least recomputation) and, with it, the first ZeRO
-    stage that fit in memory."""
+    stage that fit in memory. ``grad_bucket_numel``: the strategy's gradient bucket size (one collective a bucket)."""
     if len(groups) < 1 or sum(g.count for g in groups) < 2:
         raise ValueError("Heterogeneous planning needs at least two devices in the device groups.")
     unknown = sorted(set(_values(schedule)) - set(SCHEDULES))
@@ -198,7 +199,9 @@ def plan_hetero(
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
         for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
-            plan = _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, rc, name, v)
+            plan = _plan_meshes(
+                model, groups, layouts, samples, seq_len, global_batch, zero, rc, name, v, grad_bucket_numel
+            )
             if plan is not None:
                 plans.append(plan)
                 break
@@ -206,7 +209,10 @@ def plan_hetero(
     return plans
 
 
-def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b", v=1):
+def _plan_meshes(
+    model, groups, layouts, samples, seq_len, global_batch, zero, recompute, schedule="1f1b", v=1,
+    grad_bucket_numel=DEFAULT_BUCKET_NUMEL,
+):  # fmt: skip
     """The plan of these mesh layouts under ``schedule`` with ``v`` model chunks per stage group, or None when it
     cannot run or does not fit."""
     per_layer, passes, extra, configs, stage_groups = [], [], [], [], []
@@ -249,7 +255,7 @@ def _plan_meshes(model, groups, layouts, samples, seq_len, global_batch, zero, r
     reduction = 0.0
     for s, ((dense, expert), c, g) in enumerate(zip(_rank_params(model, split), configs, stage_groups, strict=True)):
         on_mesh = dataclasses.replace(split, tensor_parallel_size=c.tensor_parallel_size)
-        buckets = _bucket_sizes(model, on_mesh, [s], DEFAULT_BUCKET_NUMEL)
+        buckets = _bucket_sizes(model, on_mesh, [s], grad_bucket_numel)
         exposed, _ = _data_parallel(model, c, g.profile, dense, expert, last_backward=times[s] * 2 / 3,
                                     compute=m * times[s], buckets=buckets)  # fmt: skip
         reduction = max(reduction, exposed)
@@ -300,10 +306,12 @@ def plan_hetero_dp(
     micro_batch_size: int = 1,
     zero_stage: int | Sequence[int] = ZERO_STAGES,
     recompute: str | Sequence[str] = RECOMPUTE,
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> HeteroPlan:
     """Every device a DP rank; samples per rank in proportion to speed (multiples of ``micro_batch_size``). Each rank
     runs its share as one batch. ``zero_stage`` / ``recompute``: one value, or the values to try; the fastest plan
-    that fits in memory is returned, and when none fits the error names the leanest one tried."""
+    that fits in memory is returned, and when none fits the error names the leanest one tried. ``grad_bucket_numel``:
+    the strategy's gradient bucket size."""
     world = sum(g.count for g in groups)
     if global_batch % micro_batch_size or global_batch // micro_batch_size < world:
         raise ValueError(
@@ -313,7 +321,7 @@ def plan_hetero_dp(
     plans, errors = [], []
     for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
         try:
-            plans.append(_plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero, rc))
+            plans.append(_plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero, rc, grad_bucket_numel))
         except _TooBig as err:
             errors.append(err)
     if not plans:
@@ -342,7 +350,9 @@ class _TooBig(Exception):
         return self.need / self.budget
 
 
-def _plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero_stage, recompute) -> HeteroPlan:
+def _plan_dp(
+    model, groups, seq_len, global_batch, micro_batch_size, zero_stage, recompute, grad_bucket_numel
+) -> HeteroPlan:
     world = sum(g.count for g in groups)
     one = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(1)
     per_sample = {g.device_type: estimate_step(model, one, seq_len, micro_batch_size, g.profile).step_seconds
@@ -361,7 +371,9 @@ def _plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero_stage,
                       recompute)  # fmt: skip
     # the gradient reduction over all ranks, exposed as on the slowest link of the groups
     slowest = min((g.profile for g in groups), key=lambda p: p.links["all_reduce"]["inter"][0].bus_bandwidth)
-    reduce = estimate_step(model, c, seq_len, world * micro_batch_size, slowest).comm.get("dp", 0.0)
+    reduce = estimate_step(
+        model, c, seq_len, world * micro_batch_size, slowest, grad_bucket_numel=grad_bucket_numel
+    ).comm.get("dp", 0.0)
     parallel = dict(hetero_dp_batch_sizes=sizes, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
                     recompute=recompute)  # fmt: skip
     return HeteroPlan(kind="hetero_dp", parallel=parallel, stage_seconds=times, step_seconds=max(times) + reduce,
