@@ -502,6 +502,22 @@ def test_hetero_mesh_planner_tries_every_schedule():
         plan_hetero(model, groups, **kw, schedule=("1f1b", "gpipe"))
 
 
+def test_flags_the_chosen_mode_would_not_read_are_refused():
+    plan = ["--preset", "llama-tiny", "--devices", "2", "--seq-len", "64", "--global-batch", "4"]
+    for argv, message in (
+        ([*plan, "--calibrate-dtype", "bf16"], "--calibrate-dtype only apply with --calibrate"),
+        ([*plan, "--calibrate-out", "x.json", "--calibrate-groups", "2"],
+         "--calibrate-groups, --calibrate-out only apply with --calibrate"),
+        (["--calibrate", "--devices", "8", "--preset", "llama3-70b"],
+         "--devices, --preset: not read by --calibrate, which measures this machine"),
+        ([*plan, "--run-steps", "3"], "--run-steps only apply with --run K"),
+        ([*plan, "--run-dir", "d"], "--run-dir only apply with --run K"),
+        ([*plan, "--recipe-steps", "5"], "--recipe-steps sets the written recipe's max_steps: add --write-recipe"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            tune_main(argv)
+
+
 def test_the_hetero_command_honours_or_refuses_every_flag(tmp_path, capsys):
     """``tune --hetero`` takes --schedules, --memory-gb, --grad-bucket-numel and --write-recipe (the fastest plan as
     a ``fit --config`` recipe) and refuses, naming why, what a hetero plan cannot use; nothing is silently ignored."""

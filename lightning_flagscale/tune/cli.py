@@ -228,9 +228,32 @@ def _write_hetero(args: argparse.Namespace, model: TransformerConfig, plan: Any,
     print(f"wrote {path}: lightning-flagscale fit --config {path}")
 
 
+def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A flag the chosen mode would not read is an error, not ignored: calibration flags without ``--calibrate`` (and
+    planning flags with it), ``--run-*`` without ``--run``, ``--recipe-steps`` without a recipe to write."""
+    given = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"
+             and getattr(args, a.dest) != a.default}  # fmt: skip
+    calibration = {d for d in given if d.startswith("calibrate")}
+    if args.calibrate:
+        planning = sorted(given[d] for d in set(given) - calibration)
+        if planning:
+            raise SystemExit(f"{', '.join(planning)}: not read by --calibrate, which measures this machine; plan with"
+                             " them in a second command, --profile <the written JSON>.")  # fmt: skip
+        return
+    if calibration:
+        raise SystemExit(f"{', '.join(sorted(given[d] for d in calibration))} only apply with --calibrate.")
+    if not args.run and ({"run_steps", "run_dir"} & set(given)):
+        raise SystemExit(f"{', '.join(sorted(given[d] for d in {'run_steps', 'run_dir'} & set(given)))} only apply"
+                         " with --run K.")  # fmt: skip
+    if "recipe_steps" in given and not (args.write_recipe or args.run):
+        raise SystemExit("--recipe-steps sets the written recipe's max_steps: add --write-recipe PATH (or --run K).")
+
+
 def tune_main(argv: list[str]) -> None:
     """``lightning-flagscale tune``: print the best layouts for a model on a cluster (see the module docstring)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _refuse_unused_flags(args, parser)
     if args.calibrate:
         return _calibrate(args)
     try:
