@@ -395,7 +395,9 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
 
     def with_links(profile, bandwidth):
         link = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=bandwidth)]
-        return profile.replace(links={k: {"intra": link, "inter": link} for k in COLLECTIVES})
+        # a negligible optimizer phase (1e-21 s a parameter): the links are what this test isolates
+        return profile.replace(links={k: {"intra": link, "inter": link} for k in COLLECTIVES},
+                               optimizer_seconds_per_param=1e-21)  # fmt: skip
 
     model = TransformerConfig.from_preset("llama3-8b")
     kw = dict(seq_len=4096, global_batch=64, micro_batch_size=1, recompute="none", schedule="1f1b")
@@ -417,6 +419,47 @@ def test_hetero_mesh_plans_pay_the_slowest_mesh_data_parallel_reduction():
     assert steps["slow", 1] > 0.0 and steps["slow", 3] > 0.0
 
 
+def test_hetero_plans_pay_the_optimizer_phase_and_the_loop_once_a_step():
+    """After the last backward every rank steps its own parameters (sharded by ZeRO over its mesh's DP ranks) and the
+    training loop runs, once a step: the slowest stage's optimizer phase plus the loop for mesh plans; for hetero-DP
+    the optimizer over a 1/world ZeRO shard, not once per sample of a rank's share."""
+    from lightning_flagscale.tune.cost import _rank_params
+
+    model = TransformerConfig.from_preset("llama3-8b")
+
+    def groups(per_param, overhead):
+        return _h100_a100(  # memory to spare: the same plans fit under both
+            lambda p: p.replace(optimizer_seconds_per_param=per_param, step_overhead=overhead, memory_bytes=1e12)
+        )
+
+    kw = dict(seq_len=4096, global_batch=64, micro_batch_size=1, zero_stage=1, recompute="none", schedule="1f1b")
+    cheap, dear = (plan_hetero(model, groups(*g), **kw) for g in ((1e-12, 0.0), (2e-9, 0.05)))
+
+    def key(p):
+        return json.dumps(p.parallel)
+
+    dear = {key(p): p for p in dear}
+    checked = 0
+    for plan in cheap:
+        other = dear.get(key(plan))
+        if other is None:
+            continue
+        layers, meshes = plan.parallel["hetero_layers"], plan.parallel["hetero_meshes"]
+        split = ParallelConfig(pipeline_parallel_size=len(layers), pipeline_layers=layers)
+        mesh_of = [m for m in meshes for _ in range(m["pipeline_parallel_size"])]
+        shard = max((dense + expert) / (m["tensor_parallel_size"] * m["data_parallel_size"])
+                    for (dense, expert), m in zip(_rank_params(model, split), mesh_of, strict=True))  # fmt: skip
+        expected = (2e-9 - 1e-12) * shard + 0.05
+        assert other.step_seconds - plan.step_seconds == pytest.approx(expected, rel=1e-6)
+        checked += 1
+    assert checked > 0
+    dp_kw = dict(seq_len=4096, global_batch=64, zero_stage=1, recompute="none")
+    cheap_dp, dear_dp = (plan_hetero_dp(model, groups(*g), **dp_kw) for g in ((1e-12, 0.0), (2e-9, 0.05)))
+    assert cheap_dp.parallel == dear_dp.parallel  # the shares follow compute speed alone
+    shard = model.num_params() / 16  # ZeRO-1 over the 16 ranks
+    assert dear_dp.step_seconds - cheap_dp.step_seconds == pytest.approx((2e-9 - 1e-12) * shard + 0.05, rel=1e-6)
+
+
 def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
     # Only inter-node P2P is slow (1 ms + 1 GB/s): an H100 mesh (TP 2, DP 4) feeding an A100 mesh (TP 2, DP 4) moves
     # each micro-batch's activations forward and their gradients back across nodes; every receiving rank gets its
@@ -427,7 +470,7 @@ def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
         free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
         slow = [LinkPoint(group_size=2, latency=1e-3, bus_bandwidth=1e9)]
         links = {k: {"intra": free, "inter": slow if k == "p2p" else free} for k in COLLECTIVES}
-        return profile.replace(links=links)
+        return profile.replace(links=links, optimizer_seconds_per_param=1e-21)  # a negligible optimizer phase
 
     model = TransformerConfig.from_preset("llama3-8b")
     plans = plan_hetero(model, _h100_a100(with_links), seq_len=4096, global_batch=64, micro_batch_size=1,

@@ -13,13 +13,16 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   family's filled with deferred weight gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary
   (activations forward, their gradients back, exposed as the homogeneous model prices pipeline hops, over the
   inter-node links between device types), plus what compute does not hide of the slowest stage's data-parallel
-  reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the strategy's bucket size). A stage
+  reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the strategy's bucket size), plus
+  the slowest stage's optimizer phase (its parameters over the mesh's ZeRO shards) and the training loop, once a
+  step. A stage
   group's memory holds the live micro-batches its schedule really keeps (``inflight.max_live_microbatches``). The
   schedules of ``SCHEDULES`` and micro-batch sizes 1, 2, 4 are tried, and for each layout the least recompute and
   then the least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
-  each device's speed (``hetero_dp_batch_sizes``), balancing the per-rank step times; the fastest ZeRO stage and
-  recompute policy that fit.
+  each device's forward + backward speed per sample (``hetero_dp_batch_sizes``), balancing the per-rank step times,
+  each rank's optimizer phase over its 1/world ZeRO shard and the training loop added once a step; the fastest ZeRO
+  stage and recompute policy that fit.
 
 Plans come out as the keyword arguments ``ParallelConfig`` / ``FlagScaleStrategy`` take (``hetero_meshes``,
 ``hetero_layers`` or ``hetero_dp_batch_sizes``) and are validated by constructing the config.
@@ -44,6 +47,7 @@ from lightning_flagscale.tune.cost import (
     _bubble,
     _bucket_sizes,
     _data_parallel,
+    _optimizer_seconds,
     _Pass,
     _rank_params,
     _tokens,
@@ -251,14 +255,17 @@ def _plan_meshes(
               for a, b in _boundaries(stages, v, SCHEDULE_SPECS[schedule].placement == "v"))  # fmt: skip
     # After the last backward every mesh reduces its stages' gradients over its own DP ranks (and ZeRO-3 gathers
     # its parameters during the step): the meshes do this side by side, so the slowest one's exposed time adds.
+    # Then each stage's ranks step their own parameters (the optimizer phase, sharded over the mesh's DP ranks by
+    # ZeRO) and the training loop runs: the next step starts when the slowest has.
     split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
-    reduction = 0.0
+    reduction = optimizer = 0.0
     for s, ((dense, expert), c, g) in enumerate(zip(_rank_params(model, split), configs, stage_groups, strict=True)):
         on_mesh = dataclasses.replace(split, tensor_parallel_size=c.tensor_parallel_size)
         buckets = _bucket_sizes(model, on_mesh, [s], grad_bucket_numel)
         exposed, _ = _data_parallel(model, c, g.profile, dense, expert, last_backward=times[s] * 2 / 3,
                                     compute=m * times[s], buckets=buckets)  # fmt: skip
         reduction = max(reduction, exposed)
+        optimizer = max(optimizer, _optimizer_seconds(c, g.profile, dense, expert) + g.profile.step_overhead)
     meshes = [
         dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, device_type=g.device_type)
         for (tp, dp, pp), g in zip(layouts, groups, strict=True)
@@ -273,7 +280,8 @@ def _plan_meshes(
                               virtual_pipeline_parallel_size=v)  # fmt: skip
     run = m * pace + _bubble(pipeline, _Pass(f=pace - n * one.b, b=n * one.b, w=n * one.w, comm={}))
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
-                      step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction, memory_bytes=memory)  # fmt: skip
+                      step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction + optimizer,
+                      memory_bytes=memory)  # fmt: skip
 
 
 def _boundaries(stages: int, v: int, v_shaped: bool) -> list[tuple[int, int]]:
@@ -355,14 +363,21 @@ def _plan_dp(
 ) -> HeteroPlan:
     world = sum(g.count for g in groups)
     one = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(1)
-    per_sample = {g.device_type: estimate_step(model, one, seq_len, micro_batch_size, g.profile).step_seconds
-                  / micro_batch_size for g in groups}  # fmt: skip
+    c = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(world)
+
+    def per_sample(g: DeviceGroup) -> float:  # forward + backward of one sample (a micro-batch's share)
+        cost = estimate_step(model, one, seq_len, micro_batch_size, g.profile)
+        return (cost.step_seconds - cost.optimizer_wall_seconds - cost.loop_seconds) / micro_batch_size
+
+    # once a step, whatever the share: each rank's optimizer phase over its ZeRO shard, and the training loop
+    dense, expert = _rank_params(model, c)[0]
+    once = {g.device_type: _optimizer_seconds(c, g.profile, dense, expert) + g.profile.step_overhead for g in groups}
+    sample = {g.device_type: per_sample(g) for g in groups}
     ranks = [g for g in groups for _ in range(g.count)]
-    speed = [1 / per_sample[g.device_type] for g in ranks]
+    speed = [1 / sample[g.device_type] for g in ranks]
     share = proportional_shares(speed, global_batch // micro_batch_size)
     sizes = [s * micro_batch_size for s in share]
-    times = [b * per_sample[g.device_type] for b, g in zip(sizes, ranks, strict=True)]
-    c = ParallelConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, recompute=recompute).resolve(world)
+    times = [b * sample[g.device_type] + once[g.device_type] for b, g in zip(sizes, ranks, strict=True)]
     memory = [estimate_memory(model, c, seq_len, b // micro_batch_size) for b in sizes]
     over = [i for i, (mem, g) in enumerate(zip(memory, ranks, strict=True)) if mem > g.profile.memory_bytes]
     if over:
