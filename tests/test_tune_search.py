@@ -593,6 +593,34 @@ def test_the_hetero_command_honours_or_refuses_every_flag(tmp_path, capsys):
     assert "predicted step" in recipe_path.read_text().splitlines()[0]
 
 
+def test_hetero_mesh_plans_are_runnable_by_the_hetero_pipeline_runner():
+    """The planner offers only what the hetero pipeline runner runs: its own rule that a looped multi-chunk schedule
+    needs the micro-batch count to be a multiple of the stage groups (3 groups and 4 micro-batches were planned,
+    and refused at the first step), and the V schedules' minimum of micro-batches."""
+    from lightning_flagscale.parallel.hetero_runner import schedule_order
+    from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
+
+    link = [LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e10)]
+    fast = HardwareProfile(name="fast", device_type="fast", peak_flops=4e10, hbm_bandwidth=5e10, memory_bytes=1e9,
+                           links={k: {"intra": link, "inter": link} for k in COLLECTIVES})  # fmt: skip
+    slow = fast.replace(name="slow", device_type="slow", peak_flops=2e10, hbm_bandwidth=2.5e10)
+    groups = [DeviceGroup(device_type=p.device_type, count=2, profile=p) for p in (fast, slow)]
+    model = TransformerConfig.from_preset("llama-tiny", num_layers=8, hidden_size=128, intermediate_size=256,
+                                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    looped_three = {}
+    for global_batch in (16, 24):  # 16: no micro-batch count divides by 3; 24: every one does
+        looped_three[global_batch] = 0
+        for plan in plan_hetero(model, groups, seq_len=128, global_batch=global_batch):
+            p = plan.parallel
+            stages, v = len(p["hetero_layers"]), p.get("virtual_pipeline_parallel_size", 1)
+            m = global_batch // (p["micro_batch_size"] * p["hetero_meshes"][0]["data_parallel_size"])
+            for group in range(stages):
+                schedule_order(p["pipeline_schedule"], stages, group, v, m, train=True)  # raises if refused
+            if stages == 3 and v > 1 and p["pipeline_schedule"] in ("interleaved_1f1b", "zero_bubble"):
+                looped_three[global_batch] += 1
+    assert looped_three[16] == 0 and looped_three[24] > 0  # offered exactly where the runner runs them
+
+
 def test_hetero_mesh_planner_tries_micro_batch_sizes():
     groups = _h100_a100()
     model = TransformerConfig.from_preset("llama3-8b")

@@ -31,6 +31,7 @@ Plans come out as the keyword arguments ``ParallelConfig`` / ``FlagScaleStrategy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from typing import Any
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
+from lightning_flagscale.parallel.hetero_runner import schedule_order
 from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
 from lightning_flagscale.tune.cost import (
     BF16,
@@ -235,9 +237,7 @@ def _plan_meshes(
         return None
     m = global_batch // samples
     stages = len(layers)
-    try:
-        validate_schedule(schedule, stages, v, m)
-    except ValueError:
+    if not _runs(schedule, stages, v, m):
         return None
     if min(layers) < v:  # every model chunk needs a block
         return None
@@ -282,6 +282,20 @@ def _plan_meshes(
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
                       step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction + optimizer,
                       memory_bytes=memory)  # fmt: skip
+
+
+@functools.cache
+def _runs(schedule: str, stages: int, v: int, m: int) -> bool:
+    """Can the hetero pipeline runner run ``schedule`` over ``stages`` stage groups with ``v`` chunks each and ``m``
+    micro-batches? Its own rules decide (``schedule_order``: looped multi-chunk schedules need ``m`` a multiple of
+    the group count, V schedules their minimum of micro-batches), besides the homogeneous ones."""
+    try:
+        validate_schedule(schedule, stages, v, m)
+        for group in range(stages):
+            schedule_order(schedule, stages, group, v, m, train=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _boundaries(stages: int, v: int, v_shaped: bool) -> list[tuple[int, int]]:
