@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_flagscale import FlagScaleStrategy
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models import CausalLMModule
 
@@ -105,11 +105,14 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
                 out["stage"] = next(g.index for g in groups if rank in g.ranks)
 
     config = TransformerConfig.from_preset("llama-tiny", **spec["model"])
-    module = CausalLMModule(config, learning_rate=0.01, warmup_steps=0, min_lr_ratio=1.0, optimizer="sgd")
+    optimizer = spec.get("optimizer", "sgd")  # tune_hetero_validation.py trains as the recipes do (AdamW, bf16-mixed)
+    module = CausalLMModule(config, learning_rate=0.01 if optimizer == "sgd" else 1e-4, warmup_steps=0,
+                            min_lr_ratio=1.0, optimizer=optimizer)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=FlagScaleStrategy(**spec["strategy"]), max_steps=spec["steps"],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[Clock()],
+        num_sanity_val_steps=0, callbacks=[Clock()], plugins=[FlagScalePrecision(spec.get("precision", "32-true"))],
+        gradient_clip_val=spec.get("clip"),
     )  # fmt: skip
     data = _Tokens(config.vocab_size, 4096, spec["seq"])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["loader_batch"]))
