@@ -561,6 +561,24 @@ def test_flags_the_chosen_mode_would_not_read_are_refused():
             tune_main(argv)
 
 
+def test_bad_values_are_refused_before_searching():
+    plan = ["--preset", "llama-tiny", "--devices", "2", "--seq-len", "64", "--global-batch", "4"]
+    for extra, message in (
+        (["--schedules", "1f1b,foo"], r"--schedules 1f1b,foo: Unknown pipeline schedule\(s\) \['foo'\]"),
+        (["--seq-len", "0"], "--seq-len 0: must be at least 1"),
+        (["--global-batch", "0"], "--global-batch 0: must be at least 1"),
+        (["--top", "0"], "--top 0: must be at least 1"),
+        (["--run", "1", "--run-steps", "2"], r"--run-steps 2: must be at least 3 \(the first step warms up"),
+        (["--memory-gb", "-1"], "--memory-gb -1.0: a device's memory must be positive"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            tune_main(plan + extra)
+    with pytest.raises(ValueError, match="Unknown context-parallel mode"):
+        SearchSpace(context_parallel_modes=("ring", "striped"))
+    with pytest.raises(ValueError, match="global_batch=0: each must be at least 1"):
+        search(TransformerConfig.from_preset("llama-tiny"), 2, seq_len=64, global_batch=0)
+
+
 def test_the_hetero_command_honours_or_refuses_every_flag(tmp_path, capsys):
     """``tune --hetero`` takes --schedules, --memory-gb, --grad-bucket-numel and --write-recipe (the fastest plan as
     a ``fit --config`` recipe) and refuses, naming why, what a hetero plan cannot use; nothing is silently ignored."""

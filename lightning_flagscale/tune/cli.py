@@ -228,6 +228,10 @@ def _write_hetero(args: argparse.Namespace, model: TransformerConfig, plan: Any,
     print(f"wrote {path}: lightning-flagscale fit --config {path}")
 
 
+def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
+    return next(a.option_strings[0] for a in parser._actions if a.dest == dest)
+
+
 def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """A flag the chosen mode would not read is an error, not ignored: calibration flags without ``--calibrate`` (and
     planning flags with it), ``--run-*`` without ``--run``, ``--recipe-steps`` without a recipe to write."""
@@ -242,6 +246,13 @@ def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
         return
     if calibration:
         raise SystemExit(f"{', '.join(sorted(given[d] for d in calibration))} only apply with --calibrate.")
+    bounds = {"top": 1, "run": 0, "run_steps": 3, "recipe_steps": 1, "seq_len": 1, "global_batch": 1}
+    for dest, least in bounds.items():
+        if getattr(args, dest) < least:
+            raise SystemExit(f"{_flag(parser, dest)} {getattr(args, dest)}: must be at least {least}"
+                             + (" (the first step warms up; two more are timed)" if dest == "run_steps" else "") + ".")  # fmt: skip
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        raise SystemExit(f"--memory-gb {args.memory_gb}: a device's memory must be positive.")
     if not args.run and ({"run_steps", "run_dir"} & set(given)):
         raise SystemExit(f"{', '.join(sorted(given[d] for d in {'run_steps', 'run_dir'} & set(given)))} only apply"
                          " with --run K.")  # fmt: skip
@@ -269,7 +280,10 @@ def tune_main(argv: list[str]) -> None:
         return _hetero(args, model)
     if not args.devices or args.devices < 1:
         raise SystemExit("--devices N is required (the number of devices to plan for).")
-    space = SearchSpace(schedules=tuple(args.schedules.split(","))) if args.schedules else SearchSpace()
+    try:
+        space = SearchSpace(schedules=tuple(args.schedules.split(","))) if args.schedules else SearchSpace()
+    except ValueError as err:
+        raise SystemExit(f"--schedules {args.schedules}: {err}") from None
     keep = None if args.run else args.top
     if args.refit_profile and not args.run:
         raise SystemExit("--refit-profile refits on measured runs: add --run K.")
@@ -277,8 +291,11 @@ def tune_main(argv: list[str]) -> None:
         args.accelerator = _run_accelerator(hw, args.devices, model.attn_backend)
     if args.grad_bucket_numel < 1:
         raise SystemExit(f"--grad-bucket-numel {args.grad_bucket_numel}: a bucket holds at least one element.")
-    result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
-                    space=space, top_k=keep, grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
+    try:
+        result = search(model, args.devices, seq_len=args.seq_len, global_batch=args.global_batch, hardware=hw,
+                        space=space, top_k=keep, grad_bucket_numel=args.grad_bucket_numel)  # fmt: skip
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     if not result.candidates:
         raise SystemExit(no_fit_message(result, hw.memory_bytes, args.devices))
     best, measured = result.candidates[0], []

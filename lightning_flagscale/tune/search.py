@@ -41,6 +41,16 @@ class SearchSpace:
     max_tensor_parallel: int | None = None
     """Upper bound on TP (e.g. the devices of one node); ``None`` allows any divisor."""
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.schedules) - set(SCHEDULE_NAMES))
+        if unknown:
+            raise ValueError(f"Unknown pipeline schedule(s) {unknown}; the search knows {list(SCHEDULE_NAMES)}.")
+        modes = sorted(set(self.context_parallel_modes) - {"ring", "ulysses", "hybrid"})
+        if modes:
+            raise ValueError(f"Unknown context-parallel mode(s) {modes}; use 'ring', 'ulysses' or 'hybrid'.")
+        if any(v < 2 for v in self.virtual_sizes) or any(m < 1 for m in self.micro_batch_sizes):
+            raise ValueError("virtual_sizes must be >= 2 (chunks per rank) and micro_batch_sizes >= 1.")
+
 
 def describe_layout(c: ParallelConfig) -> str:
     """Short human form of a layout, e.g. ``tp2 pp4/v2 interleaved_1f1b cp2 ring dp4 zero1 sp mbs1 rc=none``."""
@@ -209,6 +219,11 @@ def search(
 ) -> SearchResult:
     """The ``top_k`` fastest layouts that fit in memory (``None``: all), with the pruning counts.
     ``grad_bucket_numel``: the strategy's gradient bucket size (one collective per bucket; ZeRO-2's staging)."""
+    if devices < 1 or seq_len < 1 or global_batch < 1:
+        raise ValueError(
+            f"devices={devices}, seq_len={seq_len}, global_batch={global_batch}: each must be at least 1 (devices to"
+            " plan for, tokens a sequence, sequences a step)."
+        )
     hw = hardware or HardwareProfile()
     space = space or SearchSpace()
     if micro_batch_sizes is not None:
