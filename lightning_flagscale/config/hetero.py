@@ -284,12 +284,23 @@ def plan_stage_groups(
     return groups
 
 
+def _declared_type(reported: str | None, declared: list[str]) -> str | None:
+    """The declared type a rank's reported one names: itself, else the longest declared type it contains
+    (case-insensitive), else unchanged."""
+    if reported is None or reported in declared:
+        return reported
+    contained = [t for t in declared if t.lower() in str(reported).lower()]
+    return max(contained, key=len) if contained else reported
+
+
 def rank_order_by_type(meshes: list[HeteroMesh], rank_types: list[str | None]) -> list[int]:
     """The global rank at each position of the mesh-ordered world, from every rank's reported device type.
 
     Ranks fill the meshes in rank order when every rank reports the same type (or none) or no mesh declares a
     ``device_type`` (one type: nothing to match). Otherwise each declared type must be reported by exactly as many
-    ranks as the meshes declaring it hold, and the ranks of a type fill its meshes in rank order (stable).
+    ranks as the meshes declaring it hold, and the ranks of a type fill its meshes in rank order (stable). A rank
+    reports a declared type when it names it or contains it, case-insensitively (the CUDA device name
+    ``NVIDIA H100 80GB HBM3`` reports ``H100``; the longest declared type contained wins).
     """
     world = sum(m.size for m in meshes)
     if len(rank_types) != world:
@@ -305,6 +316,7 @@ def rank_order_by_type(meshes: list[HeteroMesh], rank_types: list[str | None]) -
     need: dict[str, int] = {}
     for mesh in meshes:
         need[mesh.device_type] = need.get(mesh.device_type, 0) + mesh.size
+    rank_types = [_declared_type(t, list(need)) for t in rank_types]
     have: dict[str, int] = {}
     for t in rank_types:
         have[str(t)] = have.get(str(t), 0) + 1

@@ -222,8 +222,9 @@ def _write_hetero(args: argparse.Namespace, model: TransformerConfig, plan: Any,
     recipe["data"]["batch_size"] = args.global_batch // first_dp
     groups_text = ", ".join(f"{g.count} x {g.device_type} ({g.profile.name})" for g in groups)
     header = (f"Written by `lightning-flagscale tune --hetero` for {groups_text}: {plan.kind}, predicted step"
-              f" {plan.step_seconds:.3f} s.\nRanks fill the device groups in rank order, or by FLAGSCALE_DEVICE_TYPE"
-              " set per process to the group's type.")  # fmt: skip
+              f" {plan.step_seconds:.3f} s.\nRanks fill the device groups by the type each reports: FLAGSCALE_DEVICE_TYPE,"
+              " else its CUDA device's name, which a group's type matches when contained in it (H100 in 'NVIDIA H100"
+              " 80GB HBM3'); in rank order when all report one type.")  # fmt: skip
     path = write_recipe(args.write_recipe, recipe, header)
     print(f"wrote {path}: lightning-flagscale fit --config {path}")
 

@@ -32,6 +32,15 @@ def test_ranks_fill_meshes_by_device_type():
     assert sorted((t.src, t.dst, t.src_lo, t.src_hi) for t in fwd) == [(1, 0, 0, 2), (3, 2, 2, 4)]
     with pytest.raises(ValueError, match=r"\{'fast': 3, 'slow': 1\}.*\{'fast': 2, 'slow': 2\}"):
         rank_order_by_type(meshes, ["fast", "fast", "slow", "fast"])
+    # the CUDA device's name reports the declared type it contains (no FLAGSCALE_DEVICE_TYPE needed on a real node)
+    cuda = parse_hetero_meshes([dict(data_parallel_size=2, device_type="H100"), dict(data_parallel_size=2,
+                                                                                      device_type="A100")])  # fmt: skip
+    names = ["NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"]
+    assert rank_order_by_type(cuda, names) == [1, 3, 0, 2]
+    nvl = parse_hetero_meshes([dict(data_parallel_size=2, device_type="H100"), dict(data_parallel_size=2,
+                                                                                     device_type="H100 NVL")])  # fmt: skip
+    names = ["NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3"]
+    assert rank_order_by_type(nvl, names) == [1, 3, 0, 2]  # the longest declared type contained wins
     with pytest.raises(ValueError, match="declare none"):
         rank_order_by_type(parse_hetero_meshes([FAST, dict(data_parallel_size=2)]), INTERLEAVED)
     with pytest.raises(ValueError, match="not a permutation"):
