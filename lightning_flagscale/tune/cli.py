@@ -153,14 +153,6 @@ def _calibrate(args: argparse.Namespace) -> None:
 def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:
     from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
 
-    # what the homogeneous search takes and a hetero plan cannot: refused, never ignored
-    refused = {"--run": args.run, "--refit-profile": args.refit_profile, "--profile": args.profile}
-    for flag, value in refused.items():
-        if value:
-            why = ("each device group names its profile (TYPE:COUNT:PROFILE)" if flag == "--profile" else
-                   "hetero plans are not trained here (they need the device groups); write the best with"
-                   " --write-recipe and run it with `fit --config`")  # fmt: skip
-            raise SystemExit(f"{flag} does not apply to --hetero: {why}.")
     groups = []
     for item in args.hetero.split(","):
         parts = item.split(":")
@@ -235,7 +227,8 @@ def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
 
 def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """A flag the chosen mode would not read is an error, not ignored: calibration flags without ``--calibrate`` (and
-    planning flags with it), ``--run-*`` without ``--run``, ``--recipe-steps`` without a recipe to write."""
+    planning flags with it), ``--run-*`` without ``--run``, ``--recipe-steps`` without a recipe to write, and with
+    ``--hetero`` what only the homogeneous search reads (``--run``, ``--refit-profile``, ``--profile``)."""
     given = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"
              and getattr(args, a.dest) != a.default}  # fmt: skip
     calibration = {d for d in given if d.startswith("calibrate")}
@@ -257,6 +250,13 @@ def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
     if not args.run and ({"run_steps", "run_dir"} & set(given)):
         raise SystemExit(f"{', '.join(sorted(given[d] for d in {'run_steps', 'run_dir'} & set(given)))} only apply"
                          " with --run K.")  # fmt: skip
+    if args.hetero:  # what the homogeneous search takes and a hetero plan cannot
+        for dest in ("run", "refit_profile", "profile"):
+            if dest in given:
+                why = ("each device group names its profile (TYPE:COUNT:PROFILE)" if dest == "profile" else
+                       "hetero plans are not trained here (they need the device groups); write the best with"
+                       " --write-recipe and run it with `fit --config`")  # fmt: skip
+                raise SystemExit(f"{given[dest]} does not apply to --hetero: {why}.")
     if "recipe_steps" in given and not (args.write_recipe or args.run):
         raise SystemExit("--recipe-steps sets the written recipe's max_steps: add --write-recipe PATH (or --run K).")
 

@@ -10,13 +10,12 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
   bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``m + S - 1``
   slots over S stages and m micro-batches; interleaved 1F1B and zero-bubble with v = 2 or 4 model chunks per stage
   group (``VIRTUAL_SIZES``), ZBV and DualPipeV with two: ``(S - 1) / v`` fill-and-drain slots, the zero-bubble
-  family's filled with deferred weight gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)`` hops of the slowest boundary
-  (activations forward, their gradients back, exposed as the homogeneous model prices pipeline hops, over the
-  inter-node links between device types), plus what compute does not hide of the slowest stage's data-parallel
-  reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the strategy's bucket size), plus
-  the slowest stage's optimizer phase (its parameters over the mesh's ZeRO shards) and the training loop, once a
-  step. A stage
-  group's memory holds the live micro-batches its schedule really keeps (``inflight.max_live_microbatches``). The
+  family's filled with deferred weight gradients, as the homogeneous model prices them), plus ``2 (m v + S - 1)``
+  hops of the slowest boundary (activations forward, their gradients back, exposed as the homogeneous model prices
+  pipeline hops, over the inter-node links between device types), plus what compute does not hide of the slowest
+  stage's data-parallel reduction and ZeRO gathers over its mesh's DP ranks (``cost._data_parallel``, the
+  strategy's bucket size), plus the slowest stage's optimizer phase (its parameters over the mesh's ZeRO shards)
+  and the training loop, once a step. A stage group's memory holds the live micro-batches its schedule really keeps (``inflight.max_live_microbatches``). The
   schedules of ``SCHEDULES`` and micro-batch sizes 1, 2, 4 are tried, and for each layout the least recompute and
   then the least ZeRO stage that fit in memory.
 - **hetero-DP**: every device a data-parallel rank holding the whole model, the global batch shared in proportion to
@@ -79,12 +78,8 @@ def _schedule_chunks(schedules: Sequence[str], virtual_sizes: Sequence[int]) -> 
     """(schedule, model chunks per stage group) pairs to plan."""
     out: list[tuple[str, int]] = []
     for name in schedules:
-        if name == "1f1b":
-            out.append((name, 1))
-        elif SCHEDULE_SPECS[name].placement == "v":
-            out.append((name, 2))
-        else:
-            out.extend((name, v) for v in virtual_sizes)
+        fixed = SCHEDULE_SPECS[name].stages_per_rank  # 1F1B: 1, the V schedules: 2; None: any
+        out.extend((name, v) for v in ((fixed,) if fixed else virtual_sizes))
     return out
 
 
