@@ -7,7 +7,7 @@ It validates itself where it lives, before any process group exists, and every u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_flagscale.parallel.pipeline_plan import even_layer_counts
 from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 __all__ = ["ParallelConfig", "RecomputeMode"]
 
 
-RecomputeMode = Literal["none", "selective", "full"]
+RecomputeMode = Literal["none", "selective", "selective_mm", "full"]
+"""From the least to the most recomputation."""
 
 
 @dataclass(kw_only=True)
@@ -78,7 +79,8 @@ class ParallelConfig:
     """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
     (embedding and LM head included)."""
     recompute: RecomputeMode | list[RecomputeMode] = "none"
-    """Activation recompute per block: ``none``, ``selective`` (norms, activations) or ``full``; or one per stage."""
+    """Activation recompute per block: ``none``, ``selective`` (norms, activations), ``selective_mm`` (that and every
+    second matmul, torchtitan's op-level policy; dense blocks) or ``full``; or one per stage."""
     hetero_meshes: list[dict[str, Any]] | None = None
     """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
@@ -154,8 +156,10 @@ class ParallelConfig:
             # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
             validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
-        if any(m not in ("none", "selective", "full") for m in modes) or not modes:
-            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full' (or one per stage).")
+        if any(m not in get_args(RecomputeMode) for m in modes) or not modes:
+            raise ValueError(
+                f"recompute={self.recompute!r}: use 'none', 'selective', 'selective_mm' or 'full' (or one per stage)."
+            )
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
         if not isinstance(self.recompute, str) and len(modes) != stages:
             raise ValueError(
@@ -429,6 +433,12 @@ class ParallelConfig:
                     f" (num_attention_heads={config.num_attention_heads} / tensor_parallel_size={tp});"
                     " lower ulysses_size or use context_parallel_mode='ring'."
                 )
+        modes = [self.recompute] if isinstance(self.recompute, str) else self.recompute
+        if "selective_mm" in modes and config.is_moe:
+            raise ValueError(
+                "recompute='selective_mm' recomputes every second matmul of a block, and an MoE block's matmul count"
+                " depends on its routing; use 'selective' or 'full' for MoE models (or moe_recompute)."
+            )
         if self.ep_enabled:
             if not config.is_moe:
                 raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts > 0).")

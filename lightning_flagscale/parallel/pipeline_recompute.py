@@ -9,6 +9,12 @@ Modes (the seeds' "non-uniform fine-grained recompute"):
   policy on every op, in forward and in the recompute (measured on CPU: ~2.5 ms a block at h = 512 and 64 tokens,
   more than ``"full"`` costs there; at h = 1024 and 512 tokens +5% a block against full's +23%). ``tune --calibrate``
   measures it as ``selective_overhead``.
+* ``"selective_mm"``: ``"selective"``, and every second matmul of the block (``mm`` / ``addmm``, counted in the
+  order the block runs them) recomputed too: torchtitan's op-level selective checkpointing ("save every other mm").
+  On a Llama-style block (q, k, v, o, gate, up, down) that drops the k, o and up outputs, ~37% of the block's
+  projection FLOPs re-run in backward, for memory between ``"selective"`` and ``"full"``. Dense blocks only: an MoE
+  block's matmul count follows its routing (the per-expert fallback runs one per expert that got tokens), so it is
+  refused there.
 * ``"full"``: keep only the block input; recompute the whole block in backward.
 
 A stage is recomputed block by block with ``torch.utils.checkpoint`` (non-reentrant). The block's ``forward`` is
@@ -25,16 +31,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_flagscale.config.parallel import RecomputeMode
+
 __all__ = ["RECOMPUTE_MODES", "RecomputeMode", "apply_recompute", "resolve_recompute", "selective_policy"]
 
-RecomputeMode = Literal["none", "selective", "full"]
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+"""From the least to the most recomputation."""
 
 _aten = torch.ops.aten
 
@@ -71,6 +79,29 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_MATMULS = _ops("mm", "addmm")
+
+
+class _EveryOtherMatmul:
+    """``selective_mm``'s policy for one checkpointed call: :func:`selective_policy`, except that the 2nd, 4th, ...
+    matmul is recomputed. torch >= 2.13 records the forward's decisions and replays them; older versions ask the
+    policy again in the recompute, so forward and recompute count apart (the recompute sees the same ops in the same
+    order) and a replayed recompute counts from the start again (:class:`_Replayable`)."""
+
+    def __init__(self) -> None:
+        self.count = {False: 0, True: 0}
+
+    def restart_recompute(self) -> None:
+        self.count[True] = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            self.count[ctx.is_recompute] += 1
+            if self.count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return selective_policy(ctx, op, *args, **kwargs)
+
+
 def resolve_recompute(recompute: str | Sequence[str], num_stages: int) -> list[str]:
     """One mode per global stage from a single mode or a per-stage list; raises naming the valid modes."""
     modes = [recompute] * num_stages if isinstance(recompute, str) else list(recompute)
@@ -91,11 +122,14 @@ class _Replayable:
     block's graph is freed (after the weight-gradient pass) instead of being released during the first pass.
     """
 
-    def __init__(self, cached_mode: Any) -> None:
+    def __init__(self, cached_mode: Any, on_enter: Callable[[], None] | None = None) -> None:
         self._mode = cached_mode
+        self._on_enter = on_enter
         self._snapshot: dict[Any, dict[int, Any]] = {}
 
     def __enter__(self) -> Any:
+        if self._on_enter is not None:  # each replay counts the region's ops from its start again
+            self._on_enter()
         self._snapshot = {key: dict(entries) for key, entries in self._mode.storage.items()}
         return self._mode.__enter__()
 
@@ -108,19 +142,19 @@ class _Replayable:
             self._snapshot = {}
 
 
-def _replayable_contexts() -> tuple[Any, Any]:
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(selective_policy)
-    return forward_ctx, _Replayable(recompute_ctx)
+def _selective_contexts(mode: str, replayable: bool) -> tuple[Any, Any]:
+    """The (forward, recompute) contexts of one checkpointed call under a selective ``mode``."""
+    policy = selective_policy if mode == "selective" else _EveryOtherMatmul()
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
+    if replayable:
+        recompute_ctx = _Replayable(recompute_ctx, getattr(policy, "restart_recompute", None))
+    return forward_ctx, recompute_ctx
 
 
 def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> Callable[..., Any]:
     context_fn = None
-    if mode == "selective":
-        context_fn = (
-            _replayable_contexts
-            if replayable
-            else functools.partial(create_selective_checkpoint_contexts, selective_policy)
-        )
+    if mode in ("selective", "selective_mm"):
+        context_fn = functools.partial(_selective_contexts, mode, replayable)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -131,6 +165,12 @@ def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> C
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
+
+
+def _has_moe(block: nn.Module) -> bool:
+    from lightning_flagscale.moe.layer import MoELayer  # parallel/ is imported by moe/: resolve at call time
+
+    return any(isinstance(m, MoELayer) for m in block.modules())
 
 
 def apply_recompute(
@@ -145,6 +185,12 @@ def apply_recompute(
     if mode == "none":
         return module
     for block in module.layers.values() if blocks is None else blocks:
+        if mode == "selective_mm" and _has_moe(block):
+            raise ValueError(
+                "recompute='selective_mm' recomputes every second matmul of a block, and an MoE block's matmul count"
+                " depends on its routing; use 'selective' or 'full' for MoE models (or the MoE layer's own"
+                " moe_recompute levels)."
+            )
         if getattr(block, "_recompute_mode", None) is not None:
             raise ValueError(f"Block already has recompute={block._recompute_mode!r}; apply recompute once.")
         block.forward = _checkpointed(

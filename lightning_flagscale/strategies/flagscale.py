@@ -42,7 +42,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.config import ParallelConfig, RecomputeMode
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
 from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, distributed_optimizers
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
@@ -115,7 +115,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         pipeline_schedule: ScheduleName = "1f1b",
         pipeline_layers: list[int] | None = None,
         pipeline_balance: Literal["even", "cost"] = "even",
-        recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none",
+        recompute: RecomputeMode | list[RecomputeMode] = "none",
         hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None,
         hetero_meshes: list[dict[str, Any]] | None = None,
         hetero_layers: list[int] | None = None,

@@ -9,10 +9,12 @@ the same model trained in one process (relative error <= 1e-5).
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.decoder import CausalLM
@@ -23,7 +25,7 @@ from lightning_flagscale.parallel.pipeline import (
     stage_ids_for_rank,
     unit_param_costs,
 )
-from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
+from lightning_flagscale.parallel.pipeline_recompute import _selective_contexts, apply_recompute, resolve_recompute
 from lightning_flagscale.parallel.schedules import min_microbatches
 from lightning_flagscale.parallel.tensor import apply_tp
 
@@ -280,7 +282,7 @@ def test_errors(call, match):
         call()
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "selective_mm", "full"])
 def test_recompute_matches_and_keeps_fqns(mode):
     torch.manual_seed(0)
     model = CausalLM(_tiny(num_layers=2))
@@ -317,8 +319,40 @@ def _backward_matmuls(mode: str) -> int:
 
 
 def test_selective_recompute_keeps_matmuls_and_full_redoes_them():
-    none, selective, full = (_backward_matmuls(m) for m in ("none", "selective", "full"))
+    none, selective, every_other, full = (_backward_matmuls(m) for m in ("none", "selective", "selective_mm", "full"))
     assert selective == none < full
+    # selective_mm re-runs the 2nd, 4th and 6th of a block's 7 projections (k, o, up) in each of the 2 blocks; full
+    # re-runs 6 (the recompute stops early: nothing in backward needs down's output)
+    assert every_other == none + 2 * 3 and full == none + 2 * 6
+
+
+def test_replayed_selective_mm_counts_its_matmuls_from_the_start():
+    # Zero-bubble schedules backpropagate a region twice (input-, then weight-gradient), each pass recomputing it.
+    # torch < 2.13 asks the policy again in each recompute, which stops early after tanh (the 3rd matmul): a replay
+    # counting on from there would take the 1st matmul for a recomputed one (torch >= 2.13 replays the forward's
+    # decisions). Either way both passes give the plain gradients.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+
+    def region(x, *ws):
+        return torch.tanh(torch.relu(torch.relu(x @ ws[0]) @ ws[1]) @ ws[2])
+
+    def passes(y):
+        return torch.autograd.grad(y.sum(), x, retain_graph=True) + torch.autograd.grad(y.sum(), ws)
+
+    context_fn = functools.partial(_selective_contexts, "selective_mm", True)
+    replayed = passes(checkpoint(region, x, *ws, use_reentrant=False, context_fn=context_fn))
+    for got, want in zip(replayed, passes(region(x, *ws)), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_selective_mm_is_refused_on_moe_blocks():
+    moe = _tiny(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="MoE block's matmul count depends on its routing"):
+        apply_recompute(CausalLM(moe), "selective_mm")
+    with pytest.raises(ValueError, match="use 'selective' or 'full' for MoE models"):
+        ParallelConfig(recompute="selective_mm").resolve(1).validate_model(moe)
 
 
 # ---- multi-process parity -----------------------------------------------------------------------------------------
@@ -370,7 +404,7 @@ def test_tied_embeddings_from_meta(launcher, schedule, vpp):
 def test_recompute_with_split_backward(launcher, schedule):
     # Zero-bubble schedules backpropagate each recomputed block twice (input-, then weight-gradient pass).
     vpp = 2 if schedule == "dualpipev" else 1
-    modes = ["none", "selective", "full", "selective"] if vpp == 2 else ["full", "selective"]
+    modes = ["none", "selective", "full", "selective_mm"] if vpp == 2 else ["selective_mm", "selective"]
     _check(launcher(2, _pipeline_parity, schedule, vpp, recompute=modes))
 
 

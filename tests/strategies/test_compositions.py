@@ -18,6 +18,15 @@ def test_gradient_accumulation_with_zero_and_recompute(launcher, zero_stage):
     assert_matches_reference(results, reference, f"zero{zero_stage}+accumulation", losses_per_step=2)
 
 
+def test_every_other_matmul_recompute_under_tensor_and_sequence_parallel(launcher):
+    # selective_mm counts the block's matmuls as the recompute sees them: under TP + SP they are DTensor ops with
+    # all-gathers and reduce-scatters between them; the cached and recomputed outputs must still line up.
+    kwargs = dict(tensor_parallel_size=2, sequence_parallel=True, recompute="selective_mm")
+    results = launcher(2, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, ragged=True)
+    reference = reference_run(tiny_config(), STEPS, clip=1.0, ragged=True)
+    assert_matches_reference(results, reference, "tp2-sp-selective_mm", every_rank_holds_all=True)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
