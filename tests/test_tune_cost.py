@@ -74,6 +74,25 @@ def test_full_recompute_costs_about_one_extra_forward():
     assert estimate_step(MODEL, _layout(), 4096, 8, hw).compute_seconds < selective
 
 
+def test_selective_mm_recomputes_the_k_o_and_up_projections():
+    # On the flat profile (1 PFLOP/s) a GEMM costs its FLOPs / 1e15: llama3-8b's k (4096 x 1024), o (4096 x 4096)
+    # and up (4096 x 14336) forward GEMMs on 4096 tokens a micro-batch, re-run in each block's backward.
+    hw, tokens = _profile(hbm=float("inf")), 4096
+    per_block = 2 * tokens * MODEL.hidden_size * (1024 + 4096 + MODEL.intermediate_size) / 1e15
+    c = {mode: _layout(recompute=mode) for mode in ("selective", "selective_mm")}
+    base, got = (_rank_pass(MODEL, c[mode], tokens, hw) for mode in ("selective", "selective_mm"))
+    assert got.f == base.f and got.b - base.b == pytest.approx(MODEL.num_layers * per_block)
+    over = hw.replace(selective_overhead=(1e-3, 3e-3))  # the same selective-checkpoint dispatch
+    assert _rank_pass(MODEL, c["selective_mm"], tokens, over).b - got.b == pytest.approx(MODEL.num_layers * 3e-3)
+    # ~37% of a block's projection FLOPs, between selective (none) and full (all of the forward)
+    compute = {m: estimate_step(MODEL, _layout(recompute=m), tokens, 8, hw).compute_seconds
+               for m in ("selective", "selective_mm", "full")}  # fmt: skip
+    assert compute["selective"] < compute["selective_mm"] < compute["full"]
+    moe = TransformerConfig.from_preset("mixtral-tiny")
+    with pytest.raises(ValueError, match="dense blocks only"):
+        estimate_step(moe, ParallelConfig(recompute="selective_mm").resolve(1), 64, 1, hw)
+
+
 def test_data_parallel_reduction_hides_under_backward():
     c = _layout(zero_stage=0)
     fast = estimate_step(MODEL, c, 4096, 8, _profile(bandwidth=1e12))

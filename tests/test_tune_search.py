@@ -63,7 +63,9 @@ def test_every_candidate_of_the_full_space_constructs_and_validates():
     }
     assert seen["schedules"] == set(SCHEDULE_NAMES) and seen["vpp"] >= {1, 2, 4}
     assert seen["cp_modes"] == {"ring", "ulysses", "hybrid"} and seen["ep"] >= {1, 2, 4, 8}
-    assert seen["zero"] == {0, 1, 2, 3} and seen["recompute"] == {"none", "selective", "full"}
+    assert seen["zero"] == {0, 1, 2, 3} and seen["recompute"] == {"none", "selective", "full"}  # MoE: no selective_mm
+    dense, _ = enumerate_layouts(TransformerConfig.from_preset("llama-tiny"), 2, seq_len=64, global_batch=8)
+    assert {c.recompute for c in dense} == {"none", "selective", "selective_mm", "full"}
     assert seen["mbs"] == {1, 2, 4} and seen["tp"] >= {1, 2} and seen["etp"] == {1}
     for c in layouts:  # the strategy's keyword arguments rebuild exactly this layout, and it validates
         rebuilt = ParallelConfig(**_strategy_args(c)).resolve(8)
@@ -372,12 +374,17 @@ def test_hetero_planners_search_zero_stage_and_recompute_to_fit():
     assert plan.parallel["recompute"] != "none"
     assert all(m <= g.profile.memory_bytes for m, g in zip(plan.memory_bytes, [g for g in groups for _ in range(8)]))
     fitting = []
-    for rc in ("none", "selective", "full"):
+    for rc in ("none", "selective", "selective_mm", "full"):
         for zero in (1, 2, 3):
             with contextlib.suppress(ValueError):
                 fitting.append(plan_hetero_dp(model, groups, **kw, zero_stage=zero, recompute=rc).step_seconds)
     assert plan.step_seconds == min(fitting)
     plan.config(16)
+    # selective_mm runs on dense blocks only: an MoE model tries the other policies, and is refused it alone
+    moe = TransformerConfig.from_preset("mixtral-tiny")
+    assert plan_hetero_dp(moe, groups, seq_len=64, global_batch=64).parallel["recompute"] != "selective_mm"
+    with pytest.raises(ValueError, match="'selective_mm' runs on dense blocks only"):
+        plan_hetero_dp(moe, groups, seq_len=64, global_batch=64, recompute="selective_mm")
     # meshes: with 24 GB a device nothing fits without recompute; the planner finds plans that recompute
     small = [dataclasses.replace(g, profile=g.profile.replace(memory_bytes=24e9)) for g in groups]
     assert plan_hetero(model, small, **kw, recompute="none") == []

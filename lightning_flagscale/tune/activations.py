@@ -39,7 +39,8 @@ parallelism the norms run on the whole sequence on every TP rank; with it the no
 all-gathered inputs of the column-parallel projections (``E*h`` twice per layer) are kept whole by torch's
 DTensor styles. Context parallelism divides the tokens. Recompute (``parallel/pipeline_recompute.py``): ``full``
 keeps only the block input (``E*h``); ``selective`` keeps the block input and the outputs of matmuls and attention
-(q, k, v, o, gate, up, down, SDPA out + lse) and recomputes norms and elementwise ops; both rebuild one layer's
+(q, k, v, o, gate, up, down, SDPA out + lse) and recomputes norms and elementwise ops; ``selective_mm`` drops every
+second matmul's output of those (k, o, up: the block runs q, k, v, o, gate, up, down); all three rebuild one layer's
 activations during its backward, and keep the CPU RNG state (5056 bytes) per block. MoE blocks (``moe/layer.py``): the fp32 router input (``4h``) and scores
 (``4n``), per routed copy (``k`` per token) the permuted input, fc1 output ``[2I]``, SwiGLU output and product,
 fc2 output (``E*(2h + 4I)``), plus the combine buffer and routing indices (``E*h + 48k``, measured); shared
@@ -51,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.config import RecomputeMode, TransformerConfig
 
 __all__ = [
     "HeadBytes",
@@ -61,7 +62,7 @@ __all__ = [
     "model_edge_bytes",
 ]
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = RecomputeMode
 CHECKPOINT_RNG_BYTES = 5056
 """``torch.utils.checkpoint`` keeps the CPU generator's state per recomputed region (``preserve_rng_state``)."""
 
@@ -112,10 +113,14 @@ def layer_activation_bytes(
     block_input += CHECKPOINT_RNG_BYTES
     if recompute == "full":
         return block_input, block_input + full
-    if recompute == "selective":
+    if recompute in ("selective", "selective_mm"):
         kept = block_input + tokens * (e * (2 * q + 2 * kv + h) + 4 * a) + mlp_mm  # q, k, v, o, SDPA out, lse
+        if recompute == "selective_mm":
+            if m.is_moe_layer(layer):
+                raise ValueError("recompute='selective_mm' runs on dense blocks only (pipeline_recompute.py).")
+            kept -= tokens * e * (kv + h + m.intermediate_size / tp)  # the k, o and up outputs are recomputed
         return kept, kept + full
-    raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'.")
+    raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +169,7 @@ def korthikanti_layer_bytes(
     *,
     tp: int = 1,
     sequence_parallel: bool = False,
-    recompute: Recompute = "none",
+    recompute: Literal["none", "selective", "full"] = "none",
 ) -> float:
     """Activation bytes of one Megatron GPT layer in 16-bit (Korthikanti et al. 2022, Table 2), for comparison
     with published configurations: ``sbh(34 + 5as/h)`` without parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with TP,

@@ -12,7 +12,8 @@ Per micro-batch and pipeline rank, a block costs
 - **memory-bound kernels** (norms, RoPE, SwiGLU activation, residuals): ~16 hidden-sized + 6 MLP-sized bf16 tensors
   read or written per token in forward, twice that in backward, at HBM bandwidth;
 - **recompute**: ``full`` re-runs the block's forward in backward, ``selective`` its memory-bound kernels (plus,
-  on a calibrated profile, the host time of torch's selective-checkpoint dispatch, ``selective_overhead``);
+  on a calibrated profile, the host time of torch's selective-checkpoint dispatch, ``selective_overhead``),
+  ``selective_mm`` those and the k, o and up projections;
 - exposed **TP/SP** collectives (2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters, per block and pass;
   nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls (after an
   all-gather of the per-expert row counts in forward; plus, for a global load-balancing or z loss, one all-reduce of
@@ -165,6 +166,17 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
     return gemm, attn, mem
 
 
+def _every_other_gemm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool):
+    """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th and 6th of q, k, v, o, gate, up,
+    down (``parallel/pipeline_recompute.py``; dense blocks only)."""
+    if moe:
+        raise ValueError("recompute='selective_mm' runs on dense blocks only (pipeline_recompute.py).")
+    tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
+    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    k_proj, o_proj = hw.gemm_seconds(t, kv * d / tp, h), hw.gemm_seconds(t, h, q * d / tp)
+    return k_proj + o_proj + hw.gemm_seconds(t, model.intermediate_size / tp, h)
+
+
 def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile) -> tuple[float, float]:
     """(forward, backward) seconds of one block's core attention on one rank.
 
@@ -247,7 +259,7 @@ def _block_pass(
     host_f, host_b = hw.tp_overhead[:2] if c.tensor_parallel_size > 1 else (0.0, 0.0)
     if moe:
         host_f, host_b = host_f + hw.moe_overhead[0], host_b + hw.moe_overhead[1]
-    if recompute == "selective":
+    if recompute in ("selective", "selective_mm"):
         host_f, host_b = host_f + hw.selective_overhead[0], host_b + hw.selective_overhead[1]
     f = gemm + attn[0] + mem + host_f + sum(fwd_comm.values())
     dgrad, w = hw.backward_gemm_seconds(gemm)  # one input- and one weight-gradient GEMM per forward GEMM
@@ -256,6 +268,8 @@ def _block_pass(
         b += f
     elif recompute == "selective":
         b += mem
+    elif recompute == "selective_mm":
+        b += mem + _every_other_gemm(model, c, seq_len, hw, moe)
     fwd_calls, bwd_calls = _block_comm(model, c, seq_len, _CALL_COUNTER, moe, (0.0, 0.0))
     comm = _fold_stats(_both(fwd_comm, bwd_comm, recompute))
     return _Pass(f, b, w, comm, calls=_both(fwd_calls, bwd_calls, recompute))

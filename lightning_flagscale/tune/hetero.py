@@ -65,7 +65,7 @@ ZERO_STAGES = (1, 2, 3)
 """ZeRO stages the planners try, in order of preference (the least sharding that fits)."""
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes the mesh planner tries (as the homogeneous search does)."""
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective_mm", "full")
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 """Pipeline schedules the mesh planner tries."""
@@ -85,6 +85,16 @@ def _schedule_chunks(schedules: Sequence[str], virtual_sizes: Sequence[int]) -> 
 
 def _values(value: Any) -> tuple:
     return (value,) if isinstance(value, int | str) else tuple(value)
+
+
+def _recompute_values(model: TransformerConfig, recompute: str | Sequence[str]) -> tuple:
+    """The policies to try: ``selective_mm`` runs on dense blocks only, so an MoE model tries the others."""
+    values = _values(recompute)
+    kept = tuple(rc for rc in values if not (rc == "selective_mm" and model.is_moe))
+    if not kept:
+        raise ValueError(f"recompute={list(values)}: 'selective_mm' runs on dense blocks only; add 'selective' or"
+                         " 'full' for an MoE model.")  # fmt: skip
+    return kept
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +209,7 @@ def plan_hetero(
         samples = mbs * layouts[0][1]  # one micro-batch, as the first mesh's DP splits it
         if any(samples % dp for _, dp, _ in layouts) or global_batch % samples:
             continue
-        for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
+        for rc, zero in itertools.product(_recompute_values(model, recompute), _values(zero_stage)):
             plan = _plan_meshes(
                 model, groups, layouts, samples, seq_len, global_batch, zero, rc, name, v, grad_bucket_numel
             )
@@ -336,14 +346,14 @@ def plan_hetero_dp(
             f" {micro_batch_size}; raise the batch or lower micro_batch_size."
         )
     plans, errors = [], []
-    for rc, zero in itertools.product(_values(recompute), _values(zero_stage)):
+    for rc, zero in itertools.product(_recompute_values(model, recompute), _values(zero_stage)):
         try:
             plans.append(_plan_dp(model, groups, seq_len, global_batch, micro_batch_size, zero, rc, grad_bucket_numel))
         except _TooBig as err:
             errors.append(err)
     if not plans:
         lean = min(errors, key=lambda e: e.excess)
-        tried = f"zero_stage {list(_values(zero_stage))} x recompute {list(_values(recompute))}"
+        tried = f"zero_stage {list(_values(zero_stage))} x recompute {list(_recompute_values(model, recompute))}"
         raise ValueError(
             f"hetero-DP does not fit with any of {tried}: the leanest (zero_stage={lean.zero},"
             f" recompute={lean.recompute!r}) needs {lean.need / 1e9:.1f} GB on rank {lean.rank} ({lean.device})"

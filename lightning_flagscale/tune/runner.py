@@ -31,11 +31,12 @@ import yaml
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.presets import PRESETS
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
 from lightning_flagscale.tune.search import Candidate, describe_layout
 
 __all__ = ["HistoryPruner", "RunResult", "StepTimer", "recipe_dict", "run_candidates", "write_recipe"]
 
-_RECOMPUTE_LEVEL = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_LEVEL = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}  # from the least recomputation
 
 
 class StepTimer(L.Callback):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
 from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, min_microbatches, validate_schedule
 from lightning_flagscale.tune.cost import StepCost, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile
@@ -37,7 +38,8 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (True, False)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    """``selective_mm`` is skipped for MoE models (``ParallelConfig.validate_model`` refuses it there)."""
     max_tensor_parallel: int | None = None
     """Upper bound on TP (e.g. the devices of one node); ``None`` allows any divisor."""
 
@@ -186,7 +188,7 @@ def enumerate_layouts(
         for zero, sp, mbs, rc in itertools.product(
             space.zero_stages, space.sequence_parallel, space.micro_batch_sizes, space.recompute
         ):
-            if sp and tp == 1:
+            if (sp and tp == 1) or (rc == "selective_mm" and model.is_moe):
                 continue
             try:
                 c = ParallelConfig(
