@@ -29,6 +29,7 @@ allows one backward per region, so under those schedules ``selective`` uses a re
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, get_args
@@ -125,12 +126,13 @@ class _Replayable:
     def __init__(self, cached_mode: Any, on_enter: Callable[[], None] | None = None) -> None:
         self._mode = cached_mode
         self._on_enter = on_enter
-        self._snapshot: dict[Any, dict[int, Any]] = {}
+        self._snapshot: dict[Any, Any] = {}
 
     def __enter__(self) -> Any:
         if self._on_enter is not None:  # each replay counts the region's ops from its start again
             self._on_enter()
-        self._snapshot = {key: dict(entries) for key, entries in self._mode.storage.items()}
+        # a shallow copy of each op's cached outputs (index -> output on torch 2.13; earlier versions pop a list)
+        self._snapshot = {key: copy.copy(entries) for key, entries in self._mode.storage.items()}
         return self._mode.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
