@@ -59,6 +59,7 @@ LAYOUTS: dict[str, tuple[str, dict]] = {
     "zero2": ("dense", dict(zero_stage=2)),
     "zero3": ("dense", dict(zero_stage=3)),
     "zero1-selective": ("dense", dict(zero_stage=1, recompute="selective")),
+    "zero1-selective_mm": ("dense", dict(zero_stage=1, recompute="selective_mm")),
     "tp2-dp2": ("dense", dict(tensor_parallel_size=2, zero_stage=1)),
     "tp2-sp-dp2": ("dense", dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1)),
     "pp2-1f1b-dp2": ("dense", dict(pipeline_parallel_size=2, zero_stage=1)),
