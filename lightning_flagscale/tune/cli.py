@@ -104,13 +104,14 @@ def _print_table(model: TransformerConfig, result: SearchResult, hw: HardwarePro
         print(f"{unpriced} ring / hybrid context-parallel layouts not ranked: with attn_backend={model.attn_backend!r}"
               f" they run the exact fp32 block kernel, which the {hw.name!r} profile does not price"
               " (--attn-backend flash_attn or transformer_engine ranks them with a fused ring)")  # fmt: skip
-    print(f"{'#':>2} {'layout':<56} {'tokens/s':>11} {'/device':>8} {'MFU':>6} {'memory/budget':>14} {'bubble':>7}"
-          f" {'exp.comm':>8} {'step':>8}")  # fmt: skip
+    width = max([56, *(len(cand.describe()) for cand in result.candidates)])  # the column fits the longest layout
+    print(f"{'#':>2} {'layout':<{width}} {'tokens/s':>11} {'/device':>8} {'MFU':>6} {'memory/budget':>14}"
+          f" {'bubble':>7} {'exp.comm':>8} {'step':>8}")  # fmt: skip
     for i, cand in enumerate(result.candidates, 1):
         cost = cand.cost
         mem = f"{cand.memory_bytes / 1e9:.1f}/{hw.memory_bytes / 1e9:.0f}GB"
         comm = cost.exposed_comm_seconds / cost.step_seconds
-        print(f"{i:>2} {cand.describe():<56} {cost.tokens_per_second:11.0f} {cost.tokens_per_second / devices:8.0f}"
+        print(f"{i:>2} {cand.describe():<{width}} {cost.tokens_per_second:11.0f} {cost.tokens_per_second / devices:8.0f}"
               f" {cost.mfu:6.1%} {mem:>14} {cost.bubble_fraction:7.1%} {comm:8.1%} {cost.step_seconds:7.3f}s")  # fmt: skip
 
 
