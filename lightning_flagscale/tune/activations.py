@@ -62,7 +62,6 @@ __all__ = [
     "model_edge_bytes",
 ]
 
-Recompute = RecomputeMode
 CHECKPOINT_RNG_BYTES = 5056
 """``torch.utils.checkpoint`` keeps the CPU generator's state per recomputed region (``preserve_rng_state``)."""
 
@@ -90,7 +89,7 @@ def layer_activation_bytes(
     act_bytes: int = 2,
     tp: int = 1,
     sequence_parallel: bool = False,
-    recompute: Recompute = "none",
+    recompute: RecomputeMode = "none",
 ) -> tuple[float, float]:
     """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
     over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring."""

@@ -41,6 +41,7 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero import proportional_shares
 from lightning_flagscale.parallel.hetero_runner import schedule_order
+from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
 from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
 from lightning_flagscale.tune.cost import (
     BF16,
@@ -65,7 +66,7 @@ ZERO_STAGES = (1, 2, 3)
 """ZeRO stages the planners try, in order of preference (the least sharding that fits)."""
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes the mesh planner tries (as the homogeneous search does)."""
-RECOMPUTE = ("none", "selective", "selective_mm", "full")
+RECOMPUTE = RECOMPUTE_MODES
 """Recompute policies the planners try, in order of preference (the least recomputation that fits)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 """Pipeline schedules the mesh planner tries."""
