@@ -10,7 +10,9 @@ Modes (the seeds' "non-uniform fine-grained recompute"):
   more than ``"full"`` costs there; at h = 1024 and 512 tokens +5% a block against full's +23%). ``tune --calibrate``
   measures it as ``selective_overhead``.
 * ``"selective_mm"``: ``"selective"``, and every second matmul of the block (``mm`` / ``addmm``, counted in the
-  order the block runs them) recomputed too: torchtitan's op-level selective checkpointing ("save every other mm").
+  order the block runs them) recomputed too: torchtitan's op-level selective checkpointing ("save every other mm";
+  its policy counts ``mm`` alone, which is every projection of its bias-free Llama; here a biased projection's
+  ``addmm`` counts as well).
   On a Llama-style block (q, k, v, o, gate, up, down) that drops the k, o and up outputs, ~37% of the block's
   projection FLOPs re-run in backward, for memory between ``"selective"`` and ``"full"``. Dense blocks only: an MoE
   block's matmul count follows its routing (the per-expert fallback runs one per expert that got tokens), so it is
