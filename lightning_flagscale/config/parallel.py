@@ -20,6 +20,10 @@ __all__ = ["ParallelConfig", "RecomputeMode"]
 
 RecomputeMode = Literal["none", "selective", "selective_mm", "full"]
 """From the least to the most recomputation."""
+SELECTIVE_MM_ON_MOE = (
+    "recompute='selective_mm' recomputes every second matmul of a block, and an MoE block's matmul count depends on"
+    " its routing; use 'selective' or 'full' for MoE models (or moe_recompute)."
+)
 
 
 @dataclass(kw_only=True)
@@ -305,6 +309,11 @@ class ParallelConfig:
         return self.pipeline_parallel_size * self.virtual_pipeline_parallel_size
 
     @property
+    def stage_recompute(self) -> list[str]:
+        """One recompute mode per pipeline stage (``recompute`` given once applies to every stage)."""
+        return [self.recompute] * self.num_stages if isinstance(self.recompute, str) else list(self.recompute)
+
+    @property
     def model_parallel_size(self) -> int:
         """Ranks that hold one data replica: pp x cp x tp."""
         return self.pipeline_parallel_size * self.context_parallel_size * self.tensor_parallel_size
@@ -433,12 +442,8 @@ class ParallelConfig:
                     f" (num_attention_heads={config.num_attention_heads} / tensor_parallel_size={tp});"
                     " lower ulysses_size or use context_parallel_mode='ring'."
                 )
-        modes = [self.recompute] if isinstance(self.recompute, str) else self.recompute
-        if "selective_mm" in modes and config.is_moe:
-            raise ValueError(
-                "recompute='selective_mm' recomputes every second matmul of a block, and an MoE block's matmul count"
-                " depends on its routing; use 'selective' or 'full' for MoE models (or moe_recompute)."
-            )
+        if "selective_mm" in self.stage_recompute and config.is_moe:
+            raise ValueError(SELECTIVE_MM_ON_MOE)
         if self.ep_enabled:
             if not config.is_moe:
                 raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts > 0).")

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_flagscale.config.parallel import RecomputeMode
+from lightning_flagscale.config.parallel import SELECTIVE_MM_ON_MOE, RecomputeMode
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeMode", "apply_recompute", "resolve_recompute", "selective_policy"]
 
@@ -190,11 +190,7 @@ def apply_recompute(
         return module
     for block in module.layers.values() if blocks is None else blocks:
         if mode == "selective_mm" and _has_moe(block):
-            raise ValueError(
-                "recompute='selective_mm' recomputes every second matmul of a block, and an MoE block's matmul count"
-                " depends on its routing; use 'selective' or 'full' for MoE models (or the MoE layer's own"
-                " moe_recompute levels)."
-            )
+            raise ValueError(SELECTIVE_MM_ON_MOE)
         if getattr(block, "_recompute_mode", None) is not None:
             raise ValueError(f"Block already has recompute={block._recompute_mode!r}; apply recompute once.")
         block.forward = _checkpointed(

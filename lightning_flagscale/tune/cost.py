@@ -324,13 +324,9 @@ def _rank_stages(c: ParallelConfig) -> list[list[int]]:
     return [[r + i * p for i in range(v)] for r in range(p)]
 
 
-def _recompute_modes(c: ParallelConfig) -> list[str]:
-    return [c.recompute] * c.num_stages if isinstance(c.recompute, str) else list(c.recompute)
-
-
 def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile) -> _Pass:
     """Forward/backward of one micro-batch on the heaviest pipeline rank (its blocks over all its chunks + head)."""
-    counts, modes = stage_layer_counts(model, c), _recompute_modes(c)
+    counts, modes = stage_layer_counts(model, c), c.stage_recompute
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
     first = [sum(counts[:i]) for i in range(len(counts))]
     cache: dict[tuple[bool, str], _Pass] = {}

@@ -172,10 +172,6 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
     return 0.0
 
 
-def _recompute_modes(c: ParallelConfig) -> list[str]:
-    return [c.recompute] * c.num_stages if isinstance(c.recompute, str) else list(c.recompute)
-
-
 def memory_breakdown(
     model: TransformerConfig,
     config: ParallelConfig,
@@ -200,7 +196,7 @@ def memory_breakdown(
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
     batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
     head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
-    modes = _recompute_modes(c)
+    modes = c.stage_recompute
     out = []
     for p in rank_params(m, c, vocab_multiple=vocab_multiple):
         n = c.num_stages
