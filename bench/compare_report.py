@@ -1,6 +1,6 @@
 """Tables, charts and theory columns of ``compare_strategies.py`` (kept apart so ``--render`` needs no run).
 
-The theory is ``lightning_flagscale.parallel.memory``'s, for Ψ the parameters one rank's model-parallel part holds
+The theory is ``lightning_flagscale.accounting.state_bytes``'s, for Ψ the parameters one rank's model-parallel part holds
 and N the data-parallel size, all fp32 (``32-true``): data-parallel wire bytes ``comm_theory_bytes(4Ψ, N, stage)``,
 state bytes as this package holds them ``expected_state_bytes(Ψ, N, stage)`` and the ZeRO paper's
 ``zero_theory_bytes(Ψ, N, stage, "fp32")``.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_flagscale.parallel.memory import comm_theory_bytes, expected_state_bytes, zero_theory_bytes
+from lightning_flagscale.accounting.state_bytes import comm_theory_bytes, expected_state_bytes, zero_theory_bytes
 
 __all__ = ["chart", "machine_info", "markdown", "mib", "summarise"]
 

@@ -25,7 +25,7 @@ optimizer step, and finally each rank's peak RSS. Theory, for Ψ the parameters 
   16Ψ/N; this package's ZeRO-1 frees the full gradient once it is reduce-scattered into its fp32 main shard, so at
   the optimizer step it holds 4Ψ + 16Ψ/N (the paper's ZeRO-1 formula 8Ψ + 8Ψ/N is listed too).
 
-The formulas are ``lightning_flagscale.parallel.memory``'s (``comm_theory_bytes``, ``expected_state_bytes``,
+The formulas are ``lightning_flagscale.accounting.state_bytes``'s (``comm_theory_bytes``, ``expected_state_bytes``,
 ``zero_theory_bytes``), shared with ``tune`` and the tests. Tensor-parallel and pipeline traffic is reported as
 measured (no ZeRO formula covers it). Timing is noisy on a shared machine: compare ratios within one run, never
 across runs. Writes ``compare_strategies.json``, ``compare_strategies.md`` and ``compare_strategies.png`` under
@@ -148,7 +148,7 @@ def _modules():
 
     from lightning_flagscale.models import CausalLMModule
     from lightning_flagscale.models.decoder import CausalLM, DecoderBlock
-    from lightning_flagscale.parallel.tensor import apply_tp
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     class EagerModule(CausalLMModule):
         """Builds and initialises the model on CPU (DDPStrategy / FSDPStrategy wrap a materialised module), with the
@@ -248,11 +248,11 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
     import lightning as L
     import torch.distributed as dist
 
+    from lightning_flagscale.accounting.comm import CommTracker, traffic_class
+    from lightning_flagscale.accounting.state_bytes import model_parallel_numel, peak_rss_bytes, state_bytes
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule
-    from lightning_flagscale.parallel.comm import CommTracker, traffic_class
-    from lightning_flagscale.parallel.memory import model_parallel_numel, peak_rss_bytes, state_bytes
 
     warmup, steps = settings["warmup"], settings["steps"]
     measured_step = warmup + steps
@@ -329,7 +329,7 @@ def _run(rank: int, world: int, spec: RunSpec, settings: dict[str, Any]) -> dict
 
     from torch.distributed.tensor import DTensor
 
-    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import summon_full_params
 
     model = module.model
     with summon_full_params(model):  # flat ZeRO-3 holds row ranges: count the parameters, not this rank's rows

@@ -10,7 +10,7 @@ processes (spawned here unless launched by torchrun):
 1. Peak attention memory per rank: ``torch.distributed._tools.mem_tracker.MemTracker`` peak of every tensor
    the layer's forward and backward allocate or touch (so its local q/k/v and output gradient are included),
    next to cp=1. Target on long sequences: cp=4 at most 0.3x cp=1.
-2. Communication per rank per layer, measured with ``lightning_flagscale.parallel.comm.CommTracker``:
+2. Communication per rank per layer, measured with ``lightning_flagscale.accounting.comm.CommTracker``:
    ring = bytes sent by P2P; theory: forward ``(cp-1)`` K/V blocks (the K/V of the whole sequence but one's own
    pass every rank), backward ``(cp-1)`` K/V blocks + ``cp`` fp32 dK/dV blocks (they go full circle).
    Ulysses = all-to-all bytes leaving the rank; theory: q, k, v and out each move ``(P-1)/P`` of their local
@@ -39,9 +39,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from lightning_flagscale.parallel.attention_kernels import TorchBlockKernel
-from lightning_flagscale.parallel.comm import CommTracker
-from lightning_flagscale.parallel.context import HybridAttention, load_balanced_indices
+from lightning_flagscale.accounting.comm import CommTracker
+from lightning_flagscale.parallel.context_parallel.attention import HybridAttention, load_balanced_indices
+from lightning_flagscale.parallel.context_parallel.kernels import TorchBlockKernel
 
 F32 = 4
 

@@ -118,7 +118,7 @@ def _tp_worker(rank: int, world: int, port: int, hf_dir: str, queue) -> None:
 
     from lightning_flagscale.convert import config_from_hf, load_hf_weights
     from lightning_flagscale.models import CausalLM
-    from lightning_flagscale.parallel.tensor import apply_tp
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -39,10 +39,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
     import torch.distributed as dist
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
-    from lightning_flagscale.checkpoint.memory import remove_snapshots
+    from lightning_flagscale.checkpoint.in_memory import remove_snapshots
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule, TransformerConfig
-    from lightning_flagscale.strategies._memory import ensure_checkpoint_group, take
+    from lightning_flagscale.strategies._snapshots import ensure_checkpoint_group, take
 
     rows: list[dict] = []
     folder = Path(tempfile.gettempdir() if args.no_shm else "/dev/shm") / f"flash-bench-{port}"

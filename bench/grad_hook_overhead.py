@@ -40,7 +40,12 @@ def main() -> None:
 
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models.decoder import CausalLM
-    from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, GradBucket, GradReducer, bucket_runs
+    from lightning_flagscale.parallel.data_parallel.grad_buckets import (
+        DEFAULT_BUCKET_NUMEL,
+        GradBucket,
+        GradReducer,
+        bucket_runs,
+    )
 
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

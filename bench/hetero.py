@@ -1,7 +1,7 @@
 """Heterogeneous meshes on CPU emulation: throughput against each device group training alone (issue 12, item 10).
 
 Two device types, ``fast`` and ``slow``, two ranks each; ``FLAGSCALE_EMULATE_SLOWDOWN="fast=B,slow=BxF"`` (default
-B = 10, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_ranks.py``: sleeping
+B = 10, F = 2) stretches every forward and backward of a rank by its factor (``parallel/hetero_mesh/ranks.py``: sleeping
 (factor-1) x the CPU time just spent). Both types are emulated devices slower than one core (B > 1) so that most
 device time is sleep: four processes on a 2-core machine shared with other jobs would otherwise measure the CPU
 scheduler (a pipeline hands each micro-batch from process to process and waits for the receiver to get a core),

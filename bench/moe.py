@@ -90,7 +90,7 @@ def _a2a_worker(rank: int, world: int, port: int, tokens: int, hidden: int, queu
 
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.moe import build_moe
-    from lightning_flagscale.parallel.expert import apply_ep
+    from lightning_flagscale.parallel.expert_parallel.apply import apply_ep
 
     cfg = TransformerConfig.from_preset("mixtral-tiny", hidden_size=hidden, num_experts=8, moe_intermediate_size=64)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))

@@ -1,6 +1,6 @@
 """Pipeline-schedule bubbles measured on CPU against theory, plus a timeline PNG (issue 3; not a test).
 
-Runs every schedule of ``lightning_flagscale.parallel.pipeline`` at p=4 ranks, m=8 micro-batches through the same
+Runs every schedule of ``lightning_flagscale.parallel.pipeline_parallel.runner`` at p=4 ranks, m=8 micro-batches through the same
 ``PipelineRunner`` the strategy uses, on a model whose per-layer cost is known exactly: each layer sleeps ``F`` ms
 in forward, ``I`` ms for its input gradient and ``W`` ms for its weight gradient (sleeping, not computing, so 4
 processes on a 2-core machine do not distort each other's timings). Eight layers in total: 2 per stage for the
@@ -30,13 +30,13 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_flagscale.parallel.pipeline import StatelessInferenceStage
+from lightning_flagscale.parallel.pipeline_parallel.runner import StatelessInferenceStage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.parallel.pipeline import build_pipeline
-from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, default_virtual_size
+from lightning_flagscale.config.schedules import SCHEDULE_NAMES, default_virtual_size
+from lightning_flagscale.parallel.pipeline_parallel.runner import build_pipeline
 
 P, M, LAYERS, HIDDEN = 4, 8, 8, 16
 # Every schedule at its default virtual size, except interleaved 1F1B, which is shown with 2 chunks per rank.

@@ -17,12 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_flagscale.accounting.flops import flops_per_token
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.flops import flops_per_token
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.cost import calibrate_compute_scale, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile, builtin_profile
-from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.memory_model import estimate_memory
 
 TT = "torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` (Grand Teton, H100 96GB HBM2e at 500 W, 400 Gb/s/GPU)"
 TT_DOC = "torchtitan `docs/performance.md` (Llama 3.1 405B, 128 H100)"
@@ -279,7 +279,7 @@ MISSES = [
     "  step; Llama 3's CP16 crosses nodes but K/V are split over TP 8 (one KV head per rank): ~1.4 ms per layer",
     "  against ~70 ms of compute (the paper says the same of its all-gather CP).",
     "- **Causal attention FLOPs with zigzag balance (already right):** each rank does s^2/(2 cp) of the score",
-    "  FLOPs, as the load-balanced (zigzag / head-tail) ring of torch, TE and our `parallel/context.py` does.",
+    "  FLOPs, as the load-balanced (zigzag / head-tail) ring of torch, TE and our `parallel/context_parallel/attention.py` does.",
     "- **torchtitan's selective recompute (fixed, it was a layout assumption):** both platform calibration rows (8B",
     "  FSDP on 8 GPUs, bf16 and Float8) ran torchtitan's `selective` activation checkpointing, modelled as our",
     "  Megatron-style `selective` (recompute norms and elementwise ops only). torchtitan's (9dec370,",
@@ -332,7 +332,7 @@ def report(hw: HardwareProfile) -> str:
         "FlashAttention-3 paper's H100 benchmark of FlashAttention-2 and cuDNN by call size), named in the last column;",
         "nothing about it is fitted here.",
         "",
-        "Published MFU is converted to tokens/s with `parallel/flops.py`'s `flops_per_token` at 989 TFLOP/s (the source's own FLOP convention may",
+        "Published MFU is converted to tokens/s with `accounting/flops.py`'s `flops_per_token` at 989 TFLOP/s (the source's own FLOP convention may",
         "differ). Error = predicted / published - 1; target |error| <= 20% on rows not used for calibration.",
         "",
         "The memory column is `tune.memory.estimate_memory`: what *this package's* pure-torch layers would hold per",
@@ -373,7 +373,7 @@ def report(hw: HardwareProfile) -> str:
         lines.append(f"| {name} | {ours / 1e9:.3f} | {formula / 1e9:.3f} | {ours / formula:.2f} |")
     lines += [
         "",
-        "`tune/memory.py` models our own layers (Llama-style SwiGLU, RMSNorm, SDPA, no dropout), not the paper's GPT,",
+        "`tune/memory_model.py` models our own layers (Llama-style SwiGLU, RMSNorm, SDPA, no dropout), not the paper's GPT,",
         "so the ratios above measure how far our decoder's activation footprint is from Megatron's GPT, per recompute",
         "policy; they are not an error of the formula.",
     ]

@@ -98,9 +98,9 @@ def _run_layout(name: str, measure_memory: bool) -> dict:
     import torch.distributed as dist
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.accounting.state_bytes import state_bytes
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models import CausalLMModule
-    from lightning_flagscale.parallel.memory import state_bytes
     from lightning_flagscale.tune.measure import AllocationPeak
 
     kind, kwargs = LAYOUTS[name]
@@ -233,7 +233,7 @@ def _setup(name: str):
 def _predict(name: str, hw) -> tuple[object, object]:
     """(memory breakdown, step cost) predicted for a layout."""
     from lightning_flagscale.tune.cost import estimate_step
-    from lightning_flagscale.tune.memory import memory_breakdown
+    from lightning_flagscale.tune.memory_model import memory_breakdown
 
     model, c, seq, batch = _setup(name)
     m = batch // (c.dp * c.micro_batch_size)

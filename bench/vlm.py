@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from lightning_flagscale.multimodal.data import SyntheticShapesDataset, VLMCollator
 from lightning_flagscale.multimodal.prealloc import image_token_count
-from lightning_flagscale.parallel.pipeline_recompute import apply_recompute
+from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
 
 CONFIG = VLMConfig.from_preset(
     "qwen2.5-vl-tiny", hidden_size=256, intermediate_size=704, num_layers=4, num_attention_heads=4,

@@ -11,7 +11,7 @@ optimizer states held by the rank. Theory:
   term in the dtype that is actually sent (our gradient reductions are fp32 whatever the parameter dtype);
 - state bytes: the paper's bf16 layout (DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N) and the layout
   this package uses (fp32 gradient buckets instead of bf16 gradients: ZeRO-1 keeps the full buckets, ZeRO-2 only
-  its fp32 shard; see ``parallel/grad_buckets.py`` and ``parallel.memory.expected_state_bytes``);
+  its fp32 shard; see ``parallel/data_parallel/grad_buckets.py`` and ``parallel.memory.expected_state_bytes``);
 - gradient bytes at the backward peak: stages 0-1 hold their full fp32 buckets, ZeRO-2 its fp32 shard plus the
   staging buckets alive at once (measured by the reducer, at most two buckets of ``--bucket`` elements).
 """
@@ -41,11 +41,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     import torch.distributed as dist
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.accounting.comm import CommTracker, gather_summaries, merge_summaries
+    from lightning_flagscale.accounting.state_bytes import state_bytes
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule
-    from lightning_flagscale.parallel.comm import CommTracker, gather_summaries, merge_summaries
-    from lightning_flagscale.parallel.memory import state_bytes
 
     dist.init_process_group("gloo")
     results = []
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/zero.json")
     args = parser.parse_args()
 
-    from lightning_flagscale.parallel.memory import comm_theory_bytes, expected_state_bytes, zero_theory_bytes
+    from lightning_flagscale.accounting.state_bytes import comm_theory_bytes, expected_state_bytes, zero_theory_bytes
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

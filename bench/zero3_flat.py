@@ -46,8 +46,8 @@ def _build(engine: str, config, mesh):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from lightning_flagscale.models.decoder import CausalLM, DecoderBlock
-    from lightning_flagscale.parallel.data import apply_fsdp
-    from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
+    from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
 
     model = CausalLM(config)
     model.init_weights(seed=0)
@@ -66,7 +66,7 @@ def _build(engine: str, config, mesh):
 
 
 def _held_bytes(model) -> int:
-    from lightning_flagscale.parallel.data import local_tensor
+    from lightning_flagscale.distributed.dtensor import local_tensor
 
     total = 0
     for p in {id(p): p for p in model.parameters()}.values():

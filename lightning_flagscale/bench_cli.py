@@ -1,7 +1,7 @@
 """``lightning-flagscale bench``: runs the repository's ``bench/compare_strategies.py`` (a repository tool).
 
 The benchmark (run specs, peer Lightning modules, spawning, Markdown and plots) lives in ``bench/``, not in the
-installed package; the formulas it compares against are the package's (``parallel/memory.py``). This entry point
+installed package; the formulas it compares against are the package's (``accounting/state_bytes.py``). This entry point
 finds ``bench/compare_strategies.py`` in the checkout the package is imported from, or under the current directory,
 and runs it as a script with the same arguments; without a checkout it says how to get one.
 """

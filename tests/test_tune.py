@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from lightning_flagscale.accounting.flops import flops_per_token
+from lightning_flagscale.accounting.state_bytes import comm_theory_bytes
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.flops import flops_per_token
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.memory import comm_theory_bytes
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune import Hardware, LinkPoint, SearchSpace, estimate_memory, estimate_step_seconds, search
 from lightning_flagscale.tune.hardware import COLLECTIVES
-from lightning_flagscale.tune.memory import memory_breakdown
+from lightning_flagscale.tune.memory_model import memory_breakdown
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 # The full space (every schedule, CP mode and recompute policy) takes seconds at 64 devices; the assertions below

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_flagscale.accounting.flops import flops_per_token
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.decoder import CausalLM
-from lightning_flagscale.parallel.flops import flops_per_token
-from lightning_flagscale.parallel.grad_buckets import bucket_runs
+from lightning_flagscale.parallel.data_parallel.grad_buckets import bucket_runs
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
 from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
 from lightning_flagscale.tune.cost import _bucket_sizes, _rank_pass
@@ -124,7 +124,7 @@ def test_every_gradient_bucket_pays_the_link_latency():
 def _tp_bucket_sizes(numel: int) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_flagscale.parallel.tensor import apply_tp
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     model = CausalLM(_TINY)
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=False)
@@ -170,7 +170,7 @@ def test_mfu_uses_model_flops_and_the_profile_peak():
 def test_expert_parallel_counts_every_collective_of_the_moe_layer(balance):
     # Latency only: per MoE layer and micro-batch the code runs an all-gather of the per-expert counts and the
     # dispatch + combine all-to-alls in forward, the two all-to-alls again in backward, and with a global balance
-    # loss one all-reduce of the routing statistics over the data-parallel ranks (parallel/expert.py, moe/router.py).
+    # loss one all-reduce of the routing statistics over the data-parallel ranks (parallel/expert_parallel/apply.py, moe/router.py).
     moe = TransformerConfig.from_preset("mixtral-8x7b", moe_aux_loss_coeff=balance)
     c = ParallelConfig(expert_parallel_size=8).resolve(8)  # EP 8 inside DP 8
     latency = 1e-3

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.config.schedules import SCHEDULE_NAMES
 from lightning_flagscale.models.decoder import CausalLM
-from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
 from lightning_flagscale.tune.activations import (
     head_bytes,
     korthikanti_layer_bytes,
@@ -25,7 +25,7 @@ from lightning_flagscale.tune.inflight import (
     schedule_live_peak,
 )
 from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations, allocation_levels
-from lightning_flagscale.tune.memory import estimate_memory, memory_breakdown
+from lightning_flagscale.tune.memory_model import estimate_memory, memory_breakdown
 from tests.strategies._lm import tiny_config, trainer_run
 
 SHAPE = dict(vocab_size=1000, hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2)
@@ -34,7 +34,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
 
 def _forward_bytes(config: TransformerConfig, dtype: torch.dtype, recompute: str, b: int = 2, s: int = 64):
     """(saved-tensor bytes, bytes still allocated after the forward) of a forward + loss on one process."""
-    from lightning_flagscale.parallel.pipeline_recompute import apply_recompute
+    from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
 
     model = CausalLM(config, vocab_multiple=64).to(dtype)
     apply_recompute(model, recompute)
@@ -159,8 +159,8 @@ def test_activation_peak_and_schedule_order_match_the_direct_computation(schedul
 
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
-    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+    from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+    from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
 
     spec = SCHEDULE_SPECS[schedule]
     v = 3 if spec.stages_per_rank is None else spec.stages_per_rank  # interleaved: any virtual size; V: 2
@@ -193,7 +193,7 @@ def _states(strategy_kwargs: dict, moe: bool) -> dict:
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_flagscale.parallel.memory import state_bytes
+    from lightning_flagscale.accounting.state_bytes import state_bytes
 
     got: dict = {}
 

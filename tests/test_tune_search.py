@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES
+from lightning_flagscale.config.schedules import SCHEDULE_NAMES
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune import (
     BUILTIN_PROFILES,
     Hardware,
@@ -622,7 +622,7 @@ def test_hetero_mesh_plans_are_runnable_by_the_hetero_pipeline_runner():
     """The planner offers only what the hetero pipeline runner runs: its own rule that a looped multi-chunk schedule
     needs the micro-batch count to be a multiple of the stage groups (3 groups and 4 micro-batches were planned,
     and refused at the first step), and the V schedules' minimum of micro-batches."""
-    from lightning_flagscale.parallel.hetero_runner import schedule_order
+    from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order
     from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
 
     link = [LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e10)]

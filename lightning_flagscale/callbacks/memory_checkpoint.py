@@ -12,8 +12,8 @@ Usage (re-running the same command after a crash continues from the newest state
 
 A snapshot is a sharded checkpoint like the disk ones (model and optimizer shards keyed by parameter name, Lightning's
 loop, scheduler, callback and data-position state, per-rank RNG, MoE router state, param-group hyperparameters),
-saved through Lightning's public ``Trainer.save_checkpoint`` asynchronously into ``/dev/shm`` (``checkpoint/memory.py``,
-``strategies/_memory.py``): training waits for the checkpoint dict and a copy of this rank's shards into CPU memory
+saved through Lightning's public ``Trainer.save_checkpoint`` asynchronously into ``/dev/shm`` (``checkpoint/in_memory.py``,
+``strategies/_snapshots.py``): training waits for the checkpoint dict and a copy of this rank's shards into CPU memory
 (ZeRO-1/2 slices saved as they lie, without the gathers of a disk checkpoint), and for the previous snapshot's write
 (one save in flight at a time); a background thread writes the files. The two
 newest complete snapshots are kept. At restart ``FlagScaleStrategy`` restores the newest complete snapshot when it is
@@ -34,7 +34,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.memory import (
+from lightning_flagscale.checkpoint.in_memory import (
     default_snapshot_root,
     list_snapshots,
     remove_snapshots,
@@ -97,7 +97,7 @@ class MemoryCheckpoint(L.Callback):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        from lightning_flagscale.strategies._memory import ensure_checkpoint_group
+        from lightning_flagscale.strategies._snapshots import ensure_checkpoint_group
 
         self._strategy = trainer.strategy
         ensure_checkpoint_group(trainer.strategy)
@@ -113,7 +113,7 @@ class MemoryCheckpoint(L.Callback):
         step = trainer.global_step
         if step == self._last_step or step % self.every_n_train_steps:
             return  # not at the end of an optimizer step that is due (micro-batches of a window share the step)
-        from lightning_flagscale.strategies._memory import take
+        from lightning_flagscale.strategies._snapshots import take
 
         self._last_step = step
         folder = self.folder(trainer)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from lightning_flagscale.parallel.pipeline_plan import even_layer_counts
-from lightning_flagscale.parallel.schedules import ScheduleName, default_virtual_size, validate_schedule
+from lightning_flagscale.config.layer_split import even_layer_counts
+from lightning_flagscale.config.schedules import ScheduleName, default_virtual_size, validate_schedule
 
 if TYPE_CHECKING:
     from lightning_flagscale.config.transformer import TransformerConfig
@@ -57,7 +57,7 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2 or flat, see ``zero3_impl``)."""
     zero3_impl: Literal["auto", "fsdp2", "flat"] = "auto"
-    """ZeRO-3 engine: our flat-buffer ZeRO-3 (``parallel/zero3_flat.py``), torch's FSDP2 (per-parameter shards), or
+    """ZeRO-3 engine: our flat-buffer ZeRO-3 (``parallel/data_parallel/zero3_flat.py``), torch's FSDP2 (per-parameter shards), or
     ``"auto"``: flat wherever it runs (measured ahead of FSDP2 and of Lightning's FSDPStrategy,
     ``bench/results/compare_strategies.md``), FSDP2 for what flat refuses: hetero meshes and split-backward pipeline
     schedules here (``resolved_zero3_impl``), non-protocol modules, hot-expert replication and tied weights that
@@ -71,14 +71,14 @@ class ParallelConfig:
     gradient_accumulation_steps: int = 1
     """Batches accumulated per optimizer step (sets the Trainer's ``accumulate_grad_batches``)."""
     pipeline_schedule: ScheduleName = "1f1b"
-    """Pipeline schedule name (see ``parallel/schedules.py``)."""
+    """Pipeline schedule name (see ``config/schedules.py``)."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
     hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
     """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
     e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
     rank's speed, from ``hetero_device_speed`` by ``FLAGSCALE_DEVICE_TYPE`` or a profiling pass
-    (``parallel/hetero_shares.py``); ``None`` splits every batch evenly."""
+    (``parallel/hetero_dp/shares.py``); ``None`` splits every batch evenly."""
     pipeline_balance: Literal["even", "cost"] = "even"
     """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
     (embedding and LM head included)."""
@@ -94,7 +94,7 @@ class ParallelConfig:
     """With ``hetero_meshes``: model blocks per pipeline stage over all meshes, e.g. ``[3, 1]`` (with virtual stages,
     split evenly over each stage's chunks, or one entry per virtual stage in pipeline order); ``None`` splits them
     in proportion to each stage's ranks x its device type's speed (``hetero_device_speed``, else measured by a short
-    profiling pass on the ranks, ``parallel/hetero_profile.py``)."""
+    profiling pass on the ranks, ``parallel/hetero_mesh/profile.py``)."""
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
     ``hetero_layers`` is ``None``; with ``hetero_dp_batch_sizes="auto"``, of each ``FLAGSCALE_DEVICE_TYPE``."""
@@ -190,7 +190,7 @@ class ParallelConfig:
 
     def _flat_zero3_refusals(self) -> list[str]:
         """Why flat ZeRO-3 cannot run this layout (empty: it can)."""
-        from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+        from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 
         spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
         split = self.pipeline_parallel_size > 1 and spec is not None and spec.split_backward
@@ -216,7 +216,7 @@ class ParallelConfig:
             raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'auto', 'fsdp2' or 'flat'.")
         if self.zero3_impl != "flat" or self.zero_stage != 3:
             return
-        from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+        from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 
         whole = " / ".join(name for name, sp in SCHEDULE_SPECS.items() if not sp.split_backward)
         unsupported = self._flat_zero3_refusals()
@@ -263,7 +263,8 @@ class ParallelConfig:
 
     def stage_group_configs(self, num_layers: int) -> list[ParallelConfig]:
         """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group."""
-        from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
+        from lightning_flagscale.config.hetero import parse_hetero_meshes
+        from lightning_flagscale.config.layer_split import plan_stage_groups
 
         groups = plan_stage_groups(
             parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
@@ -385,7 +386,7 @@ class ParallelConfig:
                 " global batch rarely allow; give the shares as a list (multiples of the micro-batch count)."
             )
         if self.hetero_dp_batch_sizes not in (None, "auto"):
-            from lightning_flagscale.parallel.hetero import check_hetero_batch_sizes
+            from lightning_flagscale.config.hetero import check_hetero_batch_sizes
 
             check_hetero_batch_sizes(
                 self.hetero_dp_batch_sizes, self.dp, micro_batch_size=self.micro_batch_size, pipeline=self.pp_enabled

@@ -87,7 +87,7 @@ def export_hf(
     if isinstance(src, (str, os.PathLike)):
         return _export(_DCPSource(Path(src), config), out_dir, **kwargs)
     with contextlib.ExitStack() as stack:
-        # Flat ZeRO-3 (parallel/zero3_flat.py) holds row ranges of each parameter: every rank gathers the full
+        # Flat ZeRO-3 (parallel/data_parallel/zero3_flat.py) holds row ranges of each parameter: every rank gathers the full
         # parameters for the export (found by the attribute it documents; convert/ does not import parallel/).
         for m in src.modules():
             if "_fs_flat_zero3" in m.__dict__:

@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
         reduction is vocab-parallel (Megatron-style).
         """
         if self.tp_mesh is not None:
-            from lightning_flagscale.parallel.tensor import vocab_parallel_cross_entropy
+            from lightning_flagscale.parallel.tensor_parallel.apply import vocab_parallel_cross_entropy
 
             losses = vocab_parallel_cross_entropy(
                 head_output, labels, self.tp_mesh.get_group(), self.vocab_start, self.vocab_size

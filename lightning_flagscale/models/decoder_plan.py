@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_flagscale.parallel.tensor import ReplicateParallel
+from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 
-from lightning_flagscale.parallel.data import copy_global_into
+from lightning_flagscale.distributed.dtensor import copy_global_into
 
 __all__ = ["canonical_fqn", "copy_global_into", "seed_for"]
 

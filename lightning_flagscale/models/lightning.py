@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.aggregation import MeanMetric
 
+from lightning_flagscale.accounting.flops import device_peak_flops, flops_per_token, model_flops_utilization
 from lightning_flagscale.config import TransformerConfig, check_known_fields
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
 from lightning_flagscale.models.weights import weight_source
-from lightning_flagscale.parallel.flops import device_peak_flops, flops_per_token, model_flops_utilization
 
 __all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
 
@@ -151,7 +151,7 @@ class CausalLMModule(L.LightningModule):
         self.val_loss_mean = MeanMetric()
         self._last_step_time: float | None = None
         self._window_loss: Tensor | None = None
-        self._peak_flops: float | None = None  # per device, for `mfu` (parallel/flops.py)
+        self._peak_flops: float | None = None  # per device, for `mfu` (accounting/flops.py)
         self._seq_len = 0
 
     # ---- model construction ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The model protocol: what a model gives ``FlagScaleStrategy`` so that every parallelism can be applied to it.
 
 The strategy never names a model class. It finds the protocol model on the LightningModule (the module itself or its
-``model`` attribute) and hands it to :func:`lightning_flagscale.parallel.parallelize.parallelize`, which applies each
+``model`` attribute) and hands it to :func:`lightning_flagscale.parallel.plan.parallelize`, which applies each
 parallelism through the parts below. A model implements what the layouts it supports need; asking for a layout whose
 part is missing fails before any process group exists, naming the missing method.
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_flagscale.parallel.data import local_tensor
+from lightning_flagscale.distributed.dtensor import local_tensor
 
 __all__ = ["GroupedExperts", "SwiGLUMLP", "grouped_linear", "grouped_mm_usable", "local_tensor"]
 

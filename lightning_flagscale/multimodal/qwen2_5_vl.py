@@ -155,7 +155,7 @@ class VisionLanguageModel(CausalLM):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import RowwiseParallel
 
-        from lightning_flagscale.parallel.tensor import ReplicateParallel
+        from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 
         plan = super().tp_plan(sequence_parallel)
         if self.embed_tokens is not None:

@@ -235,7 +235,7 @@ def apply_vision_recompute(tower: VisionTower, mode: str, step: int = 1) -> Visi
 
     The vision tower's policy is separate from the decoder's (``FlagScaleStrategy(recompute=...)`` applies to the
     LLM blocks only): its activations scale with the number of patches, not with the text length. As in
-    ``parallel/pipeline_recompute.py`` the block's ``forward`` is rebound on the instance, so parameter names
+    ``parallel/pipeline_parallel/recompute.py`` the block's ``forward`` is rebound on the instance, so parameter names
     (TP plans, checkpoints, HF export) do not change.
     """
     if mode not in ("none", "full"):

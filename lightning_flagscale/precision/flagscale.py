@@ -9,7 +9,7 @@ Two layouts, chosen per module when the strategy sets up (:meth:`FlagScalePrecis
 - ``"megatron"``, for modules that declare ``precision_layout = "megatron"`` (our ``CausalLMModule``): the model's
   parameters and activations are held in bf16/fp16 (half the memory of autocast, which keeps fp32 parameters),
   no autocast, while the optimizer steps fp32 master weights and gradients are reduced into fp32 main gradients
-  (``parallel/data.py`` for DDP/ZeRO-1/2, FSDP2's ``MixedPrecisionPolicy`` for ZeRO-3). Such a module must run
+  (``parallel/data_parallel/optimizer.py`` for DDP/ZeRO-1/2, FSDP2's ``MixedPrecisionPolicy`` for ZeRO-3). Such a module must run
   with half-precision weights throughout, which a module written for autocast does not (a lazily created fp32
   buffer meets a bf16 weight and the matmul fails), hence the opt-in.
 
@@ -38,7 +38,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.parallel.data import clip_grad_norm_, found_inf, local_tensor
+from lightning_flagscale.distributed.dtensor import local_tensor
+from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, found_inf
 
 __all__ = [
     "LAYOUT_ATTRIBUTE",

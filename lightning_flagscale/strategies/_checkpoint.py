@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.memory import ChunkStager
+from lightning_flagscale.checkpoint.in_memory import ChunkStager
 from lightning_flagscale.checkpoint.recovery import clean_interrupted
 from lightning_flagscale.checkpoint.sharded import (
     PendingSave,
@@ -25,8 +25,8 @@ from lightning_flagscale.checkpoint.sharded import (
     remove_checkpoint_path,
     save_sharded,
 )
-from lightning_flagscale.parallel.data import DistributedOptimizer
-from lightning_flagscale.parallel.zero3_flat_state import FlatZero3Optimizer
+from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
+from lightning_flagscale.parallel.data_parallel.zero3_flat_state import FlatZero3Optimizer
 
 __all__ = [
     "CheckpointHooks",
@@ -278,7 +278,7 @@ class CheckpointHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.wait_params()
         if self._snapshot_local:  # MemoryCheckpoint: ZeRO slices saved as they lie (`_memory.local_model_state`)
-            from lightning_flagscale.strategies._memory import local_model_state
+            from lightning_flagscale.strategies._snapshots import local_model_state
 
             return local_model_state(self.model, list(self._dist_optimizers.values()))
         return model_state(self.model, self._dist_optimizers.values())
@@ -292,7 +292,7 @@ class CheckpointHooks:
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         dopt = self._dist_opt(opt)
         if self._snapshot_local and dopt is not None:
-            from lightning_flagscale.strategies._memory import local_optimizer_state
+            from lightning_flagscale.strategies._snapshots import local_optimizer_state
 
             local = local_optimizer_state(dopt)
             if local is not None:
@@ -305,7 +305,7 @@ class CheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        from lightning_flagscale.strategies._memory import MemorySnapshot
+        from lightning_flagscale.strategies._snapshots import MemorySnapshot
 
         snapshot = isinstance(storage_options, MemorySnapshot)  # MemoryCheckpoint: asynchronous, into host memory
         if storage_options is not None and not snapshot:
@@ -345,7 +345,7 @@ class CheckpointHooks:
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning_flagscale.strategies._memory import NEWEST, restore_newest
+        from lightning_flagscale.strategies._snapshots import NEWEST, restore_newest
 
         if checkpoint_path == NEWEST:  # a MemoryCheckpoint callback: memory snapshot or disk, chosen collectively
             return restore_newest(self)
@@ -360,7 +360,7 @@ class CheckpointHooks:
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
         restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
         saved_config = meta.pop("parallel_config", None) or {}
-        from lightning_flagscale.parallel.hetero_shares import resume_shares
+        from lightning_flagscale.parallel.hetero_dp.shares import resume_shares
 
         resume_shares(self.parallel, saved_config.get("hetero_dp_batch_sizes"), self.meshes.size("dp"))
         return meta

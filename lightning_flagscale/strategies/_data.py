@@ -3,7 +3,7 @@
 * Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch, for training and evaluation
   alike, so that pipeline stage boundaries line up (``parallel.hetero.MicroBatchSliceSampler``).
 * Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only; ``"auto"``
-  shares are chosen here from the speeds gathered at setup, ``parallel/hetero_shares.py``).
+  shares are chosen here from the speeds gathered at setup, ``parallel/hetero_dp/shares.py``).
 * Context parallelism: each rank's sequence chunks of a batch (``shard_for_cp``).
 * Training loaders of modules that opt in (``global_token_loss``) then carry the step's token count
   (``strategies/_tokens.py``).
@@ -45,7 +45,7 @@ def distribute_loader(
         return dataloader
     seed = getattr(sampler, "seed", 0)
     if hetero_groups is not None:
-        from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+        from lightning_flagscale.parallel.hetero_dp.batching import MicroBatchSliceSampler
 
         dp = meshes.size(MeshDim.DP)
         batches = MicroBatchSliceSampler(
@@ -54,10 +54,10 @@ def distribute_loader(
         )  # fmt: skip
         dataloader = _with_batch_sampler(dataloader, batches)
     elif training and parallel.hetero_dp_batch_sizes is not None:
-        from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+        from lightning_flagscale.parallel.hetero_dp.batching import HeteroBatchSampler
 
         if parallel.hetero_dp_batch_sizes == "auto":  # resolved once, now that the global batch is known
-            from lightning_flagscale.parallel.hetero_shares import auto_shares
+            from lightning_flagscale.parallel.hetero_dp.shares import auto_shares
 
             parallel.hetero_dp_batch_sizes = auto_shares(parallel, dp_speeds, dataloader.batch_size)
         batches = HeteroBatchSampler(
@@ -86,7 +86,7 @@ def shard_for_cp(args: tuple, batch_model: Any, cp_mesh: Any) -> tuple:
     hooks (``models/protocol.py``) run first: per-token tensors (e.g. vision position ids) need the full sequence."""
     if not args or not isinstance(args[0], Mapping):
         return args
-    from lightning_flagscale.parallel.context import shard_batch_for_cp
+    from lightning_flagscale.parallel.context_parallel.attention import shard_batch_for_cp
 
     prepare = getattr(batch_model, "prepare_batch", None)
     batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])

@@ -28,8 +28,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
-from lightning_flagscale.parallel.data import grads_finite
-from lightning_flagscale.parallel.grad_buckets import profiler_active
+from lightning_flagscale.parallel.data_parallel.grad_buckets import profiler_active
+from lightning_flagscale.parallel.data_parallel.optimizer import grads_finite
 from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = [
@@ -112,7 +112,7 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
 
     def _resume_choice(self, fit: dict[str, Any], trainer: Any, args: tuple) -> tuple[str | None, tuple]:
         """The checkpoint ``fit`` resumes from (set as ``trainer.ckpt_path``, Lightning's public way to choose it)."""
-        from lightning_flagscale.strategies._memory import NEWEST, memory_callback
+        from lightning_flagscale.strategies._snapshots import NEWEST, memory_callback
 
         auto = self._resume == "auto" and fit["ckpt_path"] is None and trainer.ckpt_path is None
         chosen = None

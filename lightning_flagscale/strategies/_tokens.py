@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_flagscale.parallel.grad_buckets import profiler_active
+from lightning_flagscale.parallel.data_parallel.grad_buckets import profiler_active
 
 __all__ = [
     "NUM_ITEMS_KEY",

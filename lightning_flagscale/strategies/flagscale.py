@@ -43,21 +43,29 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_flagscale.config import ParallelConfig, RecomputeMode
+from lightning_flagscale.config.schedules import ScheduleName
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
-from lightning_flagscale.parallel.data import DistributedOptimizer, clip_grad_norm_, distributed_optimizers
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.hetero_profile import apply_profiled_split
-from lightning_flagscale.parallel.hetero_ranks import gather_rank_order, install_emulated_slowdown, rank_device_type
-from lightning_flagscale.parallel.hetero_shares import gather_dp_speeds
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.data_parallel.optimizer import (
+    DistributedOptimizer,
+    clip_grad_norm_,
+    distributed_optimizers,
+)
+from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
+from lightning_flagscale.parallel.hetero_dp.shares import gather_dp_speeds
+from lightning_flagscale.parallel.hetero_mesh.profile import apply_profiled_split
+from lightning_flagscale.parallel.hetero_mesh.ranks import (
+    gather_rank_order,
+    install_emulated_slowdown,
+    rank_device_type,
+)
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
-from lightning_flagscale.parallel.parallelize import RankLayout, parallelize
-from lightning_flagscale.parallel.pipeline_model import (
+from lightning_flagscale.parallel.pipeline_parallel.model import (
     PipelinedModel,
     defer_zero_grad,
     zero_grad_now,
 )
-from lightning_flagscale.parallel.schedules import ScheduleName
-from lightning_flagscale.parallel.zero3_flat_state import flat_zero3_optimizers
+from lightning_flagscale.parallel.plan import RankLayout, parallelize
 from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision, check_precision_layout
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
@@ -262,7 +270,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
 
     def _build_hetero_meshes(self) -> None:
         """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
-        from lightning_flagscale.parallel.hetero_mesh import build_hetero_layout
+        from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout
 
         num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
         if num_layers is None:

@@ -27,7 +27,7 @@ from lightning_flagscale.tune.cost import (
     fit_compute_scale,
 )
 from lightning_flagscale.tune.hardware import BUILTIN_PROFILES, Hardware, HardwareProfile, LinkPoint, load_profile
-from lightning_flagscale.tune.memory import MemoryBreakdown, estimate_memory, memory_breakdown
+from lightning_flagscale.tune.memory_model import MemoryBreakdown, estimate_memory, memory_breakdown
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
 __all__ = [

@@ -37,7 +37,7 @@ the byte for the layer and within 3% outside it); ``tests/test_tune_memory.py`` 
 Tensor parallelism (``models/decoder_plan.py``) divides q/k/v/i and the vocabulary by ``t``; without sequence
 parallelism the norms run on the whole sequence on every TP rank; with it the norms run on ``s/t`` tokens but the
 all-gathered inputs of the column-parallel projections (``E*h`` twice per layer) are kept whole by torch's
-DTensor styles. Context parallelism divides the tokens. Recompute (``parallel/pipeline_recompute.py``): ``full``
+DTensor styles. Context parallelism divides the tokens. Recompute (``parallel/pipeline_parallel/recompute.py``): ``full``
 keeps only the block input (``E*h``); ``selective`` keeps the block input and the outputs of matmuls and attention
 (q, k, v, o, gate, up, down, SDPA out + lse) and recomputes norms and elementwise ops; ``selective_mm`` drops every
 second matmul's output of those (k, o, up: the block runs q, k, v, o, gate, up, down); all three rebuild one layer's
@@ -141,7 +141,7 @@ def head_bytes(
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sp else tokens
     norm = _norm(h, norm_tokens, e) + tokens * e * h  # + the LM head's (gathered) input
-    if tp > 1:  # vocab-parallel cross-entropy (parallel/tensor.py): fp32 softmax of the shard is kept
+    if tp > 1:  # vocab-parallel cross-entropy (parallel/tensor_parallel/apply.py): fp32 softmax of the shard is kept
         local = padded_vocab / tp
         saved = norm + tokens * (4 * local + 10)
         fwd = tokens * (e * local + 8 * local)  # half logits + masked/shifted fp32 logits next to the exponentials

@@ -85,8 +85,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.distributed.collectives import all_gather, reduce_scatter
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, _log_linear, algorithm_factor
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds
@@ -262,7 +262,7 @@ def _kernel_calls(
 ) -> list[tuple[float, float, float]]:
     """``(FLOPs, forward seconds, backward seconds)`` of one ``n x n`` call of ``backend``'s attention block kernel
     per ``n`` in ``lens``: the whole block's score FLOPs, or their causal half when ``causal``."""
-    from lightning_flagscale.parallel.attention_kernels import get_attention_kernel
+    from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
 
     kernel, out = get_attention_kernel(backend), []
     for n in lens:
@@ -421,8 +421,8 @@ def _decoder_seconds(
     per ``recompute``."""
     from lightning_flagscale.config import TransformerConfig
     from lightning_flagscale.models import CausalLM
-    from lightning_flagscale.parallel.pipeline_recompute import apply_recompute
-    from lightning_flagscale.parallel.tensor import apply_tp
+    from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab_size"], (1, config["max_seq_len"]), generator=generator).to(device)
@@ -618,7 +618,7 @@ def measure_optimizer_step(
 ) -> float:
     """Seconds per parameter of the optimizer phase over ``numel`` fp32 main parameters in ``tensors`` flat buffers
     (our gradient buckets): finiteness check, global-norm clip, AdamW step (weight decay on), bf16 weight copy."""
-    from lightning_flagscale.parallel.data import clip_grad_norm_, grads_finite
+    from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, grads_finite
 
     sizes = [numel // tensors] * tensors
     params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
@@ -1039,7 +1039,7 @@ def builtin_inter_node_links(device_name: str) -> tuple[str, dict[str, list[Link
 
 def _fused_kernels(device: torch.device) -> list[str]:
     """The fused attention backends this device can run (installed, on a GPU)."""
-    from lightning_flagscale.parallel.attention_kernels import get_attention_kernel
+    from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
 
     if device.type != "cuda":
         return []

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 

@@ -26,7 +26,7 @@ and drains (``v`` chunks; the DualPipe README's bubble table,
 https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
 for an even split gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
 ``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. Data parallelism reduces fp32 gradients over
-data x context ranks (``parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
+data x context ranks (``parallel/data_parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
 (prefetched: only the excess over compute and the first gather show). The Adam step is memory-bound.
@@ -48,10 +48,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_flagscale.accounting.flops import flops_per_token
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.flops import flops_per_token
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
@@ -168,7 +168,7 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
 
 def _every_other_gemm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool):
     """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th and 6th of q, k, v, o, gate, up,
-    down (``parallel/pipeline_recompute.py``; dense blocks only)."""
+    down (``parallel/pipeline_parallel/recompute.py``; dense blocks only)."""
     if moe:
         raise ValueError("recompute='selective_mm' runs on dense blocks only (pipeline_recompute.py).")
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
@@ -181,7 +181,7 @@ def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     """(forward, backward) seconds of one block's core attention on one rank.
 
     Without a ring: one fused call on the causal half of ``4 b s^2 h d`` (Ulysses gathers the sequence and splits
-    the heads). Ring CP (``parallel/context.py``, zigzag chunks): ``ring`` steps on the local ``s / ring`` tokens,
+    the heads). Ring CP (``parallel/context_parallel/attention.py``, zigzag chunks): ``ring`` steps on the local ``s / ring`` tokens,
     the diagonal block causal and each other step half a block; through a fused kernel that is the same causal
     FLOPs as one call, through the ``torch`` block kernel each step is a separate call on its whole block."""
     tp, u, ring = c.tensor_parallel_size, c.resolved_ulysses_size, c.ring_size
@@ -317,7 +317,7 @@ def stage_layer_counts(model: TransformerConfig, c: ParallelConfig) -> list[int]
 
 
 def _rank_stages(c: ParallelConfig) -> list[list[int]]:
-    """Stage indices held by each pipeline rank (loop or V placement, ``parallel/schedules.py``)."""
+    """Stage indices held by each pipeline rank (loop or V placement, ``config/schedules.py``)."""
     p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
     if p > 1 and SCHEDULE_SPECS[c.pipeline_schedule].placement == "v":
         return [[r, 2 * p - 1 - r] for r in range(p)]

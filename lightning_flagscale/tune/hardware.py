@@ -27,7 +27,7 @@ A :class:`HardwareProfile` holds
 profiles below are for planning clusters you cannot measure from here. Their sources:
 
 - Peaks: NVIDIA datasheets, dense (no sparsity) bf16: H100 SXM 989 TFLOP/s, H200 SXM 989, A100 SXM 312
-  (``parallel/flops.py`` ``PEAK_FLOPS``); memory 80 / 141 / 80 GB; HBM 3.35 / 4.8 / 2.04 TB/s.
+  (``accounting/flops.py`` ``PEAK_FLOPS``); memory 80 / 141 / 80 GB; HBM 3.35 / 4.8 / 2.04 TB/s.
 - Intra-node: nccl-tests large-message busbw on 8x H100 SXM NVLink-4 460-480 GB/s, 8x A100 SXM NVLink-3 230-250
   GB/s (reference table in https://docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); we take 450 and 235
   (H200 has the same NVLink-4 switch as H100).

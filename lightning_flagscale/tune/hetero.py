@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.parallel.hetero_runner import schedule_order
-from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
+from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order
+from lightning_flagscale.parallel.pipeline_parallel.recompute import RECOMPUTE_MODES
 from lightning_flagscale.tune.cost import (
     BF16,
     _block_pass,
@@ -57,7 +57,7 @@ from lightning_flagscale.tune.cost import (
 )
 from lightning_flagscale.tune.hardware import HardwareProfile
 from lightning_flagscale.tune.inflight import max_live_microbatches
-from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.memory_model import estimate_memory
 
 __all__ = ["DeviceGroup", "HeteroPlan", "balance_layers", "plan_hetero", "plan_hetero_dp"]
 
@@ -312,7 +312,7 @@ def _boundaries(stages: int, v: int, v_shaped: bool) -> list[tuple[int, int]]:
 
 def _boundary_seconds(model: TransformerConfig, seq_len: int, samples: int, send: tuple, recv: tuple) -> float:
     """One micro-batch's activations (or, back, their gradients) across a stage boundary, as
-    ``parallel/hetero_boundary.py`` moves them: every receiving rank gets its data-parallel rows whole (no sequence
+    ``parallel/hetero_mesh/boundary.py`` moves them: every receiving rank gets its data-parallel rows whole (no sequence
     parallelism in these plans: each TP rank holds a replica), the senders' TP replicas share the sends; the busiest
     rank of either direction sets the time. Between device types the pieces cross nodes, at the slower side's
     inter-node P2P; inside a group, over its intra-node links unless the group spans nodes."""

@@ -25,8 +25,8 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
     (a DualPipeV overlapped F+B is its forward then its backward)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
-    from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, validate_schedule
+    from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
+    from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
 
     validate_schedule(schedule, p, v, m)
     spec = SCHEDULE_SPECS[schedule]

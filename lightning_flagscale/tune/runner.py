@@ -30,8 +30,8 @@ import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.presets import PRESETS
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.pipeline_parallel.recompute import RECOMPUTE_MODES
 from lightning_flagscale.tune.search import Candidate, describe_layout
 
 __all__ = ["HistoryPruner", "RunResult", "StepTimer", "recipe_dict", "run_candidates", "write_recipe"]
@@ -54,7 +54,7 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_flagscale.parallel.memory import peak_rss_bytes
+        from lightning_flagscale.accounting.state_bytes import peak_rss_bytes
 
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         device = pl_module.device

@@ -4,7 +4,7 @@ The space: TP, PP, VPP and schedule, CP and its mode (ring, Ulysses, hybrid), EP
 ``ParallelConfig`` accepts: it refuses ETP > 1 today, so larger values are tried and counted as refused), DP
 (derived), ZeRO stage, sequence parallelism, micro-batch size and recompute policy. Every candidate is a
 ``ParallelConfig`` that validated against the world size, the model (heads, experts, layers per stage) and the
-schedule's micro-batch rule (``parallel/schedules.py``); candidates over the device memory are pruned
+schedule's micro-batch rule (``config/schedules.py``); candidates over the device memory are pruned
 (``tune.memory.estimate_memory``); the rest are ranked by the cost model (``tune.cost``).
 """
 
@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.pipeline_recompute import RECOMPUTE_MODES
-from lightning_flagscale.parallel.schedules import SCHEDULE_NAMES, min_microbatches, validate_schedule
+from lightning_flagscale.config.schedules import SCHEDULE_NAMES, min_microbatches, validate_schedule
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.parallel.pipeline_parallel.recompute import RECOMPUTE_MODES
 from lightning_flagscale.tune.cost import StepCost, estimate_step
 from lightning_flagscale.tune.hardware import HardwareProfile
-from lightning_flagscale.tune.memory import estimate_memory
+from lightning_flagscale.tune.memory_model import estimate_memory
 
 __all__ = ["Candidate", "SearchResult", "SearchSpace", "describe_layout", "enumerate_layouts", "search"]
 

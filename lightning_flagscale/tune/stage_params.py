@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.pipeline_plan import is_layer_unit, plan_stages, stage_ids_for_rank
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+from lightning_flagscale.parallel.pipeline_parallel.plan import is_layer_unit, plan_stages, stage_ids_for_rank
 
 __all__ = ["RankParams", "decoder_units", "layer_params", "rank_params", "stage_layers"]
 

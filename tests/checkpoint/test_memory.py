@@ -1,5 +1,5 @@
-"""The in-memory snapshot folder and ZeRO-slice chunks (``checkpoint/memory.py``), the restore choice
-(``strategies/_memory.py``) and the ``MemoryCheckpoint`` arguments, in one process. Taking and restoring snapshots under every layout is tested in
+"""The in-memory snapshot folder and ZeRO-slice chunks (``checkpoint/in_memory.py``), the restore choice
+(``strategies/_snapshots.py``) and the ``MemoryCheckpoint`` arguments, in one process. Taking and restoring snapshots under every layout is tested in
 ``tests/strategies/test_memory_checkpoint.py``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_flagscale.callbacks import MemoryCheckpoint
-from lightning_flagscale.checkpoint.memory import (
+from lightning_flagscale.checkpoint.in_memory import (
     ChunkStager,
     LocalChunks,
     flat_blocks,
@@ -22,7 +22,7 @@ from lightning_flagscale.checkpoint.memory import (
 )
 from lightning_flagscale.checkpoint.sharded import COMPLETE_MARKER
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
-from lightning_flagscale.strategies._memory import choose
+from lightning_flagscale.strategies._snapshots import choose
 
 
 def _snapshot(folder, step: int, complete: bool = True):

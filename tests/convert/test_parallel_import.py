@@ -19,7 +19,7 @@ IDS = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
 def _tp_import_and_export(hf_dir: str, out_dir: str, sequence_parallel: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_flagscale.parallel.tensor import apply_tp
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with torch.device("meta"):  # the strategy's flow: meta build, parallelise, materialise, load instead of init
@@ -71,7 +71,7 @@ def _ep_import(hf_dir: str, out_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_flagscale.parallel.expert import apply_ep
+    from lightning_flagscale.parallel.expert_parallel.apply import apply_ep
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     with torch.device("meta"):
@@ -109,7 +109,7 @@ def test_ep2_import_matches_transformers_and_exports_identically(launcher, tmp_p
 def _pp_import_and_export(hf_dir: str, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    from lightning_flagscale.parallel.pipeline import build_stage_module, plan_stages
+    from lightning_flagscale.parallel.pipeline_parallel.runner import build_stage_module, plan_stages
 
     with torch.device("meta"):
         full = CausalLM(config_from_hf(hf_dir))

@@ -90,7 +90,7 @@ def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.T
     from torch.distributed.tensor import DTensor
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
-    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import summon_full_params
 
     world = dist.get_world_size()
     strategy = FlagScaleStrategy(**strategy_kwargs)
@@ -202,7 +202,7 @@ def test_batch_first_layout_names_the_row_whose_images_do_not_fit():
 
 
 def test_prepare_batch_adds_full_sequence_keys_that_cp_shards():
-    from lightning_flagscale.parallel.context import load_balanced_indices, shard_batch_for_cp
+    from lightning_flagscale.parallel.context_parallel.attention import load_balanced_indices, shard_batch_for_cp
 
     module = _module()
     module.configure_model()
@@ -223,7 +223,7 @@ def test_cost_balance_gives_the_vision_stage_fewer_llm_blocks():
     """The tower counts in pipeline_balance='cost' (FlagScale's decoder_first_pipeline_num_layers, derived): the
     first stage holds it with the embedding and takes fewer LLM blocks; without image tokens the split is even."""
     from lightning_flagscale.multimodal import VisionLanguageModel
-    from lightning_flagscale.parallel.pipeline import pipeline_unit_costs, plan_stages
+    from lightning_flagscale.parallel.pipeline_parallel.runner import pipeline_unit_costs, plan_stages
 
     cfg = VLMConfig.from_preset("qwen2.5-vl-tiny", num_layers=8)
     with torch.device("meta"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.parallel.data import clip_grad_norm_
+from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_flagscale.parallel.comm import CommTracker, format_table, gather_summaries, merge_summaries
-from lightning_flagscale.parallel.memory import comm_theory_bytes
+from lightning_flagscale.accounting.comm import CommTracker, format_table, gather_summaries, merge_summaries
+from lightning_flagscale.accounting.state_bytes import comm_theory_bytes
 
 F32 = 4  # bytes per float32 element
 
@@ -284,7 +284,7 @@ def test_comm_theory(dp):
 
 
 def test_traffic_classes():
-    from lightning_flagscale.parallel.comm import traffic_class
+    from lightning_flagscale.accounting.comm import traffic_class
 
     assert traffic_class("mesh_tp", "all_reduce") == "tp"
     assert traffic_class("mesh_tensor_parallel", "all_gather") == "tp"

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lightning_flagscale.parallel.comm import CommTracker
-from lightning_flagscale.parallel.memory import comm_theory_bytes
+from lightning_flagscale.accounting.comm import CommTracker
+from lightning_flagscale.accounting.state_bytes import comm_theory_bytes
 
 
 def _ddp_reducer() -> dict:

@@ -13,12 +13,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.parallel.attention_kernels import TorchBlockKernel, get_attention_kernel, merge_attention
-from lightning_flagscale.parallel.context import (
+from lightning_flagscale.parallel.context_parallel.attention import (
     HybridAttention,
     apply_cp,
     load_balanced_indices,
     shard_batch_for_cp,
+)
+from lightning_flagscale.parallel.context_parallel.kernels import (
+    TorchBlockKernel,
+    get_attention_kernel,
+    merge_attention,
 )
 
 TOL = 1e-5

@@ -42,7 +42,7 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
             stats["largest_bucket"] = max(b.padded for d in dopts for b in d.buckets)
             stats["num_buckets"] = sum(len(d.buckets) for d in dopts)
 
-    from lightning_flagscale.parallel.grad_buckets import GradBucket
+    from lightning_flagscale.parallel.data_parallel.grad_buckets import GradBucket
 
     finish = GradBucket.finish
     staging: list[torch.Tensor] = []
@@ -63,7 +63,7 @@ def _run_with_stats(kwargs: dict, config, accumulate: int = 1) -> tuple:
 
 def _slice_of(state: dict, dopt, bucket) -> torch.Tensor:
     """This rank's ZeRO slice of ``bucket`` as read from a model ``state_dict``."""
-    from lightning_flagscale.parallel.data import local_tensor
+    from lightning_flagscale.distributed.dtensor import local_tensor
 
     flat = torch.cat([local_tensor(state[dopt.names[p]]).reshape(-1) for p in bucket.params])
     return flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel]

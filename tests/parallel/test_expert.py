@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.moe import build_moe
-from lightning_flagscale.parallel.expert import apply_ep, is_expert_param, set_moe_token_group
+from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, is_expert_param, set_moe_token_group
 from tests.moe._reference import init_moe, rel_err
 
 

@@ -1,4 +1,4 @@
-"""Model FLOPs per token (``parallel/flops.py``): the matmul term equals what torch's FLOP counter sees in a real
+"""Model FLOPs per token (``accounting/flops.py``): the matmul term equals what torch's FLOP counter sees in a real
 forward + backward of the decoder, the attention and MoE terms follow their closed forms, and the peak table and
 MFU arithmetic hold."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.parallel.flops import (
+from lightning_flagscale.accounting.flops import (
     PEAK_FLOPS,
     device_peak_flops,
     flops_per_token,
     model_flops_utilization,
     peak_flops_from_name,
 )
+from lightning_flagscale.config import TransformerConfig
 from tests.strategies._lm import TokenDataset, make_module, tiny_config
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_flagscale.parallel.memory import (
+from lightning_flagscale.accounting.state_bytes import (
     StateBytes,
     comm_theory_bytes,
     current_rss_bytes,

@@ -17,17 +17,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.config.schedules import min_microbatches
 from lightning_flagscale.models.decoder import CausalLM
-from lightning_flagscale.parallel.pipeline import (
+from lightning_flagscale.parallel.pipeline_parallel.recompute import (
+    _selective_contexts,
+    apply_recompute,
+    resolve_recompute,
+)
+from lightning_flagscale.parallel.pipeline_parallel.runner import (
     build_pipeline,
     build_stage_module,
     plan_stages,
     stage_ids_for_rank,
     unit_param_costs,
 )
-from lightning_flagscale.parallel.pipeline_recompute import _selective_contexts, apply_recompute, resolve_recompute
-from lightning_flagscale.parallel.schedules import min_microbatches
-from lightning_flagscale.parallel.tensor import apply_tp
+from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
 TOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Pipeline schedules by name (``parallel/schedules.py``): one list of names, every layout rule checked when the
+"""Pipeline schedules by name (``config/schedules.py``): one list of names, every layout rule checked when the
 ``ParallelConfig`` (or the strategy) is created, before any process exists; V-shaped schedules pick 2 chunks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from lightning_flagscale import FlagScaleStrategy, ParallelConfig
-from lightning_flagscale.parallel.schedules import (
+from lightning_flagscale.config.schedules import (
     SCHEDULE_NAMES,
     SCHEDULE_SPECS,
     ScheduleName,
@@ -43,7 +43,7 @@ def test_min_microbatches():
 
 def test_one_list_of_names_for_config_strategy_and_torch():
     from lightning_flagscale.config.parallel import ParallelConfig as _Config
-    from lightning_flagscale.parallel.pipeline import SCHEDULES
+    from lightning_flagscale.parallel.pipeline_parallel.runner import SCHEDULES
 
     assert tuple(SCHEDULE_SPECS) == SCHEDULE_NAMES == typing.get_args(ScheduleName)
     assert tuple(SCHEDULES) == SCHEDULE_NAMES  # every name maps to a torch schedule class

@@ -9,7 +9,11 @@ import torch
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models import CausalLM
-from lightning_flagscale.parallel.tensor import apply_tp, check_tp_divisible, vocab_parallel_cross_entropy
+from lightning_flagscale.parallel.tensor_parallel.apply import (
+    apply_tp,
+    check_tp_divisible,
+    vocab_parallel_cross_entropy,
+)
 
 _CONFIGS = {
     # Qwen2-like: QKV bias, tied embeddings, a vocab (101) that TP=2 must pad.
@@ -150,7 +154,7 @@ def test_indivisible_sizes_raise():
 def _tp_collective_counts(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_flagscale.parallel.comm import CommTracker
+    from lightning_flagscale.accounting.comm import CommTracker
 
     cfg = TransformerConfig(**dict(_CONFIGS["untied_qknorm"], qk_norm=False, num_layers=3))
     model = CausalLM(cfg)

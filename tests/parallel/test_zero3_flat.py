@@ -54,7 +54,7 @@ def test_flat_zero3_refuses_unsupported_layouts():
 
 
 def test_auto_engine_is_flat_where_flat_runs(caplog):
-    from lightning_flagscale.parallel.parallelize import Parallelized, _use_flat_zero3
+    from lightning_flagscale.parallel.plan import Parallelized, _use_flat_zero3
 
     assert ParallelConfig().zero3_impl == "auto"
     assert ParallelConfig(zero_stage=3).resolved_zero3_impl == "flat"
@@ -90,7 +90,7 @@ def _trace_one_step(num_layers: int, out_dir: str) -> tuple[list, float, float]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_flagscale.models.decoder import CausalLM
-    from lightning_flagscale.parallel.zero3_flat import apply_flat_zero3
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
 
     torch.manual_seed(0)
     model = CausalLM(tiny_config(num_layers=num_layers))
@@ -118,7 +118,7 @@ def _trace_one_step(num_layers: int, out_dir: str) -> tuple[list, float, float]:
 def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher, tmp_path):
     from safetensors.torch import load_file
 
-    from lightning_flagscale.parallel.zero3_flat import MAX_INFLIGHT_REDUCTIONS
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import MAX_INFLIGHT_REDUCTIONS
 
     layers = 3
     trace, train_err, eval_err = launcher(2, _trace_one_step, layers, str(tmp_path))[0]
@@ -155,7 +155,7 @@ def _full_gradients_after_backward(num_layers: int) -> list[int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_flagscale.models.decoder import CausalLM
-    from lightning_flagscale.parallel.zero3_flat import FlatZero3, apply_flat_zero3
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import FlatZero3, apply_flat_zero3
 
     torch.manual_seed(0)
     model = CausalLM(tiny_config(num_layers=num_layers))

@@ -163,7 +163,7 @@ def trainer_run(
     if save_path is not None:
         trainer.save_checkpoint(save_path)
         strategy.wait_for_checkpoint()  # a no-op unless the save was asynchronous
-    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import summon_full_params
 
     params = {}
     with summon_full_params(module.model):  # flat ZeRO-3 holds row ranges; a no-op for every other layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.parallel.hetero import HeteroBatchSampler
+from lightning_flagscale.parallel.hetero_dp.batching import HeteroBatchSampler
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
@@ -75,7 +75,7 @@ def test_lightning_reseeds_the_batch_samplers_every_epoch():
     from lightning.fabric.utilities.data import _set_sampler_epoch
     from torch.utils.data import DataLoader
 
-    from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
+    from lightning_flagscale.parallel.hetero_dp.batching import MicroBatchSliceSampler
 
     for batches in (HeteroBatchSampler(32, [3, 1], 0, seed=0), MicroBatchSliceSampler(32, 4, 2, 1, 0, shuffle=True)):
         loader = DataLoader(range(32), batch_sampler=batches)

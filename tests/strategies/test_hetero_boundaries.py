@@ -10,10 +10,11 @@ import itertools
 import pytest
 
 from lightning_flagscale import FlagScaleStrategy, ParallelConfig
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, plan_stage_groups
-from lightning_flagscale.parallel.hetero_boundary import boundary_transfers, coords, gradient_transfers
-from lightning_flagscale.parallel.hetero_runner import schedule_order, simulate
-from lightning_flagscale.parallel.schedules import min_microbatches, stage_placement
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
+from lightning_flagscale.config.layer_split import plan_stage_groups
+from lightning_flagscale.config.schedules import min_microbatches, stage_placement
+from lightning_flagscale.parallel.hetero_mesh.boundary import boundary_transfers, coords, gradient_transfers
+from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order, simulate
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3

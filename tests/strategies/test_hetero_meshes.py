@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_flagscale import FlagScaleStrategy, ParallelConfig
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, plan_stage_groups
-from lightning_flagscale.parallel.hetero import MicroBatchSliceSampler
-from lightning_flagscale.parallel.hetero_mesh import boundary_transfers, gradient_transfers
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
+from lightning_flagscale.config.layer_split import plan_stage_groups
+from lightning_flagscale.parallel.hetero_dp.batching import MicroBatchSliceSampler
+from lightning_flagscale.parallel.hetero_mesh.build import boundary_transfers, gradient_transfers
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
@@ -113,7 +114,7 @@ def _meshes_then_world_group() -> float:
     import torch
     import torch.distributed as dist
 
-    from lightning_flagscale.parallel.hetero_mesh import build_group_meshes
+    from lightning_flagscale.parallel.hetero_mesh.build import build_group_meshes
 
     config = ParallelConfig(hetero_meshes=[TP2, DP2], micro_batch_size=2)
     groups = plan_stage_groups(parse_hetero_meshes(config.hetero_meshes), None, 4)
@@ -159,7 +160,7 @@ def test_checkpoints_reshard_between_hetero_and_homogeneous_layouts(launcher, tm
 
 
 def test_speed_aware_split_equalises_stage_times():
-    from lightning_flagscale.config.hetero import speed_aware_layers
+    from lightning_flagscale.config.layer_split import speed_aware_layers
 
     fast, slow = dict(tensor_parallel_size=2, device_type="fast"), dict(data_parallel_size=2, device_type="slow")
     meshes = parse_hetero_meshes([fast, slow])

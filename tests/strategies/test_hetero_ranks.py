@@ -8,9 +8,16 @@ from typing import Any
 
 import pytest
 
-from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups, rank_order_by_type
-from lightning_flagscale.parallel.hetero_mesh import boundary_transfers, group_of_rank
-from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV, BusyTimer, emulated_slowdown
+from lightning_flagscale.config.hetero import parse_hetero_meshes
+from lightning_flagscale.config.layer_split import plan_stage_groups
+from lightning_flagscale.parallel.hetero_mesh.build import boundary_transfers, group_of_rank
+from lightning_flagscale.parallel.hetero_mesh.ranks import (
+    DEVICE_TYPE_ENV,
+    SLOWDOWN_ENV,
+    BusyTimer,
+    emulated_slowdown,
+    rank_order_by_type,
+)
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 FAST = dict(tensor_parallel_size=2, device_type="fast")

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV
-from lightning_flagscale.parallel.hetero_shares import dp_speeds_from
+from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
+from lightning_flagscale.parallel.hetero_dp.shares import dp_speeds_from
+from lightning_flagscale.parallel.hetero_mesh.ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 

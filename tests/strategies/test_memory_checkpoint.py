@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_flagscale.callbacks import MemoryCheckpoint
-from lightning_flagscale.checkpoint.memory import (
+from lightning_flagscale.checkpoint.in_memory import (
     default_snapshot_root,
     list_snapshots,
     remove_snapshots,

@@ -141,7 +141,7 @@ def test_spiky_loss_is_skipped_and_nan_loss_is_named():
 def test_gradient_check_finds_any_nan_or_inf_and_no_false_alarm(dtype):
     """One fp32-accumulated sum per gradient: any NaN / inf (also +inf and -inf in two tensors, whose sums cancel to
     NaN) is found; large finite fp16 gradients, whose fp16 sum would overflow, are not flagged."""
-    from lightning_flagscale.parallel.data import grads_finite
+    from lightning_flagscale.parallel.data_parallel.optimizer import grads_finite
 
     def params(*values):
         out = []

@@ -149,7 +149,7 @@ def _trainer_run(strategy_kwargs: dict[str, Any]) -> dict[str, Tensor]:
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     trainer.fit(module, DataLoader(FeatureDataset(), batch_size=GLOBAL_BATCH // dp))
-    from lightning_flagscale.parallel.zero3_flat import summon_full_params
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import summon_full_params
 
     with summon_full_params(module.model):  # flat ZeRO-3 (the default engine) holds shards: gather them
         return {
@@ -188,7 +188,7 @@ def test_two_towers_match_single_process(launcher, kwargs):
 
 
 def test_pipeline_split_of_two_towers_keeps_the_bridge_with_its_block():
-    from lightning_flagscale.parallel.pipeline import plan_stages
+    from lightning_flagscale.parallel.pipeline_parallel.runner import plan_stages
 
     plan = plan_stages(TwoTowers().pipeline_units(), 2)
     assert plan.units == (("inp", "tower_a.0", "tower_a.1", "bridge"), ("tower_b.0", "tower_b.1", "head"))

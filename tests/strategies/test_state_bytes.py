@@ -16,8 +16,8 @@ def _measure(precision: str) -> dict:
     import lightning as L
     from torch.distributed.tensor import DTensor
 
-    from lightning_flagscale.parallel.memory import state_bytes
-    from lightning_flagscale.parallel.zero3_flat import find_flat_zero3, summon_full_params
+    from lightning_flagscale.accounting.state_bytes import state_bytes
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3, summon_full_params
 
     class Measure(L.Callback):
         def __init__(self) -> None:
@@ -52,7 +52,7 @@ def _measure(precision: str) -> dict:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_measured_state_bytes_match_expected(launcher, precision):
-    from lightning_flagscale.parallel.memory import expected_state_bytes
+    from lightning_flagscale.accounting.state_bytes import expected_state_bytes
 
     for per_stage in launcher(2, _measure, precision):
         for stage, m in per_stage.items():

@@ -43,7 +43,9 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.parallel.pipeline_plan import (
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
+from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
+from lightning_flagscale.parallel.pipeline_parallel.plan import (
     StagePlan,
     build_stage_module,
     check_units_cover_parameters,
@@ -54,9 +56,7 @@ from lightning_flagscale.parallel.pipeline_plan import (
     tied_parameters,
     unit_param_costs,
 )
-from lightning_flagscale.parallel.pipeline_recompute import apply_recompute, resolve_recompute
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
-from lightning_flagscale.parallel.zero3_flat import find_flat_zero3
+from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
 
 __all__ = [
     "SCHEDULES",

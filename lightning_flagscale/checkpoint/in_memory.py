@@ -11,7 +11,7 @@ Being an ordinary sharded checkpoint, a snapshot resumes under any layout (DCP r
 and a folder with its final name is complete (``sharded.py`` renames it into place once every rank has written).
 ``LocalChunks`` lets a rank save the part of a tensor it holds as any set of rectangular blocks (a ZeRO slice cut
 along the flattened parameter), without gathering it. Nothing here is collective: taking and choosing snapshots is
-``strategies/_memory.py``'s.
+``strategies/_snapshots.py``'s.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_flagscale.parallel.collectives import reduce_scatter, release_input
-from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit
+from lightning_flagscale.distributed.collectives import reduce_scatter, release_input
+from lightning_flagscale.parallel.data_parallel.zero3_flat_unit import FlatUnit
 
 __all__ = ["FlatUnit", "FlatZero3", "apply_flat_zero3", "find_flat_zero3", "summon_full_params"]
 

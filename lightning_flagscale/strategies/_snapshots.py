@@ -31,9 +31,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.checkpoint.memory import LocalChunks, flat_blocks, list_snapshots, snapshot_path
+from lightning_flagscale.checkpoint.in_memory import LocalChunks, flat_blocks, list_snapshots, snapshot_path
 from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
-from lightning_flagscale.parallel.data import DistributedOptimizer
+from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
 
 __all__ = [
     "NEWEST",

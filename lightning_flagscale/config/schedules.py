@@ -1,7 +1,7 @@
 """Pipeline schedules by name: the one list of names, the placement each needs and the rules a layout must meet.
 
 Pure data and checks (no ``torch.distributed`` import), so ``ParallelConfig`` runs every check that needs only the
-layout when it is created, before any process is spawned; ``parallel/pipeline.py`` maps the names to torch's
+layout when it is created, before any process is spawned; ``parallel/pipeline_parallel/runner.py`` maps the names to torch's
 schedule classes and re-checks the micro-batch count once the batch size is known.
 """
 

@@ -21,8 +21,6 @@ from torch.utils.data import Sampler
 __all__ = [
     "HeteroBatchSampler",
     "MicroBatchSliceSampler",
-    "check_hetero_batch_sizes",
-    "hetero_micro_batch_sizes",
     "proportional_shares",
 ]
 
@@ -48,45 +46,6 @@ def proportional_shares(speeds: Sequence[float], units: int) -> list[int]:
         i = max((j for j in range(len(share)) if share[j] > 1), key=lambda j: (share[j] / speeds[j], -j))
         share[i] -= 1
     return share
-
-
-def hetero_micro_batch_sizes(batch_sizes: Sequence[int], micro_batch_size: int) -> list[int]:
-    """Per-rank micro-batch sizes under pipeline parallelism: every rank runs the same number of micro-batches.
-
-    Pipeline schedules and the collectives inside them (expert all-to-all, the data-parallel reduction after the
-    last micro-batch) need every data-parallel rank to run the same number of micro-batches, so ``micro_batch_size``
-    applies to the smallest share and the other ranks take proportionally larger micro-batches (FlagScale rescales
-    the micro-batch size per mesh in the same way).
-    """
-    smallest = min(batch_sizes)
-    if smallest % micro_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} must divide the smallest hetero_dp_batch_sizes entry ({smallest}):"
-            " under pipeline parallelism it is the micro-batch size of the rank with the smallest share."
-        )
-    n = smallest // micro_batch_size
-    uneven = [b for b in batch_sizes if b % n]
-    if uneven:
-        raise ValueError(
-            f"hetero_dp_batch_sizes={list(batch_sizes)} with micro_batch_size={micro_batch_size} gives {n} micro-batches"
-            f" per step, which do not split the shares {uneven} evenly; make every share a multiple of {n}."
-        )
-    return [b // n for b in batch_sizes]
-
-
-def check_hetero_batch_sizes(
-    batch_sizes: Sequence[int], dp: int, *, micro_batch_size: int = 1, pipeline: bool = False
-) -> None:
-    """Raise a ``ValueError`` naming the fix when the per-rank batch sizes do not describe ``dp`` ranks."""
-    if len(batch_sizes) != dp:
-        raise ValueError(
-            f"hetero_dp_batch_sizes has {len(batch_sizes)} entries but there are {dp} data-parallel ranks; give one"
-            " batch size per data-parallel rank."
-        )
-    if any(not isinstance(b, int) or b < 1 for b in batch_sizes):
-        raise ValueError(f"hetero_dp_batch_sizes={list(batch_sizes)} must hold positive integers.")
-    if pipeline:
-        hetero_micro_batch_sizes(batch_sizes, micro_batch_size)
 
 
 class EpochCounter:
@@ -170,7 +129,7 @@ class MicroBatchSliceSampler(_GlobalBatchSampler):
     Global batch ``k`` is ``perm[k*G : (k+1)*G]``, cut into micro-batches of ``micro`` samples; data-parallel rank
     ``i`` of a stage group with ``dp`` ranks takes the ``i``-th of ``dp`` equal slices of each micro-batch. Stage groups
     with different data-parallel sizes thus hold different slices of the same samples, and the pipeline reslices
-    activations between them (``parallel/hetero_mesh.py``). Incomplete global batches are dropped.
+    activations between them (``parallel/hetero_mesh/build.py``). Incomplete global batches are dropped.
     """
 
     def __init__(

@@ -13,17 +13,17 @@ The runner that executes the stages is in ``pipeline.py``; heterogeneous meshes 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_flagscale.config.layer_split import even_layer_counts
+
 __all__ = [
     "StagePlan",
     "build_stage_module",
     "check_units_cover_parameters",
-    "even_layer_counts",
     "is_layer_unit",
     "pipeline_unit_costs",
     "plan_stages",
@@ -93,41 +93,6 @@ def _assemble(units: Sequence[str], counts: Sequence[int]) -> list[tuple[str, ..
             current = len(counts) - 1
         out[current].append(unit)
     return [tuple(stage) for stage in out]
-
-
-def _padding_order(num_stages: int) -> list[int]:
-    # Placeholders go first where the non-layer work is: last stage (norm + LM head), first stage (embedding),
-    # then inwards, so the real layers shift towards the middle stages that carry nothing else.
-    order: list[int] = []
-    lo, hi = 0, num_stages - 1
-    while lo <= hi:
-        order.append(hi)
-        if lo != hi:
-            order.append(lo)
-        lo, hi = lo + 1, hi - 1
-    return order
-
-
-def even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
-    """Real layers and padding slots per stage for an even split, padding to equal layers per pipeline rank."""
-    stages = pp * vpp
-    if num_layers % stages == 0:
-        return [num_layers // stages] * stages, [0] * stages
-    padded = math.ceil(num_layers / pp) * pp
-    per_rank = padded // pp
-    if per_rank % vpp:
-        fits = [v for v in range(1, per_rank + 1) if per_rank % v == 0]
-        raise ValueError(
-            f"virtual_pipeline_parallel_size={vpp} does not divide the {per_rank} layer slots per pipeline rank "
-            f"({num_layers} layers padded to {padded} for pipeline_parallel_size={pp}); use a virtual size in "
-            f"{fits}, or give pipeline_layers explicitly."
-        )
-    slots = padded // stages
-    padding = [0] * stages
-    order = _padding_order(stages)
-    for i in range(padded - num_layers):
-        padding[order[i % stages]] += 1
-    return [slots - pad for pad in padding], padding
 
 
 def _balanced_partition(costs: Sequence[float], parts: int) -> list[int]:

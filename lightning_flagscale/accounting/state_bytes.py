@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
 
 __all__ = [
     "CommTheory",
@@ -227,7 +227,7 @@ def expected_state_bytes(
 
     The same categories as :func:`state_bytes` measures, so a run can be compared field by field. Differences from
     the paper's layout (:func:`zero_theory_bytes`): gradients live in fp32 buckets (4 bytes whatever the parameter
-    dtype; ``parallel/grad_buckets.py``), into which hooks move each gradient as backward produces it; stages 1-2
+    dtype; ``parallel/data_parallel/grad_buckets.py``), into which hooks move each gradient as backward produces it; stages 1-2
     keep an fp32 main copy of their 1/N slice even in fp32 training; ZeRO-3 (FSDP2) stores fp32 sharded parameters
     and casts them per block. Stages 0 and 1 keep the full fp32 gradient buckets (4Ψ; ZeRO-1's reduced slice is a
     view of its own bucket), at the optimizer step and during backward alike. Stage 2 keeps only the fp32

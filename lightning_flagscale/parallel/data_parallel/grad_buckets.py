@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.parallel.collectives import all_gather, reduce_scatter, release_input
+from lightning_flagscale.distributed.collectives import all_gather, reduce_scatter, release_input
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",

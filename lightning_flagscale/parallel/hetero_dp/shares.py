@@ -1,13 +1,13 @@
 """Speed-aware heterogeneous data-parallel shares: ``hetero_dp_batch_sizes="auto"`` (issue 12, item 6).
 
-The first-generation hetero-DP (``parallel/hetero.py``) gives each data-parallel rank a hand-written share of every
+The first-generation hetero-DP (``parallel/hetero_dp/batching.py``) gives each data-parallel rank a hand-written share of every
 global batch. With ``"auto"`` the shares follow the ranks' speeds, from the same sources as the heterogeneous-mesh
 layer split:
 
 1. **Speeds** (:func:`gather_dp_speeds`, at strategy setup, before the model is sharded). With
    ``hetero_device_speed`` each rank's ``FLAGSCALE_DEVICE_TYPE`` looks its speed up in that dict (a type missing
    from it is an error naming the rank); otherwise every rank runs the profiling pass of
-   ``parallel/hetero_profile.py`` (forward + backward of one block, under the emulated slowdown if any) and the
+   ``parallel/hetero_mesh/profile.py`` (forward + backward of one block, under the emulated slowdown if any) and the
    speed of a device type is ``1 / median`` of its ranks' times (ranks without a type count alone). One
    ``all_gather_object`` gives every rank every entry, so all ranks compute the same list. A data-parallel rank made
    of several ranks (TP / CP) runs at the pace of its slowest member.
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_flagscale.parallel.hetero import proportional_shares
-from lightning_flagscale.parallel.hetero_profile import _MAX_PROFILE_SEQ, time_one_block
-from lightning_flagscale.parallel.hetero_ranks import DEVICE_TYPE_ENV, local_device_type
+from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
+from lightning_flagscale.parallel.hetero_mesh.profile import _MAX_PROFILE_SEQ, time_one_block
+from lightning_flagscale.parallel.hetero_mesh.ranks import DEVICE_TYPE_ENV, local_device_type
 
 __all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds", "resume_shares"]
 

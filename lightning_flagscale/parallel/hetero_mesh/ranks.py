@@ -17,7 +17,7 @@ Sleeping rather than shrinking ``torch.set_num_threads`` because (1) the slowdow
 the load, while thread counts only slow a rank down if it had the cores to use them (tests and benchmarks run one
 thread per process on a shared 2-core machine), and (2) a sleeping rank leaves the cores to the others, as a slow
 device on its own hardware would. The same hooks count each rank's busy time (compute + emulated delay), which the
-benchmark plots, and the profiling pass (``parallel/hetero_profile.py``) runs under them, so it sees the slowdown.
+benchmark plots, and the profiling pass (``parallel/hetero_mesh/profile.py``) runs under them, so it sees the slowdown.
 """
 
 from __future__ import annotations
@@ -33,18 +33,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, rank_order_by_type
+from lightning_flagscale.config.hetero import HeteroMesh, StageGroup, parse_hetero_meshes
 
 __all__ = [
     "DEVICE_TYPE_ENV",
     "SLOWDOWN_ENV",
     "BusyTimer",
+    "_declared_type",
     "attach_busy_timer",
     "emulated_slowdown",
     "gather_rank_order",
     "install_emulated_slowdown",
     "local_device_type",
     "rank_device_type",
+    "rank_order_by_type",
 ]
 
 DEVICE_TYPE_ENV = "FLAGSCALE_DEVICE_TYPE"
@@ -176,3 +178,49 @@ def attach_busy_timer(modules: Iterable[nn.Module], timer: BusyTimer) -> BusyTim
         module.register_forward_hook(timer.post_forward)
         module._fs_busy_timer = timer
     return timer
+
+
+def rank_order_by_type(meshes: list[HeteroMesh], rank_types: list[str | None]) -> list[int]:
+    """The global rank at each position of the mesh-ordered world, from every rank's reported device type.
+
+    Ranks fill the meshes in rank order when every rank reports the same type (or none) or no mesh declares a
+    ``device_type`` (one type: nothing to match). Otherwise each declared type must be reported by exactly as many
+    ranks as the meshes declaring it hold, and the ranks of a type fill its meshes in rank order (stable). A rank
+    reports a declared type when it names it or contains it, case-insensitively (the CUDA device name
+    ``NVIDIA H100 80GB HBM3`` reports ``H100``; the longest declared type contained wins).
+    """
+    world = sum(m.size for m in meshes)
+    if len(rank_types) != world:
+        raise ValueError(f"{len(rank_types)} ranks reported a device type but hetero_meshes describe {world} ranks.")
+    declared = [m.device_type for m in meshes]
+    if len(set(rank_types)) <= 1 or all(t is None for t in declared):
+        return list(range(world))
+    if any(t is None for t in declared):
+        raise ValueError(
+            f"Ranks report different device types but hetero_meshes{[i for i, t in enumerate(declared) if t is None]}"
+            " declare none; give every mesh a device_type."
+        )
+    need: dict[str, int] = {}
+    for mesh in meshes:
+        need[mesh.device_type] = need.get(mesh.device_type, 0) + mesh.size
+    rank_types = [_declared_type(t, list(need)) for t in rank_types]
+    have: dict[str, int] = {}
+    for t in rank_types:
+        have[str(t)] = have.get(str(t), 0) + 1
+    if need != have:
+        raise ValueError(
+            f"The ranks' device types {dict(sorted(have.items()))} (ranks per type; FLAGSCALE_DEVICE_TYPE or the"
+            f" accelerator's name) do not match the ranks hetero_meshes declare per device_type"
+            f" {dict(sorted(need.items()))}; change the meshes' device_type or sizes."
+        )
+    queues = {t: [r for r, rt in enumerate(rank_types) if str(rt) == t] for t in need}
+    return [queues[m.device_type].pop(0) for m in meshes for _ in range(m.size)]
+
+
+def _declared_type(reported: str | None, declared: list[str]) -> str | None:
+    """The declared type a rank's reported one names: itself, else the longest declared type it contains
+    (case-insensitive), else unchanged."""
+    if reported is None or reported in declared:
+        return reported
+    contained = [t for t in declared if t.lower() in str(reported).lower()]
+    return max(contained, key=len) if contained else reported

@@ -7,11 +7,11 @@ with the clock of the emulation hooks (CPU: the thread's CPU time, immune to oth
 takes the median of a few repetitions after a warm-up; one ``all_gather_object`` gives every rank every median, and
 each device type's time is the median over its ranks, so all ranks agree on the speeds ``1 / time`` bit for bit.
 ``speed_aware_layers`` then splits the blocks in proportion to speed x ranks per stage. The emulated slowdown of
-``parallel/hetero_ranks.py`` is applied to the profiled block as to the training step, so the pass sees it.
+``parallel/hetero_mesh/ranks.py`` is applied to the profiled block as to the training step, so the pass sees it.
 
 Micro-batch shares: a heterogeneous-mesh micro-batch is one set of samples that every stage group splits over its
 own data-parallel ranks, so there are no per-mesh shares to choose; only the layer split follows the speeds. The same
-pass times the ranks of a hetero-DP job with ``hetero_dp_batch_sizes="auto"`` (``parallel/hetero_shares.py``), whose
+pass times the ranks of a hetero-DP job with ``hetero_dp_batch_sizes="auto"`` (``parallel/hetero_dp/shares.py``), whose
 per-rank batch shares then follow the speeds.
 """
 
@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes, speed_aware_layers, split_into_chunks
-from lightning_flagscale.parallel.hetero_ranks import (
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
+from lightning_flagscale.config.layer_split import speed_aware_layers, split_into_chunks
+from lightning_flagscale.parallel.hetero_mesh.ranks import (
     BusyTimer,
     attach_busy_timer,
     install_emulated_slowdown,
     rank_device_type,
 )
-from lightning_flagscale.parallel.pipeline_plan import build_stage_module, is_layer_unit
+from lightning_flagscale.parallel.pipeline_parallel.plan import build_stage_module, is_layer_unit
 
 __all__ = ["apply_profiled_split", "gather_device_speed", "time_one_block"]
 

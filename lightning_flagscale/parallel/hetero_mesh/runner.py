@@ -43,10 +43,10 @@ from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_flagscale.config.hetero import StageGroup
-from lightning_flagscale.parallel.hetero_boundary import BoundaryComm, boundary_transfers, gradient_transfers
-from lightning_flagscale.parallel.hetero_tied import TiedAcrossMeshes
-from lightning_flagscale.parallel.pipeline_plan import StagePlan
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, min_microbatches, stage_placement
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, stage_placement
+from lightning_flagscale.parallel.hetero_mesh.boundary import BoundaryComm, boundary_transfers, gradient_transfers
+from lightning_flagscale.parallel.hetero_mesh.tied import TiedAcrossMeshes
+from lightning_flagscale.parallel.pipeline_parallel.plan import StagePlan
 
 __all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
 

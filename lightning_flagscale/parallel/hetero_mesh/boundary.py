@@ -5,7 +5,7 @@ one block of every activation tensor ``[batch, sequence, ...]`` that crosses a b
 
 * **batch rows**: data-parallel rank ``i`` of ``dp`` holds rows ``[i b/dp, (i+1) b/dp)`` of the micro-batch;
 * **context shard**: context-parallel rank ``c`` holds chunks ``c`` and ``2 cp - 1 - c`` of the sequence (the
-  load-balanced zigzag of ``parallel/context.py``). CP is equal on every mesh and every mesh uses the same zigzag,
+  load-balanced zigzag of ``parallel/context_parallel/attention.py``). CP is equal on every mesh and every mesh uses the same zigzag,
   so a token's CP rank is the same on both sides and CP rank ``c`` only ever talks to CP rank ``c``;
 * **sequence-parallel shard**: with sequence parallelism and ``tp > 1`` the activations between blocks are split
   along the (CP-local) sequence over TP: TP rank ``t`` holds ``[t L/tp, (t+1) L/tp)``; otherwise every TP rank holds

@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_flagscale.parallel.collectives import all_gather
-from lightning_flagscale.parallel.zero3_flat import FlatZero3, find_flat_zero3
-from lightning_flagscale.parallel.zero3_flat_unit import FlatUnit, _Slot
+from lightning_flagscale.distributed.collectives import all_gather
+from lightning_flagscale.parallel.data_parallel.zero3_flat import FlatZero3, find_flat_zero3
+from lightning_flagscale.parallel.data_parallel.zero3_flat_unit import FlatUnit, _Slot
 
 __all__ = ["FlatZero3Optimizer", "flat_zero3_optimizers"]
 

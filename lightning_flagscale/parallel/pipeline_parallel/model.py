@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.parallel.hetero import hetero_micro_batch_sizes
+from lightning_flagscale.config.hetero import hetero_micro_batch_sizes
 from lightning_flagscale.parallel.mesh import ParallelMeshes
-from lightning_flagscale.parallel.pipeline import PipelineRunner, build_pipeline
+from lightning_flagscale.parallel.pipeline_parallel.runner import PipelineRunner, build_pipeline
 
 __all__ = [
     "PipelinedModel",

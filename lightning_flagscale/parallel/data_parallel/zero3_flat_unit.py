@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.parallel.collectives import all_gather
-from lightning_flagscale.parallel.data import num_shards
+from lightning_flagscale.distributed.collectives import all_gather
+from lightning_flagscale.distributed.dtensor import num_shards
 
 if TYPE_CHECKING:
-    from lightning_flagscale.parallel.zero3_flat import FlatZero3
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import FlatZero3
 
 __all__ = ["FlatUnit"]
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config.hetero import StageGroup
-from lightning_flagscale.parallel.data import copy_global_into
+from lightning_flagscale.distributed.dtensor import copy_global_into
 
 __all__ = ["TiedAcrossMeshes"]
 

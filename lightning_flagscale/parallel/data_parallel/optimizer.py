@@ -30,56 +30,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, GradBucket, GradReducer, bucket_runs
+from lightning_flagscale.distributed.dtensor import local_tensor, num_shards
+from lightning_flagscale.parallel.data_parallel.grad_buckets import (
+    DEFAULT_BUCKET_NUMEL,
+    GradBucket,
+    GradReducer,
+    bucket_runs,
+)
 
 __all__ = [
     "DistributedOptimizer",
     "apply_fsdp",
     "clip_grad_norm_",
-    "copy_global_into",
     "distributed_optimizers",
     "found_inf",
     "grads_finite",
-    "local_tensor",
-    "num_shards",
     "reduction_groups",
 ]
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The part of ``t`` this rank holds (the local shard of a DTensor, or ``t`` itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def copy_global_into(dst: Tensor, full: Tensor) -> None:
-    """Copy the part of ``full`` (global values) that ``dst`` holds: all of it, or its DTensor shard. Slices locally
-    instead of ``distribute_tensor``: no communication, for callers where every rank holds the same ``full``."""
-    if isinstance(dst, DTensor):
-        # Private torch helper: the shard's local shape and global offset under any placements.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        dst.to_local().copy_(full[index])
-    else:
-        dst.copy_(full)
-
-
-def num_shards(p: Tensor) -> int:
-    """How many ranks of a pipeline stage hold distinct parts of ``p``."""
-    explicit = getattr(p, "_fs_num_shards", None)
-    if explicit is not None:
-        return explicit
-    if isinstance(p, DTensor):
-        return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if _is_shard(pl))
-    return 1
-
-
-def _is_shard(placement) -> bool:
-    # FSDP2 on top of TP shards the same dim twice with `_StridedShard`, which is not a `Shard` subclass.
-    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def _align_grad_placements(p: Tensor) -> None:
@@ -125,7 +93,7 @@ class DistributedOptimizer:
 
     The optimizer object itself is kept (LR schedulers and Lightning hold references to it); its param groups are
     rewritten to hold the main parameters of the flat buckets. Gradients flow into the buckets from hooks and are
-    reduced while backward runs (``parallel/grad_buckets.py``); call ``reduce_grads()`` after the last backward of a
+    reduced while backward runs (``parallel/data_parallel/grad_buckets.py``); call ``reduce_grads()`` after the last backward of a
     step (stage 2: after every backward) to wait for them, then ``optimizer.step()``, then ``sync_params()``. Set
     ``require_sync = False`` around the backward passes of an accumulation window that must not reduce.
 

@@ -18,18 +18,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_flagscale.config.hetero import StageGroup
-from lightning_flagscale.parallel.hetero_boundary import Transfer, boundary_transfers, gradient_transfers
-from lightning_flagscale.parallel.hetero_runner import HeteroPipelineRunner
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, stage_placement
+from lightning_flagscale.parallel.hetero_mesh.boundary import Transfer, boundary_transfers, gradient_transfers
+from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
-from lightning_flagscale.parallel.pipeline import (
+from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel
+from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
+from lightning_flagscale.parallel.pipeline_parallel.runner import (
     build_stage_module,
     check_units_cover_parameters,
     plan_stages,
     tied_across_stages,
 )
-from lightning_flagscale.parallel.pipeline_model import PipelinedModel
-from lightning_flagscale.parallel.pipeline_plan import stage_ids_for_rank
-from lightning_flagscale.parallel.schedules import SCHEDULE_SPECS, stage_placement
 
 __all__ = [
     "HeteroPipelineRunner",
@@ -116,7 +116,8 @@ def build_hetero_layout(
 ) -> tuple[list[StageGroup], ParallelMeshes, Any]:
     """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
     return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
-    from lightning_flagscale.config.hetero import parse_hetero_meshes, plan_stage_groups
+    from lightning_flagscale.config.hetero import parse_hetero_meshes
+    from lightning_flagscale.config.layer_split import plan_stage_groups
 
     meshes = parse_hetero_meshes(parallel.hetero_meshes)
     groups = plan_stage_groups(

@@ -4,7 +4,7 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
 
 - **model states** (``parallel.memory.expected_state_bytes``, the formula ``tests/strategies/test_state_bytes.py``
   checks against a Trainer run): parameters in the model dtype, fp32 gradient buckets (DDP, ZeRO-1) or the fp32
-  main-gradient shard plus at most two staging buckets during backward (ZeRO-2, ``parallel/grad_buckets.py``), fp32
+  main-gradient shard plus at most two staging buckets during backward (ZeRO-2, ``parallel/data_parallel/grad_buckets.py``), fp32
   master weights and Adam moments, each sharded as its ZeRO stage shards it: dense parameters over data x context
   ranks, routed experts over the expert-data-parallel ranks (``parallel.data.reduction_groups``); ZeRO-3 (FSDP2)
   fp32 shards of everything. Parameters per rank: ``tune.stage_params`` (TP/EP splits, vocab padding, uneven and
@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_flagscale.accounting.state_bytes import expected_state_bytes
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
-from lightning_flagscale.parallel.memory import expected_state_bytes
+from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
 from lightning_flagscale.tune.activations import head_bytes, layer_activation_bytes, model_edge_bytes
 from lightning_flagscale.tune.inflight import schedule_live_peak
 from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
@@ -143,7 +143,7 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
 
 def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: int, bucket_numel: float, *,
                      gloo: bool) -> float:  # fmt: skip
-    """Gradient-reduction buffers at the end of backward (``parallel/grad_buckets.py``, FSDP2).
+    """Gradient-reduction buffers at the end of backward (``parallel/data_parallel/grad_buckets.py``, FSDP2).
 
     ZeRO-1 launches every bucket's reduce-scatter during backward and waits for them at the end: their fp32 output
     shards (``4Ψ/N``) are alive together; ZeRO-2 at most two buckets. gloo has no native reduce-scatter: torch

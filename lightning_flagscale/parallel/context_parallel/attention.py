@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_flagscale.parallel.attention_kernels import AttentionKernel, get_attention_kernel, merge_attention
+from lightning_flagscale.parallel.context_parallel.kernels import AttentionKernel, get_attention_kernel, merge_attention
 
 __all__ = [
     "HybridAttention",
