@@ -42,14 +42,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
     from lightning_flagscale.checkpoint.in_memory import remove_snapshots
     from lightning_flagscale.data import LMDataModule
     from lightning_flagscale.models import CausalLMModule, TransformerConfig
-    from lightning_flagscale.strategies._snapshots import ensure_checkpoint_group, take
 
     rows: list[dict] = []
     folder = Path(tempfile.gettempdir() if args.no_shm else "/dev/shm") / f"flash-bench-{port}"
 
     class Measure(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            ensure_checkpoint_group(trainer.strategy)
+            trainer.strategy.ensure_checkpoint_group()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
@@ -60,7 +59,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch:
             for kind in order:
                 dist.barrier()
                 if kind == "memory":
-                    row["memory_blocking_s"] = take(trainer, folder)
+                    row["memory_blocking_s"] = trainer.strategy.take_memory_snapshot(folder)
                     start = time.perf_counter()
                     trainer.strategy.wait_for_checkpoint()
                     row["memory_background_write_s"] = time.perf_counter() - start

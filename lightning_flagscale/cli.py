@@ -16,14 +16,16 @@ package can be named without a path: ``--config llama_tiny`` finds ``lightning_f
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-__all__ = ["SUBCOMMANDS", "main", "recipe_path"]
+from lightning_flagscale.recipe_files import list_recipes
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+__all__ = [
+    "SUBCOMMANDS",
+    "main",
+]
+
 _TRAINING = ("fit", "validate", "test", "predict")
 SUBCOMMANDS: dict[str, str] = {
     "fit": "train a recipe (LightningCLI): --config NAME_OR_YAML [--trainer.X ... --model.X ... --data.X ...]",
@@ -35,18 +37,6 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "benchmark FlagScale layouts next to Lightning's DDP/FSDP/ModelParallel strategies",
     "recipes": "list the shipped recipes (usable as --config NAME)",
 }
-
-
-def recipe_path(name: str) -> str:
-    """A recipe file: an existing path, or the name of a recipe shipped in ``lightning_flagscale/recipes``."""
-    if os.path.exists(name):
-        return name
-    base = Path(name).name
-    candidate = RECIPES_DIR / (base if base.endswith((".yaml", ".yml")) else f"{base}.yaml")
-    if candidate.exists():
-        return str(candidate)
-    shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-    raise SystemExit(f"Recipe {name!r} not found; give a path or one of: {', '.join(shipped)}.")
 
 
 def _version() -> str:
@@ -67,12 +57,6 @@ def _overview_parser() -> argparse.ArgumentParser:
     for name, text in SUBCOMMANDS.items():
         sub.add_parser(name, help=text)
     return parser
-
-
-def list_recipes() -> None:
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        first = path.read_text().splitlines()[0].lstrip("# ").strip()
-        print(f"{path.stem:<24} {first}")  # CLI output
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -21,6 +21,13 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+import lightning_flagscale  # noqa: F401  (registers the strategy)
+from lightning_flagscale.convert import config_from_hf
+from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
+from lightning_flagscale.convert.hub import resolve_hf_dir
+from lightning_flagscale.models import CausalLMModule
+from lightning_flagscale.recipe_files import recipe_path
+
 __all__ = [
     "DEFAULT_DATA",
     "DEFAULT_MODEL",
@@ -66,8 +73,6 @@ def _is_causal_lm_module(class_path: str | None) -> bool:
         return False
     import importlib
 
-    from lightning_flagscale.models import CausalLMModule
-
     module_name, _, name = class_path.rpartition(".")
     cls = getattr(importlib.import_module(module_name), name, None)
     return isinstance(cls, type) and issubclass(cls, CausalLMModule)
@@ -92,9 +97,6 @@ def hf_model_config(config: Any) -> str | None:
         hf_dir, spec = spec[3:], None
     if not hf_dir:
         return None
-    from lightning_flagscale.convert import config_from_hf
-    from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
-    from lightning_flagscale.convert.hub import resolve_hf_dir
 
     local = resolve_hf_dir(hf_dir)
     fields = {k: v for k, v in (spec or {}).items() if k != "preset"} if isinstance(spec, dict) else {}
@@ -132,8 +134,6 @@ def tensorboard_beside_csv(loggers: list[Logger]) -> Logger | None:
 
 
 def _resolve_config_args(argv: list[str]) -> list[str]:
-    from lightning_flagscale.cli import recipe_path
-
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--config" and i + 1 < len(out):
@@ -174,8 +174,6 @@ def _command_line(argv: list[str]) -> Generator[None, None, None]:
 
 
 def run_lightning_cli(argv: list[str]) -> FlagScaleCLI:
-    import lightning_flagscale  # noqa: F401  (registers the strategy)
-
     quiet = _DropAdvertisement()
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_logger.addFilter(quiet)

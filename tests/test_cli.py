@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lightning_flagscale.cli import RECIPES_DIR, main, recipe_path
+from lightning_flagscale.cli import main
+from lightning_flagscale.recipe_files import RECIPES_DIR, recipe_path
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 

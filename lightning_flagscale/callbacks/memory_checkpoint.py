@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_flagscale.checkpoint.in_memory import (
+    SnapshotStrategy,
     default_snapshot_root,
     list_snapshots,
     remove_snapshots,
@@ -81,9 +82,7 @@ class MemoryCheckpoint(L.Callback):
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        from lightning_flagscale.strategies._checkpoint import CheckpointHooks
-
-        if not isinstance(trainer.strategy, CheckpointHooks):
+        if not isinstance(trainer.strategy, SnapshotStrategy):
             raise TypeError(
                 f"MemoryCheckpoint snapshots the shards of FlagScaleStrategy; got {type(trainer.strategy).__name__}."
                 " Use `strategy=FlagScaleStrategy(...)` or remove the callback."
@@ -97,10 +96,8 @@ class MemoryCheckpoint(L.Callback):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        from lightning_flagscale.strategies._snapshots import ensure_checkpoint_group
-
         self._strategy = trainer.strategy
-        ensure_checkpoint_group(trainer.strategy)
+        trainer.strategy.ensure_checkpoint_group()
         if trainer.is_global_zero:
             # Snapshots of other steps are stale from here on (a fresh start, or a resume from disk): only the one
             # this run may have been restored from stays, until newer snapshots replace it.
@@ -113,11 +110,9 @@ class MemoryCheckpoint(L.Callback):
         step = trainer.global_step
         if step == self._last_step or step % self.every_n_train_steps:
             return  # not at the end of an optimizer step that is due (micro-batches of a window share the step)
-        from lightning_flagscale.strategies._snapshots import take
-
         self._last_step = step
         folder = self.folder(trainer)
-        self.blocking_seconds.append(take(trainer, folder))
+        self.blocking_seconds.append(trainer.strategy.take_memory_snapshot(folder))
         # This snapshot is in flight; the one before it is complete (one save at a time). Older ones are deleted
         # once this one is complete (`remove_checkpoint` defers while a save is in flight), never before.
         for old in list_snapshots(folder)[: -(KEEP - 1)]:

@@ -26,18 +26,19 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
+from lightning_flagscale.checkpoint.layout import is_sharded_checkpoint
 
 __all__ = [
     "ChunkStager",
     "LocalChunks",
+    "SnapshotStrategy",
     "default_snapshot_root",
     "flat_blocks",
     "list_snapshots",
@@ -202,3 +203,15 @@ class ChunkStager(AsyncStager):
 
     def close(self) -> None:
         pass
+
+
+@runtime_checkable
+class SnapshotStrategy(Protocol):
+    """What ``MemoryCheckpoint`` needs of a strategy: the process group snapshots write on, and a collective
+    snapshot of the current step into a folder (``FlagScaleStrategy`` implements it)."""
+
+    def ensure_checkpoint_group(self) -> None: ...
+
+    def take_memory_snapshot(self, folder: Path) -> float: ...
+
+    def wait_for_checkpoint(self) -> None: ...

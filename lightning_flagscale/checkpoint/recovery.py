@@ -19,7 +19,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from lightning_flagscale.checkpoint.sharded import COMPLETE_MARKER, is_sharded_checkpoint, read_meta
+from lightning_flagscale.checkpoint.layout import COMPLETE_MARKER, is_sharded_checkpoint, read_meta
 
 __all__ = ["clean_interrupted", "find_latest_checkpoint", "list_checkpoints"]
 

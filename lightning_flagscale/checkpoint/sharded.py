@@ -29,21 +29,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_flagscale.checkpoint.layout import COMPLETE_MARKER, META_FILE, is_sharded_checkpoint, read_meta
+from lightning_flagscale.checkpoint.recovery import clean_interrupted
+
 __all__ = [
-    "COMPLETE_MARKER",
-    "META_FILE",
     "PendingSave",
     "check_shard_files",
     "consolidate_checkpoint",
-    "is_sharded_checkpoint",
     "load_sharded",
-    "read_meta",
     "remove_checkpoint_path",
     "save_sharded",
 ]
-
-META_FILE = "meta.pt"
-COMPLETE_MARKER = "COMPLETE"
 
 
 def _barrier() -> None:
@@ -57,12 +53,6 @@ def _broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """A finished sharded checkpoint folder written by ``save_sharded``."""
-    path = Path(path)
-    return path.is_dir() and (path / COMPLETE_MARKER).is_file() and (path / ".metadata").is_file()
 
 
 def save_sharded(
@@ -84,8 +74,6 @@ def save_sharded(
     tmp = Path(_broadcast_object(str(path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        from lightning_flagscale.checkpoint.recovery import clean_interrupted
-
         clean_interrupted(path.parent)  # leftovers of a crashed save; none of ours is in flight (one at a time)
         tmp.mkdir(parents=True, exist_ok=False)
     _barrier()
@@ -183,27 +171,6 @@ def remove_checkpoint_path(path: str | os.PathLike) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The non-tensor part of a checkpoint; raises a clear error for anything that is not a finished checkpoint."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
-    if not path.is_dir():
-        raise ValueError(
-            f"{path} is a file, not a FlagScale sharded checkpoint folder; load single-file checkpoints with"
-            " `torch.load`, or consolidate/convert them first."
-        )
-    if not is_sharded_checkpoint(path):
-        raise ValueError(
-            f"{path} is not a complete FlagScale checkpoint (missing {COMPLETE_MARKER!r} or DCP '.metadata'):"
-            " it may be a checkpoint whose writing was interrupted. Use an earlier checkpoint."
-        )
-    try:
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise RuntimeError(f"Checkpoint file {path / META_FILE} is corrupt or truncated ({err}).") from err
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:

@@ -9,8 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from lightning_flagscale.config.layer_split import even_layer_counts
-from lightning_flagscale.config.schedules import ScheduleName, default_virtual_size, validate_schedule
+from lightning_flagscale.config.hetero import (
+    check_hetero_batch_sizes,
+    check_hetero_layout,
+    hetero_virtual_size,
+    parse_hetero_meshes,
+)
+from lightning_flagscale.config.layer_split import even_layer_counts, plan_stage_groups
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, ScheduleName, default_virtual_size, validate_schedule
 
 if TYPE_CHECKING:
     from lightning_flagscale.config.transformer import TransformerConfig
@@ -126,8 +132,6 @@ class ParallelConfig:
             )
         auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
         if self.virtual_pipeline_parallel_size is None and self.hetero_enabled:
-            from lightning_flagscale.config.hetero import hetero_virtual_size
-
             auto_vpp = hetero_virtual_size(self.pipeline_schedule, None)  # always >= 2 stages: V schedules take 2
         if self.virtual_pipeline_parallel_size is None:
             self.virtual_pipeline_parallel_size = auto_vpp
@@ -190,8 +194,6 @@ class ParallelConfig:
 
     def _flat_zero3_refusals(self) -> list[str]:
         """Why flat ZeRO-3 cannot run this layout (empty: it can)."""
-        from lightning_flagscale.config.schedules import SCHEDULE_SPECS
-
         spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
         split = self.pipeline_parallel_size > 1 and spec is not None and spec.split_backward
         return [
@@ -216,7 +218,6 @@ class ParallelConfig:
             raise ValueError(f"zero3_impl={self.zero3_impl!r}; use 'auto', 'fsdp2' or 'flat'.")
         if self.zero3_impl != "flat" or self.zero_stage != 3:
             return
-        from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 
         whole = " / ".join(name for name, sp in SCHEDULE_SPECS.items() if not sp.split_backward)
         unsupported = self._flat_zero3_refusals()
@@ -228,8 +229,6 @@ class ParallelConfig:
             )
 
     def _check_hetero(self) -> None:
-        from lightning_flagscale.config.hetero import check_hetero_layout, parse_hetero_meshes
-
         meshes = parse_hetero_meshes(self.hetero_meshes)
         per_mesh = {
             "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
@@ -253,8 +252,6 @@ class ParallelConfig:
 
     def _hetero_stage_count(self) -> int:
         """Stage groups of ``hetero_meshes`` (a per-stage ``recompute`` list gives one mode per group)."""
-        from lightning_flagscale.config.hetero import parse_hetero_meshes
-
         return sum(m.pipeline_parallel_size for m in parse_hetero_meshes(self.hetero_meshes))
 
     @property
@@ -263,9 +260,6 @@ class ParallelConfig:
 
     def stage_group_configs(self, num_layers: int) -> list[ParallelConfig]:
         """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group."""
-        from lightning_flagscale.config.hetero import parse_hetero_meshes
-        from lightning_flagscale.config.layer_split import plan_stage_groups
-
         groups = plan_stage_groups(
             parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
             virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
@@ -353,8 +347,6 @@ class ParallelConfig:
     def resolve(self, world_size: int) -> ParallelConfig:
         """Derive ``data_parallel_size`` from ``world_size`` and check the product; returns ``self``."""
         if self.hetero_meshes is not None:
-            from lightning_flagscale.config.hetero import parse_hetero_meshes
-
             sizes = [m.size for m in parse_hetero_meshes(self.hetero_meshes)]
             if sum(sizes) != world_size:
                 raise ValueError(
@@ -386,8 +378,6 @@ class ParallelConfig:
                 " global batch rarely allow; give the shares as a list (multiples of the micro-batch count)."
             )
         if self.hetero_dp_batch_sizes not in (None, "auto"):
-            from lightning_flagscale.config.hetero import check_hetero_batch_sizes
-
             check_hetero_batch_sizes(
                 self.hetero_dp_batch_sizes, self.dp, micro_batch_size=self.micro_batch_size, pipeline=self.pp_enabled
             )

@@ -28,9 +28,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.convert.hf_import import unwrap_causal_lm
+from lightning_flagscale.convert.hub import push_folder_to_hub
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for
 from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
+from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
 
 __all__ = ["MODEL_CONFIG_FILE", "TOKENIZER_FILES", "export_hf", "is_dcp_checkpoint", "write_model_config"]
 
@@ -147,8 +150,6 @@ def _export(
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         _write_extras(tmp, source.hf_dir, tokenizer_dir, generation_config)
     if push_to_hub is not None:
-        from lightning_flagscale.convert.hub import push_folder_to_hub
-
         push_folder_to_hub(out_dir, push_to_hub, revision=hub_revision, private=hub_private)
     if dist.is_initialized():
         dist.barrier()
@@ -200,8 +201,6 @@ class _ModuleSource:
     """Full tensors of a live module; collective when a process group exists (every rank calls ``get``)."""
 
     def __init__(self, module: nn.Module) -> None:
-        from lightning_flagscale.convert.hf_import import unwrap_causal_lm
-
         model = unwrap_causal_lm(module)
         self.config: TransformerConfig = model.config
         self.hf_dir: str | None = getattr(module, "hf_dir", None) or getattr(model, "hf_dir", None)
@@ -251,7 +250,6 @@ def _to_config(value: Any) -> TransformerConfig:
     """A TransformerConfig from what a checkpoint stores: the object, its dict, or a preset name."""
     if isinstance(value, TransformerConfig):
         return value
-    from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
 
     if isinstance(value, str):
         return VLMConfig.from_preset(value) if value in VLM_PRESETS else TransformerConfig.from_preset(value)

@@ -22,6 +22,8 @@ from lightning_flagscale.convert.hub import resolve_hf_dir
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for, read_hf_config
 from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
 from lightning_flagscale.convert.specs import Box, Spec, full_box, hf_names
+from lightning_flagscale.models import CausalLM
+from lightning_flagscale.multimodal import VisionLanguageModel, VLMConfig
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -202,9 +204,6 @@ def causal_lm_from_hf(
 
     Built on the meta device and materialised empty, so weights are allocated once and never randomly initialised.
     """
-    from lightning_flagscale.models import CausalLM
-    from lightning_flagscale.multimodal import VisionLanguageModel, VLMConfig
-
     hf_dir = resolve_hf_dir(hf_dir, revision=revision)
     config = config_from_hf(hf_dir, **overrides)
     model_cls = VisionLanguageModel if isinstance(config, VLMConfig) else CausalLM

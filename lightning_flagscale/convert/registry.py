@@ -124,4 +124,4 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _load_builtin_families() -> None:
     # Imported lazily so that the families can import this module for the decorator.
-    from lightning_flagscale.convert import families  # noqa: F401
+    import lightning_flagscale.convert.families  # noqa: F401

@@ -19,8 +19,11 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models.attention import Attention
+from lightning_flagscale.models.decoder_plan import check_decoder_tp, decoder_tp_plan
 from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
 from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
+from lightning_flagscale.moe import build_moe
+from lightning_flagscale.parallel.tensor_parallel.apply import vocab_parallel_cross_entropy
 
 __all__ = ["CausalLM", "DecoderBlock", "token_mean"]
 
@@ -36,8 +39,6 @@ class DecoderBlock(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
-            from lightning_flagscale.moe import build_moe  # lazy: dense models never need the MoE package
-
             self.mlp = build_moe(config, layer_idx)
         else:
             self.mlp = MLP(config)
@@ -107,14 +108,10 @@ class CausalLM(nn.Module):
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``models/decoder_plan.py``)."""
-        from lightning_flagscale.models.decoder_plan import decoder_tp_plan
-
         return decoder_tp_plan(self, sequence_parallel)
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise naming the size that ``tp`` does not divide (heads, widths, padded vocab)."""
-        from lightning_flagscale.models.decoder_plan import check_decoder_tp
-
         check_decoder_tp(self, tp)
 
     def on_tensor_parallel(self, tp_mesh, sequence_parallel: bool) -> None:
@@ -166,8 +163,6 @@ class CausalLM(nn.Module):
         reduction is vocab-parallel (Megatron-style).
         """
         if self.tp_mesh is not None:
-            from lightning_flagscale.parallel.tensor_parallel.apply import vocab_parallel_cross_entropy
-
             losses = vocab_parallel_cross_entropy(
                 head_output, labels, self.tp_mesh.get_group(), self.vocab_start, self.vocab_size
             )

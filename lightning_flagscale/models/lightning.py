@@ -22,6 +22,7 @@ from lightning_flagscale.config import TransformerConfig, check_known_fields
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
 from lightning_flagscale.models.weights import weight_source
+from lightning_flagscale.moe.balance import update_moe_state
 
 __all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
 
@@ -277,7 +278,6 @@ class CausalLMModule(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         if self.config.is_moe:
             # DeepSeek-V3 bias balancing and hot-expert choice, once per optimizer step, under any strategy.
-            from lightning_flagscale.moe.balance import update_moe_state
 
             update_moe_state(self)
 

@@ -19,6 +19,7 @@ from lightning_flagscale.multimodal.data import (
     VLMCollator,
     load_vlm_tokenizer,
 )
+from lightning_flagscale.multimodal.module import _resolve_config
 
 __all__ = ["VLMDataModule"]
 
@@ -45,7 +46,6 @@ class VLMDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        from lightning_flagscale.multimodal.module import _resolve_config
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")

@@ -38,6 +38,7 @@ from lightning_flagscale.multimodal.batching import (
 )
 from lightning_flagscale.multimodal.config import VLMConfig
 from lightning_flagscale.multimodal.vision import VisionTower
+from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 
 __all__ = ["VisionLanguageModel", "mrope_position_ids"]
 
@@ -154,8 +155,6 @@ class VisionLanguageModel(CausalLM):
         and every parameter-holding leaf of the tower replicated."""
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import RowwiseParallel
-
-        from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 
         plan = super().tp_plan(sequence_parallel)
         if self.embed_tokens is not None:

@@ -34,13 +34,22 @@ from torch import nn
 
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import StageGroup
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+from lightning_flagscale.moe.balance import moe_layers
+from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
+from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
+from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group, tag_expert_params
+from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_pipelined_model
 from lightning_flagscale.parallel.mesh import ParallelMeshes
 from lightning_flagscale.parallel.pipeline_parallel.model import (
     PipelinedModel,
     build_pipelined_model,
     exclude_tied_copy_from_norm,
 )
+from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
+from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
+from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
 __all__ = ["Parallelized", "RankLayout", "parallelize"]
 
@@ -78,8 +87,6 @@ class Parallelized:
         if self.pipeline is not None:
             exclude_tied_copy_from_norm(self.pipeline)
         if ep_enabled:
-            from lightning_flagscale.parallel.expert_parallel.apply import tag_expert_params
-
             tag_expert_params(model)
 
 
@@ -88,8 +95,6 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
     p = layout.config
     result = Parallelized(parts=[] if model is None else [model])
     if model is not None and layout.hetero_groups is not None:
-        from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_pipelined_model
-
         result.pipeline = build_hetero_pipelined_model(model, layout.hetero_groups, layout.meshes, p, layout.device)
         module.model = result.pipeline
         result.parts = list(result.pipeline.stage_modules)
@@ -123,8 +128,6 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
 
 def _flat_zero3_refusal(result: Parallelized, p: ParallelConfig) -> str | None:
     """Why flat ZeRO-3 cannot take these model parts (None: it can); checked on the meta model, before step 6."""
-    from lightning_flagscale.moe.balance import moe_layers
-
     if not result.parts:
         return "needs a protocol model (see models/protocol.py) whose blocks become the flat units"
     tied = result.pipeline.runner.tied if result.pipeline is not None else None
@@ -153,9 +156,6 @@ def _use_flat_zero3(result: Parallelized, p: ParallelConfig) -> bool:
 
 def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
     """Step 8: flat ZeRO-3 on each materialised model part (a protocol model: its blocks are the units)."""
-    from lightning_flagscale.moe.balance import moe_layers
-    from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
-
     p, meshes = layout.config, layout.meshes
     spmd = meshes.world[("dp_cp", "tp")] if p.tp_enabled else None
     tied = result.pipeline.runner.tied if result.pipeline is not None else None
@@ -195,29 +195,19 @@ def _tied_modules(part: nn.Module, tied: tuple[str, str] | None) -> list[tuple[s
 def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
     """TP -> CP -> EP -> recompute on one model or stage module (steps 2-5 of the module docstring)."""
     p, meshes = layout.config, layout.meshes
-    from lightning_flagscale.parallel.expert_parallel.apply import set_moe_token_group
 
     # MoE (issue 10): global aux/z losses and bias-balancing counts over the ranks that share the step's tokens.
     set_moe_token_group(part, meshes.group("dp_cp"))
     if p.tp_enabled:
-        from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
-
         apply_tp(part, meshes["tp"], sequence_parallel=p.sequence_parallel)
     if p.cp_enabled:
-        from lightning_flagscale.parallel.context_parallel.attention import apply_cp
-
         apply_cp(
             part, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
             tp_size=p.tensor_parallel_size,
         )  # fmt: skip
     if p.ep_enabled:
-        from lightning_flagscale.parallel.expert_parallel.apply import apply_ep
-
         apply_ep(part, meshes["ep"])
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
-        from lightning_flagscale.config.schedules import SCHEDULE_SPECS
-        from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
-
         # A hetero stage group (pp = 1 inside its group) runs its pipeline schedule: split-backward ones backpropagate
         # each block twice (input, then weight gradients).
         replayable = SCHEDULE_SPECS[p.pipeline_schedule].split_backward
@@ -226,8 +216,6 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
 
 def _blocks(model: nn.Module) -> list[nn.Module] | None:
     """The repeated blocks of a protocol model present in ``model`` (recompute and FSDP units), None if unknown."""
-    from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
-
     if hasattr(model, "recompute_units"):
         return [model.get_submodule(u) for u in model.recompute_units()]
     if hasattr(model, "pipeline_units"):
@@ -239,8 +227,6 @@ def _shard_experts(model: nn.Module, layout: RankLayout) -> list[nn.Module]:
     """ZeRO-3 for expert weights: FSDP2 over the expert-data-parallel ranks of the expert mesh (the experts are
     already ``Shard(0)`` over ep on that mesh), each expert group its own FSDP unit inside its block's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from lightning_flagscale.moe.balance import moe_layers
 
     mp = MixedPrecisionPolicy(param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype)
     return [fully_shard(layer.experts, mesh=layout.meshes["edp"], mp_policy=mp) for _, layer in moe_layers(model)]

@@ -22,6 +22,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_flagscale.data.module import ResumableDataLoader
+from lightning_flagscale.parallel.context_parallel.attention import shard_batch_for_cp
+from lightning_flagscale.parallel.hetero_dp.batching import HeteroBatchSampler, MicroBatchSliceSampler
+from lightning_flagscale.parallel.hetero_dp.shares import auto_shares
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
 from lightning_flagscale.strategies._tokens import TokenCountingLoader
 
@@ -45,8 +49,6 @@ def distribute_loader(
         return dataloader
     seed = getattr(sampler, "seed", 0)
     if hetero_groups is not None:
-        from lightning_flagscale.parallel.hetero_dp.batching import MicroBatchSliceSampler
-
         dp = meshes.size(MeshDim.DP)
         batches = MicroBatchSliceSampler(
             len(dataloader.dataset), dataloader.batch_size * hetero_groups[0].data_parallel_size,
@@ -54,11 +56,7 @@ def distribute_loader(
         )  # fmt: skip
         dataloader = _with_batch_sampler(dataloader, batches)
     elif training and parallel.hetero_dp_batch_sizes is not None:
-        from lightning_flagscale.parallel.hetero_dp.batching import HeteroBatchSampler
-
         if parallel.hetero_dp_batch_sizes == "auto":  # resolved once, now that the global batch is known
-            from lightning_flagscale.parallel.hetero_dp.shares import auto_shares
-
             parallel.hetero_dp_batch_sizes = auto_shares(parallel, dp_speeds, dataloader.batch_size)
         batches = HeteroBatchSampler(
             len(dataloader.dataset), parallel.hetero_dp_batch_sizes, meshes.local_rank(MeshDim.DP), seed=seed
@@ -72,7 +70,6 @@ def distribute_loader(
 def _with_batch_sampler(dataloader: Any, batch_sampler: Any) -> DataLoader:
     # A resumed run's loader (``ResumableDataLoader``) skips the batches its epoch already consumed: the skip must
     # survive the new batch sampler, or a run resumed mid-epoch re-reads the epoch from its start (issue 14).
-    from lightning_flagscale.data.module import ResumableDataLoader
 
     return ResumableDataLoader(
         dataloader.dataset, batch_sampler=batch_sampler, collate_fn=dataloader.collate_fn,
@@ -86,7 +83,6 @@ def shard_for_cp(args: tuple, batch_model: Any, cp_mesh: Any) -> tuple:
     hooks (``models/protocol.py``) run first: per-token tensors (e.g. vision position ids) need the full sequence."""
     if not args or not isinstance(args[0], Mapping):
         return args
-    from lightning_flagscale.parallel.context_parallel.attention import shard_batch_for_cp
 
     prepare = getattr(batch_model, "prepare_batch", None)
     batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])

@@ -27,9 +27,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
 from lightning_flagscale.parallel.data_parallel.grad_buckets import profiler_active
 from lightning_flagscale.parallel.data_parallel.optimizer import grads_finite
+from lightning_flagscale.strategies._snapshots import NEWEST, memory_callback
+from lightning_flagscale.strategies._state import auto_resume_path, load_training_state
 from lightning_flagscale.strategies._watchdog import Watchdog
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "ResilienceHooks",
     "StepGuard",
     "StepVerdict",
-    "auto_resume_path",
     "fit_arguments",
     "guard_step",
     "validate_before_launch",
@@ -59,28 +59,6 @@ def fit_arguments(function: Callable, args: tuple) -> dict[str, Any] | None:
     if datamodule is None and isinstance(args[_FIT_DATA], L.LightningDataModule):
         datamodule = args[_FIT_DATA]
     return {"datamodule": datamodule, "ckpt_path": args[_FIT_CKPT]}
-
-
-def auto_resume_path(trainer: Any) -> Path | None:
-    """The newest complete checkpoint in the ``dirpath`` of the trainer's ``ModelCheckpoint`` callbacks, or None.
-
-    Incomplete checkpoints are skipped with a warning (``checkpoint.recovery``); they are cleaned up by rank 0 when
-    the chosen checkpoint is loaded.
-    """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    folders = [Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-    if not folders:
-        raise ValueError(
-            "FlagScaleStrategy(resume='auto') looks for checkpoints in the `dirpath` of a ModelCheckpoint callback;"
-            " add `ModelCheckpoint(dirpath=..., every_n_train_steps=N, save_last=True)` to the Trainer's callbacks."
-        )
-    found = [p for p in (find_latest_checkpoint(f) for f in folders) if p is not None]
-    if not found:
-        return None
-    from lightning_flagscale.checkpoint.sharded import read_meta
-
-    return max(found, key=lambda p: (int(read_meta(p).get("global_step", -1)), p.stat().st_mtime))
 
 
 class FlagScaleLauncher(_SubprocessScriptLauncher):
@@ -112,8 +90,6 @@ class FlagScaleLauncher(_SubprocessScriptLauncher):
 
     def _resume_choice(self, fit: dict[str, Any], trainer: Any, args: tuple) -> tuple[str | None, tuple]:
         """The checkpoint ``fit`` resumes from (set as ``trainer.ckpt_path``, Lightning's public way to choose it)."""
-        from lightning_flagscale.strategies._snapshots import NEWEST, memory_callback
-
         auto = self._resume == "auto" and fit["ckpt_path"] is None and trainer.ckpt_path is None
         chosen = None
         if memory_callback(trainer) is not None and (auto or fit["ckpt_path"] == "last"):
@@ -274,8 +250,6 @@ def validate_before_launch(
 def guard_step(strategy: Any, guard: StepGuard, params: list[Tensor], replicated_grads: bool = False) -> bool:
     """Apply ``guard``'s verdict for this optimizer step: True to step; else the gradients are dropped (and, for
     "rollback", weights and optimizer states reloaded from the newest complete checkpoint). Same on every rank."""
-    from lightning_flagscale.strategies._checkpoint import load_training_state
-
     trainer = strategy.lightning_module.trainer
     # Under a loss scaler non-finite gradients are overflows the scaler handles; only the loss is checked.
     checked = params if strategy.precision_plugin.scaler is None else []

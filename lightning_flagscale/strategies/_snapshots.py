@@ -31,9 +31,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
 from lightning_flagscale.checkpoint.in_memory import LocalChunks, flat_blocks, list_snapshots, snapshot_path
-from lightning_flagscale.checkpoint.sharded import is_sharded_checkpoint
+from lightning_flagscale.checkpoint.layout import is_sharded_checkpoint, read_meta
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
+from lightning_flagscale.strategies._state import auto_resume_path, model_state
 
 __all__ = [
     "NEWEST",
@@ -59,8 +61,6 @@ class MemorySnapshot:
 
 def memory_callback(trainer: Any) -> Any:
     """The trainer's ``MemoryCheckpoint`` callback, or None."""
-    from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
-
     found = [cb for cb in trainer.callbacks if isinstance(cb, MemoryCheckpoint)]
     if len(found) > 1:
         raise ValueError("Give the Trainer one MemoryCheckpoint callback, not several.")
@@ -117,8 +117,6 @@ def _local(dopt: Any) -> bool:
 
 def local_model_state(model: torch.nn.Module, dopts: Any) -> dict[str, Any]:
     """``model_state`` for a snapshot: the ZeRO main weights as this rank's ``LocalChunks`` instead of gathered."""
-    from lightning_flagscale.strategies._checkpoint import model_state
-
     state = model_state(model, [d for d in dopts if not _local(d)])
     for dopt in filter(_local, dopts):
         for bucket in dopt.buckets:
@@ -153,9 +151,6 @@ def local_optimizer_state(dopt: Any) -> dict[str, Any] | None:
 def _disk_candidate(trainer: Any) -> tuple[str | None, int | None]:
     """Rank 0: the newest complete checkpoint of the ModelCheckpoint folders and its step (None without one)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_flagscale.checkpoint.sharded import read_meta
-    from lightning_flagscale.strategies._resilience import auto_resume_path
 
     if not any(isinstance(cb, ModelCheckpoint) and cb.dirpath for cb in trainer.callbacks):
         return None, None

@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightning_flagscale.config import ParallelConfig, RecomputeMode
 from lightning_flagscale.config.schedules import ScheduleName
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
+from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.data_parallel.optimizer import (
     DistributedOptimizer,
@@ -53,6 +54,7 @@ from lightning_flagscale.parallel.data_parallel.optimizer import (
 )
 from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
 from lightning_flagscale.parallel.hetero_dp.shares import gather_dp_speeds
+from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout
 from lightning_flagscale.parallel.hetero_mesh.profile import apply_profiled_split
 from lightning_flagscale.parallel.hetero_mesh.ranks import (
     gather_rank_order,
@@ -270,8 +272,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
 
     def _build_hetero_meshes(self) -> None:
         """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
-        from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout
-
         num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
         if num_layers is None:
             raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
@@ -334,7 +334,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        from lightning_flagscale.moe.balance import moe_layers
 
         self._moe_layers = [layer for _, layer in moe_layers(module)]
 

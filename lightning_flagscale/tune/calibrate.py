@@ -85,9 +85,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.distributed.collectives import all_gather, reduce_scatter
+from lightning_flagscale.models import CausalLM, CausalLMModule
+from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint, _log_linear, algorithm_factor
+from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, grads_finite
+from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
+from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
+from lightning_flagscale.tune.cost import _rank_pass, estimate_step
+from lightning_flagscale.tune.hardware import (
+    BUILTIN_PROFILES,
+    COLLECTIVES,
+    HardwareProfile,
+    LinkPoint,
+    _log_linear,
+    algorithm_factor,
+)
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds
 
@@ -262,8 +277,6 @@ def _kernel_calls(
 ) -> list[tuple[float, float, float]]:
     """``(FLOPs, forward seconds, backward seconds)`` of one ``n x n`` call of ``backend``'s attention block kernel
     per ``n`` in ``lens``: the whole block's score FLOPs, or their causal half when ``causal``."""
-    from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
-
     kernel, out = get_attention_kernel(backend), []
     for n in lens:
         q = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
@@ -311,9 +324,6 @@ def measure_reference_step(
     dtype: torch.dtype = torch.float32, repeats: int = 5, device: torch.device = CPU, reference: dict = REFERENCE
 ) -> float:
     """Median seconds of forward + backward (cross-entropy on the logits) of the ``reference`` decoder."""
-    from lightning_flagscale.config import TransformerConfig
-    from lightning_flagscale.models import CausalLM
-
     config = TransformerConfig(**reference)
     generator = torch.Generator().manual_seed(0)
     model = CausalLM(config).to(device=device, dtype=dtype)
@@ -338,10 +348,6 @@ def measure_training_loop(steps: int = 8, warmup: int = 2, device: torch.device 
     clipping at 1.0, as the recipes train): each step timed from a barrier to the end of its batch, the median over
     the steps after ``warmup``, the slowest rank's."""
     import lightning as L
-
-    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
-    from lightning_flagscale.config import TransformerConfig
-    from lightning_flagscale.models import CausalLMModule
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # Lightning joins the process group this world already runs (as under torchrun)
@@ -387,9 +393,6 @@ def measure_training_loop(steps: int = 8, warmup: int = 2, device: torch.device 
 
 def training_loop_overhead(profile: HardwareProfile, seconds: float, world: int) -> float:
     """``step_overhead``: the measured :func:`measure_training_loop` step beyond what ``profile`` prices for it."""
-    from lightning_flagscale.config import ParallelConfig, TransformerConfig
-    from lightning_flagscale.tune.cost import estimate_step
-
     config = ParallelConfig(zero_stage=0).resolve(world)
     model = TransformerConfig(**LOOP_MODEL)
     priced = estimate_step(model, config, LOOP_MODEL["max_seq_len"], world, profile.replace(step_overhead=0.0))
@@ -419,11 +422,6 @@ def _decoder_seconds(
     """Median (forward, backward) seconds of a ``CausalLM`` of ``config`` with ``layers`` blocks on one sequence of
     ``max_seq_len`` tokens (loss included), under the DTensor TP plan on ``tp_mesh`` if given, each block recomputed
     per ``recompute``."""
-    from lightning_flagscale.config import TransformerConfig
-    from lightning_flagscale.models import CausalLM
-    from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
-    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
-
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab_size"], (1, config["max_seq_len"]), generator=generator).to(device)
     torch.manual_seed(0)
@@ -458,9 +456,6 @@ def _block_residual(
 ) -> tuple[float, float]:
     """(forward, backward) seconds one block of ``config`` under ``parallel`` took beyond what ``profile`` predicts
     for it, from busy times ``(forward, backward)`` of 1 then 3 blocks (their difference: the ends cancel)."""
-    from lightning_flagscale.config import ParallelConfig, TransformerConfig
-    from lightning_flagscale.tune.cost import _rank_pass
-
     one_rank = ParallelConfig(**parallel).resolve(1)
     pred = [_rank_pass(TransformerConfig(**dict(config, num_layers=n)), one_rank, config["max_seq_len"], profile)
             for n in (1, 3)]  # fmt: skip
@@ -596,9 +591,6 @@ def pipeline_action_overhead(seconds: float, p: int, microbatches: int, hop: flo
 
 def reference_compute_scale(profile: HardwareProfile, busy_seconds: float, reference: dict = REFERENCE) -> float:
     """The ``compute_scale`` with which ``profile`` predicts the ``reference`` step's measured busy time."""
-    from lightning_flagscale.config import ParallelConfig, TransformerConfig
-    from lightning_flagscale.tune.cost import _rank_pass
-
     config = TransformerConfig(**reference)
     one = _rank_pass(config, ParallelConfig().resolve(1), config.max_seq_len, profile.replace(compute_scale=1.0))
     return (one.f + one.b) / busy_seconds
@@ -618,8 +610,6 @@ def measure_optimizer_step(
 ) -> float:
     """Seconds per parameter of the optimizer phase over ``numel`` fp32 main parameters in ``tensors`` flat buffers
     (our gradient buckets): finiteness check, global-norm clip, AdamW step (weight decay on), bf16 weight copy."""
-    from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, grads_finite
-
     sizes = [numel // tensors] * tensors
     params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     for p in params:
@@ -1029,8 +1019,6 @@ def builtin_inter_node_links(device_name: str) -> tuple[str, dict[str, list[Link
     """(built-in profile name, its inter-node links per collective) for a GPU whose name contains a built-in
     profile's device type (``NVIDIA H100 80GB HBM3`` -> ``h100``), else None. One node cannot measure the network
     between nodes; copying NVLink's rates there would price every multi-node plan as if it stayed in one node."""
-    from lightning_flagscale.tune.hardware import BUILTIN_PROFILES
-
     for name, profile in BUILTIN_PROFILES.items():
         if profile.device_type.lower() in device_name.lower():
             return name, {kind: scopes["inter"] for kind, scopes in profile.links.items()}
@@ -1039,8 +1027,6 @@ def builtin_inter_node_links(device_name: str) -> tuple[str, dict[str, list[Link
 
 def _fused_kernels(device: torch.device) -> list[str]:
     """The fused attention backends this device can run (installed, on a GPU)."""
-    from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
-
     if device.type != "cuda":
         return []
     out = []

@@ -16,9 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
+from lightning_flagscale.tune.calibrate import calibrate
+from lightning_flagscale.tune.cost import MeasuredStep, estimate_step, fit_compute_scale
 from lightning_flagscale.tune.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
+from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
+from lightning_flagscale.tune.runner import _strategy_args, recipe_dict, run_candidates, write_recipe
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
 __all__ = ["candidate_json", "no_fit_message", "tune_main"]
@@ -71,8 +75,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def candidate_json(cand: Candidate, budget: float) -> dict[str, Any]:
     """One ranked layout as JSON: ``parallel`` holds the ``ParallelConfig`` / strategy keyword arguments."""
-    from lightning_flagscale.tune.runner import _strategy_args
-
     cost = cand.cost
     return {
         "layout": cand.describe(), "parallel": _strategy_args(cand.config), "data_parallel_size": cand.config.dp,
@@ -118,8 +120,6 @@ def _print_table(model: TransformerConfig, result: SearchResult, hw: HardwarePro
 def _calibrate(args: argparse.Namespace) -> None:
     import torch
 
-    from lightning_flagscale.tune.calibrate import calibrate
-
     groups = tuple(int(x) for x in args.calibrate_groups.split(","))
     device = args.calibrate_device or ("cuda" if torch.cuda.is_available() else "cpu")
     kw: dict[str, Any] = dict(group_sizes=groups, threads=args.calibrate_threads, device=device)
@@ -152,8 +152,6 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:
-    from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
-
     groups = []
     for item in args.hetero.split(","):
         parts = item.split(":")
@@ -193,9 +191,6 @@ def _hetero(args: argparse.Namespace, model: TransformerConfig) -> None:
 
 def _write_hetero(args: argparse.Namespace, model: TransformerConfig, plan: Any, groups: list) -> None:
     """The fastest hetero plan as a ``fit --config`` recipe: its ``parallel`` as the strategy's arguments."""
-    from lightning_flagscale.config import ParallelConfig
-    from lightning_flagscale.tune.runner import recipe_dict, write_recipe
-
     world = sum(g.count for g in groups)
     per_node = min(g.profile.devices_per_node for g in groups)
     if world > per_node and world % per_node:
@@ -349,8 +344,6 @@ def _run_accelerator(hw: HardwareProfile, devices: int, attn_backend: str) -> st
 
 def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> list:
     """Train the top ``--run`` candidates, print measured against predicted; the runs that trained."""
-    from lightning_flagscale.tune.runner import run_candidates
-
     runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
                           devices=args.devices, workdir=args.run_dir, steps=args.run_steps,
                           grad_bucket_numel=args.grad_bucket_numel, accelerator=args.accelerator)  # fmt: skip
@@ -376,8 +369,6 @@ def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResul
 
 def _refit(args: argparse.Namespace, model: TransformerConfig, runs: list, hw: HardwareProfile) -> None:
     """Write ``hw`` with ``compute_scale`` fitted on the measured runs; print each run's refitted prediction."""
-    from lightning_flagscale.tune.cost import MeasuredStep, estimate_step, fit_compute_scale
-
     measured = [
         MeasuredStep(model, r.candidate.config, args.seq_len, args.global_batch, r.measured_step_seconds) for r in runs
     ]
@@ -396,8 +387,6 @@ def _refit(args: argparse.Namespace, model: TransformerConfig, runs: list, hw: H
 
 
 def _write_best(args: argparse.Namespace, model: TransformerConfig, best: Candidate, hw: HardwareProfile) -> None:
-    from lightning_flagscale.tune.runner import recipe_dict, write_recipe
-
     accelerator = "cpu" if hw.device_type.startswith("cpu") else "gpu"
     recipe = recipe_dict(model, best.config, seq_len=args.seq_len, global_batch=args.global_batch,
                          devices=args.devices, max_steps=args.recipe_steps, accelerator=accelerator,

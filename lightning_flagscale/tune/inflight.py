@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from functools import cache, lru_cache
 from types import SimpleNamespace
 
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
+from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
+
 __all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions", "schedule_live_peak"]
 
 
@@ -24,9 +27,6 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
     """Per pipeline rank, the compute actions ``(kind, stage, microbatch)`` in execution order; kind is F, B, I or W
     (a DualPipeV overlapped F+B is its forward then its backward)."""
     from torch.distributed.pipelining import schedules as torch_schedules
-
-    from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
-    from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
 
     validate_schedule(schedule, p, v, m)
     spec = SCHEDULE_SPECS[schedule]

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 import yaml
 
+from lightning_flagscale.accounting.state_bytes import peak_rss_bytes
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.presets import PRESETS
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
@@ -54,8 +55,6 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_flagscale.accounting.state_bytes import peak_rss_bytes
-
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         device = pl_module.device
         peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -106,7 +106,7 @@ def test_tensorboard_joins_the_csv_logger_only_when_installed(tmp_path, monkeypa
 def test_recipes_validate_by_steps_across_epochs(name):
     import yaml
 
-    from lightning_flagscale.cli import recipe_path
+    from lightning_flagscale.recipe_files import recipe_path
 
     trainer = yaml.safe_load(Path(recipe_path(name)).read_text())["trainer"]
     assert trainer["check_val_every_n_epoch"] is None and isinstance(trainer["val_check_interval"], int)

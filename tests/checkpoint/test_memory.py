@@ -20,7 +20,7 @@ from lightning_flagscale.checkpoint.in_memory import (
     run_folder,
     snapshot_path,
 )
-from lightning_flagscale.checkpoint.sharded import COMPLETE_MARKER
+from lightning_flagscale.checkpoint.layout import COMPLETE_MARKER
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._snapshots import choose
 

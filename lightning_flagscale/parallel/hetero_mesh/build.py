@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_flagscale.config.hetero import StageGroup
+from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
+from lightning_flagscale.config.layer_split import plan_stage_groups
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, stage_placement
 from lightning_flagscale.parallel.hetero_mesh.boundary import Transfer, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
@@ -116,9 +117,6 @@ def build_hetero_layout(
 ) -> tuple[list[StageGroup], ParallelMeshes, Any]:
     """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
     return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
-    from lightning_flagscale.config.hetero import parse_hetero_meshes
-    from lightning_flagscale.config.layer_split import plan_stage_groups
-
     meshes = parse_hetero_meshes(parallel.hetero_meshes)
     groups = plan_stage_groups(
         meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed,

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_flagscale.config.parallel import SELECTIVE_MM_ON_MOE, RecomputeMode
+from lightning_flagscale.moe.layer import MoELayer
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeMode", "apply_recompute", "resolve_recompute", "selective_policy"]
 
@@ -172,8 +173,6 @@ def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> C
 
 
 def _has_moe(block: nn.Module) -> bool:
-    from lightning_flagscale.moe.layer import MoELayer  # parallel/ is imported by moe/: resolve at call time
-
     return any(isinstance(m, MoELayer) for m in block.modules())
 
 
