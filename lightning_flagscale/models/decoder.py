@@ -204,20 +204,24 @@ class CausalLM(nn.Module):
         std = self.config.initializer_range
         tied = self.config.tie_word_embeddings
         owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
+        # Every value is drawn on the CPU, named explicitly, and copied to wherever the parameter lives: Lightning
+        # runs the init under a default-device context (cuda under accelerator="gpu"), in which a bare
+        # ``torch.randn(generator=<cpu generator>)`` fails (issue 37). The CPU draw also keeps values device-free.
+        cpu = torch.device("cpu")
         for fqn, param in self.named_parameters():
             name = canonical_fqn(fqn)
             full_shape = tuple(param.shape)  # global shape for DTensors
             if isinstance(owners[id(param)], RMSNorm):
-                full = torch.ones(full_shape)
+                full = torch.ones(full_shape, device=cpu)
             elif name.endswith("bias"):
-                full = torch.zeros(full_shape)
+                full = torch.zeros(full_shape, device=cpu)
             else:
                 # A tied head alone on the last pipeline stage must start equal to the first stage's embedding.
                 seed_name = "embed_tokens.weight" if tied and name == "lm_head.weight" else name
-                gen = torch.Generator().manual_seed(seed_for(seed, seed_name))
+                gen = torch.Generator(device=cpu).manual_seed(seed_for(seed, seed_name))
                 real_shape = (min(full_shape[0], self.vocab_size), *full_shape[1:]) if _is_vocab(name) else full_shape
-                full = torch.zeros(full_shape)
-                full[: real_shape[0]] = torch.randn(real_shape, generator=gen) * std
+                full = torch.zeros(full_shape, device=cpu)
+                full[: real_shape[0]] = torch.randn(real_shape, generator=gen, device=cpu) * std
             copy_global_into(param, full)
         for module in self.modules():
             for buf in module.buffers(recurse=False):

@@ -112,6 +112,22 @@ def test_meta_construction_and_init_are_deterministic(preset):
     assert eager.padded_vocab_size == 256 and torch.count_nonzero(eager.embed_tokens.weight[cfg.vocab_size :]) == 0
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "deepseek-v3-tiny"])
+def test_init_does_not_depend_on_the_default_device(preset):
+    """Issue 37: Lightning runs ``configure_model`` and the init under a default-device context (``cuda`` under
+    ``Trainer(accelerator="gpu")``), which made ``torch.randn(..., generator=<cpu generator>)`` fail. The meta
+    device stands in for that context on CPU: parameters live on CPU, the default device is elsewhere, and the init
+    gives the very values it gives without the context."""
+    cfg = TransformerConfig.from_preset(preset, num_layers=3, vocab_size=254)
+    expected = CausalLM(cfg, vocab_multiple=4)
+    expected.init_weights(seed=3)
+    model = CausalLM(cfg, vocab_multiple=4)
+    with torch.device("meta"):
+        model.init_weights(seed=3)
+    for (name, a), b in zip(expected.state_dict().items(), model.state_dict().values()):
+        assert b.device.type == "cpu" and torch.equal(a, b), name
+
+
 def test_padded_vocab_never_leaks():
     cfg = TransformerConfig.from_preset("llama-tiny", vocab_size=250, num_layers=2)
     plain, padded = CausalLM(cfg), CausalLM(cfg, vocab_multiple=16)
