@@ -34,6 +34,7 @@ sum.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -273,6 +274,12 @@ class GradBucket:
         return torch.cat(parts)
 
 
+def _on_grad_weak(reducer: weakref.ref[GradReducer], index: int, p: Tensor) -> None:
+    live = reducer()
+    if live is not None:
+        live._on_grad(index, p)
+
+
 class GradReducer:
     """Launches the buckets' reductions from post-accumulate-grad hooks, in bucket order, and waits for them.
 
@@ -302,7 +309,11 @@ class GradReducer:
         if hooks:
             for i, bucket in enumerate(buckets):
                 for p in bucket.params:
-                    self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
+                    # The hook holds the reducer weakly: a strong reference would close a cycle parameter -> C++
+                    # hook -> reducer -> bucket -> parameter that `gc` cannot see, and every parameter would outlive
+                    # the run (issue 37: on a GPU each fit's weights stayed allocated).
+                    hook = partial(_on_grad_weak, weakref.ref(self), i)
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def close(self) -> None:
         """Remove the hooks (the optimizer is being rebuilt)."""
