@@ -137,6 +137,14 @@ class CausalLM(nn.Module):
                 seq *= self.tp_mesh.size()
         if position_ids is None:
             position_ids = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, seq)
+        return self.run_layers(h, position_ids, segment_ids)
+
+    def run_layers(self, h: Tensor, position_ids: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        """Hidden states [B, S, H] after the embedding -> the blocks present, then the norm and head if present.
+
+        The one decoder layer loop: every model built on ``CausalLM`` (the VLM included) embeds its inputs its own
+        way and continues here. ``position_ids`` are [B, S] (or [3, B, S] for M-RoPE) global positions.
+        """
         if len(self.layers):
             # Under sequence parallelism the embedding output is the local sequence shard; the rotary tables cover
             # the full sequence because attention sees the all-gathered sequence.

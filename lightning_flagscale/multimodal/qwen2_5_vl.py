@@ -303,15 +303,7 @@ class VisionLanguageModel(CausalLM):
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if self.sequence_parallel:
             h = _scatter_sequence(h, self.tp_mesh)
-        if len(self.layers):
-            cos, sin = self.rotary_emb(position_ids, self._compute_dtype(h))
-            for layer in self.layers.values():
-                h = layer(h, cos, sin, segment_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.lm_head is not None:
-            h = self.lm_head(h)
-        return h
+        return self.run_layers(h, position_ids, segment_ids)
 
     def position_ids(self, input_ids: Tensor, image_grid_thw: Tensor | None, segment_ids: Tensor | None) -> Tensor:
         """M-RoPE positions [3, B, S] of a batch (see :func:`mrope_position_ids`)."""
