@@ -35,6 +35,7 @@ from torch import nn
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+from lightning_flagscale.models.protocol import PipelineModel, RecomputeUnits, SeededModule, WeightInit, WeightLoader
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
@@ -133,7 +134,7 @@ def _flat_zero3_refusal(result: Parallelized, p: ParallelConfig) -> str | None:
     tied = result.pipeline.runner.tied if result.pipeline is not None else None
     for part in result.parts:
         layers = [layer for _, layer in moe_layers(part)] if p.ep_enabled else []
-        if any(getattr(layer, "hot_expert_config", None) is not None for layer in layers):
+        if any(layer.hot_expert_config is not None for layer in layers):
             return "with hot-expert replication is not supported"
         for fqn, owner in _tied_modules(part, tied):
             if len(list(owner.parameters())) != 1:
@@ -216,9 +217,9 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
 
 def _blocks(model: nn.Module) -> list[nn.Module] | None:
     """The repeated blocks of a protocol model present in ``model`` (recompute and FSDP units), None if unknown."""
-    if hasattr(model, "recompute_units"):
+    if isinstance(model, RecomputeUnits):
         return [model.get_submodule(u) for u in model.recompute_units()]
-    if hasattr(model, "pipeline_units"):
+    if isinstance(model, PipelineModel):
         return [model.get_submodule(u) for u in model.pipeline_units() if is_layer_unit(u)]
     return None  # the callee's default: ``model.layers``
 
@@ -246,10 +247,10 @@ def materialize(module: nn.Module, model: nn.Module | None, device: torch.device
         if any(t.is_meta for t in own):
             sub.to_empty(device=device, recurse=False)
     target = model if model is not None else module
-    if hasattr(module, "initialize_weights"):
+    if isinstance(module, WeightLoader):
         module.initialize_weights()
-    elif hasattr(target, "init_weights"):
-        target.init_weights(seed=int(getattr(module, "init_seed", 0)))
+    elif isinstance(target, WeightInit):
+        target.init_weights(seed=int(module.init_seed) if isinstance(module, SeededModule) else 0)
     else:
         raise TypeError(
             f"{type(target).__name__} was built on the meta device but has no `init_weights(seed)`; add one, or"

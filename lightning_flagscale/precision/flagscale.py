@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_flagscale.distributed.dtensor import local_tensor
+from lightning_flagscale.models.protocol import PrecisionLayoutModule
 from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, found_inf
 
 __all__ = [
@@ -150,7 +151,7 @@ class FlagScalePrecision(Precision):
         if self.layout != "auto":
             self._resolved = self.layout
         else:
-            declared = getattr(module, LAYOUT_ATTRIBUTE, "lightning")
+            declared = module.precision_layout if isinstance(module, PrecisionLayoutModule) else "lightning"
             _check_layout(declared, f"{type(module).__name__}.{LAYOUT_ATTRIBUTE}", allow_auto=False)
             self._resolved = declared
         return self._resolved

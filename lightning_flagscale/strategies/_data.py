@@ -23,6 +23,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_flagscale.data.module import ResumableDataLoader
+from lightning_flagscale.models.protocol import ContextParallelBatch
 from lightning_flagscale.parallel.context_parallel.attention import shard_batch_for_cp
 from lightning_flagscale.parallel.hetero_dp.batching import HeteroBatchSampler, MicroBatchSliceSampler
 from lightning_flagscale.parallel.hetero_dp.shares import auto_shares
@@ -84,7 +85,7 @@ def shard_for_cp(args: tuple, batch_model: Any, cp_mesh: Any) -> tuple:
     if not args or not isinstance(args[0], Mapping):
         return args
 
-    prepare = getattr(batch_model, "prepare_batch", None)
-    batch = prepare(dict(args[0])) if prepare is not None else dict(args[0])
-    keys = tuple(getattr(batch_model, "cp_sequence_keys", ()))
-    return (shard_batch_for_cp(batch, cp_mesh, sequence_keys=keys), *args[1:])
+    if not isinstance(batch_model, ContextParallelBatch):
+        return (shard_batch_for_cp(dict(args[0]), cp_mesh, sequence_keys=()), *args[1:])
+    batch = batch_model.prepare_batch(dict(args[0]))
+    return (shard_batch_for_cp(batch, cp_mesh, sequence_keys=tuple(batch_model.cp_sequence_keys)), *args[1:])

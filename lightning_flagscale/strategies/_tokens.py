@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_flagscale.models.protocol import uses_global_token_loss
 from lightning_flagscale.parallel.data_parallel.grad_buckets import profiler_active
 
 __all__ = [
@@ -127,11 +128,6 @@ class TokenCountingLoader:
                 yield {**batch, NUM_ITEMS_KEY: count} if isinstance(batch, Mapping) else batch
             if len(window) < self.accumulate:
                 return
-
-
-def uses_global_token_loss(module: nn.Module) -> bool:
-    """Whether ``module`` divides its token-loss sum by ``batch["num_items_in_batch"]`` (the model protocol)."""
-    return bool(getattr(module, "global_token_loss", False))
 
 
 def batch_size_of(args: tuple) -> int:

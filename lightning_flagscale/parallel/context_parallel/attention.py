@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_flagscale.models.protocol import CoreAttentionSettings, attention_modules, model_config
 from lightning_flagscale.parallel.context_parallel.kernels import AttentionKernel, get_attention_kernel, merge_attention
 
 __all__ = [
@@ -442,17 +443,6 @@ def _cp_groups(cp_mesh: DeviceMesh, mode: CPMode, ulysses_size: int | None) -> t
     return split[f"{name}_ring"], split[f"{name}_ulysses"]
 
 
-def _attention_parents(model: nn.Module) -> list[nn.Module]:
-    # An attention module that sets ``context_parallel = False`` runs over inputs CP does not shard (e.g. a vision
-    # tower over all image patches, replicated on every CP rank): its core attention stays local.
-    return [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "_modules", {}).get("core_attention"), nn.Module)
-        and getattr(m, "context_parallel", True)
-    ]
-
-
 def apply_cp(
     model: nn.Module,
     cp_mesh: DeviceMesh,
@@ -468,7 +458,7 @@ def apply_cp(
     defaults to the replaced module's ``backend`` (or ``model.config.attn_backend``, else ``"torch"``). Batches
     must then be sharded with :func:`shard_batch_for_cp` over the same mesh. Returns the model (changed in place).
     """
-    parents = _attention_parents(model)
+    parents = attention_modules(model)  # not those with `context_parallel = False`
     if not parents:
         raise ValueError(
             f"{type(model).__name__} has no module with a 'core_attention' child; context parallelism needs attention"
@@ -480,12 +470,18 @@ def apply_cp(
         return model
     ring_group, ulysses_group = _cp_groups(cp_mesh, mode, ulysses_size)
     u = 1 if ulysses_group is None else ulysses_group.size()
-    config = getattr(model, "config", None)
+    config = model_config(model)
     if config is not None and u > 1:
         _check_heads(config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size, u)
     for parent in parents:
         old = parent.core_attention
-        name = backend or getattr(old, "backend", None) or getattr(config, "attn_backend", None) or "torch"
-        scale = getattr(old, "softmax_scale", None)
+        kept = old if isinstance(old, CoreAttentionSettings) else None  # the replaced backend's name and scale
+        name = (
+            backend
+            or (kept.backend if kept is not None else None)
+            or (config.attn_backend if config is not None else None)
+            or "torch"
+        )
+        scale = kept.softmax_scale if kept is not None else None
         parent.core_attention = HybridAttention(ring_group, ulysses_group, backend=name, softmax_scale=scale)
     return model

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_flagscale.models.protocol import model_config
 from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
 from lightning_flagscale.parallel.hetero_mesh.profile import _MAX_PROFILE_SEQ, time_one_block
 from lightning_flagscale.parallel.hetero_mesh.ranks import DEVICE_TYPE_ENV, local_device_type
@@ -84,8 +85,8 @@ def gather_dp_speeds(parallel: Any, meshes: Any, model: nn.Module, device: torch
     kind = local_device_type(device)
     seconds = None
     if parallel.hetero_device_speed is None:
-        config = getattr(model, "config", None)
-        seq_len = min(int(getattr(config, "max_seq_len", 128)), _MAX_PROFILE_SEQ)
+        config = model_config(model)
+        seq_len = min(config.max_seq_len if config is not None else 128, _MAX_PROFILE_SEQ)
         seconds = time_one_block(model, device, samples=parallel.micro_batch_size, seq_len=seq_len, device_type=kind)
     entries: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (dp_rank, kind, seconds))

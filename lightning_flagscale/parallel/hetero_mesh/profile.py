@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
 from lightning_flagscale.config.layer_split import speed_aware_layers, split_into_chunks
+from lightning_flagscale.models.protocol import PipelineInputs, WeightInit, model_config
 from lightning_flagscale.parallel.hetero_mesh.ranks import (
     BusyTimer,
     attach_busy_timer,
@@ -62,7 +63,7 @@ def time_one_block(
     )
     x = torch.zeros(samples, seq_len, dtype=torch.long, device=device)  # token 0 exists in every vocabulary
     kwargs: dict[str, Any] = {}
-    if hasattr(model, "pipeline_inputs"):
+    if isinstance(model, PipelineInputs):
         x, kwargs = model.pipeline_inputs(x)
     with torch.no_grad():
         hidden = pre(x, **kwargs) if pre is not None else x.float()
@@ -78,7 +79,7 @@ def time_one_block(
 def _materialise(stage: nn.Module, device: torch.device) -> nn.Module:
     if any(p.is_meta for p in stage.parameters()):
         stage = stage.to_empty(device=device)
-        if hasattr(stage, "init_weights"):
+        if isinstance(stage, WeightInit):
             stage.init_weights(0)
         else:
             for p in stage.parameters():
@@ -104,8 +105,8 @@ def apply_profiled_split(
     if hetero.hetero_layers is not None or hetero.hetero_device_speed is not None or model is None:
         return groups
     me = next(g for g in groups if dist.get_rank() in g.ranks)
-    config = getattr(model, "config", None)
-    seq_len = min(int(getattr(config, "max_seq_len", 128)), _MAX_PROFILE_SEQ)
+    config = model_config(model)
+    seq_len = min(config.max_seq_len if config is not None else 128, _MAX_PROFILE_SEQ)
     kind = me.device_type
     seconds = time_one_block(
         model, device, samples=hetero.micro_batch_size, seq_len=seq_len, device_type=rank_device_type(groups)

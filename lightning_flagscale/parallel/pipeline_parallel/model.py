@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import hetero_micro_batch_sizes
+from lightning_flagscale.models.protocol import ConfiguredModel, MoEModel, PipelineInputs
 from lightning_flagscale.parallel.mesh import ParallelMeshes
 from lightning_flagscale.parallel.pipeline_parallel.runner import PipelineRunner, build_pipeline
 
@@ -61,10 +62,10 @@ class PipelinedModel(nn.Module):
 
     def __init__(self, runner: PipelineRunner, model: nn.Module) -> None:
         super().__init__()
-        self.config = getattr(model, "config", None)
+        self.config = model.config if isinstance(model, ConfiguredModel) else None
         self._runner = [runner]  # a list: the runner is not an nn.Module attribute (no double registration)
         self._signature = inspect.signature(model.forward)
-        self._prepare = getattr(model, "pipeline_inputs", None)
+        self._prepare = model.pipeline_inputs if isinstance(model, PipelineInputs) else None
         for stage_id, stage in zip(runner.stage_ids, runner.stage_modules):
             for unit in runner.plan.units[stage_id]:
                 _attach(self, unit, stage.get_submodule(unit))
@@ -106,9 +107,8 @@ class PipelinedModel(nn.Module):
     def moe_aux_losses(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for stage in self.stage_modules:
-            fn = getattr(stage, "moe_aux_losses", None)
-            if fn is not None:
-                out.update(fn())
+            if isinstance(stage, MoEModel):
+                out.update(stage.moe_aux_losses())
         return out
 
     def init_weights(self, seed: int = 0) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_flagscale.config.layer_split import even_layer_counts
+from lightning_flagscale.models.protocol import PipelineUnitCosts
 
 __all__ = [
     "StagePlan",
@@ -193,8 +194,7 @@ def pipeline_unit_costs(model: nn.Module, units: Sequence[str] | None = None) ->
     """The costs ``balance="cost"`` splits by: the model's own ``pipeline_unit_costs()`` (model protocol), else
     :func:`unit_param_costs`."""
     units = list(units if units is not None else model.pipeline_units())
-    hook = getattr(model, "pipeline_unit_costs", None)
-    costs = hook() if hook is not None else unit_param_costs(model, units)
+    costs = model.pipeline_unit_costs() if isinstance(model, PipelineUnitCosts) else unit_param_costs(model, units)
     missing = [u for u in units if u not in costs]
     if missing:
         raise ValueError(f"{type(model).__name__}.pipeline_unit_costs() gives no cost for the units {missing}.")

@@ -152,7 +152,9 @@ def _selective_contexts(mode: str, replayable: bool) -> tuple[Any, Any]:
     policy = selective_policy if mode == "selective" else _EveryOtherMatmul()
     forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
     if replayable:
-        recompute_ctx = _Replayable(recompute_ctx, getattr(policy, "restart_recompute", None))
+        recompute_ctx = _Replayable(
+            recompute_ctx, policy.restart_recompute if isinstance(policy, _EveryOtherMatmul) else None
+        )
     return forward_ctx, recompute_ctx
 
 

@@ -422,7 +422,7 @@ def build_pipeline(
     plan = plan_stages(units, p, v, pipeline_layers=config.pipeline_layers, balance=balance, unit_costs=unit_costs)
     style = SCHEDULES[config.pipeline_schedule][1]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), p, plan.num_stages, style)
-    recompute = resolve_recompute(getattr(config, "recompute", "none"), plan.num_stages)
+    recompute = resolve_recompute(config.recompute, plan.num_stages)
     split_backward = config.pipeline_schedule in _SPLIT_BACKWARD_SCHEDULES
     modules = []
     for s in stage_ids:

@@ -26,6 +26,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_flagscale.parallel.tensor_parallel.protocol import (
+    TensorParallelConstraints,
+    TensorParallelHook,
+    TensorParallelModel,
+)
+
 __all__ = ["ReplicateParallel", "apply_tp", "check_tp_divisible", "vocab_parallel_cross_entropy"]
 
 
@@ -34,9 +40,8 @@ def check_tp_divisible(model: nn.Module, tp: int) -> None:
 
     The model knows its own constraints (heads, widths, padded vocab): it states them in ``check_tensor_parallel``.
     """
-    check = getattr(model, "check_tensor_parallel", None)
-    if check is not None:
-        check(tp)
+    if isinstance(model, TensorParallelConstraints):
+        model.check_tensor_parallel(tp)
 
 
 class ReplicateParallel(ParallelStyle):
@@ -76,19 +81,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim} dims ({tp_mesh.mesh_dim_names}).")
-    if not hasattr(model, "tp_plan"):
+    if not isinstance(model, TensorParallelModel):
         raise ValueError(
             f"{type(model).__name__} has no tp_plan(sequence_parallel); tensor parallelism needs one (see"
             " lightning_flagscale/models/protocol.py)."
         )
-    if getattr(model, "_fs_tp_applied", False):
+    if model.__dict__.get("_fs_tp_applied", False):
         raise ValueError("apply_tp was already applied to this model; apply it once, to the unparallelised model.")
     check_tp_divisible(model, tp_mesh.size())
     parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
     model._fs_tp_applied = True
-    hook = getattr(model, "on_tensor_parallel", None)
-    if hook is not None:
-        hook(tp_mesh, sequence_parallel)
+    if isinstance(model, TensorParallelHook):
+        model.on_tensor_parallel(tp_mesh, sequence_parallel)
     return model
 
 
