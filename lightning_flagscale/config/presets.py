@@ -1,204 +1,25 @@
-"""Presets as data: name -> ``TransformerConfig`` fields, each with the Hugging Face model it mirrors.
+"""The preset registry: name -> ``TransformerConfig`` fields (plain data), filled by the model families.
 
-Tiny presets train on CPU in tests; real shapes are for planning, memory estimates and auto-tuning. Load one with
-``TransformerConfig.from_preset(name, **overrides)``. Pure data: nothing here imports torch or a model.
+Each family folder holds its presets as data (``models/<family>/presets.py``, each preset with the Hugging Face
+model it mirrors) and registers them when it is imported; ``import lightning_flagscale`` (which any import of the
+package runs first) imports every built-in family. Load one with ``TransformerConfig.from_preset(name,
+**overrides)``. Nothing here imports torch or a model: the registry is a dict, and the families write into it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "register_presets"]
 
-_LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+PRESETS: dict[str, dict[str, Any]] = {}
+"""Name -> ``TransformerConfig`` fields, of every registered family."""
 
-# Name -> TransformerConfig fields.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-tiny": dict(
-        hf_source="meta-llama/Llama-3.2-1B (shape family)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_seq_len=256,
-        rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64},
-        rms_norm_eps=1e-5,
-    ),
-    "qwen2-tiny": dict(
-        hf_source="Qwen/Qwen2.5-0.5B (shape family)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_seq_len=256,
-        rope_theta=1000000.0,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-    ),
-    "qwen3-tiny": dict(
-        hf_source="Qwen/Qwen3-0.6B (shape family)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_seq_len=256,
-        rope_theta=1000000.0,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-    ),
-    "mixtral-tiny": dict(
-        hf_source="mistralai/Mixtral-8x7B-v0.1 (shape family)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_seq_len=256,
-        rope_theta=1000000.0,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        router_type="softmax",
-        norm_topk_prob=True,
-        moe_aux_loss_coeff=0.01,
-    ),
-    "qwen2-moe-tiny": dict(
-        hf_source="Qwen/Qwen1.5-MoE-A2.7B (shape family)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_seq_len=256,
-        rope_theta=1000000.0,
-        attention_bias=True,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        num_shared_experts=1,
-        shared_expert_intermediate_size=64,
-        shared_expert_gate=True,
-        router_type="softmax",
-        norm_topk_prob=False,
-        moe_aux_loss_coeff=0.001,
-    ),
-    "deepseek-v3-tiny": dict(
-        hf_source="deepseek-ai/DeepSeek-V3 (router/expert layout; standard attention instead of MLA)",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_seq_len=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        num_shared_experts=1,
-        router_type="sigmoid",
-        norm_topk_prob=True,
-        first_k_dense_layers=1,
-        moe_router_bias_update_rate=1e-3,
-        moe_router_num_groups=4,
-        moe_router_group_topk=2,
-        moe_router_scaling_factor=2.5,
-    ),
-    # Real shapes, for planning, memory estimates and auto-tuning.
-    "llama3-8b": dict(
-        hf_source="meta-llama/Meta-Llama-3-8B",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "llama3.1-8b": dict(
-        hf_source="meta-llama/Llama-3.1-8B",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_ROPE,
-        rms_norm_eps=1e-5,
-    ),
-    "llama3-70b": dict(
-        hf_source="meta-llama/Meta-Llama-3-70B",
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "qwen2.5-7b": dict(
-        hf_source="Qwen/Qwen2.5-7B",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_seq_len=32768,
-        rope_theta=1000000.0,
-        attention_bias=True,
-        rms_norm_eps=1e-6,
-    ),
-    "qwen3-8b": dict(
-        hf_source="Qwen/Qwen3-8B",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_seq_len=40960,
-        rope_theta=1000000.0,
-        qk_norm=True,
-        rms_norm_eps=1e-6,
-    ),
-    "mixtral-8x7b": dict(
-        hf_source="mistralai/Mixtral-8x7B-v0.1",
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_seq_len=32768,
-        rope_theta=1000000.0,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=14336,
-        rms_norm_eps=1e-5,
-    ),
-}
+
+def register_presets(presets: Mapping[str, dict[str, Any]]) -> None:
+    """Add a family's presets; a name that is already registered raises (two families would claim it)."""
+    taken = sorted(set(presets) & set(PRESETS))
+    if taken:
+        raise ValueError(f"Presets registered twice: {', '.join(taken)}; each preset name belongs to one family.")
+    PRESETS.update(presets)

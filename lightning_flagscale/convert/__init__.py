@@ -6,7 +6,8 @@
 - ``hf_to_ckpt`` / ``ckpt_to_hf``: the ``lightning-flagscale convert`` commands.
 - Every ``hf_dir`` may be a Hub repo id (``resolve_hf_dir``: cache, ``HF_HUB_OFFLINE``); ``export_hf(...,
   push_to_hub=repo_id)`` uploads the result (``push_folder_to_hub``).
-- Families are registered by ``model_type`` in ``families/`` (``supported_model_types()``).
+- Families are registered by ``model_type`` from their folders, ``models/<family>/hf.py``, on top of the shared
+  decoder and MoE mappings here (``decoder_family.py``, ``moe_family.py``); ``supported_model_types()`` lists them.
 """
 
 from lightning_flagscale.convert.cli import add_convert_subcommands, ckpt_to_hf, hf_to_ckpt

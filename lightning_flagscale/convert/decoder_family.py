@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily
 from lightning_flagscale.convert.specs import Direct, Spec
+from lightning_flagscale.models.decoder import CausalLM
 
 __all__ = ["DenseDecoderFamily", "field", "max_seq_len_ok", "reject_unless", "rope_from_hf", "rope_to_hf"]
 
@@ -87,6 +88,7 @@ def rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
 class DenseDecoderFamily(HFFamily):
     """Llama-like family; subclasses set class attributes and extend the checks."""
 
+    model_class = CausalLM
     implied: ClassVar[dict[str, Any]] = {}
     """TransformerConfig fields fixed by the architecture (e.g. Qwen2 always has q/k/v bias)."""
     attention_bias_key: ClassVar[str | None] = "attention_bias"

@@ -30,10 +30,9 @@ from torch import Tensor, nn
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.convert.hf_import import unwrap_causal_lm
 from lightning_flagscale.convert.hub import push_folder_to_hub
-from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for
+from lightning_flagscale.convert.registry import HFConversionError, HFFamily, config_classes, family_for
 from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
-from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
 
 __all__ = ["MODEL_CONFIG_FILE", "TOKENIZER_FILES", "export_hf", "is_dcp_checkpoint", "write_model_config"]
 
@@ -251,10 +250,11 @@ def _to_config(value: Any) -> TransformerConfig:
     if isinstance(value, TransformerConfig):
         return value
 
+    for config_cls in config_classes():  # a family's own config class (the VLM's) claims its presets and dicts
+        if config_cls.owns(value):
+            return config_cls.from_preset(value) if isinstance(value, str) else config_cls.from_dict(dict(value))
     if isinstance(value, str):
-        return VLMConfig.from_preset(value) if value in VLM_PRESETS else TransformerConfig.from_preset(value)
-    if "vision" in dict(value) or dict(value).get("preset") in VLM_PRESETS:
-        return VLMConfig.from_dict(dict(value))
+        return TransformerConfig.from_preset(value)
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     return TransformerConfig(**{k: v for k, v in dict(value).items() if k in known})
 

@@ -22,8 +22,6 @@ from lightning_flagscale.convert.hub import resolve_hf_dir
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for, read_hf_config
 from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
 from lightning_flagscale.convert.specs import Box, Spec, full_box, hf_names
-from lightning_flagscale.models import CausalLM
-from lightning_flagscale.multimodal import VisionLanguageModel, VLMConfig
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -206,7 +204,7 @@ def causal_lm_from_hf(
     """
     hf_dir = resolve_hf_dir(hf_dir, revision=revision)
     config = config_from_hf(hf_dir, **overrides)
-    model_cls = VisionLanguageModel if isinstance(config, VLMConfig) else CausalLM
+    model_cls = family_for(config).model_class  # CausalLM, or the family's own (the VLM)
     with torch.device("meta"):
         model = model_cls(config, vocab_multiple=vocab_multiple)
     model = model.to_empty(device="cpu")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.convert.families._dense import DenseDecoderFamily
+from lightning_flagscale.convert.decoder_family import DenseDecoderFamily
 from lightning_flagscale.convert.registry import HFConversionError
 from lightning_flagscale.convert.specs import Concat, Direct, Spec, Stack
 

@@ -1,8 +1,10 @@
 """Registry of Hugging Face model families, keyed by ``config.json``'s ``model_type``.
 
-A family is one small adapter (see ``families/``): ``config.json`` <-> ``TransformerConfig`` and a declarative
-map from our parameter FQNs to HF tensor specs. Adding a family is one file with ``@register_family``; nothing
-here dispatches on name prefixes (the torchtitan ``state_dict_adapter`` shape, STYLE.md 7).
+A family is one small adapter (``models/<family>/hf.py``): ``config.json`` <-> ``TransformerConfig`` and a
+declarative map from our parameter FQNs to HF tensor specs, with the model class it builds. Adding a family is one
+file with ``@register_family`` in the family's folder, which registers when ``lightning_flagscale.models`` imports
+it (``import lightning_flagscale`` does); nothing here dispatches on name prefixes (the torchtitan
+``state_dict_adapter`` shape, STYLE.md 7).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lightning_flagscale.convert.specs import Spec
 __all__ = [
     "HFConversionError",
     "HFFamily",
+    "config_classes",
     "family_for",
     "read_hf_config",
     "register_family",
@@ -40,6 +43,11 @@ class HFFamily(abc.ABC):
     """``architectures[0]`` written on export, e.g. ``LlamaForCausalLM``."""
     ignored_tensors: ClassVar[tuple[str, ...]] = (r"\.rotary_emb\.inv_freq$",)
     """Regexes of HF tensors that carry no weights (old checkpoints saved RoPE buffers)."""
+    model_class: ClassVar[type]
+    """The model built for this family's configs (``model_class(config, vocab_multiple=...)``)."""
+    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
+    """The config class of this family; a subclass (e.g. ``VLMConfig``) says which stored configs are its own
+    through ``owns(value)``."""
 
     @abc.abstractmethod
     def config_from_hf(self, hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
@@ -70,13 +78,17 @@ def register_family(cls: type[HFFamily]) -> type[HFFamily]:
 
 
 def supported_model_types() -> list[str]:
-    _load_builtin_families()
     return sorted(_FAMILIES)
+
+
+def config_classes() -> list[type[TransformerConfig]]:
+    """The config classes of the registered families other than ``TransformerConfig`` itself (e.g. ``VLMConfig``)."""
+    found = [f.config_class for f in _FAMILIES.values() if f.config_class is not TransformerConfig]
+    return list(dict.fromkeys(found))
 
 
 def family_for(hf_config: dict[str, Any] | TransformerConfig) -> HFFamily:
     """The family for an HF config dict (by ``model_type``) or for one of our configs (by its features)."""
-    _load_builtin_families()
     if isinstance(hf_config, TransformerConfig):
         return _family_for_ours(hf_config)
     model_type = hf_config.get("model_type")
@@ -120,8 +132,3 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise HFConversionError(f"{path} is not valid JSON: {err}") from err
-
-
-def _load_builtin_families() -> None:
-    # Imported lazily so that the families can import this module for the decorator.
-    import lightning_flagscale.convert.families  # noqa: F401

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from lightning_flagscale.multimodal import VLMConfig
-from lightning_flagscale.multimodal.data import (
+from lightning_flagscale.models.qwen2_5_vl.data import (
     ConversationDataset,
     SyntheticShapesDataset,
     VLMByteTokenizer,
     VLMCollator,
     check_sample,
 )
-from lightning_flagscale.multimodal.image import ImageProcessor
+from lightning_flagscale.models.qwen2_5_vl.image import ImageProcessor
 
 CFG = VLMConfig.from_preset("qwen2.5-vl-tiny")
 TOK = VLMByteTokenizer()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_flagscale.convert.families._dense import DenseDecoderFamily, max_seq_len_ok
+from lightning_flagscale.convert.decoder_family import DenseDecoderFamily, max_seq_len_ok
 from lightning_flagscale.convert.registry import HFConversionError, register_family
 
 __all__ = ["MistralFamily"]

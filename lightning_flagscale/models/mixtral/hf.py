@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.convert.families._dense import max_seq_len_ok, reject_unless
-from lightning_flagscale.convert.families._moe import MoEDecoderFamily
+from lightning_flagscale.convert.decoder_family import max_seq_len_ok, reject_unless
+from lightning_flagscale.convert.moe_family import MoEDecoderFamily
 from lightning_flagscale.convert.registry import HFConversionError, register_family
 
 __all__ = ["MixtralFamily"]

@@ -4,7 +4,7 @@
 field by field) plus the vision tower, the M-RoPE sections and the special token ids. Being a ``TransformerConfig``
 is what lets the unchanged strategy validate a TP/ZeRO layout against the language model, and what lets the HF
 converter machinery (``weight_specs(config)``) and ``apply_tp``'s divisibility checks read it as they read any
-decoder's config. The vision tower is replicated across TP (see ``qwen2_5_vl.py``), so it needs no TP checks.
+decoder's config. The vision tower is replicated across TP (see ``model.py``), so it needs no TP checks.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from lightning_flagscale.config import TransformerConfig, check_known_fields
+from lightning_flagscale.models.qwen2_5_vl.presets import VLM_PRESETS
 
-__all__ = ["VLM_PRESETS", "VLMConfig", "VisionConfig"]
+__all__ = ["VLMConfig", "VisionConfig"]
 
 
 @dataclass(kw_only=True)
@@ -132,6 +133,14 @@ class VLMConfig(TransformerConfig):
         return cls(vision=vision, **fields)
 
     @classmethod
+    def owns(cls, value: str | dict[str, Any]) -> bool:
+        """Whether a config a checkpoint stored (a preset name or a dict of fields) is a ``VLMConfig``'s: one of its
+        presets, or fields with a vision tower. Read by the HF export to rebuild the config without naming it."""
+        if isinstance(value, str):
+            return value in VLM_PRESETS
+        return "vision" in dict(value) or dict(value).get("preset") in VLM_PRESETS
+
+    @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> VLMConfig:
         """Inverse of ``to_dict`` (also accepts ``{"preset": name, **overrides}``)."""
         fields = dict(fields)
@@ -141,35 +150,3 @@ class VLMConfig(TransformerConfig):
         fields.pop("hf_model_type", None)
         check_known_fields(cls, fields)
         return cls(**fields)
-
-
-# Presets as data. The tiny one trains on CPU in tests and the recipe: byte vocabulary + 6 special tokens (see
-# ``multimodal.data.VLMByteTokenizer``), a 4-block ViT with one full-attention block and 28-pixel windows.
-VLM_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-vl-tiny": dict(
-        hf_source="Qwen/Qwen2.5-VL-3B-Instruct (shape family)",
-        vocab_size=264,
-        hidden_size=64,
-        intermediate_size=160,
-        num_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_seq_len=256,
-        rope_theta=1000000.0,
-        attention_bias=True,
-        rms_norm_eps=1e-6,
-        mrope_section=[2, 3, 3],
-        image_token_id=260,
-        video_token_id=261,
-        vision_start_token_id=258,
-        vision_end_token_id=259,
-        vision=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            window_size=56,
-            fullatt_block_indexes=[3],
-        ),
-    ),
-}

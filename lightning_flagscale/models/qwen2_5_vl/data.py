@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_flagscale.multimodal.config import VLMConfig
-from lightning_flagscale.multimodal.image import ImageProcessor
+from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.image import ImageProcessor
 
 __all__ = [
     "ChatTemplate",

@@ -12,14 +12,14 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from lightning_flagscale.multimodal.config import VLMConfig
-from lightning_flagscale.multimodal.data import (
+from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.data import (
     ConversationDataset,
     SyntheticShapesDataset,
     VLMCollator,
     load_vlm_tokenizer,
 )
-from lightning_flagscale.multimodal.module import _resolve_config
+from lightning_flagscale.models.qwen2_5_vl.module import _resolve_config
 
 __all__ = ["VLMDataModule"]
 

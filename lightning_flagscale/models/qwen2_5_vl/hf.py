@@ -13,10 +13,11 @@ import dataclasses
 from typing import Any
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.convert.families._dense import DenseDecoderFamily, field, reject_unless, rope_to_hf
+from lightning_flagscale.convert.decoder_family import DenseDecoderFamily, field, reject_unless, rope_to_hf
 from lightning_flagscale.convert.registry import HFConversionError, register_family
 from lightning_flagscale.convert.specs import Direct, Spec
-from lightning_flagscale.multimodal.config import VisionConfig, VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.config import VisionConfig, VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
 
 __all__ = ["Qwen2_5_VLFamily"]
 
@@ -83,6 +84,8 @@ def vision_weight_names(vision: VisionConfig) -> list[str]:
 class Qwen2_5_VLFamily(DenseDecoderFamily):
     model_type = "qwen2_5_vl"
     architecture = "Qwen2_5_VLForConditionalGeneration"
+    model_class = VisionLanguageModel
+    config_class = VLMConfig
     implied = {"attention_bias": True}
     attention_bias_key = None  # q/k/v bias is fixed by the architecture
     default_rope_theta = 1000000.0

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_flagscale.multimodal.config import VisionConfig
+from lightning_flagscale.models.qwen2_5_vl.config import VisionConfig
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "ImageProcessor"]
 

@@ -29,15 +29,15 @@ from torch import Tensor
 
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RotaryEmbedding
-from lightning_flagscale.multimodal.batching import (
+from lightning_flagscale.models.qwen2_5_vl.batching import (
     batch_segment_ids,
     from_batch_first,
     image_token_counts,
     row_image_index,
     to_batch_first,
 )
-from lightning_flagscale.multimodal.config import VLMConfig
-from lightning_flagscale.multimodal.vision import VisionTower
+from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.vision import VisionTower
 from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 
 __all__ = ["VisionLanguageModel", "mrope_position_ids"]
@@ -173,7 +173,7 @@ class VisionLanguageModel(CausalLM):
         """Stage inputs under pipeline parallelism, every keyword batch-first (torch splits them along dim 0).
 
         M-RoPE positions become explicit ``mrope_position_ids`` [B, S, 3] (later stages have no token ids to derive
-        them from) and the images take the batch-first layout of :mod:`~lightning_flagscale.multimodal.batching`,
+        them from) and the images take the batch-first layout of :mod:`~lightning_flagscale.models.qwen2_5_vl.batching`,
         so each micro-batch carries exactly its rows' images.
         """
         return x, self._batch_first(x, position_ids, segment_ids, **images)
@@ -267,7 +267,7 @@ class VisionLanguageModel(CausalLM):
         """Token ids [B, S] (+ images) -> head output; a later pipeline stage (no embedding) runs the decoder part.
 
         Images come in the HF layout (``pixel_values`` [patches, C], ``image_grid_thw`` [images, 3]) or in the
-        batch-first one of :mod:`~lightning_flagscale.multimodal.batching` (3-D ``pixel_values``, with
+        batch-first one of :mod:`~lightning_flagscale.models.qwen2_5_vl.batching` (3-D ``pixel_values``, with
         ``image_token_index`` for a sequence shard). ``position_ids``: [3, B, S] M-RoPE positions (default:
         :func:`mrope_position_ids`; [B, S] text positions are broadcast); ``mrope_position_ids`` [B, S, 3], when
         given, take precedence. ``padding_grid_thw``: grids of padding images appended after the real ones (memory

@@ -11,7 +11,7 @@ materialises and initialises. Training options vision-language users ask for:
 - ``vision_recompute="full"`` with ``vision_recompute_step``: activation recompute of the tower's blocks, separate
   from the LLM's policy (``FlagScaleStrategy(recompute=...)``).
 - ``preallocate``: first-batch memory pre-allocation (``prealloc.py``).
-- packing: batches may carry ``segment_ids`` (several image-text documents per row, see ``multimodal.data``).
+- packing: batches may carry ``segment_ids`` (several image-text documents per row, see ``data.py``).
 - ``image_token_share``: the expected fraction of image tokens per row; weighs the vision tower against the LLM
   blocks in ``FlagScaleStrategy(pipeline_balance="cost")`` (see ``VisionLanguageModel.pipeline_unit_costs``).
 
@@ -29,12 +29,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flagscale.models.lightning import log_window_loss, param_groups, warmup_cosine_lambda
+from lightning_flagscale.models.qwen2_5_vl.batching import batch_segment_ids
+from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
+from lightning_flagscale.models.qwen2_5_vl.prealloc import PreallocState
+from lightning_flagscale.models.qwen2_5_vl.presets import VLM_PRESETS
+from lightning_flagscale.models.qwen2_5_vl.vision import apply_vision_recompute
 from lightning_flagscale.models.weights import weight_source
-from lightning_flagscale.multimodal.batching import batch_segment_ids
-from lightning_flagscale.multimodal.config import VLM_PRESETS, VLMConfig
-from lightning_flagscale.multimodal.prealloc import PreallocState
-from lightning_flagscale.multimodal.qwen2_5_vl import VisionLanguageModel
-from lightning_flagscale.multimodal.vision import apply_vision_recompute
 
 __all__ = ["VLMModule", "vlm_param_groups"]
 

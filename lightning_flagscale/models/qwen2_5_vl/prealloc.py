@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_flagscale.multimodal.config import VLMConfig
+from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 
 __all__ = ["PreallocState", "image_token_count", "pad_batch_to_max"]
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_flagscale.models.attention import CoreAttention
 from lightning_flagscale.models.layers import RMSNorm, rope_inv_freq, rotate_half
-from lightning_flagscale.multimodal.config import VisionConfig
+from lightning_flagscale.models.qwen2_5_vl.config import VisionConfig
 
 __all__ = [
     "PatchEmbed",

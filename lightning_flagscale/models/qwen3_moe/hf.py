@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_flagscale.convert.families._qwen_moe import QwenMoEFamily
 from lightning_flagscale.convert.registry import register_family
+from lightning_flagscale.models.qwen2_moe.hf import QwenMoEFamily
 
 __all__ = ["Qwen3MoEFamily"]
 
