@@ -1,0 +1,285 @@
+"""One GPU, one script: the measurements of issue 37, each configuration in a fresh process.
+
+    python bench/gpu.py [--out bench/results] [--only NAME ...] [--steps 12] [--warmup 4]
+    python bench/gpu.py --smoke          # tiny shapes, 3 steps, on the CPU when no GPU is present (CI runs this)
+
+Rows (same model, data, batch and optimizer within a pair; bf16 autocast, AdamW, clip 1.0):
+
+- ``hf-llama``: ``transformers`` ``LlamaForCausalLM`` in a plain loop (SDPA, autocast, fused AdamW): the peer.
+- ``fs-none`` / ``fs-selective`` / ``fs-selective_mm`` / ``fs-full``: ``Trainer(strategy=FlagScaleStrategy(recompute=...))``
+  with ``CausalLMModule``, next to ``tune``'s prediction of the same layout on the built-in ``h100`` profile (step
+  time and peak memory).
+- ``lightning-auto``: ``CausalLMModule`` under Lightning's own default strategy (issue 37 item 2).
+- ``hf-mixtral`` / ``fs-moe``: the MoE pair (Mixtral shape, aux loss off on both sides).
+- ``fs-fp8``: ``FlagScalePrecision("fp8")``; its error is reported as the row's result where fp8 does not run.
+- ``two-fits``: two ``Trainer.fit`` in one process; memory allocated after each (after ``del`` + ``gc``), which must
+  not grow (item 1: within 64 MiB).
+
+Shape: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, FFN 8192, vocab 128256 tied), micro-batch 4 x 2048 tokens.
+MFU = tokens/s x (6 N + 6 L h s) / peak (989 TFLOP/s dense bf16 on H100 SXM). Timings compare only within one run
+on one machine; the median step after ``--warmup`` steps is reported. Writes ``gpu_<device>.json`` and ``.md``.
+
+A GPU run has not been made with this script yet (2026-11-27): the numbers in issue 37 come from an earlier session's
+ad-hoc scripts. ``--smoke`` proves every row's code path on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
+
+ROWS = [
+    "hf-llama", "fs-none", "fs-selective", "fs-selective_mm", "fs-full", "lightning-auto",
+    "hf-mixtral", "fs-moe", "fs-fp8", "two-fits",
+]  # fmt: skip
+H100_PEAK = 989e12
+
+DENSE = dict(hidden_size=2048, num_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
+             vocab_size=128256, tie_word_embeddings=True, max_seq_len=2048, rope_theta=500000.0)  # fmt: skip
+MOE = dict(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=8, intermediate_size=2816,
+           vocab_size=32000, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2816, max_seq_len=2048)  # fmt: skip
+SMOKE = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=512, max_seq_len=64)  # fmt: skip
+
+
+def shapes(smoke: bool) -> dict[str, Any]:
+    if smoke:
+        return dict(dense=dict(SMOKE, tie_word_embeddings=True), moe=dict(SMOKE, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=128), seq=64, batch=2)  # fmt: skip
+    return dict(dense=DENSE, moe=MOE, seq=2048, batch=4)
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _batches(vocab: int, batch: int, seq: int, n: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        yield {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _memory(device) -> dict[str, float]:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+    }
+
+
+def run_hf(kind: str, s: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """A plain ``transformers`` loop: the peer every FlagScale row is compared with."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    device = _device()
+    cfg = s["dense"] if kind == "hf-llama" else s["moe"]
+    common = dict(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                  num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_attention_heads"],
+                  num_key_value_heads=cfg["num_key_value_heads"], max_position_embeddings=cfg["max_seq_len"],
+                  attn_implementation="sdpa")  # fmt: skip
+    if kind == "hf-llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=cfg["tie_word_embeddings"]))
+    else:
+        common["intermediate_size"] = cfg["moe_intermediate_size"]
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=cfg["num_experts"],
+                                                 num_experts_per_tok=cfg["num_experts_per_tok"], router_aux_loss_coef=0.0))  # fmt: skip
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    times = []
+    for batch in _batches(cfg["vocab_size"], s["batch"], s["seq"], warmup + steps, device):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    return {"step_s": statistics.median(times[warmup:]), "loss": float(loss), "params": params, **_memory(device)}
+
+
+def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int, *, strategy: Any,
+                 precision: str = "bf16-mixed") -> dict[str, Any]:  # fmt: skip
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale import FlagScalePrecision
+    from lightning_flagscale.models import CausalLMModule, TransformerConfig
+
+    device = _device()
+    times: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            _sync(device)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *args):
+            _sync(device)
+            times.append(time.perf_counter() - self.start)
+
+    module = CausalLMModule(TransformerConfig(**cfg), learning_rate=1e-4, warmup_steps=0)
+    data = [b for b in _batches(cfg["vocab_size"], 1, s["seq"], s["batch"] * (warmup + steps), "cpu")]
+    samples = [{k: v[0] for k, v in b.items()} for b in data]
+    plugins = [FlagScalePrecision(precision)] if strategy is not None and not isinstance(strategy, str) else []
+    trainer = L.Trainer(
+        accelerator=device.type, devices=1, strategy=strategy if strategy is not None else "auto",
+        precision=None if plugins else precision, plugins=plugins, max_steps=warmup + steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        callbacks=[Clock()],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(samples, batch_size=s["batch"]))
+    params = sum(p.numel() for p in module.parameters())
+    out = {"step_s": statistics.median(times[warmup:]), "params": params, **_memory(device)}
+    del trainer, module
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        out["after_fit_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+    return out
+
+
+def _prediction(cfg: dict[str, Any], s: dict[str, Any], recompute: str) -> dict[str, Any]:
+    from lightning_flagscale.config import ParallelConfig, TransformerConfig
+    from lightning_flagscale.tune import estimate_memory, estimate_step, load_profile
+
+    model = TransformerConfig(**cfg)
+    layout = ParallelConfig(recompute=recompute, micro_batch_size=s["batch"]).resolve(1)
+    cost = estimate_step(model, layout, s["seq"], s["batch"], load_profile("h100"))
+    return {"predicted_step_s": cost.step_seconds, "predicted_gib": estimate_memory(model, layout, s["seq"], 1) / 2**30}
+
+
+def run_row(name: str, smoke: bool, steps: int, warmup: int) -> dict[str, Any]:
+    from lightning_flagscale import FlagScaleStrategy
+
+    s = shapes(smoke)
+    if name in ("hf-llama", "hf-mixtral"):
+        return run_hf(name, s, steps, warmup)
+    if name == "fs-moe":
+        return _trainer_fit(dict(s["moe"]), s, steps, warmup, strategy=FlagScaleStrategy())
+    if name == "lightning-auto":
+        return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=None)
+    if name == "fs-fp8":
+        return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=FlagScaleStrategy(), precision="fp8")
+    if name == "two-fits":
+        first = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
+        second = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
+        return {"first": first, "second": second}
+    recompute = name.removeprefix("fs-")
+    out = _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=FlagScaleStrategy(recompute=recompute))
+    return {**out, **_prediction(dict(s["dense"]), s, recompute)}
+
+
+def _row_in_fresh_process(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    result = out_dir / f".gpu_row_{name}.json"
+    cmd = [sys.executable, __file__, "--row", name, "--row-out", str(result), "--steps", str(args.steps),
+           "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not result.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
+    data = json.loads(result.read_text())
+    result.unlink()
+    return data
+
+
+def _fmt(rows: dict[str, dict[str, Any]], s: dict[str, Any], peak: float) -> str:
+    tokens = s["batch"] * s["seq"]
+    layers, hidden = s["dense"]["num_layers"], s["dense"]["hidden_size"]
+    base = rows.get("hf-llama", {}).get("step_s")
+    lines = [
+        "| row | tokens/s | vs hf-llama | MFU | peak GiB | tune step s | tune GiB | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | | | | | | | error: {r['error'][:160]} |")
+            continue
+        if name == "two-fits":
+            a, b = r["first"].get("after_fit_allocated_gib"), r["second"].get("after_fit_allocated_gib")
+            note = f"allocated after fit 1 / 2: {a} / {b} GiB" if a is not None else "CPU: no allocator reading"
+            lines.append(f"| {name} | | | | | | | {note} |")
+            continue
+        tps = tokens / r["step_s"]
+        mfu = ""
+        if "params" in r and name not in ("hf-mixtral", "fs-moe"):
+            mfu = f"{tps * (6 * r['params'] + 6 * layers * hidden * s['seq']) / peak:.1%}"
+        ratio = f"{base / r['step_s']:.2f}x" if base and name not in ("hf-mixtral", "fs-moe") else ""
+        if name == "fs-moe" and rows.get("hf-mixtral", {}).get("step_s"):
+            ratio = f"{rows['hf-mixtral']['step_s'] / r['step_s']:.2f}x hf-mixtral"
+        lines.append(
+            f"| {name} | {tps:,.0f} | {ratio} | {mfu} | {r.get('peak_gib', float('nan')):.2f} |"
+            f" {r.get('predicted_step_s', float('nan')):.3f} | {r.get('predicted_gib', float('nan')):.2f} | |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--only", nargs="*", choices=ROWS, default=None)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 steps (CPU without a GPU)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup = 2, 1
+    if args.row:  # a worker: one row in this (fresh) process
+        Path(args.row_out).write_text(json.dumps(run_row(args.row, args.smoke, args.steps, args.warmup)))
+        return
+    import torch
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for name in args.only or ROWS:
+        start = time.perf_counter()
+        rows[name] = _row_in_fresh_process(name, args, out_dir)
+        print(f"{name}: {rows[name]} ({time.perf_counter() - start:.0f}s)", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    header = (f"# bench/gpu.py on {device}\n\ntorch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')},"
+              f" {'smoke shapes' if args.smoke else 'Llama-3.2-1B shape, micro-batch 4 x 2048'}\n\n")  # fmt: skip
+    table = _fmt(rows, shapes(args.smoke), H100_PEAK)
+    print(table)
+    stem = "gpu_smoke" if args.smoke else "gpu_" + device.split()[-1 if "H" not in device else 1].lower()
+    (out_dir / f"{stem}.json").write_text(
+        json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1)
+    )
+    (out_dir / f"{stem}.md").write_text(header + table + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(sys.argv[1:])
