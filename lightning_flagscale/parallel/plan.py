@@ -25,7 +25,9 @@ knowing. The order, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +37,29 @@ from torch import nn
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS
-from lightning_flagscale.models.protocol import PipelineModel, RecomputeUnits, SeededModule, WeightInit, WeightLoader
+from lightning_flagscale.models.protocol import (
+    PipelineModel,
+    RecomputeUnits,
+    SeededModule,
+    WeightInit,
+    WeightLoader,
+    find_protocol_model,
+    model_config,
+)
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
 from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group, tag_expert_params
-from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_pipelined_model
-from lightning_flagscale.parallel.mesh import ParallelMeshes
+from lightning_flagscale.parallel.hetero_dp.shares import gather_dp_speeds
+from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout, build_hetero_pipelined_model
+from lightning_flagscale.parallel.hetero_mesh.profile import apply_profiled_split
+from lightning_flagscale.parallel.hetero_mesh.ranks import (
+    gather_rank_order,
+    install_emulated_slowdown,
+    rank_device_type,
+)
+from lightning_flagscale.parallel.mesh import ParallelMeshes, build_meshes
 from lightning_flagscale.parallel.pipeline_parallel.model import (
     PipelinedModel,
     build_pipelined_model,
@@ -52,7 +69,7 @@ from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recom
 from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
-__all__ = ["Parallelized", "RankLayout", "parallelize"]
+__all__ = ["Parallelized", "RankLayout", "build_rank_meshes", "parallelize", "parallelize_rank"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,10 @@ class Parallelized:
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     expert_grad_scale: float = 1.0
     """Factor for expert gradients after FSDP2's edp average (see ``_shard_experts``)."""
+    hetero_groups: list[StageGroup] | None = None
+    """Heterogeneous meshes: every stage group, with the block split the plan used (profiled when left open)."""
+    dp_speeds: list[float] | None = None
+    """``hetero_dp_batch_sizes="auto"``: every data-parallel rank's speed (the data loaders' shares)."""
 
     def tag_parameters(self, model: nn.Module, ep_enabled: bool) -> None:
         """Mark the tied pipeline copy (left out of the gradient norm) and expert parameters (reduced over the
@@ -89,6 +110,43 @@ class Parallelized:
             exclude_tied_copy_from_norm(self.pipeline)
         if ep_enabled:
             tag_expert_params(model)
+
+
+def build_rank_meshes(
+    parallel: ParallelConfig, model: nn.Module, device: torch.device
+) -> tuple[ParallelConfig, ParallelMeshes, list[StageGroup] | None]:
+    """This rank's layout, its meshes and (heterogeneous meshes) every stage group; call it once the process group
+    exists. Under ``hetero_meshes`` the returned config is this rank's stage group's (``parallel`` is the job's)."""
+    if not parallel.hetero_enabled:
+        return parallel, build_meshes(parallel, device.type), None
+    config = model_config(model)
+    if config is None:
+        raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
+    order = gather_rank_order(parallel.hetero_meshes, device)  # ranks by device type
+    groups, meshes, rank_config = build_hetero_layout(parallel, config.num_layers, device.type, order)
+    return rank_config, meshes, groups
+
+
+def parallelize_rank(
+    module: nn.Module, layout: RankLayout, *, hetero: ParallelConfig | None, place: Callable[[], None]
+) -> Parallelized:
+    """Everything ``setup`` does to ``module`` on this rank, in order: the profiled block split of heterogeneous
+    meshes (``hetero_layers`` left open), the data-parallel speeds (``hetero_dp_batch_sizes="auto"``),
+    :func:`parallelize`, the emulated slowdown of a declared device type, ``place`` (the caller's dtype and device
+    moves) and last the parameter tags, which those moves may replace (:meth:`Parallelized.tag_parameters`)."""
+    model = find_protocol_model(module)
+    groups = layout.hetero_groups
+    if groups is not None and hetero is not None:  # hetero_layers=None: the split of a profiling pass on these ranks
+        groups = apply_profiled_split(hetero, groups, model, layout.device)
+        layout = dataclasses.replace(layout, hetero_groups=groups)
+    speeds = gather_dp_speeds(layout.config, layout.meshes, model, layout.device)
+    result = parallelize(module, model, layout)
+    result.hetero_groups, result.dp_speeds = groups, speeds
+    stages = result.pipeline.stage_modules if result.pipeline is not None else [model]
+    install_emulated_slowdown(stages, rank_device_type(groups), layout.device)
+    place()
+    result.tag_parameters(module.model if result.pipeline is not None else model, layout.config.ep_enabled)
+    return result
 
 
 def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:

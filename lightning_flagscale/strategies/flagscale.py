@@ -1,22 +1,21 @@
 """``FlagScaleStrategy``: hybrid parallelism behind the unchanged Lightning ``Trainer`` and ``training_step``.
 
-Hook order (Lightning's): ``setup_environment`` validates the layout against the world size and the model's config
-before any process group exists, then creates the process group and the named meshes; ``configure_model`` runs on
-the meta device; ``setup`` hands the model and this rank's layout to ``parallel.parallelize`` (PP split -> TP -> CP
--> EP -> recompute -> ZeRO-3 -> materialise), applies precision, builds the optimizers and turns them into
-DDP/ZeRO-1/2 optimizers. ``optimizer_step`` runs the closure, reduces gradients over data x context ranks,
-unscales/clips by the global norm, steps, and re-gathers.
+This file only sequences Lightning's hooks (its own order): ``setup_environment`` validates the layout against the
+world size and the model before any process group exists, then creates the process group and this rank's meshes
+(``parallel.plan.build_rank_meshes``); ``configure_model`` runs on the meta device; ``setup`` makes one call into the
+plan (``parallel.plan.parallelize_rank``: profiled split, speeds, PP -> TP -> CP -> EP -> recompute -> ZeRO-3 ->
+materialise, tags), then builds the optimizers and their DDP/ZeRO wrappers (``parallel.step``). ``optimizer_step``
+runs the closure, reduces gradients over data x context ranks, unscales/clips by the global norm, steps, re-gathers.
 
-Each parallelism lives in ``lightning_flagscale/parallel/``; this file only sequences them. Checkpoint hooks are in
-``_checkpoint.py``, the launcher / watchdog / step guard in ``_resilience.py``, data loaders in ``_data.py`` and the
-token-mean loss in ``_tokens.py``.
+Elsewhere: checkpoint hooks in ``_checkpoint.py``, launcher / watchdog / step guard in ``_resilience.py``, devices,
+precision plugin and world collectives in ``_plumbing.py``, data loaders in ``_data.py``, the token-mean loss in
+``_tokens.py``, and the keyword list (``ParallelConfig``'s fields) in ``_signature.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -24,54 +23,35 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_flagscale.config import ParallelConfig, RecomputeMode
-from lightning_flagscale.config.schedules import ScheduleName
+from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.parallel.data_parallel.optimizer import (
-    DistributedOptimizer,
-    clip_grad_norm_,
-    distributed_optimizers,
+from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
+from lightning_flagscale.parallel.mesh import MeshDim
+from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
+from lightning_flagscale.parallel.plan import RankLayout, build_rank_meshes, parallelize_rank
+from lightning_flagscale.parallel.step import (
+    build_optimizers,
+    grads_replicated,
+    no_grad_sync,
+    prepare_step_grads,
+    reduces_after_backward,
 )
-from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
-from lightning_flagscale.parallel.hetero_dp.shares import gather_dp_speeds
-from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout
-from lightning_flagscale.parallel.hetero_mesh.profile import apply_profiled_split
-from lightning_flagscale.parallel.hetero_mesh.ranks import (
-    gather_rank_order,
-    install_emulated_slowdown,
-    rank_device_type,
-)
-from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes, build_meshes
-from lightning_flagscale.parallel.pipeline_parallel.model import (
-    PipelinedModel,
-    defer_zero_grad,
-    zero_grad_now,
-)
-from lightning_flagscale.parallel.plan import RankLayout, parallelize
-from lightning_flagscale.precision.flagscale import FlagScalePrecision, as_flagscale_precision, check_precision_layout
+from lightning_flagscale.precision.flagscale import check_precision_layout
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
+from lightning_flagscale.strategies._plumbing import PlumbingHooks
 from lightning_flagscale.strategies._resilience import NanPolicy, ResilienceHooks, StepGuard
+from lightning_flagscale.strategies._signature import check_options, with_config_keywords
 from lightning_flagscale.strategies._tokens import (
     apply_accumulation,
     batch_size_of,
@@ -85,11 +65,12 @@ from lightning_flagscale.strategies._tokens import (
 __all__ = ["FlagScaleStrategy"]
 
 
-class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
+class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, ParallelStrategy):
     """Megatron/FlagScale-class hybrid parallelism for the Lightning ``Trainer``.
 
-    Pass the parallel sizes as keyword arguments (the fields of :class:`~lightning_flagscale.config.ParallelConfig`)
-    or a ready ``ParallelConfig`` as ``parallel``. ``data_parallel_size=None`` takes the remaining ranks.
+    Pass the parallel layout as keyword arguments (the fields of :class:`~lightning_flagscale.config.ParallelConfig`,
+    shown in this signature) or a ready ``ParallelConfig`` as ``parallel``. ``data_parallel_size=None`` takes the
+    remaining ranks.
 
     Resilience: ``resume="auto"`` resumes ``fit`` from the newest complete checkpoint of the ``ModelCheckpoint``
     folder; ``nan_policy`` ("raise" | "skip_step" | "rollback") handles non-finite losses/gradients and
@@ -104,32 +85,11 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
 
     strategy_name = "flagscale"
 
+    @with_config_keywords(ParallelConfig, after="parallel")
     def __init__(
         self,
         parallel: ParallelConfig | None = None,
         *,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        virtual_pipeline_parallel_size: int | None = None,
-        context_parallel_size: int = 1,
-        context_parallel_mode: Literal["ring", "ulysses", "hybrid"] = "ring",
-        ulysses_size: int | None = None,
-        expert_parallel_size: int = 1,
-        expert_tensor_parallel_size: int = 1,
-        data_parallel_size: int | None = None,
-        zero_stage: Literal[0, 1, 2, 3] = 0,
-        zero3_impl: Literal["auto", "fsdp2", "flat"] = "auto",
-        sequence_parallel: bool = False,
-        micro_batch_size: int = 1,
-        gradient_accumulation_steps: int = 1,
-        pipeline_schedule: ScheduleName = "1f1b",
-        pipeline_layers: list[int] | None = None,
-        pipeline_balance: Literal["even", "cost"] = "even",
-        recompute: RecomputeMode | list[RecomputeMode] = "none",
-        hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None,
-        hetero_meshes: list[dict[str, Any]] | None = None,
-        hetero_layers: list[int] | None = None,
-        hetero_device_speed: dict[str, float] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -140,21 +100,12 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         nan_policy: NanPolicy = "raise",
         skip_spiky_loss: float | None = None,
         watchdog_timeout: float | None = 600.0,
+        **layout: Any,
     ) -> None:
         super().__init__()
-        if resume not in (None, "auto"):
-            raise ValueError(f"resume={resume!r} is unknown; use 'auto' (newest complete checkpoint) or None.")
         if parallel is None:
-            # The explicit keywords above are ParallelConfig's fields (LightningCLI reads this signature; a test keeps
-            # the two equal): pass them through by name.
-            given = locals()
-            parallel = ParallelConfig(**{f.name: given[f.name] for f in dataclasses.fields(ParallelConfig)})
-        if overlap_param_gather and parallel.zero_stage not in (1, 2):
-            raise ValueError(
-                f"overlap_param_gather=True overlaps ZeRO-1/2's parameter all-gather with the next forward, but"
-                f" zero_stage={parallel.zero_stage} has none to overlap (stage 0 keeps whole weights, ZeRO-3"
-                " prefetches its own); set zero_stage=1 or 2, or drop overlap_param_gather."
-            )
+            parallel = ParallelConfig(**layout)  # the layout keywords are ParallelConfig's fields (_signature.py)
+        check_options(parallel, resume, overlap_param_gather, watchdog_timeout)
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
@@ -168,78 +119,21 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._resume = resume
         self._guard = StepGuard(nan_policy, skip_spiky_loss)
-        if watchdog_timeout is not None and watchdog_timeout <= 0:
-            raise ValueError(f"watchdog_timeout={watchdog_timeout} must be > 0 seconds, or None to disable it.")
         self._watchdog_timeout = watchdog_timeout
-        self._meshes: ParallelMeshes | None = None
+        self._meshes = None
         self._dist_optimizers: dict[int, DistributedOptimizer] = {}
         self._fsdp_roots: list[nn.Module] = []
         self._pipeline: PipelinedModel | None = None
         self._batch_model: nn.Module | None = None
+        self._dp_speeds: list[float] | None = None
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
         self._expert_grad_scale = 1.0
         self.num_nodes = 1
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def meshes(self) -> ParallelMeshes:
-        if self._meshes is None:
-            raise RuntimeError("The meshes exist only after `setup_environment` (inside `Trainer.fit/validate`).")
-        return self._meshes
-
-    @property
-    def device_mesh(self):
-        return self.meshes.world
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning to inject a DistributedSampler built from ``distributed_sampler_kwargs``."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Only data-parallel replicas see different samples; TP/CP/PP ranks of one replica share a batch.
-        return {"num_replicas": self.meshes.size(MeshDim.DP), "rank": self.meshes.local_rank(MeshDim.DP)}
-
     def global_tokens(self, local_tokens: int) -> int:
         """Tokens of the whole step given this rank's share (for tokens/s)."""
         return global_tokens(local_tokens, self.parallel, self.meshes)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @property
-    @override
-    def precision_plugin(self) -> FlagScalePrecision:
-        plugin = self._precision_plugin if self._precision_plugin is not None else FlagScalePrecision()
-        if not isinstance(plugin, FlagScalePrecision):
-            plugin = as_flagscale_precision(plugin)
-            self._precision_plugin = plugin
-        return plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = None if precision_plugin is None else as_flagscale_precision(precision_plugin)
 
     # ------------------------------------------------------------------ environment
     def _check_layout(self, parallel: ParallelConfig, module: Any) -> None:
@@ -260,38 +154,15 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        if self.hetero_parallel is not None:
-            self._build_hetero_meshes()
-        else:
-            self._meshes = build_meshes(self.parallel, self.root_device.type)
+        # Heterogeneous meshes: this rank keeps its stage group's meshes and its group's layout as `parallel`.
+        self.parallel, self._meshes, self._hetero_groups = build_rank_meshes(
+            self.hetero_parallel or self.parallel, self.lightning_module, self.root_device
+        )
         if self._async_checkpoint:
             # The background writer's collectives get their own group, never interleaved with training's.
             self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
         self._start_watchdog()
-
-    def _build_hetero_meshes(self) -> None:
-        """Every stage group's meshes; this rank keeps its group's meshes and its group's layout as ``parallel``."""
-        num_layers = getattr(getattr(self.lightning_module, "config", None), "num_layers", None)
-        if num_layers is None:
-            raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
-        order = gather_rank_order(self.hetero_parallel.hetero_meshes, self.root_device)  # ranks by device type
-        self._hetero_groups, self._meshes, self.parallel = build_hetero_layout(
-            self.hetero_parallel, num_layers, self.root_device.type, order
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # `configure_model` builds on the meta device; `setup` materialises after parallelising.
-        with torch.device("meta") if empty_init is not False else nullcontext():
-            yield
 
     # ------------------------------------------------------------------ setup
     @override
@@ -301,31 +172,19 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         p = self.parallel
         apply_accumulation(p, trainer)
         module = self.lightning_module
-        inner = find_protocol_model(module)
-        self._batch_model = inner  # kept for its batch hooks: under PP, module.model becomes the PipelinedModel
+        self._batch_model = find_protocol_model(module)  # its batch hooks: under PP module.model becomes the pipeline
         precision = self.precision_plugin
         # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
         precision.select_layout(module, self.root_device.type)
-        if self._hetero_groups is not None:  # hetero_layers=None: the split of a profiling pass on these ranks
-            self._hetero_groups = apply_profiled_split(
-                self.hetero_parallel, self._hetero_groups, inner, self.root_device
-            )
-        self._dp_speeds = gather_dp_speeds(p, self.meshes, inner, self.root_device)  # hetero_dp_batch_sizes="auto"
         layout = RankLayout(
             config=p, meshes=self.meshes, device=self.root_device, hetero_groups=self._hetero_groups,
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
             reduce_dtype=precision.reduce_dtype,
         )  # fmt: skip
-        result = parallelize(module, inner, layout)
-        stages = getattr(result.pipeline, "stage_modules", None) or [inner]
-        install_emulated_slowdown(stages, rank_device_type(self._hetero_groups), self.root_device)
-        self._pipeline = result.pipeline
-        self._fsdp_roots = result.fsdp_roots
+        result = parallelize_rank(module, layout, hetero=self.hetero_parallel, place=self._place)
+        self._hetero_groups, self._dp_speeds = result.hetero_groups, result.dp_speeds
+        self._pipeline, self._fsdp_roots = result.pipeline, result.fsdp_roots
         self._expert_grad_scale = result.expert_grad_scale
-        if p.zero_stage < 3:
-            self.model = precision.convert_module(self.model)
-        self.model_to_device()
-        result.tag_parameters(module.model if self._pipeline is not None else inner, p.ep_enabled)
         precision.grad_norm_fn = partial(
             clip_grad_norm_, pp_size=p.pipeline_parallel_size,
             stage_ranks=self.meshes.size(MeshDim.STAGE) if self._hetero_groups is not None else None,
@@ -334,8 +193,13 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
         self._moe_layers = [layer for _, layer in moe_layers(module)]
+
+    def _place(self) -> None:
+        """The precision plugin's dtype (ZeRO-3 keeps its own) and the device move, after parallelising."""
+        if self.parallel.zero_stage < 3:
+            self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
 
     @override
     def setup_optimizers(self, trainer) -> None:
@@ -346,30 +210,16 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._dist_optimizers = {}
         if self._pipeline is not None:
             defer_zero_grad(self.optimizers)
-        if self.parallel.zero_stage == 3:  # flat ZeRO-3's checkpoint/step interface; FSDP2 needs none
-            self._dist_optimizers = flat_zero3_optimizers(self.optimizers, self.lightning_module)
-            return
-        self._dist_optimizers = distributed_optimizers(
-            self.optimizers, self.lightning_module, self.meshes, self.parallel,
+        self._dist_optimizers = build_optimizers(
+            self.optimizers, self.lightning_module, self.meshes, self.parallel, pipelined=self._pipeline is not None,
             master_weights=self.precision_plugin.master_weights, bucket_numel=self._grad_bucket_numel,
-            # Under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and tied embeddings
-            # are summed across stages first): buckets are filled and reduced at the step, not by hooks.
-            overlap=self._overlap_grad_reduce, hooks=self._pipeline is None,
-            overlap_param_gather=self._overlap_param_gather,
+            overlap=self._overlap_grad_reduce, overlap_param_gather=self._overlap_param_gather,
         )  # fmt: skip
-
-    def _expert_params(self) -> list[nn.Parameter]:
-        return [param for layer in self._moe_layers for param in layer.experts.parameters()]
 
     def _dist_opt(self, optimizer) -> DistributedOptimizer | None:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return self._dist_optimizers.get(id(optimizer))
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -425,9 +275,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        # ZeRO-2 reduce-scatters after every backward and frees the full gradients; stages 0/1 reduce once per step
-        # (as does ZeRO-2 under PP: tied-embedding gradients are summed across stages first, in optimizer_step).
-        if self.parallel.zero_stage == 2 and self._pipeline is None:
+        if reduces_after_backward(self.parallel, pipelined=self._pipeline is not None):  # ZeRO-2 without PP
             for dopt in self._dist_optimizers.values():
                 dopt.reduce_grads()
 
@@ -435,19 +283,12 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning enters this around every micro-step of an accumulation window but the last one.
-        for root in self._fsdp_roots:
-            root.set_requires_gradient_sync(False)
-        for dopt in self._dist_optimizers.values():
-            dopt.require_sync = False  # issue 15: stages 0-1 accumulate into their buckets without reducing
         self._accumulating = True
         try:
-            yield
+            with no_grad_sync(self._fsdp_roots, self._dist_optimizers.values()):
+                yield
         finally:
             self._accumulating = False
-            for root in self._fsdp_roots:
-                root.set_requires_gradient_sync(True)
-            for dopt in self._dist_optimizers.values():
-                dopt.require_sync = True
 
     @override
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
@@ -468,19 +309,17 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         precision = self.precision_plugin
         closure_result = closure()
-        if self._expert_grad_scale != 1.0:
-            for param in self._expert_params():
-                if param.grad is not None:
-                    param.grad.mul_(self._expert_grad_scale)
-        if self._pipeline is not None:
-            self._pipeline.runner.sync_tied_grads()
         dopt = self._dist_opt(opt)
         self._mark("optimizer_step: gradient all-reduce/reduce-scatter over data x context ranks")
-        if dopt is not None and (self.parallel.zero_stage < 2 or self._pipeline is not None):
-            dopt.reduce_grads()
+        prepare_step_grads(
+            self.parallel, dopt, pipeline=self._pipeline, moe=self._moe_layers, expert_scale=self._expert_grad_scale
+        )
         params = [q for g in opt.param_groups for q in g["params"]]
         self._mark("optimizer_step: loss exchange wait, non-finite check, global grad norm (all_reduce), step")
-        if self._apply_step_guard(params, replicated_grads=dopt is not None and self._grads_replicated()):
+        replicated = dopt is not None and grads_replicated(
+            self.parallel, self.meshes, self.world_size, hetero=self._hetero_groups is not None
+        )
+        if self._apply_step_guard(params, replicated_grads=replicated):
             skip = precision.unscale_and_check(params, self.lightning_module.trainer.global_step)
             precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping by the global norm
             if not skip:
@@ -491,38 +330,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, ParallelStrategy):
         self._pp_zero_grad_pending = True
         self._mark("between steps: data loading, callbacks, logging (sync_dist all-reduce)")
         return closure_result
-
-    def _grads_replicated(self) -> bool:
-        """Whether the reduced gradients are the same on every rank of the world: stage 0 buckets all-reduced over
-        data x context ranks that are the whole world (no TP, PP or EP shards, one mesh)."""
-        return (
-            self.parallel.zero_stage == 0 and self._hetero_groups is None
-            and self.parallel.expert_parallel_size == 1 and self.meshes.size(MeshDim.DP_CP) == self.world_size
-        )  # fmt: skip
-
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj, src: int = 0):
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(self, tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"):
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     def wait_params(self) -> None:
         """Complete the ZeRO parameter all-gathers still in flight (``overlap_param_gather``): after this the model's

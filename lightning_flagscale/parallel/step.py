@@ -1,0 +1,94 @@
+"""What the parallelised model needs around each optimizer step, decided from the layout in one place: which
+DDP / ZeRO optimizers wrap the user's, when gradients are reduced, and whether they end up alike on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.parallel.data_parallel.optimizer import distributed_optimizers
+from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
+from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
+
+__all__ = [
+    "build_optimizers",
+    "grads_replicated",
+    "no_grad_sync",
+    "prepare_step_grads",
+    "reduces_after_backward",
+    "reduces_at_step",
+]
+
+
+def build_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, meshes: ParallelMeshes, config: ParallelConfig,
+    *, pipelined: bool, master_weights: bool, bucket_numel: int, overlap: bool, overlap_param_gather: bool,
+) -> dict[int, Any]:  # fmt: skip
+    """The distributed optimizer around each of ``optimizers`` (keyed by ``id``): flat ZeRO-3's checkpoint / step
+    interface (FSDP2 needs none), else DDP / ZeRO-1/2 buckets reduced while backward runs (``overlap``)."""
+    if config.zero_stage == 3:
+        return flat_zero3_optimizers(optimizers, module)
+    return distributed_optimizers(
+        optimizers, module, meshes, config, master_weights=master_weights, bucket_numel=bucket_numel,
+        # Under PP the schedule's weight-gradient passes may bypass autograd's accumulation (and tied embeddings
+        # are summed across stages first): buckets are filled and reduced at the step, not by hooks.
+        overlap=overlap, hooks=not pipelined, overlap_param_gather=overlap_param_gather,
+    )  # fmt: skip
+
+
+def reduces_after_backward(config: ParallelConfig, pipelined: bool) -> bool:
+    """ZeRO-2 reduce-scatters after every backward and frees the full gradients; stages 0/1 reduce once per step (as
+    does ZeRO-2 under PP: tied-embedding gradients are summed across stages first, at the step)."""
+    return config.zero_stage == 2 and not pipelined
+
+
+def reduces_at_step(config: ParallelConfig, pipelined: bool) -> bool:
+    """Whether the distributed optimizer reduces the gradients at the optimizer step (DDP, ZeRO-1, anything under PP)."""
+    return config.zero_stage < 2 or pipelined
+
+
+def grads_replicated(config: ParallelConfig, meshes: ParallelMeshes, world_size: int, hetero: bool) -> bool:
+    """Whether the reduced gradients are the same on every rank of the world: stage 0 buckets all-reduced over
+    data x context ranks that are the whole world (no TP, PP or EP shards, one mesh)."""
+    return (
+        config.zero_stage == 0 and not hetero and config.expert_parallel_size == 1
+        and meshes.size(MeshDim.DP_CP) == world_size
+    )  # fmt: skip
+
+
+@contextmanager
+def no_grad_sync(fsdp_roots: Sequence[nn.Module], dist_optimizers: Iterable[Any]) -> Generator[None, None, None]:
+    """Accumulate gradients without reducing them (every micro-step of an accumulation window but the last)."""
+    dopts = list(dist_optimizers)
+    for root in fsdp_roots:
+        root.set_requires_gradient_sync(False)
+    for dopt in dopts:
+        dopt.require_sync = False  # issue 15: stages 0-1 accumulate into their buckets without reducing
+    try:
+        yield
+    finally:
+        for root in fsdp_roots:
+            root.set_requires_gradient_sync(True)
+        for dopt in dopts:
+            dopt.require_sync = True
+
+
+def prepare_step_grads(
+    config: ParallelConfig, dopt: Any | None, *, pipeline: Any | None, moe: Sequence[nn.Module], expert_scale: float
+) -> None:
+    """The gradients of one optimizer step made whole before the step: the further 1/ep of expert gradients under
+    ZeRO-3 (``Parallelized.expert_grad_scale``), tied pipeline copies summed across stages, then the data x context
+    reduction of the optimizers that reduce at the step (:func:`reduces_at_step`)."""
+    if expert_scale != 1.0:
+        for param in (q for layer in moe for q in layer.experts.parameters()):
+            if param.grad is not None:
+                param.grad.mul_(expert_scale)
+    if pipeline is not None:
+        pipeline.runner.sync_tied_grads()
+    if dopt is not None and reduces_at_step(config, pipelined=pipeline is not None):
+        dopt.reduce_grads()
