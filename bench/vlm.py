@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from lightning_flagscale.models.qwen2_5_vl.data import SyntheticShapesDataset, VLMCollator
 from lightning_flagscale.models.qwen2_5_vl.prealloc import image_token_count
+from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
 
 CONFIG = VLMConfig.from_preset(

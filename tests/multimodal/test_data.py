@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_flagscale.multimodal import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.data import (
     ConversationDataset,
     SyntheticShapesDataset,
@@ -17,6 +16,7 @@ from lightning_flagscale.models.qwen2_5_vl.data import (
     check_sample,
 )
 from lightning_flagscale.models.qwen2_5_vl.image import ImageProcessor
+from lightning_flagscale.multimodal import VLMConfig
 
 CFG = VLMConfig.from_preset("qwen2.5-vl-tiny")
 TOK = VLMByteTokenizer()

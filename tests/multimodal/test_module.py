@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.multimodal import VLMConfig, VLMModule, pad_batch_to_max
 from lightning_flagscale.models.qwen2_5_vl.data import SyntheticShapesDataset, VLMCollator
+from lightning_flagscale.multimodal import VLMConfig, VLMModule, pad_batch_to_max
 
 CFG = VLMConfig.from_preset("qwen2.5-vl-tiny", num_layers=2, vision={"depth": 3, "fullatt_block_indexes": [2]})
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from lightning_flagscale.models.qwen2_5_vl.data import SyntheticShapesDataset, VLMCollator
 from lightning_flagscale.models.qwen2_5_vl.prealloc import pad_batch_to_max
+from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import assert_rel_close
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from lightning_flagscale.models.qwen2_5_vl.data import SyntheticShapesDataset, VLMCollator
+from lightning_flagscale.multimodal import VLMConfig, VLMModule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
