@@ -1,7 +1,9 @@
 """A rank that stops responding or dies, or a SIGTERM during a hang: every rank exits promptly, naming the culprit.
 
 Each case launches ``_hang_run`` (2 processes, Lightning's launcher) with a short ``watchdog_timeout``; without the
-watchdog the surviving rank would wait for the process group's 30-minute timeout.
+watchdog the surviving rank would wait for the process group's 30-minute timeout. No elapsed time is asserted: what
+ended the run is read from the ranks' messages (the watchdog's hang diagnosis, the SIGTERM path and not the hang
+timeout); ``_finish``'s limit only keeps a broken run from blocking the suite.
 """
 
 from __future__ import annotations
@@ -52,9 +54,8 @@ def test_hung_rank_makes_every_rank_exit_naming_the_phase(tmp_path):
     out = tmp_path / "steps"
     proc = _start("hang", 6.0, out)
     _wait_for_step(out, 1, 2)
-    t0 = time.monotonic()
-    code, err = _finish(proc, 90)
-    assert code != 0 and time.monotonic() - t0 < 60, err[-3000:]
+    code, err = _finish(proc, 300)
+    assert code != 0, err[-3000:]
     # Whichever watchdog fires first names the hang and the phases of both ranks (rank 1 is stuck "between steps",
     # in the callback; rank 0 in the next collective); the other rank then exits too, naming what it saw.
     hung = [line for line in err.splitlines() if "[FlagScale watchdog" in line and "hung for" in line]
@@ -80,7 +81,7 @@ def test_sigterm_during_a_hang_is_honoured(tmp_path):
     _wait_for_step(out, 1, 2)
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGTERM)
-    t0 = time.monotonic()
-    code, err = _finish(proc, 60)
-    assert code != 0 and time.monotonic() - t0 < 40, err[-3000:]
-    assert "SIGTERM received" in err, err[-3000:]
+    code, err = _finish(proc, 300)
+    assert code != 0, err[-3000:]
+    # The SIGTERM path ended it, not the hang timeout (120 s; the rank sleeps for an hour).
+    assert "SIGTERM received" in err and "hung for" not in err, err[-3000:]
