@@ -16,6 +16,7 @@ package can be named without a path: ``--config llama_tiny`` finds ``lightning_f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,8 +24,12 @@ from lightning_flagscale.recipe_files import list_recipes
 
 __all__ = [
     "SUBCOMMANDS",
+    "TRACEBACK_VARIABLE",
     "main",
 ]
+
+TRACEBACK_VARIABLE = "FLAGSCALE_TRACEBACK"
+"""Set to 1 to see the traceback behind a one-line ``error:`` of ``fit``/``validate``/``test``/``predict``."""
 
 _TRAINING = ("fit", "validate", "test", "predict")
 SUBCOMMANDS: dict[str, str] = {
@@ -37,6 +42,21 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "benchmark FlagScale layouts next to Lightning's DDP/FSDP/ModelParallel strategies",
     "recipes": "list the shipped recipes (usable as --config NAME)",
 }
+
+
+def _recipes(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-flagscale recipes",
+        description="List the shipped recipes: name, then what each sets (devices, layout, model, data), read from"
+        " the YAML itself. Use a name as `lightning-flagscale fit --config NAME`.",
+    )
+    parser.parse_args(argv)
+    try:
+        list_recipes()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `recipes | head -3`: the reader left; say nothing more (Python would print a traceback at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _version() -> str:
@@ -59,13 +79,30 @@ def _overview_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_tracebacks() -> bool:
+    return os.environ.get(TRACEBACK_VARIABLE, "").lower() in ("1", "true", "yes", "on")
+
+
+def _train(argv: list[str]) -> None:
+    from lightning_flagscale.cli_train import FIT_HELP, UsageError, run_lightning_cli
+
+    if "-h" in argv or "--help" in argv:
+        print(FIT_HELP.replace("lightning-flagscale fit", f"lightning-flagscale {argv[0]}"), flush=True)  # CLI output
+    try:
+        run_lightning_cli(argv)
+    except UsageError as err:
+        if _show_tracebacks():
+            raise
+        # One line naming what to change; no worker process was started.
+        print(f"lightning-flagscale {argv[0]}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else None
     if command in _TRAINING:
-        from lightning_flagscale.cli_train import run_lightning_cli
-
-        run_lightning_cli(argv)
+        _train(argv)
     elif command == "convert":
         from lightning_flagscale.convert.cli import convert_main
 
@@ -79,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         bench_main(argv[1:])
     elif command in ("recipes", "list-recipes"):
-        list_recipes()
+        _recipes(argv[1:])
     elif command is None:
         _overview_parser().print_help()
     else:

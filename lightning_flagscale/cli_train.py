@@ -12,12 +12,17 @@ import dataclasses
 import logging
 import sys
 import warnings
+from argparse import ArgumentError
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
+from jsonargparse import ActionConfigFile
+from lightning import __version__ as lightning_version
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -25,13 +30,21 @@ import lightning_flagscale  # noqa: F401  (registers the strategy)
 from lightning_flagscale.convert import config_from_hf
 from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
 from lightning_flagscale.convert.hub import resolve_hf_dir
+from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
+from lightning_flagscale.data import LMDataModule, resolve_data_files
+from lightning_flagscale.data.tokenizers import TOKENIZER_FILES
 from lightning_flagscale.models import CausalLMModule
 from lightning_flagscale.recipe_files import recipe_path
+from lightning_flagscale.strategies import FlagScaleStrategy
+from lightning_flagscale.strategies._resilience import validate_before_launch
 
 __all__ = [
     "DEFAULT_DATA",
     "DEFAULT_MODEL",
+    "FIT_HELP",
     "FlagScaleCLI",
+    "UsageError",
+    "check_hf_weights",
     "hf_model_config",
     "run_lightning_cli",
     "tensorboard_available",
@@ -40,10 +53,77 @@ __all__ = [
 
 DEFAULT_MODEL = "lightning_flagscale.models.CausalLMModule"
 DEFAULT_DATA = "lightning_flagscale.data.LMDataModule"
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+FIT_HELP = """\
+lightning-flagscale fit --config RECIPE [--section.option VALUE ...]
+
+  -c, --config RECIPE         a shipped recipe's name (`lightning-flagscale recipes` lists them) or a YAML path
+  The options set first (every recipe field can be overridden the same way):
+  --data.source FILE|GLOB|DIR your own .txt/.jsonl/.parquet text (default: the embedded synthetic corpus)
+  --data.tokenizer byte|model|DIR   'byte' needs no files; 'model' takes the tokenizer of --model.hf_dir
+  --data.seq_len N, --data.batch_size N
+  --model.config PRESET       a preset (llama-tiny, qwen3-tiny, ...) or a dict of TransformerConfig fields
+  --model.hf_dir DIR_OR_ID    start from a Hugging Face model folder or Hub id (recipe finetune_hf)
+  --trainer.max_steps N, --trainer.devices N
+  --trainer.strategy.init_args.zero_stage 0-3, ...tensor_parallel_size N, ...pipeline_parallel_size N
+  --print_config              the full resolved configuration, then exit
+  Full lists: --model.help CausalLMModule, --data.help LMDataModule, --trainer.strategy.help FlagScaleStrategy.
+  Mistakes found before the workers start are one `error:` line (FLAGSCALE_TRACEBACK=1 shows the traceback).
+  LightningCLI's full option list follows.
+"""
+"""What ``fit --help`` (and ``validate``/``test``/``predict``) prints before LightningCLI's 500-line list."""
+
+_USER_ERRORS = (ArgumentError, ValueError, TypeError, OSError, MisconfigurationException)
+"""Raised while parsing, instantiating or checking the run before launch, these are mistakes in the command line or
+the recipe; raised later, while training, they are bugs and keep their traceback."""
+
+
+def _user_message(err: BaseException) -> str:
+    """The message of ``err`` on one line. jsonargparse reports a class that refused its arguments inside a long
+    "Does not validate against any of the Union subtypes" text that quotes the original: that one is used."""
+    inner = None if isinstance(err, ArgumentError) else err.__cause__ or err.__context__
+    while isinstance(inner, _USER_ERRORS) and str(inner) and str(inner) in str(err):
+        err, inner = inner, inner.__cause__ or inner.__context__
+    message = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, ArgumentError):
+        message += " (`--help` lists the options)"
+    return message
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or the recipe, found before any worker process started. ``lightning-flagscale``
+    prints its message as one ``error:`` line (``FLAGSCALE_TRACEBACK=1`` shows the traceback)."""
 
 
 class FlagScaleCLI(LightningCLI):
-    """LightningCLI in subclass mode for ``model`` and ``data``, defaulting to the built-in classes."""
+    """LightningCLI in subclass mode for ``model`` and ``data``, defaulting to the built-in classes.
+
+    Every check that needs no worker runs before the launcher spawns any (the layout against the world size, the HF
+    folder's config, weights and tokenizer files, the data files); what fails there is re-raised as a
+    :class:`UsageError` carrying the original message.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._launching = False
+        try:
+            super().__init__(*args, **kwargs)
+        except _USER_ERRORS as err:
+            if self._launching or isinstance(err, UsageError):
+                raise
+            raise UsageError(_user_message(err)) from err
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # LightningCLI's own, with a `--config` help that says recipe names work (resolved in `_resolve_config_args`).
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning_version}"])
+        parser = self.parser_class(**kwargs)
+        parser.add_argument(
+            "-c", "--config", action=ActionConfigFile,
+            help="A shipped recipe's name (`lightning-flagscale recipes` lists them) or a YAML/JSON file path.",
+        )  # fmt: skip
+        return parser
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -57,7 +137,27 @@ class FlagScaleCLI(LightningCLI):
         if data is not None and data.get("class_path") == DEFAULT_DATA and data.init_args.get("tokenizer") == "model":
             if hf_dir is None:
                 raise ValueError("data.tokenizer='model' takes the tokenizer of model.hf_dir; set --model.hf_dir.")
+            if not any((Path(hf_dir) / name).is_file() for name in TOKENIZER_FILES):
+                raise ValueError(
+                    f"data.tokenizer='model' takes the tokenizer of model.hf_dir, but {hf_dir} has no tokenizer files"
+                    f" ({', '.join(TOKENIZER_FILES)}); pass --data.tokenizer byte (UTF-8 bytes as ids 0-255, for a"
+                    " model with at least 256 ids) or --data.tokenizer DIR (the folder with the model's tokenizer)."
+                )
             data.init_args.tokenizer = hf_dir
+
+    def before_fit(self) -> None:
+        """The strategy launcher's own checks (layout against world size, model, data), run here so that what fails
+        is reported as a user error: after this hook the launcher spawns the workers."""
+        strategy, datamodule = self.trainer.strategy, self.datamodule
+        if isinstance(datamodule, LMDataModule) and datamodule.source != "synthetic":
+            resolve_data_files(datamodule.source)  # a missing file or an unknown format, by name
+        if isinstance(strategy, FlagScaleStrategy):
+            world_size = strategy.num_nodes * strategy.num_processes
+            # The check the launcher repeats (on a copy of the layout) once the trainer has connected the module.
+            validate_before_launch(strategy.parallel, self.model, world_size, datamodule, strategy._check_layout)
+        self._launching = True
+
+    before_validate = before_test = before_predict = before_fit
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -99,6 +199,7 @@ def hf_model_config(config: Any) -> str | None:
         return None
 
     local = resolve_hf_dir(hf_dir)
+    check_hf_weights(local)
     fields = {k: v for k, v in (spec or {}).items() if k != "preset"} if isinstance(spec, dict) else {}
     hf_config = config_from_hf(local, **{k: v for k, v in fields.items() if k not in ARCHITECTURE_FIELDS})
     conflicts = [f"{k}={v!r} (model.config) vs {getattr(hf_config, k)!r}" for k, v in fields.items()
@@ -110,6 +211,15 @@ def hf_model_config(config: Any) -> str | None:
     init.config = dataclasses.asdict(hf_config)
     init.hf_dir = str(local)
     return str(local)
+
+
+def check_hf_weights(hf_dir: str | Path) -> None:
+    """Open the header of every safetensors file of ``hf_dir`` (a missing, truncated or corrupt shard raises
+    ``CheckpointFormatError`` naming it, as ``convert hf-to-ckpt`` does), reading no tensor data."""
+    with HFCheckpointReader(hf_dir) as reader:
+        first_of_file = {file: name for name, file in reversed(reader.weight_map.items())}
+        for name in first_of_file.values():
+            reader.shape(name)
 
 
 def tensorboard_available() -> bool:
@@ -187,6 +297,8 @@ def run_lightning_cli(argv: list[str]) -> FlagScaleCLI:
                 subclass_mode_model=True,
                 subclass_mode_data=True,
                 save_config_kwargs={"overwrite": True},
+                # Argument errors raise (and become one `error:` line) instead of printing the 500-line usage.
+                parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in _SUBCOMMANDS}},
             )
     finally:
         rank_zero_logger.removeFilter(quiet)

@@ -37,7 +37,8 @@ ARCHITECTURE_FIELDS = (
     "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias", "qk_norm", "tie_word_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_shared_experts",
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "norm_topk_prob",
-    "first_k_dense_layers", "moe_layer_freq",
+    "first_k_dense_layers", "moe_layer_freq", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "rope_interleave",
 )  # fmt: skip
 """TransformerConfig fields that change the math; the module and the checkpoint must agree on all of them."""
 _EXTRA_ARCHITECTURE_FIELDS = ("vision", "mrope_section", "image_token_id")

@@ -82,11 +82,14 @@ def resolve_hf_dir(
         where = cache_dir or constants.HF_HUB_CACHE
         reason = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         raise HFConversionError(
-            f"{name!r}{at} is not in the Hugging Face cache ({where}) and {reason}. Download it once with network"
-            f" access (e.g. `hf download {name}`), or pass a local folder."
+            f"{name!r}{at} is not in the Hugging Face cache ({where}) and {reason}, and no local folder has that"
+            f" path: check the path, or download it once with network access (`hf download {name}`)."
         ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise HFConversionError(f"{name!r}{at} was not found on the Hugging Face Hub: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HFConversionError(
+            f"{name!r}{at} was not found on the Hugging Face Hub ({first}), and no local folder has that path."
+        ) from err
     return Path(local)
 
 

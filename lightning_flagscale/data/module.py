@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_flagscale.data.datasets import PackedDataset, PaddedDataset, load_text_documents
 from lightning_flagscale.data.synthetic import SyntheticTextDataset
-from lightning_flagscale.data.tokenizers import Tokenizer, load_tokenizer
+from lightning_flagscale.data.tokenizers import Tokenizer, check_tokenizer, load_tokenizer
 
 __all__ = ["EpochShuffleSampler", "LMDataModule", "ResumableDataLoader"]
 
@@ -144,6 +144,7 @@ class LMDataModule(L.LightningDataModule):
                 raise ValueError(f"LMDataModule {name} must be >= 0 (or -1 for all of a file source), got {value}.")
         if num_workers < 0:
             raise ValueError(f"LMDataModule num_workers must be >= 0, got {num_workers}.")
+        check_tokenizer(tokenizer)  # file names only: a wrong folder fails here, before any worker starts
         self.source = source
         self.tokenizer_name = tokenizer
         self.seq_len = seq_len

@@ -12,7 +12,11 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "check_tokenizer", "load_tokenizer"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A folder holding none of these has no tokenizer ``transformers`` can load without guessing (a ``save_pretrained``
+model folder alone): refused by name up front instead of failing inside ``AutoTokenizer`` after the workers started."""
 
 
 @runtime_checkable
@@ -86,10 +90,7 @@ class HFTokenizer:
             raise ImportError(
                 "HFTokenizer needs `transformers`: pip install 'lightning-flagscale[hf]' (or use tokenizer='byte')."
             ) from err
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"HFTokenizer expects a local tokenizer folder, got {os.fspath(path)!r} (not a directory)."
-            )
+        check_tokenizer(os.fspath(path))
         self.path = os.fspath(path)
         self._tok: Any = AutoTokenizer.from_pretrained(self.path)
         if self._tok.eos_token_id is None:
@@ -125,13 +126,28 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r})"
 
 
+def check_tokenizer(name_or_path: str) -> None:
+    """Raise ``ValueError`` naming the fix unless ``name_or_path`` is ``"byte"`` or a folder with tokenizer files.
+
+    Cheap (file names only, no ``transformers``): the CLI runs it before any worker process starts.
+    """
+    if name_or_path == "byte":
+        return
+    if not os.path.isdir(name_or_path):
+        raise ValueError(
+            f"Unknown tokenizer {name_or_path!r}: use 'byte' or the path of a local Hugging Face tokenizer folder "
+            "(downloads are not attempted)."
+        )
+    if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"{name_or_path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass the folder that has them,"
+            " or tokenizer='byte' (--data.tokenizer byte: UTF-8 bytes as ids 0-255, no files needed)."
+        )
+
+
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """``"byte"`` for :class:`ByteTokenizer`, else a local HF tokenizer folder for :class:`HFTokenizer`."""
+    check_tokenizer(name_or_path)
     if name_or_path == "byte":
         return ByteTokenizer()
-    if os.path.isdir(name_or_path):
-        return HFTokenizer(name_or_path)
-    raise ValueError(
-        f"Unknown tokenizer {name_or_path!r}: use 'byte' or the path of a local Hugging Face tokenizer folder "
-        "(downloads are not attempted)."
-    )
+    return HFTokenizer(name_or_path)
