@@ -1,5 +1,6 @@
 """Tuner parts that start their own processes: ``tune --calibrate``'s micro-benchmarks (a spawned gloo world) and
-``tune --run`` (candidates trained by ``lightning-flagscale fit`` subprocesses). Timing is never asserted."""
+``tune --run`` (candidates trained by ``lightning-flagscale fit`` subprocesses). Timing is never asserted: what a
+measurement is depends on the machine's load; what the code does with it is tested on a clock the test controls."""
 
 from __future__ import annotations
 
@@ -179,25 +180,53 @@ def _world_rank(rank: int, mode: str, results, reported=None) -> None:
             reported.set()
 
 
-def test_a_calibration_world_that_hangs_is_killed_and_named():
+def test_a_calibration_world_that_hangs_is_killed_and_named(monkeypatch):
+    import signal
+    import types
+
+    import lightning_flagscale.tune.calibrate as calibrate_module
+
+    worlds = []
+    start_processes = calibrate_module.mp.start_processes
+
+    def recorded(*args, **kwargs):
+        worlds.append(start_processes(*args, **kwargs))
+        return worlds[-1]
+
+    monkeypatch.setattr(calibrate_module.mp, "start_processes", recorded)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    assert _run_world(_world_rank, ("ok", results), 2, results, timeout=60) == ("done", "ok")
-    start = time.monotonic()
+    assert _run_world(_world_rank, ("ok", results), 2, results, timeout=300) == ("done", "ok")
     with pytest.raises(TimeoutError, match="calibration world of 2 ranks did not finish within 3 s"):
         _run_world(_world_rank, ("hang", results), 2, ctx.Queue(), timeout=3)
-    assert time.monotonic() - start < 30  # killed, not waited for
-    # rank 0 reports, rank 1 never exits; the deadline leaves room for the ranks to start under a loaded suite (the
-    # spawned interpreters import this module: 3 s was not always enough)
+    # killed, not waited for: the hung rank (asleep for an hour) ended by SIGKILL, nothing of the world alive
+    hung = worlds[-1].processes
+    assert not any(p.is_alive() for p in hung) and hung[1].exitcode == -signal.SIGKILL, [p.exitcode for p in hung]
+    # rank 0 reports, rank 1 never exits. The deadline is read on a clock that jumps past it once the report is in:
+    # however long the spawned interpreters take to start on a loaded machine, the report comes first.
     shared = ctx.Queue()
-    with pytest.raises(TimeoutError, match="did not exit within 15 s after the world reported"):
-        _run_world(_world_rank, ("hang", shared), 2, shared, timeout=15)
+
+    class Reported:
+        seen = False
+
+        def get(self, timeout):
+            value = shared.get(timeout=timeout)
+            Reported.seen = True
+            return value
+
+    def monotonic() -> float:
+        return time.monotonic() + (1e6 if Reported.seen else 0.0)
+
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(monotonic=monotonic))
+    with pytest.raises(TimeoutError, match="did not exit within 300 s after the world reported"):
+        _run_world(_world_rank, ("hang", shared), 2, Reported(), timeout=300)
+    assert worlds[-1].processes[1].exitcode == -signal.SIGKILL
 
 
 def test_a_calibration_rank_that_fails_fails_the_calibration():
     ctx = mp.get_context("spawn")
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke"):
-        _run_world(_world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=60)
+        _run_world(_world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=300)
 
 
 def test_a_rank_that_aborts_while_exiting_after_the_report_is_named_and_the_results_kept():
@@ -205,12 +234,12 @@ def test_a_rank_that_aborts_while_exiting_after_the_report_is_named_and_the_resu
     ctx = mp.get_context("spawn")
     results, reported = ctx.Queue(), ctx.Event()
     with pytest.warns(UserWarning, match="process 1 terminated with signal SIGABRT after its world reported"):
-        assert _run_world(_world_rank, ("abort_after", results, reported), 2, results, timeout=120) == (
+        assert _run_world(_world_rank, ("abort_after", results, reported), 2, results, timeout=300) == (
             "done",
             "abort_after",
         )
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
-        _run_world(_world_rank, ("abort_before", ctx.Queue()), 2, ctx.Queue(), timeout=120)
+        _run_world(_world_rank, ("abort_before", ctx.Queue()), 2, ctx.Queue(), timeout=300)
 
 
 def test_four_rank_calibration_times_every_group_size():
@@ -226,19 +255,29 @@ def test_four_rank_calibration_times_every_group_size():
             assert links[kind][n].group_size == n and links[kind][n].latency >= 0 and links[kind][n].bus_bandwidth > 0
 
 
-def test_calibration_produces_a_sane_profile(tmp_path):
+def test_calibration_produces_a_complete_profile(tmp_path):
+    """A real calibration (a spawned gloo world) yields every part of a profile, finite and in the form the cost
+    model reads. What the timings are is not asserted (a loaded machine decides them); what the code derives from
+    them is: efficiencies relative to the measured peak, residuals never negative, the reference step reproduced,
+    and a profile the search runs on. How the measurements become the profile, with a clock the test controls:
+    ``test_calibration_arithmetic_under_an_injected_clock``."""
     profile = calibrate(group_sizes=(2,), message_bytes=(4 << 10, 256 << 10), gemm_sizes=(32, 128), seq_lens=(64,),
                         repeats=2, optimizer_numel=1 << 20, worlds=1)  # fmt: skip
-    assert 1e8 < profile.peak_flops < 1e13  # a CPU: between 0.1 GFLOP/s and 10 TFLOP/s
+
+    def positive(*values: float) -> bool:
+        return all(math.isfinite(v) and v > 0 for v in values)
+
+    def residual(*values: float) -> bool:  # clamped at zero by the calibration
+        return all(math.isfinite(v) and v >= 0 for v in values)
+
+    assert positive(profile.peak_flops, profile.hbm_bandwidth, profile.optimizer_seconds_per_param)
+    assert positive(profile.input_grad_gemm_factor, profile.weight_grad_gemm_factor)  # measured, not assumed
     assert all(0 < eff <= 1 for _, eff in profile.gemm) and max(eff for _, eff in profile.gemm) == 1.0
-    assert 0 < profile.attention_efficiency <= 1 and 1e8 < profile.hbm_bandwidth < 1e13
-    assert profile.input_grad_gemm_factor > 0 and profile.weight_grad_gemm_factor > 0  # measured, not assumed
+    assert [f for f, _ in profile.gemm] == sorted({2.0 * r * n * n for n in (32, 128) for r in (n, 8 * n)})
+    assert 0 < profile.attention_efficiency <= 1
     assert profile.compute_units_per_node >= 1  # the cores the spawned ranks share
-    # the optimizer phase, timed: torch's AdamW makes several passes per element, a 1e-11 s/param step would be a
-    # 100 GB/s-per-core CPU and 1e-6 a broken measurement
-    assert 1e-11 < profile.optimizer_seconds_per_param < 1e-6
     # the end-to-end factor from the reference decoder step: the profile then predicts that step's busy time
-    assert 0.01 < profile.compute_scale < 10 and "reference decoder step" in profile.source
+    assert positive(profile.compute_scale) and "reference decoder step" in profile.source
     from lightning_flagscale.tune.calibrate import REFERENCE, reference_compute_scale
     from lightning_flagscale.tune.cost import _rank_pass
 
@@ -246,30 +285,23 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     scaled = profile.replace(compute_scale=reference_compute_scale(profile, 0.05))
     one = _rank_pass(reference, ParallelConfig().resolve(1), reference.max_seq_len, scaled)
     assert one.f + one.b == pytest.approx(0.05)  # a 50 ms reference step is what the scaled profile predicts
-    # a few rows run below the GEMM curve; from 512 rows up the curve holds
-    assert profile.gemm_rows[-1] == (512.0, 1.0) and all(0 < f < 2 for _, f in profile.gemm_rows)
-    assert profile.gemm_shape_factor(8) < profile.gemm_shape_factor(256)
-    # attention calls and ring blocks by size, forward and backward apart; small calls reach less of the peak
+    # each row count's factor over the GEMM curve, the curve itself from 512 rows up
+    assert [r for r, _ in profile.gemm_rows] == [8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]
+    assert profile.gemm_rows[-1] == (512.0, 1.0) and positive(*(f for _, f in profile.gemm_rows))
+    # attention calls and ring blocks by size, forward and backward apart
     for points in (profile.attention_calls, profile.ring_blocks):
-        assert len(points) >= 4 and all(f > 0 and 0 < fwd < 2 and 0 < bwd < 2 for f, fwd, bwd in points)
-        assert points[0][1] < points[-1][1] and points[0][2] < points[-1][2]
-    # the DTensor TP plan's host time per block and at the ends, and a blocking collective's wait with every rank
-    # computing (world 2 here: each rank has a core, so the wait may be ~0, never negative)
-    assert len(profile.tp_overhead) == 4 and profile.tp_overhead[0] > 0 and profile.tp_overhead[1] > 0
-    assert [n for n, _ in profile.blocking_collective] == [2.0] and profile.blocking_collective[0][1] >= 0
-    # an MoE block's time beyond its kernels: the residual of the MoE reference decoder, never negative
-    assert len(profile.moe_overhead) == 2 and min(profile.moe_overhead) >= 0
-    # selective recompute's dispatch beyond the kernels it recomputes: the same residual, never negative
-    assert len(profile.selective_overhead) == 2 and min(profile.selective_overhead) >= 0
-    # the pipeline schedule's host time per action (a GPipe run of trivial stages over the 2 ranks): torch's
-    # bookkeeping and P2P calls cost something, less than a second
-    assert 0 < profile.pipeline_action_overhead < 1.0
-    # the training loop's own cost per step (a negligible decoder under Trainer + FlagScaleStrategy), beyond what the
-    # model prices for it: never negative, and far below a second
-    assert 0 <= profile.step_overhead < 1.0
+        assert len(points) >= 4 and all(positive(f, fwd, bwd) for f, fwd, bwd in points)
+    # the DTensor TP plan's host time (per block and at the ends, forward and backward), a blocking collective's
+    # wait with every rank computing, an MoE block's and selective recompute's residuals, the schedule's host time
+    # per action and the training loop's own cost per step: residuals, never negative
+    assert len(profile.tp_overhead) == 4 and residual(*profile.tp_overhead)
+    assert [n for n, _ in profile.blocking_collective] == [2.0] and residual(profile.blocking_collective[0][1])
+    assert len(profile.moe_overhead) == 2 and residual(*profile.moe_overhead)
+    assert len(profile.selective_overhead) == 2 and residual(*profile.selective_overhead)
+    assert residual(profile.pipeline_action_overhead, profile.step_overhead)
     for kind in COLLECTIVES:
         point = profile.link(kind, 2, "intra")
-        assert point.group_size == 2 and point.latency >= 0 and 1e5 < point.bus_bandwidth < 1e12
+        assert point.group_size == 2 and residual(point.latency) and positive(point.bus_bandwidth)
     # CPU processes: gloo, no fused kernel curves (flash-attn and TE need a GPU)
     assert profile.device_type.startswith("cpu-") and "gloo, CPU, float32" in profile.source
     assert profile.attention_kernels == {}
@@ -277,6 +309,70 @@ def test_calibration_produces_a_sane_profile(tmp_path):
     assert load_profile(tmp_path / "cpu.json") == profile
     tiny = TransformerConfig.from_preset("llama-tiny")
     assert search(tiny, 2, seq_len=64, global_batch=4, hardware=profile, top_k=3).candidates
+
+
+def test_calibration_arithmetic_under_an_injected_clock(monkeypatch):
+    """Every region the calibration times lasts exactly ``TICK`` on a fake clock, and the spawned world's timings
+    are given: the profile is then fixed, and each part is what the measurements make of it (a rate is FLOPs or
+    bytes over the time, an efficiency that rate over the peak, an attention backward 2.5x the forward's FLOPs, a
+    time on cores shared by more ranks than cores scaled to the busy time)."""
+    import types
+
+    import torch
+
+    import lightning_flagscale.tune.calibrate as cal
+    from lightning_flagscale.tune.cost import _rank_pass
+    from lightning_flagscale.tune.hardware import LinkPoint
+
+    tick = 1e-3
+    clock = {"now": 0.0}
+
+    def perf_counter() -> float:
+        clock["now"] += tick
+        return clock["now"]
+
+    monkeypatch.setattr(cal, "time", types.SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic,
+                                                           strftime=time.strftime))  # fmt: skip
+    links = {kind: {2: LinkPoint(group_size=2, latency=1e-5, bus_bandwidth=1e9)} for kind in COLLECTIVES}
+    world = cal._WorldTimes(optimizer=2e-9, reference=0.2, tp_overhead=(1e-3, 2e-3, 3e-3, 4e-3), blocking={2: 5e-4},
+                            moe=(1.0, 2.0, 3.0, 5.0), selective=(1.0, 2.0, 3.0, 5.0), pipeline=0.5, loop=0.3)  # fmt: skip
+    monkeypatch.setattr(cal, "_measure_world", lambda *args, **kwargs: (links, world))
+    monkeypatch.setattr(cal.os, "cpu_count", lambda: 1)  # 2 ranks on 1 core: busy time is half the wall time
+    shapes = cal.Shapes(gemm_sizes=(16, 32), seq_lens=(16, 32), message_bytes=(1024,), attention_calls=(8, 16, 32),
+                        attention_heads=2, attention_head_dim=8, ring_blocks=(8, 16), rows_width=64,
+                        memory_numel=1024)  # fmt: skip
+    profile = cal._calibrate((2,), shapes, 1, 1e9, "fake", torch.float32, 1 << 10, 1)
+
+    def flat(points) -> list[float]:
+        return [v for point in points for v in point]
+
+    flops = sorted({2.0 * r * n * n for n in (16, 32) for r in (n, 8 * n)})
+    peak = flops[-1] / tick
+    assert profile.peak_flops == pytest.approx(peak, rel=1e-12)
+    assert flat(profile.gemm) == pytest.approx(flat((f, f / flops[-1]) for f in flops), rel=1e-12)
+    assert profile.input_grad_gemm_factor == pytest.approx(1.0) and profile.weight_grad_gemm_factor == pytest.approx(
+        1.0
+    )
+    best_attention = 0.5 * 4 * 32 * 32 * 4 * 64 / tick  # measure_attention's default heads (4) and head dim (64)
+    assert profile.attention_efficiency == pytest.approx(min(1.0, best_attention / peak), rel=1e-12)
+    calls = [(0.5 * 4 * s * s * 2 * 8, 0.5 * 4 * s * s * 2 * 8 / (tick * peak), 2.5 * 0.5 * 4 * s * s * 2 * 8 /
+              (tick * peak)) for s in (8, 16, 32)]  # fmt: skip
+    assert flat(profile.attention_calls) == pytest.approx(flat(calls), rel=1e-12)
+    blocks = [(4.0 * n * n * 2 * 8, 4.0 * n * n * 2 * 8 / (tick * peak), 2.5 * 4.0 * n * n * 2 * 8 / (tick * peak))
+              for n in (8, 16)]  # fmt: skip
+    assert flat(profile.ring_blocks) == pytest.approx(flat(blocks), rel=1e-12)
+    assert profile.hbm_bandwidth == pytest.approx(3 * 4 * 1024 / tick, rel=1e-12)
+    assert profile.gemm_rows[-1] == (512.0, 1.0) and len(profile.gemm_rows) == 7
+    # the world's timings, as busy time of 2 ranks sharing 1 core
+    assert profile.compute_units_per_node == 1.0
+    assert profile.optimizer_seconds_per_param == pytest.approx(1e-9, rel=1e-12)
+    assert profile.tp_overhead == pytest.approx((5e-4, 1e-3, 1.5e-3, 2e-3), rel=1e-12)
+    assert profile.blocking_collective == [(2.0, 5e-4)]
+    assert profile.link("all_reduce", 2, "intra") == links["all_reduce"][2]
+    # the scaled profile predicts the reference step's busy time (0.2 s of wall time on half a core)
+    reference = TransformerConfig(**cal.REFERENCE)
+    one = _rank_pass(reference, ParallelConfig().resolve(1), reference.max_seq_len, profile)
+    assert one.f + one.b == pytest.approx(0.1, rel=1e-9)
 
 
 def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys):
