@@ -43,8 +43,9 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     """RoPE base."""
     rope_scaling: dict[str, Any] | None = None
-    """``None`` or the Llama-3 variant: ``{"rope_type": "llama3", "factor", "low_freq_factor",
-    "high_freq_factor", "original_max_position_embeddings"}``."""
+    """``None``, the Llama-3 variant ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` or YaRN ``{"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}`` (DeepSeek-V3; ``mscale_all_dim`` also scales the softmax)."""
     attention_bias: bool = False
     """Bias on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
@@ -55,6 +56,20 @@ class TransformerConfig:
     """Std of the normal init of weights."""
     attn_backend: Literal["torch", "flash_attn", "transformer_engine"] = "torch"
     """Core-attention kernel: ``torch`` runs anywhere; the others need their package and a GPU."""
+    # ---- multi-head latent attention (DeepSeek-V2/V3 MLA; kv_lora_rank None means standard attention) ----
+    kv_lora_rank: int | None = None
+    """MLA: width of the joint key/value latent (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``); ``None``:
+    standard multi-head / grouped-query attention."""
+    q_lora_rank: int | None = None
+    """MLA: width of the low-rank query (``q_a_proj`` -> RMSNorm -> ``q_b_proj``); ``None`` projects q directly."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head width of the query/key part without position encoding."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head width of the rotary query part; the rotary key part is one head shared by all heads."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width; ``None`` means ``qk_nope_head_dim + qk_rope_head_dim``."""
+    rope_interleave: bool = False
+    """MLA: the rotary query/key channels come in interleaved pairs (DeepSeek checkpoints), de-interleaved by RoPE."""
     # ---- MoE (num_experts == 0 means dense) ----
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
@@ -108,6 +123,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.kv_lora_rank is not None:
+            self._check_mla()
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -123,10 +140,13 @@ class TransformerConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads="
                 f"{self.num_key_value_heads} (grouped-query attention)."
             )
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") not in ("llama3", "default"):
-            raise ValueError(
-                f"rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported; use 'llama3' or None."
-            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", "llama3")
+            if rope_type not in ("llama3", "default", "yarn"):
+                raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use 'llama3', 'yarn' or None.")
+            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in self.rope_scaling]
+            if rope_type == "yarn" and missing:
+                raise ValueError(f"rope_scaling of type 'yarn' needs {missing}; got {self.rope_scaling}.")
         if self.num_experts:
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(
@@ -149,6 +169,44 @@ class TransformerConfig:
                 f"attn_backend={self.attn_backend!r} is unknown; use 'torch', 'flash_attn' or 'transformer_engine'."
             )
 
+    def _check_mla(self) -> None:
+        """MLA shapes: every head has its own key and value (from the latent), so no grouped KV heads."""
+        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Multi-head latent attention needs {name} >= 1, got {getattr(self, name)}.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates channel pairs).")
+        if self.qk_nope_head_dim < 0 or (self.q_lora_rank is not None and self.q_lora_rank < 1):
+            raise ValueError(
+                f"qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0 and q_lora_rank={self.q_lora_rank} >= 1 or None."
+            )
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"Multi-head latent attention has one key/value head per query head; set num_key_value_heads="
+                f"{self.num_attention_heads} (or None) instead of {self.num_key_value_heads}."
+            )
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim is None:
+            self.head_dim = qk
+        elif self.head_dim != qk:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {qk} under MLA (or None)."
+            )
+        if self.v_head_dim is None:
+            self.v_head_dim = qk
+        elif self.v_head_dim < 1:
+            raise ValueError(f"v_head_dim={self.v_head_dim} must be >= 1.")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates per head: ``qk_rope_head_dim`` under MLA, else ``head_dim``."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -170,11 +228,14 @@ class TransformerConfig:
         layer (plus shared experts and the router), the FLOP-relevant count (6 x active params x tokens).
         """
         h, q, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        attn = h * q * d + 2 * h * kv * d + q * d * h
-        if self.attention_bias:
-            attn += q * d + 2 * kv * d
-        if self.qk_norm:
-            attn += 2 * d
+        if self.is_mla:
+            attn = self._mla_params()
+        else:
+            attn = h * q * d + 2 * h * kv * d + q * d * h
+            if self.attention_bias:
+                attn += q * d + 2 * kv * d
+            if self.qk_norm:
+                attn += 2 * d
         dense_mlp = 3 * h * self.intermediate_size
         total = 0
         for i in range(self.num_layers):
@@ -192,6 +253,19 @@ class TransformerConfig:
         total += h  # final norm
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total
+
+    def _mla_params(self) -> int:
+        """Parameters of one MLA attention (projections, latent norms, biases on q_a / kv_a / o)."""
+        h, n, d, v = self.hidden_size, self.num_attention_heads, self.head_dim, self.v_head_dim
+        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = h * n * d
+        else:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * d
+        total = q + h * kv_a + self.kv_lora_rank + self.kv_lora_rank * n * (self.qk_nope_head_dim + v) + n * v * h
+        if self.attention_bias:
+            total += (self.q_lora_rank or 0) + kv_a + h
         return total
 
     @classmethod

@@ -155,6 +155,8 @@ class DenseDecoderFamily(HFFamily):
             raise HFConversionError(f"{self.model_type} has no q/k norm; export with model_type='qwen3'.")
         if config.attention_bias and not self.attention_bias_key and not self.implied.get("attention_bias"):
             raise HFConversionError(f"{self.model_type} has no attention bias; export with model_type='qwen2'.")
+        if config.is_mla:
+            raise HFConversionError(f"{self.model_type} has no latent attention; export with model_type='deepseek_v3'.")
         if config.is_moe != self.is_moe_family:
             raise HFConversionError(
                 f"{self.model_type} cannot express num_experts={config.num_experts}; pick "

@@ -106,6 +106,8 @@ def _family_for_ours(config: TransformerConfig) -> HFFamily:
     stored = getattr(config, "hf_model_type", None)  # e.g. VLMConfig: a family its features alone do not name
     if stored is not None:
         name = stored
+    elif config.is_mla:
+        name = "deepseek_v3"
     elif config.is_moe:
         if config.num_shared_experts:
             name = "qwen2_moe"

@@ -19,9 +19,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.models.layers import RMSNorm, apply_rotary
+from lightning_flagscale.models.layers import RMSNorm, apply_rotary, deinterleave, yarn_mscale
 
-__all__ = ["Attention", "CoreAttention", "check_backend_available", "cu_seqlens_from_segments"]
+__all__ = [
+    "Attention",
+    "CoreAttention",
+    "LatentAttention",
+    "build_attention",
+    "check_backend_available",
+    "cu_seqlens_from_segments",
+    "mla_softmax_scale",
+]
 
 Backend = Literal["torch", "flash_attn", "transformer_engine"]
 _BACKEND_PACKAGES = {"flash_attn": "flash-attn", "transformer_engine": "transformer-engine[pytorch]"}
@@ -114,9 +122,15 @@ class CoreAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, segment_ids: Tensor | None = None
     ) -> Tensor:
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        if self.backend == "torch":
+        if self.backend == "torch":  # SDPA takes a value width different from the query/key width (MLA)
             return _torch_attention(q, k, v, causal, segment_ids, scale)
         check_backend_available(self.backend)
+        if v.shape[-1] != q.shape[-1]:
+            # flash-attn and TE's fused kernels want one head width for q, k and v: pad v with zero channels
+            # (their outputs are zero) and drop them again, as Megatron-Core does for MLA.
+            width = v.shape[-1]
+            out = self(q, k, F.pad(v, (0, q.shape[-1] - width)), causal=causal, segment_ids=segment_ids)
+            return out[..., :width].contiguous()
         if self.backend == "flash_attn":
             return _flash_attention(q, k, v, causal, segment_ids, scale)
         return self._te_attention(q, k, v, causal, segment_ids, scale)
@@ -191,3 +205,77 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, causal=True, segment_ids=segment_ids)
         return self.o_proj(out.reshape(b, s, -1))
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN
+    (DeepSeek-V2/V3: the softmax temperature that goes with the YaRN-extended context)."""
+    scale = config.head_dim**-0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA, DeepSeek-V2 https://arxiv.org/abs/2405.04434 section 2.1).
+
+    Queries go through an optional low-rank bottleneck (``q_a_proj`` -> RMSNorm -> ``q_b_proj``); keys and values
+    share one compressed latent (``kv_a_proj_with_mqa`` gives the latent and one rotary key head, RMSNorm, then
+    ``kv_b_proj`` gives every head's non-rotary key and its value). RoPE acts only on the ``qk_rope_head_dim``
+    channels (the rotary key is shared by all heads); values are ``v_head_dim`` wide. Core attention gets
+    [B, S, H, nope + rope] queries and keys and [B, S, H, v] values, so any core-attention backend (and context
+    parallelism, which swaps it) runs it. Module names are ``transformers``' ``DeepseekV3Attention`` ones.
+
+    ``k_rope_fanout`` is an identity where the shared rotary key meets the heads: under tensor parallelism each rank
+    holds some heads, so the key's gradient there is a partial sum over them, which the TP plan all-reduces there.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        h, n = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank, self.interleave = config.kv_lora_rank, config.rope_interleave
+        self.head_dim = config.head_dim  # nope + rope
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, n * self.head_dim, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, n * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(n * self.v_dim, h, bias=bias)
+        self.k_rope_fanout = nn.Identity()
+        self.core_attention = CoreAttention(config.attn_backend, self.head_dim, mla_softmax_scale(config))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segment_ids: Tensor | None) -> Tensor:
+        """``x`` [B, S, H] (full sequence), cos/sin [B, S, qk_rope_head_dim]."""
+        b, s = x.shape[:2]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(b, s, -1, self.head_dim).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = k_rope.view(b, s, 1, self.rope)
+        if self.interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope, k_rope = apply_rotary(q_rope, cos, sin), self.k_rope_fanout(apply_rotary(k_rope, cos, sin))
+        heads = q_nope.shape[2]
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(b, s, heads, self.rope)), dim=-1)
+        out = self.core_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        return self.o_proj(out.reshape(b, s, -1))
+
+
+def build_attention(config: TransformerConfig) -> nn.Module:
+    """The attention of a decoder block: :class:`LatentAttention` when ``config.is_mla``, else :class:`Attention`."""
+    return LatentAttention(config) if config.is_mla else Attention(config)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
-from lightning_flagscale.models.attention import Attention
+from lightning_flagscale.models.attention import build_attention
 from lightning_flagscale.models.decoder_plan import check_decoder_tp, decoder_tp_plan
 from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
 from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
@@ -36,7 +36,7 @@ class DecoderBlock(nn.Module):
         self.layer_idx = layer_idx
         self.is_moe = config.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = build_attention(config)  # GQA, or MLA when config.is_mla
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
             self.mlp = build_moe(config, layer_idx)
@@ -68,7 +68,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.padded_vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rope_dim, config.rope_theta, config.rope_scaling)
         # Set by on_tensor_parallel (called by parallel.tensor.apply_tp): the TP mesh, whether activations between blocks are sequence-sharded,
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None

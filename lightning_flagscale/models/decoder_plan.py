@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,7 +34,56 @@ from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM
 
-__all__ = ["check_decoder_tp", "decoder_tp_plan"]
+__all__ = ["GradAllReduce", "check_decoder_tp", "decoder_tp_plan", "latent_attention_tp_plan"]
+
+
+class GradAllReduce(ParallelStyle):
+    """Identity in forward, all-reduce of the gradient over TP in backward (Megatron's
+    ``copy_to_tensor_model_parallel_region``), on a parameter-free module.
+
+    For a replicated activation that each TP rank consumes only in part: MLA's shared rotary key, used by the
+    rank's own heads, gets a partial gradient per rank. Expressed in DTensor terms: the input becomes a
+    ``Replicate`` DTensor and leaves as a local tensor whose gradient is declared ``Partial``, so autograd sums it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=self._replicate, output_fn=self._partial_grad)
+
+    @staticmethod
+    def _replicate(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor) else t for t in inputs
+        )
+
+    @staticmethod
+    def _partial_grad(module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:
+        return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
+
+
+def latent_attention_tp_plan(prefix: str, attn: nn.Module) -> dict[str, ParallelStyle]:
+    """MLA under TP (``prefix`` ends with ``self_attn.``): heads split, compressed projections replicated.
+
+    ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` are column-parallel (each rank makes its heads' queries, non-rotary keys
+    and values from the full latents), ``o_proj`` row-parallel. The down projections ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` and their RMSNorms run replicated on the gathered sequence (Megatron-Core's MLA keeps them
+    unsplit too; under SP it runs them on sequence shards and gathers the latents, which saves their FLOPs, not
+    their weights): the column-parallel layers after them all-reduce their input gradients, so every rank gets
+    the full gradient. The shared rotary key is the one activation used per rank only by its own heads; its
+    gradient is all-reduced at ``k_rope_fanout``.
+    """
+    plan: dict[str, ParallelStyle] = {
+        prefix + "kv_a_proj_with_mqa": ReplicateParallel(),
+        prefix + "kv_a_layernorm": ReplicateParallel(),
+        prefix + "kv_b_proj": ColwiseParallel(),
+        prefix + "k_rope_fanout": GradAllReduce(),
+    }
+    if attn.q_proj is not None:
+        plan[prefix + "q_proj"] = ColwiseParallel()
+    else:
+        plan[prefix + "q_a_proj"] = ReplicateParallel()
+        plan[prefix + "q_a_layernorm"] = ReplicateParallel()
+        plan[prefix + "q_b_proj"] = ColwiseParallel()
+    return plan
 
 
 def check_decoder_tp(model: CausalLM, tp: int) -> None:
@@ -71,11 +122,14 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
     for name, block in model.layers.items():
         p = f"layers.{name}."
-        plan[p + "self_attn.q_proj"] = ColwiseParallel()
-        plan[p + "self_attn.k_proj"] = ColwiseParallel()
-        plan[p + "self_attn.v_proj"] = ColwiseParallel()
+        if model.config.is_mla:
+            plan.update(latent_attention_tp_plan(p + "self_attn.", block.self_attn))
+        else:
+            plan[p + "self_attn.q_proj"] = ColwiseParallel()
+            plan[p + "self_attn.k_proj"] = ColwiseParallel()
+            plan[p + "self_attn.v_proj"] = ColwiseParallel()
         plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
-        if block.self_attn.q_norm is not None:
+        if getattr(block.self_attn, "q_norm", None) is not None:
             # QK-norm runs on the TP-local heads [B, S, H/tp, D]: as a head-sharded DTensor its weight gradient
             # (a partial sum over local heads) is all-reduced over TP like any replicated parameter's.
             plan[p + "self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

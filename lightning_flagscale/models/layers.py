@@ -17,7 +17,17 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 
-__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "rotate_half"]
+__all__ = [
+    "MLP",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "deinterleave",
+    "rope_attention_factor",
+    "rope_inv_freq",
+    "rotate_half",
+    "yarn_mscale",
+]
 
 
 class RMSNorm(nn.Module):
@@ -54,6 +64,8 @@ def rope_inv_freq(
     inv_freq = 1.0 / (theta**exponent)
     if scaling is None or scaling.get("rope_type", "llama3") == "default":
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, device)
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -64,6 +76,47 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], device: torch.device | None) -> Tensor:
+    """YaRN (Peng et al. 2023, https://arxiv.org/abs/2309.00071): interpolate the long wavelengths by ``factor``,
+    keep the short ones, blend linearly between the ``beta_fast`` / ``beta_slow`` rotation counts. Same op order as
+    ``transformers.modeling_rope_utils._compute_yarn_parameters`` (DeepSeek-V3's RoPE)."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    keep = 1 - ramp  # 1: the original frequency (short wavelengths), 0: the interpolated one
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """Factor on cos/sin: YaRN's ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (or its explicit
+    ``attention_factor``); 1 for every other RoPE (as ``transformers``' rotary embeddings)."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -109,6 +162,9 @@ class RotaryEmbedding(nn.Module):
             bands = freqs.split(self.mrope_section, dim=-1)
             freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
+        factor = rope_attention_factor(self.scaling)
+        if factor != 1.0:  # YaRN only: the other RoPEs keep the exact tables they had
+            return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:
@@ -126,6 +182,15 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` [B, S, H, D] by cos/sin [B, S, D] (broadcast over heads)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + rotate_half(x) * sin
+
+
+def deinterleave(x: Tensor) -> Tensor:
+    """Interleaved pairs ``(x0, x1), (x2, x3), ...`` -> halves ``(x0, x2, ...), (x1, x3, ...)`` on the last dim.
+
+    DeepSeek checkpoints rotate adjacent channel pairs; after this permutation the rotate-half RoPE gives the same
+    result (``transformers``' ``apply_rotary_pos_emb_interleave``). q and k are permuted alike, so scores are equal.
+    """
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class MLP(nn.Module):

@@ -14,7 +14,7 @@ from tests.moe._reference import init_moe
 class _TinyMoE(LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        cfg = TransformerConfig.from_preset("deepseek-v3-tiny", moe_aux_loss_coeff=0.01)
+        cfg = TransformerConfig.from_preset("deepseek-v3-routing-tiny", moe_aux_loss_coeff=0.01)
         self.mlp = init_moe(build_moe(cfg, 1))
 
     def training_step(self, batch, batch_idx):

@@ -157,7 +157,7 @@ def test_moe_layouts_and_routers_that_do_not_map_are_refused():
     mixtral = family_for({"model_type": "mixtral"})
     with pytest.raises(HFConversionError, match="router_jitter_noise"):
         mixtral.config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "router_jitter_noise": 0.1})
-    deepseek_like = TransformerConfig.from_preset("deepseek-v3-tiny")
+    deepseek_like = TransformerConfig.from_preset("deepseek-v3-routing-tiny")
     with pytest.raises(HFConversionError, match="router_type='sigmoid'"):
         mixtral.config_to_hf(deepseek_like)
 

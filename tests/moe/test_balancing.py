@@ -15,7 +15,7 @@ from tests.strategies._lm import TokenDataset
 
 
 def _config() -> TransformerConfig:
-    return TransformerConfig.from_preset("deepseek-v3-tiny", num_layers=2, hidden_size=32, intermediate_size=64)
+    return TransformerConfig.from_preset("deepseek-v3-routing-tiny", num_layers=2, hidden_size=32, intermediate_size=64)
 
 
 def _biases(module: torch.nn.Module) -> torch.Tensor:

@@ -20,7 +20,7 @@ from lightning_flagscale.moe.balance import select_hot_experts
 from lightning_flagscale.moe.experts import grouped_linear, grouped_mm_usable
 from tests.moe._reference import init_moe, reference_moe, reference_route, rel_err
 
-PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-tiny"]
+PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-routing-tiny"]
 
 
 def make_layer(preset: str, seed: int = 0, **overrides) -> MoELayer:
@@ -56,7 +56,7 @@ def test_grouped_mm_and_segment_fallback_same_gradients():
 
 
 def test_gradients_match_reference():
-    layer = make_layer("deepseek-v3-tiny")
+    layer = make_layer("deepseek-v3-routing-tiny")
     x = torch.randn(2, 5, 64)
     g = torch.randn(2, 5, 64)
     (layer(x) * g).sum().backward()
@@ -121,7 +121,7 @@ def test_aux_losses_hand_computed_and_reach_gradients():
 
 
 def test_bias_balancing_updates_outside_autograd():
-    layer = make_layer("deepseek-v3-tiny")
+    layer = make_layer("deepseek-v3-routing-tiny")
     bias0 = layer.gate.e_score_correction_bias.clone()
     x = torch.randn(2, 8, 64)
     layer(x).sum().backward()
@@ -141,7 +141,7 @@ def test_update_moe_state_reduces_the_load_only_when_something_reads_it(rate, mo
 
     calls = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(t.shape))
-    layer = make_layer("deepseek-v3-tiny", moe_router_bias_update_rate=rate)
+    layer = make_layer("deepseek-v3-routing-tiny", moe_router_bias_update_rate=rate)
     layer.train()
     layer(torch.randn(2, 8, 64)).sum().backward()
     assert layer.load_accum.sum() > 0
@@ -193,10 +193,10 @@ def test_errors():
     with pytest.raises(ValueError, match="recompute level 'heavy' is unknown"):
         apply_moe_recompute(make_layer("mixtral-tiny"), "heavy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an MoE layer"):
-        build_moe(TransformerConfig.from_preset("deepseek-v3-tiny"), 0)
+        build_moe(TransformerConfig.from_preset("deepseek-v3-routing-tiny"), 0)
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-v3-routing-tiny"])
 def test_global_losses_in_one_process_equal_local(preset):
     # Without a token group the global statistics are this process's: value and gradient equal the local formulas.
     x = torch.randn(2, 6, 64)
@@ -214,7 +214,7 @@ def test_global_losses_in_one_process_equal_local(preset):
 
 
 def test_moe_config_knobs_reach_the_layer():
-    layer = make_layer("deepseek-v3-tiny", moe_recompute="medium", moe_recompute_token_threshold=8,
+    layer = make_layer("deepseek-v3-routing-tiny", moe_recompute="medium", moe_recompute_token_threshold=8,
                        moe_hot_expert_replicas=2, moe_hot_expert_enable_imbalance=1.3)  # fmt: skip
     assert (layer.recompute_level, layer.recompute_token_threshold) == ("medium", 8)
     assert layer.hot_expert_config == HotExpertReplication(num_replicas=2, enable_imbalance=1.3)

@@ -84,7 +84,7 @@ AUX = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 
 
 def test_ep2_dropless_matches_single_process(launcher):
-    _check(launcher(2, _ep_parity, "deepseek-v3-tiny", (2,), AUX))
+    _check(launcher(2, _ep_parity, "deepseek-v3-routing-tiny", (2,), AUX))
 
 
 def test_ep4_dropless_matches_single_process(launcher):
@@ -116,7 +116,7 @@ def test_hot_expert_replication_changes_traffic_not_results(launcher):
 @pytest.mark.parametrize("recompute", [("full", None), ("medium", 0)])
 def test_ep2_recompute_matches_single_process(launcher, recompute):
     # "full" re-runs the all-to-alls inside backward; "medium" with a threshold exercises the adaptive decision.
-    _check(launcher(2, _ep_parity, "deepseek-v3-tiny", (2,), AUX, replicate=(3,), recompute=recompute))
+    _check(launcher(2, _ep_parity, "deepseek-v3-routing-tiny", (2,), AUX, replicate=(3,), recompute=recompute))
 
 
 def _ep_error(num_experts: int) -> str:

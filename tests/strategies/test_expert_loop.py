@@ -65,7 +65,7 @@ def test_expert_parallel_with_zero3(launcher, reference):
 
 
 # ---- presets with their default MoE coefficients (issue 10 item 5): plain SGD, ragged labels ----
-PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-tiny"]
+PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-routing-tiny"]
 LAYOUTS = {
     "dp2-zero1": (2, dict(zero_stage=1)),
     "ep2": (2, dict(expert_parallel_size=2)),
@@ -112,12 +112,12 @@ def test_preset_defaults_under_expert_x_pipeline_parallel(launcher, sgd_referenc
 def test_deepseek_bias_balancing_under_hetero_meshes(launcher, sgd_references):
     # Issue 12 item 4: EP=2 on the first mesh (2 layers), EP=1 x TP=2 on the second (1 layer); each mesh's routers
     # count the load of the whole global batch (one micro-batch per step) and take the same aux-free bias steps.
-    config = shrink("deepseek-v3-tiny")
+    config = shrink("deepseek-v3-routing-tiny")
     assert config.moe_router_bias_update_rate > 0
     meshes = [dict(data_parallel_size=2, expert_parallel_size=2), dict(tensor_parallel_size=2)]
     kwargs = dict(hetero_meshes=meshes, hetero_layers=[2, 1], micro_batch_size=2, zero_stage=1)
     results = launcher(4, sgd_trainer_run, kwargs, config, STEPS, batch_size=2)
-    ref = sgd_references("deepseek-v3-tiny")
+    ref = sgd_references("deepseek-v3-routing-tiny")
     assert_sgd_parity(results, ref, "deepseek hetero ep2 | ep1 x tp2", pipeline=True)
     assert any(b.abs().max() > 0 for b in ref["buffers"].values())  # the biases really moved
     held = {name for res in results for name in res["buffers"]}
@@ -158,8 +158,8 @@ def test_deepseek_hot_experts_and_recompute_match_single_process(launcher, sgd_r
     # Sigmoid, group-limited routing, shared expert, aux + z loss, bias balancing; replicas of the two busiest
     # experts on every EP rank from the second step on (imbalance threshold 1.0), and MoE recompute.
     overrides = {**DEEPSEEK_BALANCED, **recompute}
-    results = launcher(world, sgd_trainer_run, kwargs, shrink("deepseek-v3-tiny", **overrides), STEPS)
-    assert_sgd_parity(results, sgd_references("deepseek-v3-tiny", **overrides), f"deepseek {kwargs} {recompute}")
+    results = launcher(world, sgd_trainer_run, kwargs, shrink("deepseek-v3-routing-tiny", **overrides), STEPS)
+    assert_sgd_parity(results, sgd_references("deepseek-v3-routing-tiny", **overrides), f"deepseek {kwargs} {recompute}")
     for res in results:
         assert all(len(r) == 2 for r in res["replicated"]), res["replicated"]  # chosen after every step
         assert sum(res["replica_bytes"]) > 0  # and used by the dispatcher's forwards

@@ -1,10 +1,12 @@
-"""DeepSeek-V3's router and expert layout (sigmoid scores, grouped top-k, bias-corrected load balancing, shared
-experts, leading dense blocks) on the generic decoder with standard attention (no MLA yet, hence no HF converter):
-presets (``presets.py``, data), registered on import."""
+"""DeepSeek-V3: multi-head latent attention (``models/attention.py``'s ``LatentAttention``) and DeepSeek's routing
+(sigmoid scores, group-limited top-k, bias-corrected load balancing, shared experts, leading dense blocks) on the
+generic decoder: presets (``presets.py``, data, with ``deepseek-v3-routing-tiny`` keeping standard attention) and the
+``deepseek_v3`` HF converter (``hf.py``), registered on import."""
 
 from lightning_flagscale.config.presets import register_presets
+from lightning_flagscale.models.deepseek_v3.hf import DeepseekV3Family
 from lightning_flagscale.models.deepseek_v3.presets import PRESETS
 
 register_presets(PRESETS)
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "DeepseekV3Family"]
