@@ -20,6 +20,7 @@ from typing import Any
 from jsonargparse import ActionConfigFile
 from lightning import __version__ as lightning_version
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import lightning_flagscale  # noqa: F401  (registers the strategy)
+from lightning_flagscale.callbacks import KnownFlopsRichModelSummary
 from lightning_flagscale.convert import config_from_hf
 from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
 from lightning_flagscale.convert.hub import resolve_hf_dir
@@ -162,6 +164,11 @@ class FlagScaleCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
+        # The Rich summary Lightning adds by default shows FLOPs of 0 for modules without `example_input_array`.
+        trainer.callbacks = [
+            KnownFlopsRichModelSummary(cb._max_depth, **cb._summarize_kwargs) if type(cb) is RichModelSummary else cb
+            for cb in trainer.callbacks
+        ]
         extra = tensorboard_beside_csv(trainer.loggers)
         if extra is not None:
             trainer.loggers = [*trainer.loggers, extra]

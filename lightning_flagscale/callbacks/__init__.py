@@ -8,9 +8,11 @@ from lightning_flagscale.callbacks.moe import MoETelemetry
 from lightning_flagscale.callbacks.progress import StepProgressBar
 from lightning_flagscale.callbacks.report import LossReport
 from lightning_flagscale.callbacks.slow_rank import SlowRankDetector
+from lightning_flagscale.callbacks.summary import KnownFlopsRichModelSummary
 
 __all__ = [
     "HFExportCallback",
+    "KnownFlopsRichModelSummary",
     "LossCurvePlot",
     "LossReport",
     "MemoryCheckpoint",

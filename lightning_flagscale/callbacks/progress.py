@@ -52,6 +52,15 @@ class StepProgressBar(RichProgressBar):
         self.refresh()
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        # A module that logs `train_loss` in its own `on_train_batch_end` (`log_window_loss`) does so after this
+        # callback's: refresh the shown metrics once that step is done, so they belong to the step shown.
+        super().on_train_batch_start(trainer, pl_module, batch, idx)
+        if self._counts_steps() and self.train_progress_bar_id is not None and self.progress is not None:
+            self._update_metrics(trainer, pl_module)
+            self.refresh()
+
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         if not self._counts_steps():
             return super()._get_train_description(current_epoch)

@@ -186,7 +186,8 @@ class VLMModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True)
+        # The batch holds images and tokens (first dimensions differ): name the batch size, Lightning cannot infer it.
+        self.log("val_loss", loss.detach(), prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     # ---- optimisation ----------------------------------------------------------------------------------------
