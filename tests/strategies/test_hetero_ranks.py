@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_flagscale.config.hetero import parse_hetero_meshes
-from lightning_flagscale.config.layer_split import plan_stage_groups
+from lightning_flagscale.config.layer_split import plan_stage_groups, speed_aware_layers
 from lightning_flagscale.parallel.hetero_mesh.build import boundary_transfers, group_of_rank
 from lightning_flagscale.parallel.hetero_mesh.ranks import (
     DEVICE_TYPE_ENV,
@@ -18,6 +18,7 @@ from lightning_flagscale.parallel.hetero_mesh.ranks import (
     emulated_slowdown,
     rank_order_by_type,
 )
+from tests.strategies._clock import TICK, emulation_on_ticking_clock, ticking_clock
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 FAST = dict(tensor_parallel_size=2, device_type="fast")
@@ -64,13 +65,15 @@ def test_emulated_slowdown_spec_and_timer():
     import torch
 
     timer = BusyTimer(3.0)
+    timer._clock = ticking_clock()  # each region the hooks time lasts one tick, whatever the machine's load
     layer = torch.nn.Linear(8, 8)
     layer.register_forward_pre_hook(timer.pre_forward)
     layer.register_forward_hook(timer.post_forward)
     layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
     # Busy time is compute plus (factor - 1) x compute, for the forward and the backward (the sleep itself may last
     # longer than asked, which only the wall clock would see).
-    assert timer.compute_s > 0 and timer.busy_s == pytest.approx(3.0 * timer.compute_s, rel=1e-9)
+    assert timer.compute_s == pytest.approx(2 * TICK, rel=1e-9)  # the forward's tick and the backward's
+    assert timer.busy_s == pytest.approx(3.0 * 2 * TICK, rel=1e-9)
 
 
 _SEEN: dict[str, Any] = {}
@@ -79,8 +82,9 @@ _SEEN: dict[str, Any] = {}
 def _run_as_type(
     types: list[str], slowdown: str | None, strategy: dict, config, steps: int, export_dir: str | None = None, **kw
 ):
-    """``trainer_run`` with this rank's ``FLAGSCALE_DEVICE_TYPE`` (and slowdown) set, restored afterwards (the pool
-    workers live on); also returns the blocks per stage the strategy chose. ``export_dir``: HF export at fit end."""
+    """``trainer_run`` with this rank's ``FLAGSCALE_DEVICE_TYPE`` (and slowdown) set and the emulation's clock
+    replaced by ``ticking_clock`` (all restored afterwards: the pool workers live on); also returns the blocks per
+    stage the strategy chose. ``export_dir``: HF export at fit end."""
     import lightning as L
     import torch.distributed as dist
 
@@ -102,7 +106,8 @@ def _run_as_type(
             from lightning_flagscale.callbacks.hf_export import HFExportCallback
 
             callbacks.append(HFExportCallback(export_dir))
-        losses, params = trainer_run(strategy, config, steps, callbacks=callbacks, **kw)
+        with emulation_on_ticking_clock():
+            losses, params = trainer_run(strategy, config, steps, callbacks=callbacks, **kw)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -131,8 +136,9 @@ def test_interleaved_device_types_train_like_one_process(launcher):
     ids=["gpipe", "interleaved"],
 )
 def test_profiled_split_under_emulated_slowdown(launcher, num_layers, strategy):
-    """hetero_layers=None, no speeds: every rank times a block (the slow type 4x slower by emulation); the split is
-    agreed on by all ranks, valid, and training through it still equals the single-process run."""
+    """hetero_layers=None, no speeds: every rank times a block (the slow type 4x slower by emulation, on the
+    injected clock: exactly 4x); the split is agreed on by all ranks, is the speed-aware split of those speeds, and
+    training through it still equals the single-process run."""
     config = tiny_config(num_layers=num_layers)
     strategy = dict(hetero_meshes=[FAST, SLOW], **strategy)
     virtual = strategy.get("virtual_pipeline_parallel_size", 1)
@@ -142,7 +148,9 @@ def test_profiled_split_under_emulated_slowdown(launcher, num_layers, strategy):
     splits = [seen["layers"] for _, _, seen in out]
     assert all(s == splits[0] for s in splits), splits  # every rank chose the same split
     assert sum(splits[0]) == num_layers and min(splits[0]) >= virtual, splits
-    assert splits[0][0] > splits[0][1], splits  # the fast group (first stage) takes more blocks
+    want = speed_aware_layers(parse_hetero_meshes([FAST, SLOW]), num_layers, {"fast": 4.0, "slow": 1.0},
+                              min_layers=virtual)  # fmt: skip
+    assert splits[0] == want and want[0] > want[1], (splits, want)  # the fast group (first stage) takes more blocks
     chunks = out[0][2]["chunks"]
     assert [len(c) for c in chunks] == [virtual, virtual] and [sum(c) for c in chunks] == splits[0], chunks
     # ... and the pipeline is cut by it (slow ranks 0, 2 form the second group; fast ranks 1, 3 the first)

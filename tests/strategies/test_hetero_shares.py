@@ -12,6 +12,7 @@ from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
 from lightning_flagscale.parallel.hetero_dp.shares import dp_speeds_from
 from lightning_flagscale.parallel.hetero_mesh.ranks import DEVICE_TYPE_ENV, SLOWDOWN_ENV
+from tests.strategies._clock import TICK, emulation_on_ticking_clock
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 
@@ -49,8 +50,9 @@ def test_auto_shares_are_validated_before_spawn():
 
 
 def _run_as_type(types: list[str], slowdown: str, strategy: dict, config, steps: int, **kw):
-    """``trainer_run`` with this rank's device type and emulated slowdown set (restored after: pool workers live on);
-    also returns the shares the strategy chose and the batch size this rank saw at each step."""
+    """``trainer_run`` with this rank's device type and emulated slowdown set, and the emulation on the ticking
+    clock of ``tests/strategies/_clock.py`` (all restored after: pool workers live on); also returns the shares the
+    strategy chose and the batch size this rank saw at each step."""
     import lightning as L
     import torch.distributed as dist
 
@@ -65,7 +67,8 @@ def _run_as_type(types: list[str], slowdown: str, strategy: dict, config, steps:
     saved = {k: os.environ.get(k) for k in (DEVICE_TYPE_ENV, SLOWDOWN_ENV)}
     os.environ[DEVICE_TYPE_ENV], os.environ[SLOWDOWN_ENV] = types[dist.get_rank()], slowdown
     try:
-        losses, params = trainer_run(strategy, config, steps, callbacks=[Shares()], **kw)
+        with emulation_on_ticking_clock():
+            losses, params = trainer_run(strategy, config, steps, callbacks=[Shares()], **kw)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -73,8 +76,9 @@ def _run_as_type(types: list[str], slowdown: str, strategy: dict, config, steps:
 
 
 def test_profiled_auto_shares_are_agreed_proportional_and_train_like_one_process(launcher):
-    """Rank 1 is 3x slower by emulation; the profiling pass measures it, both ranks agree on shares of the global
-    batch of 8 in proportion to the measured speeds, and training with them equals the single-process run."""
+    """Rank 1 is 3x slower by emulation; the profiling pass measures it (on the injected clock: a block's forward
+    and backward take 2 ticks on the fast rank, 6 on the slow one), both ranks agree on shares of the global batch of
+    8 in proportion to the measured speeds, and training with them equals the single-process run."""
     config = tiny_config()
     reference = reference_run(config, 3, clip=1.0, global_batch=8)
     strategy = dict(zero_stage=1, hetero_dp_batch_sizes="auto")
@@ -83,8 +87,8 @@ def test_profiled_auto_shares_are_agreed_proportional_and_train_like_one_process
     shares = [seen["shares"] for _, _, seen in out]
     speeds = out[0][2]["speeds"]
     assert shares[0] == shares[1] and out[1][2]["speeds"] == speeds  # agreed by every rank
-    assert speeds[0] > speeds[1] and shares[0] == proportional_shares(speeds, 8)  # proportional to measured speed
-    assert shares[0][0] > shares[0][1] and sum(shares[0]) == 8
+    assert speeds == pytest.approx([1 / (2 * TICK), 1 / (6 * TICK)], rel=1e-9)  # exactly the emulated 3x
+    assert shares[0] == proportional_shares(speeds, 8) == [6, 2]  # proportional to the measured speeds
     assert [seen["sizes"] for _, _, seen in out] == [[shares[0][0]] * 3, [shares[0][1]] * 3]
 
 
