@@ -22,6 +22,7 @@ from lightning_flagscale.convert.hub import resolve_hf_dir
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, family_for, read_hf_config
 from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
 from lightning_flagscale.convert.specs import Box, Spec, full_box, hf_names
+from lightning_flagscale.models.lora import is_adapter_name
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -161,6 +162,8 @@ def load_hf_weights(module: nn.Module, hf_dir: str | os.PathLike) -> int:
             name = _canonical(fqn)
             spec = specs.get(name)
             if spec is None:
+                if is_adapter_name(name):
+                    continue  # LoRA adapters are not in the base checkpoint: the module initialises them
                 if id(target) in param_ids:
                     raise HFConversionError(
                         f"Parameter {name!r} of the module has no source in the {family.model_type} checkpoint map."

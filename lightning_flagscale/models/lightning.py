@@ -19,8 +19,10 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_flagscale.accounting.flops import device_peak_flops, flops_per_token, model_flops_utilization
 from lightning_flagscale.config import TransformerConfig, check_known_fields
+from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
+from lightning_flagscale.models.lora import apply_lora, init_adapters
 from lightning_flagscale.models.weights import weight_source
 from lightning_flagscale.moe.balance import update_moe_state
 
@@ -136,11 +138,14 @@ class CausalLMModule(L.LightningModule):
         hf_dir: str | None = None,
         optimizer: Literal["adamw", "sgd"] = "adamw",
         vocab_multiple: int = 64,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.hf_dir = hf_dir
         self.config = _resolve_config(config)
+        # LoRA (issue 40): adapters on the targeted linear layers, everything else frozen (models/lora.py).
+        self.lora = LoRAConfig.from_value(lora)
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
         if warmup_steps < 0:
@@ -178,6 +183,8 @@ class CausalLMModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = CausalLM(self.config, vocab_multiple=self.vocab_multiple)
+        if self.lora is not None:  # before the strategy's plan, which then shards and places the adapters too
+            apply_lora(self.model, self.lora)
         if not next(self.model.parameters()).is_meta:
             self.initialize_weights()
 
@@ -192,12 +199,14 @@ class CausalLMModule(L.LightningModule):
 
     def initialize_weights(self) -> None:
         """Called by the strategy once the (parallelised) model is materialised: HF weights or ``init_weights``."""
+        parts = getattr(self.model, "stage_modules", None) or [self.model]
         if not self.hf_dir:
             self.init_weights()
-            return
-        load = weight_source("hf").load_weights
-        for part in getattr(self.model, "stage_modules", None) or [self.model]:
-            load(part, self.hf_dir)
+        else:
+            for part in parts:
+                weight_source("hf").load_weights(part, self.hf_dir)
+        for part in parts if self.lora is not None else ():
+            init_adapters(part, self.lora, self.init_seed)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Layout-independent deterministic init of the (possibly parallelised) model; default seed ``init_seed``."""

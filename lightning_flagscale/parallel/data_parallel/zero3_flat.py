@@ -127,7 +127,12 @@ class FlatZero3:
             unit.use_shards()
             if torch._C._current_graph_task_id() != -1:
                 return  # recomputed: stay gathered (the saved tensors read the buffer) until the gradient is reduced
-            training = unit.leaf is not None and torch.is_grad_enabled()
+            # Backward needs the unit again when its output requires grad, whether or not its own parameters do: a
+            # frozen unit (LoRA's base weights, issue 40) still multiplies the input gradients by its weights; it is
+            # resharded at the end of backward, having no gradient of its own to reduce first.
+            training = torch.is_grad_enabled() and (
+                unit.leaf is not None or any(t.requires_grad for t in _tensors(output))
+            )
             if not (training and unit is self.root):  # the root is needed again at once by backward (its head)
                 unit.reshard()
             if training:

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_flagscale.parallel.tensor_parallel.lora import adapt_tp_plan
 from lightning_flagscale.parallel.tensor_parallel.protocol import (
     TensorParallelConstraints,
     TensorParallelHook,
@@ -89,7 +90,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     if model.__dict__.get("_fs_tp_applied", False):
         raise ValueError("apply_tp was already applied to this model; apply it once, to the unparallelised model.")
     check_tp_divisible(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, model.tp_plan(sequence_parallel))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    # Layers carrying LoRA adapters get the LoRA variant of their style (A/B sharded with the weight, issue 40).
+    parallelize_module(model, tp_mesh, adapt_tp_plan(model, model.tp_plan(sequence_parallel)))
+    for name, p in model.named_parameters():  # torch's SequenceParallel re-creates its weights trainable
+        if name in frozen:
+            p.requires_grad_(False)
     model._fs_tp_applied = True
     if isinstance(model, TensorParallelHook):
         model.on_tensor_parallel(tp_mesh, sequence_parallel)

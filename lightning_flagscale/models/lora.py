@@ -1,0 +1,137 @@
+"""LoRA adapters on the model's ``nn.Linear`` layers (Hu et al. 2021, arXiv:2106.09685; issue 40).
+
+A targeted ``nn.Linear`` is replaced by a :class:`LoRALinear` that *is* an ``nn.Linear`` holding the very same
+``weight`` / ``bias`` Parameters plus two child layers ``lora_A`` [r, in] and ``lora_B`` [out, r]:
+``y = W x + b + scaling * B(A(dropout(x)))``. Keeping the base parameters where they were keeps every name the rest
+of the package knows (HF import/export maps, TP plans, pipeline units, checkpoints): the adapters are new names
+``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, the names ``peft`` gives them.
+
+Adapters are inserted when the module builds its model (``CausalLMModule(lora=...)``), before the parallelize plan
+runs, so every later step sees them: pipeline stages carry their blocks' adapters, the tensor-parallel plan shards
+them with their base layer (``parallel/tensor_parallel/lora.py``), ZeRO shards and reduces only what has a gradient.
+The base weights are frozen here (``requires_grad=False``), which torch's parallel styles, FSDP2 and our buckets
+keep: they get no gradient, no fp32 master copy and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
+
+__all__ = [
+    "ADAPTER_KEYS",
+    "LoRALinear",
+    "adapter_modules",
+    "apply_lora",
+    "freeze_base",
+    "init_adapters",
+    "is_adapter_name",
+    "merged_weight",
+]
+
+ADAPTER_KEYS = ("lora_A", "lora_B")
+"""The child names that hold adapter weights (peft's)."""
+
+
+def is_adapter_name(fqn: str) -> bool:
+    """Whether the parameter (or module) name ``fqn`` belongs to an adapter."""
+    return any(f".{key}." in f".{fqn}." for key in ADAPTER_KEYS)
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` (the base's own ``weight``/``bias`` Parameters) plus a low-rank update ``scaling * B A``."""
+
+    def __init__(self, base: nn.Linear, *, rank: int, scaling: float, dropout: float = 0.0) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: the base's Parameters are reused, nothing is allocated
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(base.in_features, rank, **kw)
+        self.lora_B = nn.Linear(rank, base.out_features, **kw)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = float(scaling)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Under TP every tensor here may be a DTensor; the placements the TP style gave A and B make this the
+        # Megatron LoRA layout without a line of communication code (see parallel/tensor_parallel/lora.py).
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
+    """Replace every ``nn.Linear`` of ``model`` that ``config`` targets by a :class:`LoRALinear` and freeze the rest.
+
+    Works on a model built on the meta device (nothing is allocated) or a real one. Returns the adapted module names.
+    Raises ``ValueError`` when nothing matches or a target is not an ``nn.Linear`` (fused MoE experts, embeddings).
+    """
+    targets = [(name, mod) for name, mod in model.named_modules() if name and config.matches(canonical_fqn(name))]
+    wrong = [
+        f"{n} ({type(m).__name__})" for n, m in targets if not isinstance(m, nn.Linear) or isinstance(m, LoRALinear)
+    ]
+    if wrong:
+        raise ValueError(
+            f"LoRA target_modules={config.target_modules!r} match modules that are not plain nn.Linear layers: "
+            f"{', '.join(wrong[:5])}. Adapters go on linear layers (q/k/v/o_proj, gate/up/down_proj, lm_head); "
+            "grouped MoE experts and embeddings are not supported yet."
+        )
+    if not targets:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"LoRA target_modules={config.target_modules!r} match no module of {type(model).__name__}; its linear "
+            f"layers are named {', '.join(linears)}."
+        )
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        adapted = LoRALinear(linear, rank=config.rank, scaling=config.scaling, dropout=config.dropout)
+        setattr(parent, child, adapted)
+    freeze_base(model)
+    return [name for name, _ in targets]
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only adapter parameters train: every other parameter gets ``requires_grad=False``."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_name(name))
+
+
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """The adapted layers of ``model`` (or of a pipeline stage) by canonical name."""
+    return {canonical_fqn(name): m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
+    """Layout-independent adapter init (as ``CausalLM.init_weights``: one generator per parameter name, the full
+    tensor drawn on the CPU and this rank's shard copied out). ``init_lora_weights`` as peft: ``True`` A
+    Kaiming-uniform(a=sqrt 5), i.e. U(-1/sqrt(in), 1/sqrt(in)); ``"gaussian"`` A ~ N(0, 1/r); B zero unless ``False``
+    (then B ~ U(-1/sqrt(r), 1/sqrt(r)) so that the adapter changes the model from the start)."""
+    cpu = torch.device("cpu")
+    for name, module in adapter_modules(model).items():
+        for key in ADAPTER_KEYS:
+            param = getattr(module, key).weight
+            shape = tuple(param.shape)  # the global shape of a DTensor
+            gen = torch.Generator(device=cpu).manual_seed(seed_for(seed, f"{name}.{key}.weight"))
+            fan_in = shape[1]
+            if key == "lora_B" and config.init_lora_weights is not False:
+                full = torch.zeros(shape, device=cpu)
+            elif key == "lora_A" and config.init_lora_weights == "gaussian":
+                full = torch.randn(shape, generator=gen, device=cpu) / config.rank
+            else:
+                bound = 1.0 / math.sqrt(fan_in)
+                full = torch.rand(shape, generator=gen, device=cpu) * (2 * bound) - bound
+            copy_global_into(param, full)
+
+
+def merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+    """``W + scaling * B @ A`` (full tensors), computed in fp32 and returned in ``weight``'s dtype."""
+    return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)

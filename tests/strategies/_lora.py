@@ -1,0 +1,105 @@
+"""Shared pieces of the LoRA tests (issue 40): a LoRA module, its single-process oracle and a Trainer run in workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.models import CausalLMModule
+from lightning_flagscale.models.lora import is_adapter_name
+from tests._oracle import global_batch_indices
+from tests.strategies._lm import GLOBAL_BATCH, LR, NUM_SAMPLES, TokenDataset
+
+# Every linear of the blocks (column- and row-parallel), B random so that A gets a gradient from the first step.
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config(**overrides: Any) -> LoRAConfig:
+    return LoRAConfig(**{"rank": 4, "alpha": 8.0, "target_modules": TARGETS, "init_lora_weights": False, **overrides})
+
+
+def lora_module(config: TransformerConfig, lora: LoRAConfig, **kwargs: Any) -> CausalLMModule:
+    kw = dict(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, optimizer="sgd", **kwargs)
+    return CausalLMModule(config, lora=lora, **kw)
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` as a full fp32 tensor (DTensors gathered, flat ZeRO-3 summoned)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import summon_full_params
+
+    params = {}
+    with summon_full_params(model):
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            params[name] = full.detach().float().clone()
+    return params
+
+
+def lora_reference_run(config: TransformerConfig, lora: LoRAConfig, steps: int) -> tuple[list[float], dict, dict]:
+    """Single-process fp32 LoRA training: (losses, parameters after ``steps``, parameters before)."""
+    torch.manual_seed(0)
+    module = lora_module(config, lora)
+    module.configure_model()
+    before = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    opt = module.configure_optimizers()["optimizer"]
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for n, p in module.model.named_parameters() if is_adapter_name(n)}, "optimizer params"
+    data = TokenDataset(config.vocab_size, NUM_SAMPLES)
+    losses = []
+    for step in range(steps):
+        loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    after = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    return losses, after, before
+
+
+def lora_trainer_run(
+    strategy_kwargs: dict[str, Any], config: TransformerConfig, lora: LoRAConfig, steps: int,
+    precision: str = "32-true", save_path: str | None = None, ckpt_path: str | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
+    """``Trainer.fit`` on every worker: (global mean loss per step, full parameters, what the optimizer state holds)."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+
+    world = dist.get_world_size()
+    strategy = FlagScaleStrategy(**strategy_kwargs)
+    losses: list[float] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / world)
+
+    torch.manual_seed(0)
+    module = lora_module(config, lora)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)], max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[Record()],
+    )  # fmt: skip
+    dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
+    loader = DataLoader(TokenDataset(config.vocab_size, NUM_SAMPLES), batch_size=GLOBAL_BATCH // dp)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    if save_path is not None:
+        trainer.save_checkpoint(save_path)
+        strategy.wait_for_checkpoint()
+    params = full_params(module.model)
+    grads = sorted(n for n, p in module.model.named_parameters() if p.grad is not None or p.requires_grad)
+    state_numel = sum(
+        t.numel() for opt in trainer.optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    opt_numel = sum(p.numel() for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
+    return losses, params, {"trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel}

@@ -1,0 +1,50 @@
+"""LoRA under the strategy's layouts matches one process (issue 40 item 2): SGD, ragged labels, 3 steps; the adapter
+weights after the last step match the single-process run's, the frozen base weights are bit-unchanged, and only
+adapter parameters are trainable and in the optimizer on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flagscale.models.lora import is_adapter_name
+from tests.strategies._lm import assert_rel_close, tiny_config
+from tests.strategies._lora import lora_config, lora_reference_run, lora_trainer_run
+
+STEPS = 3
+LAYOUTS = {
+    "ddp": dict(zero_stage=0),
+    "zero1": dict(zero_stage=1),
+    "zero3-fsdp2": dict(zero_stage=3, zero3_impl="fsdp2"),
+    "zero3-flat": dict(zero_stage=3, zero3_impl="flat"),
+    "tp2-sp": dict(tensor_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return lora_reference_run(tiny_config(), lora_config(), STEPS)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_layout_matches_single_process(launcher, reference, layout):
+    ref_losses, ref_after, ref_before = reference
+    results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS)
+    held = set()
+    for rank, (losses, params, info) in enumerate(results):
+        assert len(losses) == STEPS
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{layout} rank {rank} step {step}: loss {got} != {want}"
+        for name, value in params.items():
+            if is_adapter_name(name):
+                assert_rel_close(value, ref_after[name], 1e-5, f"{layout} rank {rank} {name}")
+                assert not torch.equal(value, ref_before[name]), f"{layout} rank {rank}: {name} did not train"
+            else:
+                assert torch.equal(value, ref_before[name]), f"{layout} rank {rank}: base weight {name} changed"
+        assert all(is_adapter_name(n) for n in info["trainable"]), f"{layout} rank {rank}: {info['trainable']}"
+        adapters = sum(v.numel() for n, v in params.items() if is_adapter_name(n))
+        # the optimizer holds adapter parameters (or this rank's shard of them) only
+        assert 0 < info["optimizer_numel"] <= adapters, f"{layout} rank {rank}: {info['optimizer_numel']} > {adapters}"
+        held |= set(params)
+    assert held == set(ref_after), f"{layout}: parameters held across ranks differ from the model's"
