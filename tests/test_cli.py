@@ -25,7 +25,8 @@ def test_recipe_parses(name, capsys):
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"].endswith("FlagScaleStrategy")
     assert config["model"]["class_path"].endswith(("CausalLMModule", "VLMModule"))  # class_path, default or not
-    assert config["model"]["init_args"]["config"] in ("llama-tiny", "mixtral-tiny", "qwen2.5-vl-tiny")
+    presets = ("llama-tiny", "mixtral-tiny", "deepseek-v3-tiny", "qwen2.5-vl-tiny")
+    assert config["model"]["init_args"]["config"] in presets
     assert config["data"]["class_path"].endswith(("LMDataModule", "VLMDataModule"))
 
 
