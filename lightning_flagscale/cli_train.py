@@ -134,6 +134,10 @@ class FlagScaleCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.get("trainer")
+        steps, every = (trainer.get("max_steps"), trainer.get("log_every_n_steps")) if trainer else (None, None)
+        if isinstance(steps, int) and isinstance(every, int) and 0 < steps < every:
+            trainer.log_every_n_steps = steps  # a run shorter than the interval still logs a row: CSV and loss plot
         hf_dir = hf_model_config(config)
         data = config.get("data")
         if data is not None and data.get("class_path") == DEFAULT_DATA and data.init_args.get("tokenizer") == "model":

@@ -152,3 +152,21 @@ def test_vlm_recipe_console(launcher, tmp_path):
     assert float(step_lines[0].split()[3]) == pytest.approx(csv_losses[2], abs=5e-5)
     assert (Path(log_dir) / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert not [w for w in warned if "across ranks is zero" in w or "ambiguous collection" in w], warned
+
+
+def test_runs_shorter_than_the_log_interval_still_log(monkeypatch):
+    """``--trainer.max_steps 3`` on a recipe logging every 10 steps: the CSV (and so the loss plot) gets the last
+    step instead of nothing."""
+    from lightning_flagscale.cli import main
+    from lightning_flagscale.strategies._resilience import FlagScaleLauncher
+
+    seen = {}
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        seen["every"] = trainer.log_every_n_steps  # the run itself is not needed
+
+    monkeypatch.setattr(FlagScaleLauncher, "launch", launch)
+    main(["fit", "--config", "zero1", "--trainer.max_steps", "3"])
+    assert seen["every"] == 3
+    main(["fit", "--config", "zero1", "--trainer.max_steps", "30"])
+    assert seen["every"] == 10  # the recipe's own interval when the run is longer
