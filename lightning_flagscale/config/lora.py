@@ -43,6 +43,9 @@ class LoRAConfig:
     init_lora_weights: bool | Literal["gaussian"] = True
     """``True``: ``A`` Kaiming-uniform, ``B`` zero (the adapted model starts equal to the base, peft's default);
     ``"gaussian"``: ``A ~ N(0, 1/rank)``, ``B`` zero; ``False``: ``B`` random too (tests only: not a no-op)."""
+    adapter_dir: str | None = None
+    """A ``peft`` LoRA folder whose weights start the adapters instead of ``init_lora_weights`` (continued training;
+    ``convert.peft.lora_config_from_peft`` fills every field from its ``adapter_config.json``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -92,6 +95,7 @@ class LoRAConfig:
             "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
             "target_modules": self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules),
             "use_rslora": self.use_rslora, "use_dora": self.use_dora, "init_lora_weights": self.init_lora_weights,
+            "adapter_dir": self.adapter_dir,
         }  # fmt: skip
 
     @classmethod

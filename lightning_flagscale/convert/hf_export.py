@@ -33,6 +33,7 @@ from lightning_flagscale.convert.hub import push_folder_to_hub
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, config_classes, family_for
 from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
+from lightning_flagscale.models.lora import adapter_modules, is_adapter_name, merged_weight
 
 __all__ = ["MODEL_CONFIG_FILE", "TOKENIZER_FILES", "export_hf", "is_dcp_checkpoint", "write_model_config"]
 
@@ -197,7 +198,11 @@ def _canonical(fqn: str) -> str:
 
 
 class _ModuleSource:
-    """Full tensors of a live module; collective when a process group exists (every rank calls ``get``)."""
+    """Full tensors of a live module; collective when a process group exists (every rank calls ``get``).
+
+    A layer with LoRA adapters (``models/lora.py``) is exported merged, ``W + scaling * B @ A``: the HF model then
+    computes what the adapted module does (issue 40).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         model = unwrap_causal_lm(module)
@@ -217,9 +222,33 @@ class _ModuleSource:
                 for k, meta in held.items():
                     self.owner.setdefault(k, rank)
                     self.meta.setdefault(k, meta)
+        self.names = set(self.owner) if self.distributed else set(self.tensors)
+        self.scaling = self._adapter_scaling(model)
+
+    def _adapter_scaling(self, model: nn.Module) -> float | None:
+        """The scale of the adapters (one LoRA config per model); None without adapters."""
+        scales = {m.scaling for m in adapter_modules(model).values()}
+        if self.distributed:  # a pipeline stage may hold none of them
+            every: list[set] = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(every, scales)
+            scales = set().union(*every)
+        if len(scales) > 1:
+            raise HFConversionError(f"Adapters with different scales {sorted(scales)}: cannot merge them for export.")
+        if not scales and any(is_adapter_name(n) for n in self.names):
+            raise HFConversionError("The module holds LoRA tensors but no LoRALinear layer: cannot merge them.")
+        return next(iter(scales), None)
+
+    def get(self, name: str) -> Tensor:
+        """The full tensor ``name`` (rank 0; None elsewhere under a process group), adapters merged in."""
+        full = self._get(name)
+        layer = name.removesuffix(".weight")
+        if self.scaling is None or f"{layer}.lora_A.weight" not in self.names:
+            return full
+        lora_a, lora_b = self._get(f"{layer}.lora_A.weight"), self._get(f"{layer}.lora_B.weight")
+        return full if full is None else merged_weight(full, lora_a, lora_b, self.scaling)
 
     @torch.no_grad()
-    def get(self, name: str) -> Tensor:
+    def _get(self, name: str) -> Tensor:
         from torch.distributed.tensor import DTensor
 
         local = self.tensors.get(name)

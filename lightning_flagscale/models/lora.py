@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
+from lightning_flagscale.models.weights import weight_source
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -114,7 +115,11 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
     """Layout-independent adapter init (as ``CausalLM.init_weights``: one generator per parameter name, the full
     tensor drawn on the CPU and this rank's shard copied out). ``init_lora_weights`` as peft: ``True`` A
     Kaiming-uniform(a=sqrt 5), i.e. U(-1/sqrt(in), 1/sqrt(in)); ``"gaussian"`` A ~ N(0, 1/r); B zero unless ``False``
-    (then B ~ U(-1/sqrt(r), 1/sqrt(r)) so that the adapter changes the model from the start)."""
+    (then B ~ U(-1/sqrt(r), 1/sqrt(r)) so that the adapter changes the model from the start). With ``adapter_dir``
+    the adapters are read from that peft folder instead."""
+    if config.adapter_dir:  # continued training: the weights of a peft folder (convert/peft.py registers "peft")
+        weight_source("peft").load_weights(model, config.adapter_dir)
+        return
     cpu = torch.device("cpu")
     for name, module in adapter_modules(model).items():
         for key in ADAPTER_KEYS:

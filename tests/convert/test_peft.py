@@ -1,0 +1,98 @@
+"""LoRA adapters and the HF ecosystem (issue 40 item 3), on one process: our adapters saved in peft's format load
+with ``peft.PeftModel.from_pretrained`` on the ``transformers`` model and give our logits; a peft adapter (made by
+peft) loads into our module to continue training; the merged export is a plain HF checkpoint with the adapted logits.
+The same from parallel layouts is in ``tests/strategies/test_lora_layouts.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.convert import (
+    HFConversionError,
+    export_hf,
+    load_peft_adapter,
+    lora_config_from_peft,
+    save_peft_adapter,
+)
+from lightning_flagscale.models import CausalLMModule
+from tests.convert._hf import hf_logits, make_hf_model, save
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+IDS = torch.tensor([[1, 5, 7, 9, 11, 3, 2, 40], [4, 4, 8, 15, 16, 23, 42, 0]])
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save(make_hf_model("llama"), tmp_path_factory.mktemp("llama") / "hf")
+
+
+def _ours(hf_dir, lora: LoRAConfig) -> CausalLMModule:
+    module = CausalLMModule.from_hf(str(hf_dir), lora=lora)
+    module.configure_model()
+    return module.eval()
+
+
+def _logits(module: CausalLMModule) -> torch.Tensor:
+    with torch.no_grad():
+        return module.model.logits(module(IDS))
+
+
+def test_saved_adapter_loads_in_peft_and_merged_export_in_transformers(hf_dir, tmp_path):
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=TARGETS, init_lora_weights=False, use_rslora=True)
+    ours = _ours(hf_dir, lora)
+    base = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), IDS)
+    assert (_logits(ours) - base).abs().max() > 1e-3  # the adapters change the model
+    save_peft_adapter(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["use_rslora"] and config["target_modules"] == TARGETS
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    torch.testing.assert_close(hf_logits(adapted, IDS), _logits(ours), rtol=0, atol=1e-5)
+
+    export_hf(ours, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    torch.testing.assert_close(hf_logits(merged, IDS), _logits(ours), rtol=0, atol=1e-5)
+
+
+def test_adapter_made_by_peft_continues_training_here(hf_dir, tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    config = peft.LoraConfig(r=2, lora_alpha=5, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    theirs = peft.get_peft_model(hf, config).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    want = hf_logits(theirs, IDS)
+
+    lora = lora_config_from_peft(tmp_path / "theirs")
+    assert (lora.rank, lora.alpha, sorted(lora.target_modules)) == (2, 5.0, ["down_proj", "q_proj"])
+    ours = _ours(hf_dir, lora)
+    torch.testing.assert_close(_logits(ours), want, rtol=0, atol=1e-5)
+    # ... and it trains: only the adapters move
+    ours.train()
+    opt = ours.configure_optimizers()["optimizer"]
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours._loss({"input_ids": IDS, "labels": IDS}).backward()
+    opt.step()
+    moved = {n for n, p in ours.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n for n in moved)
+
+
+def test_peft_errors(hf_dir, tmp_path):
+    ours = _ours(hf_dir, LoRAConfig(rank=2, target_modules=["q_proj"]))
+    save_peft_adapter(ours, tmp_path / "a")
+    with pytest.raises(FileExistsError):
+        save_peft_adapter(ours, tmp_path / "a")
+    other = _ours(hf_dir, LoRAConfig(rank=2, target_modules=["v_proj"]))
+    with pytest.raises(HFConversionError, match=r"no tensor 'base_model\.model\.model\.layers\.0\.self_attn\.v_proj"):
+        load_peft_adapter(other, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(HFConversionError, match="use_dora=True is not supported"):
+        lora_config_from_peft(tmp_path / "a")
