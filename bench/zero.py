@@ -11,7 +11,7 @@ optimizer states held by the rank. Theory:
   term in the dtype that is actually sent (our gradient reductions are fp32 whatever the parameter dtype);
 - state bytes: the paper's bf16 layout (DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N) and the layout
   this package uses (fp32 gradient buckets instead of bf16 gradients: ZeRO-1 keeps the full buckets, ZeRO-2 only
-  its fp32 shard; see ``parallel/data_parallel/grad_buckets.py`` and ``parallel.memory.expected_state_bytes``);
+  its fp32 shard; see ``parallel/data_parallel/grad_buckets.py`` and ``accounting.state_bytes.expected_state_bytes``);
 - gradient bytes at the backward peak: stages 0-1 hold their full fp32 buckets, ZeRO-2 its fp32 shard plus the
   staging buckets alive at once (measured by the reducer, at most two buckets of ``--bucket`` elements).
 """

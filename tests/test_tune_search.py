@@ -269,7 +269,7 @@ def test_the_gradient_bucket_size_reaches_the_model_the_recipe_and_the_strategy(
         tune_main([*argv[:-2], "--top", "1", "--write-recipe", str(path), "--grad-bucket-numel", str(numel)])
         init_args = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]
         assert ("grad_bucket_numel" in init_args) is written
-        assert FlagScaleStrategy(**init_args)._grad_bucket_numel == numel
+        assert FlagScaleStrategy(**init_args).parallel.grad_bucket_numel == numel
     capsys.readouterr()
     with pytest.raises(SystemExit, match="--grad-bucket-numel 0: a bucket holds at least one element"):
         tune_main([*argv, "--grad-bucket-numel", "0"])

@@ -6,7 +6,7 @@ It validates itself where it lives, before any process group exists, and every u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_flagscale.config.hetero import (
@@ -21,8 +21,18 @@ from lightning_flagscale.config.schedules import SCHEDULE_SPECS, ScheduleName, d
 if TYPE_CHECKING:
     from lightning_flagscale.config.transformer import TransformerConfig
 
-__all__ = ["ParallelConfig", "RecomputeMode"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "DataParallelConfig",
+    "HeteroConfig",
+    "ParallelConfig",
+    "ParallelSizes",
+    "PipelineConfig",
+    "RecomputeMode",
+]
 
+
+DEFAULT_BUCKET_NUMEL = 1 << 22  # 4M elements (16 MiB in fp32) per bucket: several buckets to overlap, few launches
 
 RecomputeMode = Literal["none", "selective", "selective_mm", "full"]
 """From the least to the most recomputation."""
@@ -33,15 +43,15 @@ SELECTIVE_MM_ON_MOE = (
 
 
 @dataclass(kw_only=True)
-class ParallelConfig:
-    """Degrees of every parallelism and the micro-batching around them.
-
-    World = pp x dp x cp x tp, with tp fastest-varying in rank order (see ``parallel/mesh.py``). Experts fold
-    over the dp x cp x tp ranks of a stage as edp x ep x etp (Megatron's MoE parallel folding).
-    """
+class ParallelSizes:
+    """Degrees of every parallelism: world = pp x dp x cp x tp (tp fastest in rank order, ``parallel/mesh.py``);
+    experts fold over a stage's dp x cp x tp ranks as edp x ep x etp (Megatron's MoE parallel folding)."""
 
     tensor_parallel_size: int = 1
     """Megatron tensor parallel degree (heads, MLP columns/rows, vocab)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
+    every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages groups (ranks along the pipeline)."""
     virtual_pipeline_parallel_size: int | None = None
@@ -60,6 +70,55 @@ class ParallelConfig:
     """Tensor parallel degree inside each expert; only 1 is supported (values > 1 are rejected)."""
     data_parallel_size: int | None = None
     """Data-parallel replicas; ``None`` derives it from the world size."""
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+
+    @property
+    def resolved_ulysses_size(self) -> int:
+        if self.ulysses_size is not None:
+            return self.ulysses_size
+        return self.context_parallel_size if self.context_parallel_mode == "ulysses" else 1
+
+    @property
+    def ring_size(self) -> int:
+        return self.context_parallel_size // self.resolved_ulysses_size
+
+    def _check_sizes(self) -> None:
+        for name in (
+            "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
+            "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name == "virtual_pipeline_parallel_size":
+                continue  # auto, resolved by ParallelConfig
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
+        if self.expert_tensor_parallel_size > 1:
+            # Refused rather than ignored: nothing splits an expert's weights inside an EP rank (issue 11 item 5).
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} is not supported: experts are"
+                " sharded across ranks by expert_parallel_size only, never split inside one. Set"
+                " expert_tensor_parallel_size=1 (use expert_parallel_size to spread the experts)."
+            )
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
+        if self.context_parallel_mode not in ("ring", "ulysses", "hybrid"):
+            raise ValueError(
+                f"context_parallel_mode={self.context_parallel_mode!r}; use 'ring', 'ulysses' or 'hybrid'."
+            )
+        if self.context_parallel_size % self.resolved_ulysses_size:
+            raise ValueError(
+                f"ulysses_size={self.resolved_ulysses_size} must divide context_parallel_size="
+                f"{self.context_parallel_size} (hybrid CP = ring x ulysses)."
+            )
+
+
+@dataclass(kw_only=True)
+class DataParallelConfig:
+    """How data-parallel replicas keep and reduce their state (Megatron's ``DistributedDataParallelConfig``): the ZeRO
+    stage and engine, the gradient buckets and what overlaps with compute."""
+
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0 = DDP, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters (FSDP2 or flat, see ``zero3_impl``)."""
     zero3_impl: Literal["auto", "fsdp2", "flat"] = "auto"
@@ -69,9 +128,35 @@ class ParallelConfig:
     schedules here (``resolved_zero3_impl``), non-protocol modules, hot-expert replication and tied weights that
     share a module with other parameters when the model is parallelised (logged). ``"flat"`` refuses those layouts
     with an error instead."""
-    sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence over the TP group (needs TP > 1; with ``hetero_meshes``, on
-    every mesh whose TP is > 1, resliced along the sequence at the boundaries)."""
+    grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """Gradient elements per bucket (DDP, ZeRO-1/2): one collective per bucket, launched as soon as it is full."""
+    overlap_grad_reduce: bool = True
+    """Reduce each bucket while backward runs (DDP, ZeRO-1/2); ``False`` reduces them all after backward."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2: leave the all-gather of the updated weights in flight after the optimizer step; each module waits
+    for its parameters before its next forward (Megatron's ``overlap_param_gather``)."""
+
+    def __post_init__(self) -> None:
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        numel = self.grad_bucket_numel
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
+            raise ValueError(f"grad_bucket_numel={numel!r} must be a positive number of elements per bucket.")
+        if self.overlap_param_gather and self.zero_stage not in (1, 2):
+            raise ValueError(
+                f"overlap_param_gather=True overlaps ZeRO-1/2's parameter all-gather with the next forward, but"
+                f" zero_stage={self.zero_stage} has none to overlap (stage 0 keeps whole weights, ZeRO-3"
+                " prefetches its own); set zero_stage=1 or 2, or drop overlap_param_gather."
+            )
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """Micro-batching, the pipeline schedule and split, and activation recompute."""
+
     micro_batch_size: int = 1
     """Samples per micro-batch fed through a pipeline schedule."""
     gradient_accumulation_steps: int = 1
@@ -80,17 +165,34 @@ class ParallelConfig:
     """Pipeline schedule name (see ``config/schedules.py``)."""
     pipeline_layers: list[int] | None = None
     """Explicit decoder layers per pipeline stage, e.g. ``[18, 14]``; ``None`` splits evenly or by cost."""
-    hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
-    """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
-    e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
-    rank's speed, from ``hetero_device_speed`` by ``FLAGSCALE_DEVICE_TYPE`` or a profiling pass
-    (``parallel/hetero_dp/shares.py``); ``None`` splits every batch evenly."""
     pipeline_balance: Literal["even", "cost"] = "even"
     """Without ``pipeline_layers``: equal layer slots per stage, or a split balancing per-unit parameter cost
     (embedding and LM head included)."""
     recompute: RecomputeMode | list[RecomputeMode] = "none"
     """Activation recompute per block: ``none``, ``selective`` (norms, activations), ``selective_mm`` (that and every
     second matmul, torchtitan's op-level policy; dense blocks) or ``full``; or one per stage."""
+
+    def __post_init__(self) -> None:
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        for name in ("micro_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
+        modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
+        if any(m not in get_args(RecomputeMode) for m in modes) or not modes:
+            raise ValueError(
+                f"recompute={self.recompute!r}: use 'none', 'selective', 'selective_mm' or 'full' (or one per stage)."
+            )
+        if self.pipeline_balance not in ("even", "cost"):
+            raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
+
+
+@dataclass(kw_only=True)
+class HeteroConfig:
+    """Heterogeneous training: process meshes chained as pipeline stages, or uneven data-parallel shares."""
+
     hetero_meshes: list[dict[str, Any]] | None = None
     """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
     ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
@@ -104,55 +206,60 @@ class ParallelConfig:
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
     ``hetero_layers`` is ``None``; with ``hetero_dp_batch_sizes="auto"``, of each ``FLAGSCALE_DEVICE_TYPE``."""
+    hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
+    """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
+    e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
+    rank's speed, from ``hetero_device_speed`` by ``FLAGSCALE_DEVICE_TYPE`` or a profiling pass
+    (``parallel/hetero_dp/shares.py``); ``None`` splits every batch evenly."""
 
     def __post_init__(self) -> None:
-        if self.hetero_meshes is not None:
-            self._check_hetero()
-        elif self.hetero_layers is not None:
+        self._check_hetero_fields()
+
+    def _check_hetero_fields(self) -> None:
+        if self.hetero_meshes is None and self.hetero_layers is not None:
             raise ValueError("hetero_layers needs hetero_meshes.")
-        elif self.hetero_device_speed is not None and self.hetero_dp_batch_sizes != "auto":
+        if self.hetero_meshes is None and self.hetero_device_speed is not None and self.hetero_dp_batch_sizes != "auto":
             raise ValueError("hetero_device_speed needs hetero_meshes or hetero_dp_batch_sizes='auto'.")
         self._check_auto_shares()
-        for name in (
-            "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
-            "context_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
-            "gradient_accumulation_steps",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if value is None and name == "virtual_pipeline_parallel_size":
-                continue  # auto, resolved below
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
-        if self.expert_tensor_parallel_size > 1:
-            # Refused rather than ignored: nothing splits an expert's weights inside an EP rank (issue 11 item 5).
-            raise ValueError(
-                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} is not supported: experts are"
-                " sharded across ranks by expert_parallel_size only, never split inside one. Set"
-                " expert_tensor_parallel_size=1 (use expert_parallel_size to spread the experts)."
-            )
+
+    def _check_auto_shares(self) -> None:
+        shares, speed = self.hetero_dp_batch_sizes, self.hetero_device_speed
+        if isinstance(shares, str) and shares != "auto":
+            raise ValueError(f"hetero_dp_batch_sizes={shares!r}: give a list of per-rank batch sizes or 'auto'.")
+        if speed is not None and (not isinstance(speed, dict) or not speed or any(
+            not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 for v in speed.values()
+        )):  # fmt: skip
+            raise ValueError(f"hetero_device_speed={speed!r} must map each device type to a positive speed.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelSizes):
+    """The parallel layout: :class:`ParallelSizes`, :class:`DataParallelConfig`, :class:`PipelineConfig` and
+    :class:`HeteroConfig` in one validated object (their fields are the strategy's keywords). ``sizes``, ``data``,
+    ``pipeline`` and ``hetero`` give each group on its own.
+
+    World = pp x dp x cp x tp, with tp fastest-varying in rank order (see ``parallel/mesh.py``). Experts fold
+    over the dp x cp x tp ranks of a stage as edp x ep x etp (Megatron's MoE parallel folding).
+    """
+
+    def __post_init__(self) -> None:
+        # Each group's own rules, then the rules that tie groups together.
+        self._check_hetero_fields()
+        self._check_sizes()
+        self._check_data_parallel()
+        self._check_pipeline()
+        if self.hetero_meshes is not None:
+            self._check_hetero()
         auto_vpp = default_virtual_size(self.pipeline_schedule, self.pipeline_parallel_size)  # rejects unknown names
         if self.virtual_pipeline_parallel_size is None and self.hetero_enabled:
             auto_vpp = hetero_virtual_size(self.pipeline_schedule, None)  # always >= 2 stages: V schedules take 2
         if self.virtual_pipeline_parallel_size is None:
             self.virtual_pipeline_parallel_size = auto_vpp
-        if self.data_parallel_size is not None and self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
         self._check_zero3_impl()
         if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
                 " set tensor_parallel_size >= 2 or sequence_parallel=False."
-            )
-        if self.context_parallel_mode not in ("ring", "ulysses", "hybrid"):
-            raise ValueError(
-                f"context_parallel_mode={self.context_parallel_mode!r}; use 'ring', 'ulysses' or 'hybrid'."
-            )
-        if self.context_parallel_size % self.resolved_ulysses_size:
-            raise ValueError(
-                f"ulysses_size={self.resolved_ulysses_size} must divide context_parallel_size="
-                f"{self.context_parallel_size} (hybrid CP = ring x ulysses)."
             )
         if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1 and not self.hetero_enabled:
             raise ValueError(
@@ -164,10 +271,6 @@ class ParallelConfig:
             # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
             validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
-        if any(m not in get_args(RecomputeMode) for m in modes) or not modes:
-            raise ValueError(
-                f"recompute={self.recompute!r}: use 'none', 'selective', 'selective_mm' or 'full' (or one per stage)."
-            )
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
         if not isinstance(self.recompute, str) and len(modes) != stages:
             raise ValueError(
@@ -175,22 +278,11 @@ class ParallelConfig:
                 " per stage (pipeline_parallel_size x virtual_pipeline_parallel_size, or one per hetero stage group) or a"
                 " single mode."
             )
-        if self.pipeline_balance not in ("even", "cost"):
-            raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
         if self.pipeline_layers is not None and len(self.pipeline_layers) != self.num_stages:
             raise ValueError(
                 f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"
                 f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
             )
-
-    def _check_auto_shares(self) -> None:
-        shares, speed = self.hetero_dp_batch_sizes, self.hetero_device_speed
-        if isinstance(shares, str) and shares != "auto":
-            raise ValueError(f"hetero_dp_batch_sizes={shares!r}: give a list of per-rank batch sizes or 'auto'.")
-        if speed is not None and (not isinstance(speed, dict) or not speed or any(
-            not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 for v in speed.values()
-        )):  # fmt: skip
-            raise ValueError(f"hetero_device_speed={speed!r} must map each device type to a positive speed.")
 
     def _flat_zero3_refusals(self) -> list[str]:
         """Why flat ZeRO-3 cannot run this layout (empty: it can)."""
@@ -254,6 +346,32 @@ class ParallelConfig:
         """Stage groups of ``hetero_meshes`` (a per-stage ``recompute`` list gives one mode per group)."""
         return sum(m.pipeline_parallel_size for m in parse_hetero_meshes(self.hetero_meshes))
 
+    def _group(self, cls: type) -> Any:
+        values = {f.name: getattr(self, f.name) for f in fields(cls)}
+        group = cls.__new__(cls)  # a view of resolved values: the group's own checks already ran on this config
+        group.__dict__.update(values)
+        return group
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        """The degrees of every parallelism (after ``resolve``, ``data_parallel_size`` is set)."""
+        return self._group(ParallelSizes)
+
+    @property
+    def data(self) -> DataParallelConfig:
+        """ZeRO stage and engine, gradient buckets and overlap settings."""
+        return self._group(DataParallelConfig)
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        """Micro-batching, schedule, split and recompute."""
+        return self._group(PipelineConfig)
+
+    @property
+    def hetero(self) -> HeteroConfig:
+        """Heterogeneous meshes or data-parallel shares."""
+        return self._group(HeteroConfig)
+
     @property
     def hetero_enabled(self) -> bool:
         return self.hetero_meshes is not None
@@ -289,16 +407,6 @@ class ParallelConfig:
         return configs
 
     # ---- derived sizes ----
-    @property
-    def resolved_ulysses_size(self) -> int:
-        if self.ulysses_size is not None:
-            return self.ulysses_size
-        return self.context_parallel_size if self.context_parallel_mode == "ulysses" else 1
-
-    @property
-    def ring_size(self) -> int:
-        return self.context_parallel_size // self.resolved_ulysses_size
-
     @property
     def num_stages(self) -> int:
         return self.pipeline_parallel_size * self.virtual_pipeline_parallel_size

@@ -1,7 +1,7 @@
 """The data layouts ``FlagScaleStrategy`` imposes on Lightning's (already distributed) dataloaders.
 
 * Heterogeneous meshes: every rank reads its data-parallel slice of each micro-batch, for training and evaluation
-  alike, so that pipeline stage boundaries line up (``parallel.hetero.MicroBatchSliceSampler``).
+  alike, so that pipeline stage boundaries line up (``parallel.hetero_dp.batching.MicroBatchSliceSampler``).
 * Heterogeneous data parallelism: ``hetero_dp_batch_sizes`` shares of each global batch (training only; ``"auto"``
   shares are chosen here from the speeds gathered at setup, ``parallel/hetero_dp/shares.py``).
 * Context parallelism: each rank's sequence chunks of a batch (``shard_for_cp``).

@@ -52,17 +52,9 @@ def with_config_keywords(config_cls: type, after: str) -> Callable[[F], F]:
     return decorate
 
 
-def check_options(
-    parallel: Any, resume: str | None, overlap_param_gather: bool, watchdog_timeout: float | None
-) -> None:
+def check_options(resume: str | None, watchdog_timeout: float | None) -> None:
     """Refuse the strategy's own keywords that cannot work, naming the fix (the layout checks itself)."""
     if resume not in (None, "auto"):
         raise ValueError(f"resume={resume!r} is unknown; use 'auto' (newest complete checkpoint) or None.")
-    if overlap_param_gather and parallel.zero_stage not in (1, 2):
-        raise ValueError(
-            f"overlap_param_gather=True overlaps ZeRO-1/2's parameter all-gather with the next forward, but"
-            f" zero_stage={parallel.zero_stage} has none to overlap (stage 0 keeps whole weights, ZeRO-3"
-            " prefetches its own); set zero_stage=1 or 2, or drop overlap_param_gather."
-        )
     if watchdog_timeout is not None and watchdog_timeout <= 0:
         raise ValueError(f"watchdog_timeout={watchdog_timeout} must be > 0 seconds, or None to disable it.")

@@ -34,7 +34,6 @@ from typing_extensions import override
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
 from lightning_flagscale.moe.balance import moe_layers
-from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim
 from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
@@ -92,9 +91,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         *,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        grad_bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        overlap_grad_reduce: bool = True,
-        overlap_param_gather: bool = False,
         async_checkpoint: bool = False,
         resume: Literal["auto"] | None = None,
         nan_policy: NanPolicy = "raise",
@@ -105,7 +101,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         super().__init__()
         if parallel is None:
             parallel = ParallelConfig(**layout)  # the layout keywords are ParallelConfig's fields (_signature.py)
-        check_options(parallel, resume, overlap_param_gather, watchdog_timeout)
+        check_options(resume, watchdog_timeout)
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None
@@ -113,9 +109,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._accumulating = False  # inside block_backward_sync: a micro-step before the window's last
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._grad_bucket_numel = grad_bucket_numel
-        self._overlap_grad_reduce = overlap_grad_reduce  # issue 15: DDP/ZeRO-1/2 buckets reduced during backward
-        self._overlap_param_gather = overlap_param_gather  # ZeRO-1/2: parameter all-gather under the next forward
         self._async_checkpoint = async_checkpoint
         self._resume = resume
         self._guard = StepGuard(nan_policy, skip_spiky_loss)
@@ -212,8 +205,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             defer_zero_grad(self.optimizers)
         self._dist_optimizers = build_optimizers(
             self.optimizers, self.lightning_module, self.meshes, self.parallel, pipelined=self._pipeline is not None,
-            master_weights=self.precision_plugin.master_weights, bucket_numel=self._grad_bucket_numel,
-            overlap=self._overlap_grad_reduce, overlap_param_gather=self._overlap_param_gather,
+            master_weights=self.precision_plugin.master_weights, bucket_numel=self.parallel.grad_bucket_numel,
+            overlap=self.parallel.overlap_grad_reduce, overlap_param_gather=self.parallel.overlap_param_gather,
         )  # fmt: skip
 
     def _dist_opt(self, optimizer) -> DistributedOptimizer | None:

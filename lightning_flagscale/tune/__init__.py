@@ -5,7 +5,7 @@
 - ``hardware.py``: :class:`HardwareProfile` (peak, memory, GEMM efficiency by size, SDPA efficiency, alpha-beta link
   model per collective and group size, intra/inter node), JSON load/save, built-in ``h100``/``h200``/``a100``.
 - ``calibrate.py``: ``tune --calibrate`` measures this machine (GEMMs, SDPA, memory bandwidth, gloo collectives).
-- ``memory.py`` (+ ``activations.py``, ``inflight.py``): bytes per rank at the peak, per pipeline rank: model states
+- ``memory_model.py`` (+ ``activations.py``, ``inflight.py``): bytes per rank at the peak, per pipeline rank: model states
   as this package holds them per ZeRO stage and precision, activations derived from our own layers per recompute
   policy, times the (stage, micro-batch) pairs each schedule keeps alive; checked in ``bench/tune_validation.py``.
 - ``cost.py``: step time from per-block GEMM/attention/memory-bound times, recompute, each schedule's bubble, and

@@ -13,7 +13,7 @@
   ``ring_blocks`` (ring CP runs it on CPU: fp32 scores of the whole block).
 - **Memory bandwidth**: an out-of-place add over tensors much larger than the caches.
 - **Optimizer phase**: what a rank runs between backward and the next step on flat fp32 main parameters (the step
-  guard's finiteness sum, ``parallel.data.clip_grad_norm_``, torch's ``AdamW`` with its default implementation, the
+  guard's finiteness sum, ``parallel.data_parallel.optimizer.clip_grad_norm_``, torch's ``AdamW`` with its default implementation, the
   copy back into bf16 weights), per parameter (``optimizer_seconds_per_param``). It is memory-bound, so it is timed
   the way training runs it: by every rank of the spawned world at once (they share the memory bus), over 16M
   parameters per rank (past the caches, like a real model's states), and converted to busy time per rank (wall
@@ -248,7 +248,7 @@ def measure_attention_calls(
     """``(causal-half FLOPs, forward seconds, backward seconds)`` of one causal attention call per sequence length
     through ``backend``: torch's SDPA with autograd as training runs it (the backward separately: on a CPU it is not
     2.5 forwards at small sizes), or a fused kernel (``flash_attn``, ``transformer_engine``: the block kernel ring
-    attention calls, ``parallel.attention_kernels``, over the whole causal sequence)."""
+    attention calls, ``parallel.context_parallel.kernels``, over the whole causal sequence)."""
     if backend != "torch":
         return _kernel_calls(backend, seq_lens, heads, heads, head_dim, repeats, dtype, device, causal=True)
     out = []

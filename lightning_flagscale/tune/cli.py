@@ -16,13 +16,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Called through their modules so tests can stand in for the slow parts (a calibration, a training run).
+import lightning_flagscale.tune.calibrate as calibration
+import lightning_flagscale.tune.runner as runner
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
-from lightning_flagscale.tune.calibrate import calibrate
+from lightning_flagscale.config.parallel import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.cost import MeasuredStep, estimate_step, fit_compute_scale
 from lightning_flagscale.tune.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
 from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
-from lightning_flagscale.tune.runner import _strategy_args, recipe_dict, run_candidates, write_recipe
+from lightning_flagscale.tune.runner import _strategy_args, recipe_dict, write_recipe
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
 __all__ = ["candidate_json", "no_fit_message", "tune_main"]
@@ -128,7 +130,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     if device == "cpu" and args.calibrate_dtype == "bf16":  # CPU bf16 GEMMs can run at ~1 GFLOP/s: small shapes
         kw["gemm_sizes"] = (64, 128, 256, 512)
     try:
-        profile = calibrate(**kw)
+        profile = calibration.calibrate(**kw)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     profile.save(args.calibrate_out)
@@ -344,7 +346,7 @@ def _run_accelerator(hw: HardwareProfile, devices: int, attn_backend: str) -> st
 
 def _run(args: argparse.Namespace, model: TransformerConfig, result: SearchResult, hw: HardwareProfile) -> list:
     """Train the top ``--run`` candidates, print measured against predicted; the runs that trained."""
-    runs = run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
+    runs = runner.run_candidates(model, result.candidates, k=args.run, seq_len=args.seq_len, global_batch=args.global_batch,
                           devices=args.devices, workdir=args.run_dir, steps=args.run_steps,
                           grad_bucket_numel=args.grad_bucket_numel, accelerator=args.accelerator)  # fmt: skip
     print(f"{'layout':<56} {'predicted':>10} {'measured':>10} {'status'}")

@@ -89,7 +89,7 @@ class StepCost:
     rank stepping at once (what a timer around the phase measures)."""
     tokens_per_second: float
     mfu: float
-    """Model FLOPs (``parallel.flops.flops_per_token``) per second over the devices' peak."""
+    """Model FLOPs (``accounting.flops.flops_per_token``) per second over the devices' peak."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -170,7 +170,7 @@ def _every_other_gemm(model: TransformerConfig, c: ParallelConfig, seq_len: int,
     """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th and 6th of q, k, v, o, gate, up,
     down (``parallel/pipeline_parallel/recompute.py``; dense blocks only)."""
     if moe:
-        raise ValueError("recompute='selective_mm' runs on dense blocks only (pipeline_recompute.py).")
+        raise ValueError("recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py).")
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
     h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
     k_proj, o_proj = hw.gemm_seconds(t, kv * d / tp, h), hw.gemm_seconds(t, h, q * d / tp)

@@ -188,7 +188,7 @@ class HardwareProfile:
     ``attention_efficiency``. The built-in GPU profiles take them from kernel benchmarks (module docstring)."""
     ring_blocks: list[tuple[float, float, float]] = field(default_factory=list)
     """The same for one block of ring context-parallel attention through the kernel ``attn_backend="torch"``
-    resolves to on this device (``parallel/attention_kernels.TorchBlockKernel``: fp32 scores of the whole block,
+    resolves to on this device (``parallel/context_parallel/kernels.TorchBlockKernel``: fp32 scores of the whole block,
     masked), by the block's full ``4 b sq sk h d`` FLOPs. Empty: ring blocks run a fused kernel at the
     ``attention_calls`` / ``attention_efficiency`` rates on their causal FLOPs (flash-attn, Transformer Engine)."""
     tp_overhead: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
@@ -365,7 +365,7 @@ class HardwareProfile:
         if backend == "torch" and not self.ring_blocks and "torch" in self.attention_kernels:
             return (
                 f"Ring context parallelism with attn_backend='torch' runs the exact fp32 block kernel"
-                f" (parallel/attention_kernels.TorchBlockKernel, the reference path), which hardware profile"
+                f" (parallel/context_parallel/kernels.TorchBlockKernel, the reference path), which hardware profile"
                 f" {self.name!r} does not price: its 'torch' curve is torch's fused SDPA. Set attn_backend='flash_attn'"
                 " or 'transformer_engine' for a fused ring, use context_parallel_mode='ulysses', or measure the block"
                 " kernel on the device (tune --calibrate)."

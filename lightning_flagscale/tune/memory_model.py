@@ -2,11 +2,11 @@
 
 Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
 
-- **model states** (``parallel.memory.expected_state_bytes``, the formula ``tests/strategies/test_state_bytes.py``
+- **model states** (``accounting.state_bytes.expected_state_bytes``, the formula ``tests/strategies/test_state_bytes.py``
   checks against a Trainer run): parameters in the model dtype, fp32 gradient buckets (DDP, ZeRO-1) or the fp32
   main-gradient shard plus at most two staging buckets during backward (ZeRO-2, ``parallel/data_parallel/grad_buckets.py``), fp32
   master weights and Adam moments, each sharded as its ZeRO stage shards it: dense parameters over data x context
-  ranks, routed experts over the expert-data-parallel ranks (``parallel.data.reduction_groups``); ZeRO-3 (FSDP2)
+  ranks, routed experts over the expert-data-parallel ranks (``parallel.data_parallel.optimizer.reduction_groups``); ZeRO-3 (FSDP2)
   fp32 shards of everything. Parameters per rank: ``tune.stage_params`` (TP/EP splits, vocab padding, uneven and
   padded pipeline splits, tied embeddings on both end stages);
 - **activations** kept for backward (``tune.activations``, derived from our layers, per recompute policy) of the

@@ -1,6 +1,6 @@
 """Parameters each pipeline rank holds for one layout, as ``parallel/`` builds them (before data-parallel sharding).
 
-Stages come from ``parallel.pipeline_plan.plan_stages`` on the decoder's unit names (even split with padding,
+Stages come from ``parallel.pipeline_parallel.plan.plan_stages`` on the decoder's unit names (even split with padding,
 ``pipeline_layers`` or cost balance), placed on ranks as the schedule places them (looped or V). Per rank: TP splits
 attention, dense MLP and the vocabulary (padded to ``vocab_multiple``, as ``CausalLMModule`` pads it); norms are
 replicated; routed experts are split over EP (and not over TP: MoE blocks run whole on every TP rank); a tied

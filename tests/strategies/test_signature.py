@@ -18,9 +18,6 @@ NON_LAYOUT_KWARGS = {
     "watchdog_timeout",
     "process_group_backend",
     "timeout",
-    "grad_bucket_numel",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
     "async_checkpoint",
 }
 
@@ -30,7 +27,8 @@ NON_DEFAULTS = dict(
     context_parallel_mode="hybrid", ulysses_size=2, expert_parallel_size=2,
     data_parallel_size=3, zero_stage=1, sequence_parallel=True, micro_batch_size=2, gradient_accumulation_steps=2,
     pipeline_schedule="interleaved_1f1b", pipeline_layers=[1, 2, 1, 2], hetero_dp_batch_sizes=[1, 2, 3],
-    pipeline_balance="cost", recompute="full", zero3_impl="flat",
+    pipeline_balance="cost", recompute="full", zero3_impl="flat", grad_bucket_numel=1000, overlap_grad_reduce=False,
+    overlap_param_gather=True,
 )  # fmt: skip
 
 

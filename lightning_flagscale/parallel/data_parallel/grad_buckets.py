@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_flagscale.config.parallel import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.distributed.collectives import all_gather, reduce_scatter, release_input
 
 __all__ = [
@@ -57,7 +58,6 @@ __all__ = [
     "profiler_active",
 ]
 
-DEFAULT_BUCKET_NUMEL = 1 << 22  # 4M elements (16 MiB in fp32) per bucket: several buckets to overlap, few launches
 ZERO2_MAX_STAGING = 2  # ZeRO-2 staging buffers alive at once: one reducing while the next one fills
 
 

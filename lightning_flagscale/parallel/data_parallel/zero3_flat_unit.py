@@ -98,7 +98,7 @@ class FlatUnit:
         self._src: Tensor | None = None
         self.leaf: Tensor | None = None
         self.backward_started = False
-        # A recompute-wrapped block (``pipeline_recompute.py``): its forward hooks run outside the checkpointed
+        # A recompute-wrapped block (``pipeline_parallel/recompute.py``): its forward hooks run outside the checkpointed
         # region, so the recomputation in backward reads whatever the module holds: the pre-backward hook puts
         # views of the re-gathered buffer back.
         self.recompute = getattr(module, "_recompute_mode", None) not in (None, "none")

@@ -13,7 +13,7 @@ lacks and this file adds (issue 3):
   clear errors for layouts torch would reject late or hang on.
 * **Tied embeddings** across the first and last stage: both hold a copy; :meth:`PipelineRunner.sync_tied_grads`
   sums their gradients over a 2-rank group.
-* **Per-stage recompute** (none / selective / full), see ``pipeline_recompute.py``.
+* **Per-stage recompute** (none / selective / full), see ``pipeline_parallel/recompute.py``.
 
 ``position_ids`` and ``segment_ids`` reach every stage as keyword inputs of the schedule: torch splits keyword
 arguments into micro-batches and hands each stage its chunk together with the activations it receives (only
