@@ -65,6 +65,7 @@ def lora_reference_run(config: TransformerConfig, lora: LoRAConfig, steps: int) 
 def lora_trainer_run(
     strategy_kwargs: dict[str, Any], config: TransformerConfig, lora: LoRAConfig, steps: int,
     precision: str = "32-true", save_path: str | None = None, ckpt_path: str | None = None,
+    export_dir: str | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
     """``Trainer.fit`` on every worker: (global mean loss per step, full parameters, what the optimizer state holds)."""
     import lightning as L
@@ -96,6 +97,11 @@ def lora_trainer_run(
     if save_path is not None:
         trainer.save_checkpoint(save_path)
         strategy.wait_for_checkpoint()
+    if export_dir is not None:  # the adapters in peft's format and the merged HF model, from this layout
+        from lightning_flagscale.convert import export_hf, save_peft_adapter
+
+        save_peft_adapter(module, f"{export_dir}/adapter")
+        export_hf(module, f"{export_dir}/merged")
     params = full_params(module.model)
     grads = sorted(n for n, p in module.model.named_parameters() if p.grad is not None or p.requires_grad)
     state_numel = sum(

@@ -48,3 +48,40 @@ def test_lora_layout_matches_single_process(launcher, reference, layout):
         assert 0 < info["optimizer_numel"] <= adapters, f"{layout} rank {rank}: {info['optimizer_numel']} > {adapters}"
         held |= set(params)
     assert held == set(ref_after), f"{layout}: parameters held across ranks differ from the model's"
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout, tmp_path):
+    """Item 3 from parallel layouts: the gathered adapters hold the trained values under peft's key names,
+    ``peft.PeftModel.from_pretrained`` on the base HF model and the merged HF export both give the logits of the
+    single-process adapted model."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from lightning_flagscale.convert import export_hf
+    from tests.strategies._lora import lora_module
+
+    _, ref_after, _ = reference
+    launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS, export_dir=str(tmp_path))
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    want = {f"base_model.model.model.{n}": v for n, v in ref_after.items() if is_adapter_name(n)}
+    assert set(saved) == set(want)
+    for name, value in saved.items():
+        assert_rel_close(value, want[name], 1e-5, f"{layout} {name}")
+
+    oracle = lora_module(tiny_config(), lora_config())
+    oracle.configure_model()
+    base = lora_module(tiny_config(), None)
+    base.configure_model()
+    export_hf(base, tmp_path / "base")
+    with torch.no_grad():
+        for name, p in oracle.model.named_parameters():
+            p.copy_(ref_after[name])
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+        ours = oracle.model.logits(oracle(ids))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapted(ids).logits, ours, rtol=0, atol=1e-4)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-4)
