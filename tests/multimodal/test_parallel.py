@@ -1,4 +1,6 @@
-"""The VLM under FlagScaleStrategy matches the single-process fp32 run: parameters after 3 SGD steps, ragged labels.
+"""The VLM under FlagScaleStrategy matches the single-process fp32 run: parameters after 3 SGD steps, ragged labels,
+gradients clipped at 1.0 (below every step's norm, so clipping is active) with each step's pre-clip global norm
+compared: the replicated vision tower counts once in the norm under TP, CP and PP.
 
 Layouts: DP=2 with ZeRO-3 (both towers FSDP2-sharded); TP=2 with sequence parallelism (the language model
 Megatron-sharded, the vision tower replicated; images spliced before the sequence scatter); PP=2 with 1F1B and
@@ -21,7 +23,7 @@ from lightning_flagscale.multimodal import VLMConfig, VLMModule
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import assert_rel_close
 
-STEPS, GLOBAL_BATCH, NUM_SAMPLES, LR = 3, 4, 16, 0.2
+STEPS, GLOBAL_BATCH, NUM_SAMPLES, LR, CLIP = 3, 4, 16, 0.2, 1.0
 CFG = VLMConfig.from_preset("qwen2.5-vl-tiny", num_layers=2, vision={"depth": 2, "fullatt_block_indexes": [1]})
 
 
@@ -71,20 +73,23 @@ def _module(**kwargs) -> VLMModule:
 COLLATE = VLMCollator(config=CFG, pad_to_multiple_of=4)  # 2 x CP chunks, and the TP size
 
 
-def reference_run() -> dict[str, torch.Tensor]:
+def reference_run() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(parameters after ``STEPS`` steps, each step's global gradient norm before clipping)."""
     module = _module()
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
     data = RaggedShapes()
+    norms = []
     for step in range(STEPS):
         batch = COLLATE([data[int(i)] for i in global_batch_indices(len(data), GLOBAL_BATCH, step)])
         module._loss(batch).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP))
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    return {k: v.detach().clone() for k, v in module.model.named_parameters()}, torch.stack(norms)
 
 
-def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.Tensor]:
+def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     import lightning as L
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -95,10 +100,16 @@ def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.T
     world = dist.get_world_size()
     strategy = FlagScaleStrategy(**strategy_kwargs)
     module = _module(**module_kwargs)
+    norms = []
+
+    class Norms(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            norms.append(float(trainer.strategy.precision_plugin.last_grad_norm))
+
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision("32-true")],
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=CLIP, callbacks=[Norms()],
     )  # fmt: skip
     model_parallel = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
@@ -110,7 +121,7 @@ def trainer_run(strategy_kwargs: dict, module_kwargs: dict) -> dict[str, torch.T
         for name, p in module.model.named_parameters():  # under PP: this rank's stage, under the unsplit names
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[name.replace("_fsdp_wrapped_module.", "")] = full.detach().float().clone()
-    return out
+    return out, torch.tensor(norms)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +142,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(launcher, reference, layout):
     world, strategy_kwargs = LAYOUTS[layout]
-    results = launcher(world, trainer_run, strategy_kwargs, {})
+    reference, ref_norms = reference
+    assert (ref_norms > CLIP).all(), ref_norms  # clipping active at every step: the premise
+    results = []
+    for rank, (params, norms) in enumerate(launcher(world, trainer_run, strategy_kwargs, {})):
+        assert_rel_close(norms, ref_norms, 1e-5, f"{layout} rank {rank} gradient norms")
+        results.append(params)
     pipelined = strategy_kwargs.get("pipeline_parallel_size", 1) > 1
     # Under PP every rank holds its stage's parameters: together the stages hold exactly the model's.
     assert set().union(*results) == set(reference), f"{layout}: parameter names"
