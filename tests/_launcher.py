@@ -13,6 +13,9 @@ answer within the timeout (a hang in a collective) kills the pool, which is rebu
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import inspect
 import multiprocessing as mp
 import os
 import socket
@@ -144,6 +147,7 @@ class Launcher:
 
     def __init__(self) -> None:
         self.pools: dict[int, WorkerPool] = {}
+        self.results: dict[str, list[Any]] = {}
 
     # Every Trainer run creates process groups that live as long as the worker, each with a gloo transport thread
     # that wakes up periodically: after a few hundred groups idle workers eat a core. Workers are replaced after this
@@ -167,7 +171,41 @@ class Launcher:
             self.pools.pop(world_size).close()
             raise
 
+    def shared(self, world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kw: Any):
+        """``launcher(world_size, fn, *args, **kw)``, run once per session for every call with the same arguments.
+
+        Tests that need the same deterministic run (e.g. a layout's parity and a composition test that happens to
+        use the same layout) each assert on its results, and it runs once: every caller gets its own deep copy.
+        Arguments are compared with their defaults filled in; ``fn.run_key(world_size, *args, **kw)``, where ``fn``
+        has one, maps spellings of the same run to one key (e.g. an explicit default). Only runs without side
+        effects belong here (no checkpoint paths): a failed run is not remembered.
+        """
+        normalise = getattr(fn, "run_key", None)
+        if normalise is not None:
+            key = normalise(world_size, *args, **kw)
+        else:
+            bound = inspect.signature(fn).bind(*args, **kw)
+            bound.apply_defaults()
+            key = _canonical((world_size, bound.arguments))
+        key = f"{fn.__module__}.{fn.__qualname__}:{key}"
+        if key not in self.results:
+            self.results[key] = self(world_size, fn, *args, timeout=timeout, **kw)
+        return copy.deepcopy(self.results[key])
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+
+
+def _canonical(value: Any) -> str:
+    """A repr that does not depend on the order keywords were written in (dicts sorted, dataclasses as dicts)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return f"{type(value).__qualname__}({_canonical(fields)})"
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: repr(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {_canonical(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "(" + ", ".join(_canonical(v) for v in value) + ")"
+    return repr(value)

@@ -35,7 +35,7 @@ def test_flat_zero3_matches_single_process(launcher, reference, world, kwargs, a
     from tests.strategies._lm import GLOBAL_BATCH
 
     dp = world // kwargs.get("tensor_parallel_size", 1) // kwargs.get("context_parallel_size", 1)
-    results = launcher(
+    results = launcher.shared(
         world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, accumulate=accumulate,
         batch_size=GLOBAL_BATCH // dp // accumulate,
     )  # fmt: skip

@@ -175,6 +175,44 @@ def trainer_run(
     return recorder.losses, params
 
 
+def _trainer_run_key(world: int, strategy_kwargs: dict[str, Any], config: TransformerConfig, steps: int, **kw) -> str:
+    """``Launcher.shared``'s key of a ``trainer_run``: the strategy's keywords with their defaults, the parallel ones as
+    the resolved ``ParallelConfig`` (an explicit default, an auto virtual size, the derived DP size all read the same),
+    and the run's arguments with the DataLoader batch size it derives. ``zero3_impl="auto"`` is read as the engine it
+    picks where that is certain from the configs alone: flat for a dense model without tied embeddings (a protocol
+    model that flat ZeRO-3 cannot refuse, ``parallel/plan.py::_flat_zero3_refusal``)."""
+    import copy
+    import dataclasses
+    import inspect
+
+    from lightning_flagscale import FlagScaleStrategy
+    from lightning_flagscale.config import ParallelConfig
+    from tests._launcher import _canonical
+
+    strategy = inspect.signature(FlagScaleStrategy).bind(**strategy_kwargs)
+    strategy.apply_defaults()
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = strategy.arguments["parallel"]
+    if parallel is None:
+        parallel = ParallelConfig(**{k: v for k, v in strategy.arguments.items() if k in fields})
+    parallel = copy.deepcopy(parallel)
+    dp = parallel.data_parallel_size or world // parallel.model_parallel_size  # as trainer_run derives it
+    parallel.resolve(world)
+    dense_untied = not config.tie_word_embeddings and config.num_experts == 0
+    if parallel.zero3_impl == "auto" and parallel.resolved_zero3_impl == "flat" and dense_untied:
+        parallel.zero3_impl = "flat"
+    rest = {k: v for k, v in strategy.arguments.items() if k not in fields and k != "parallel"}
+    run = inspect.signature(trainer_run).bind(strategy_kwargs, config, steps, **kw)
+    run.apply_defaults()
+    args = {k: v for k, v in run.arguments.items() if k != "strategy_kwargs"}
+    if args["batch_size"] is None:
+        args["batch_size"] = GLOBAL_BATCH // dp
+    return _canonical((world, parallel, rest, args))
+
+
+trainer_run.run_key = _trainer_run_key  # type: ignore[attr-defined]
+
+
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative error of a whole tensor: ||a - e|| / ||e||."""
     return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))

@@ -43,7 +43,7 @@ def test_pipeline_compositions(launcher, kwargs):
 def test_context_parallel_weights_ragged_labels_by_tokens(launcher):
     """Ignored labels fall unevenly across CP slices: the loss must still be the token mean of whole sequences."""
     reference = reference_run(tiny_config(), STEPS, clip=1.0, ragged=True)
-    results = launcher(2, trainer_run, dict(context_parallel_size=2), tiny_config(), STEPS, clip=1.0)
+    results = launcher.shared(2, trainer_run, dict(context_parallel_size=2), tiny_config(), STEPS, clip=1.0)
     assert_matches_reference(results, reference, "cp2-ragged", every_rank_holds_all=True)
 
 
@@ -51,5 +51,5 @@ def test_context_parallel_weights_ragged_labels_by_tokens(launcher):
 def test_data_parallel_weights_ragged_labels_by_tokens(launcher, zero_stage):
     """Samples with different numbers of target tokens: the loss is the global token mean, as in one process."""
     reference = reference_run(tiny_config(), STEPS, clip=1.0, ragged=True)
-    results = launcher(2, trainer_run, dict(zero_stage=zero_stage), tiny_config(), STEPS, clip=1.0, ragged=True)
+    results = launcher.shared(2, trainer_run, dict(zero_stage=zero_stage), tiny_config(), STEPS, clip=1.0, ragged=True)
     assert_matches_reference(results, reference, f"dp2-ragged-zero{zero_stage}", every_rank_holds_all=True)

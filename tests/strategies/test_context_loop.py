@@ -26,7 +26,7 @@ def reference():
     ids=["cp2-ring", "cp2-ulysses", "cp2xtp2", "cp2xtp2-sp", "cp2xdp2-zero1"],
 )
 def test_context_parallel_training_matches_single_process(launcher, reference, world, kwargs):
-    results = launcher(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
+    results = launcher.shared(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
     assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)
 
 

@@ -27,5 +27,5 @@ def reference():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(launcher, reference, layout):
     world, kwargs = LAYOUTS[layout]
-    results = launcher(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
+    results = launcher.shared(world, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
     assert_matches_reference(results, reference, layout, every_rank_holds_all=True)
