@@ -103,14 +103,26 @@ def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[name].flatten() for name in sorted(params)])
 
 
+STAGES = (0, 1, 2, 3)
+
+
+def _fit_ddp_and_every_zero_stage(precision: str):
+    """One task per precision: ``DDPStrategy``, then ``FlagScaleStrategy`` at ZeRO-0, 1, 2, 3 (in that order)."""
+    return [_fit("ddp", 0, precision), *(_fit("flagscale", zero_stage, precision) for zero_stage in STAGES)]
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
 def test_demo_transformer_trains_like_ddp_at_every_zero_stage(launcher, precision):
-    ddp_losses, ddp_params, ddp_dtype, _ = launcher(2, _fit, "ddp", 0, precision)[0]
+    runs = launcher.shared(2, _fit_ddp_and_every_zero_stage, precision)  # runs[rank][0]: DDP, [1 + stage]: ZeRO
+    ddp_losses, ddp_params, ddp_dtype, _ = runs[0][0]
     assert all(torch.isfinite(torch.tensor(ddp_losses))) and len(ddp_losses) == STEPS
-    fp32_params = launcher(2, _fit, "ddp", 0, "32-true")[0][1] if precision == "bf16-true" else None
-    for zero_stage in (0, 1, 2, 3):
+    # bf16-true's fp32 baseline is the 32-true case's DDP run (shared: it runs once)
+    fp32_params = (
+        launcher.shared(2, _fit_ddp_and_every_zero_stage, "32-true")[0][0][1] if precision == "bf16-true" else None
+    )
+    for zero_stage in STAGES:
         main_weights = precision == "bf16-true" and zero_stage > 0
-        for rank, (losses, params, dtype, layout) in enumerate(launcher(2, _fit, "flagscale", zero_stage, precision)):
+        for rank, (losses, params, dtype, layout) in enumerate(run[1 + zero_stage] for run in runs):
             what = f"{precision} ZeRO-{zero_stage} rank {rank}"
             assert layout == "lightning", what
             if zero_stage < 3:  # FSDP2 holds fp32 shards and casts per forward
