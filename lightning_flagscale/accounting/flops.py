@@ -11,7 +11,8 @@ Formula (PaLM, Chowdhery et al. 2022, appendix B; the convention of Megatron-LM 
   weight gradient).
 - ``12 * L * (n_heads * head_dim) * seq_len``: the attention scores ``Q K^T`` and ``P V`` (2 x 2 x s x h_attn per
   token and layer in forward, x 3 for training). The causal mask is *not* discounted (PaLM's convention, so numbers
-  compare with published MFU); kernels that skip the masked half do about half of this term.
+  compare with published MFU); kernels that skip the masked half do about half of this term. Under multi-head
+  latent attention the ``P V`` half runs over ``v_head_dim``: ``6 * L * n_heads * (head_dim + v_head_dim) * seq_len``.
 - Recomputation is not counted (MFU, not hardware FLOPs utilisation).
 
 ``mfu = tokens_per_s * flops_per_token / (num_devices * peak_flops_per_device)``, with the peak from
@@ -69,7 +70,9 @@ def flops_per_token(config: Any, seq_len: int) -> float:
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
     h = config.hidden_size
     matmul = config.num_params(include_embedding=False, active=True) + config.vocab_size * h  # + the LM head
-    attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
+    # Q K^T runs over the query/key head width, P V over the value width (they differ under MLA); 6 = 2 x 3.
+    v_dim = getattr(config, "v_head_dim", None) or config.head_dim
+    attention = 6 * config.num_layers * config.num_attention_heads * (config.head_dim + v_dim) * seq_len
     return float(6 * matmul + attention)
 
 

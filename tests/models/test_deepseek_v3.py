@@ -202,3 +202,15 @@ def test_mla_gradients_under_tensor_parallel(launcher, sequence_parallel, q_lora
         assert rank_errors["layers.0.self_attn.kv_a_proj_with_mqa.weight"] <= 1e-5  # the shared rotary key's path
         bad = {k: v for k, v in rank_errors.items() if v > 1e-5}
         assert not bad, bad
+
+
+def test_flops_per_token_counts_mla_widths():
+    from lightning_flagscale.accounting.flops import flops_per_token
+
+    config = TransformerConfig.from_preset("deepseek-v3-tiny")  # q/k heads 24 wide, values 12
+    matmul = config.num_params(include_embedding=False, active=True) + config.vocab_size * config.hidden_size
+    attention = 3 * config.num_layers * (2 * 2 * 128 * config.num_attention_heads * (24 + 12) // 2)
+    assert flops_per_token(config, 128) == 6 * matmul + attention
+    llama = TransformerConfig.from_preset("llama-tiny")  # equal widths: the PaLM term 12 L n d s unchanged
+    llama_matmul = llama.num_params(include_embedding=False, active=True) + llama.vocab_size * llama.hidden_size
+    assert flops_per_token(llama, 64) == 6 * llama_matmul + 12 * llama.num_layers * 4 * llama.head_dim * 64

@@ -1,5 +1,6 @@
 """The real DeepSeek-V3 tiny model (MLA, YaRN, shared experts, sigmoid group-limited routing) inside Trainer.fit
-matches the single-process fp32 run under TP 2 (+SP), EP 2, EP 2 x PP 2 and ZeRO-3 (issue 39 item 5, part).
+matches the single-process fp32 run under TP 2 (+SP), EP 2, EP 2 x PP 2, ZeRO-3 and CP 2 (ring and Ulysses, with q/k
+heads 12 wide and value heads 10) (issue 39 items 1 and 5, part).
 
 Two oracles: ``tests/strategies/_lm.py`` (SGD + weight decay, ragged labels, gradient norms before clipping) with the
 aux-free bias balancing off, and ``tests/moe/_trainer.py`` (plain SGD, weight updates and router biases) with the
@@ -43,8 +44,10 @@ def reference():
         (2, dict(tensor_parallel_size=2)),
         (2, dict(tensor_parallel_size=2, sequence_parallel=True)),
         (2, dict(zero_stage=3)),
+        (2, dict(context_parallel_size=2, context_parallel_mode="ring")),
+        (2, dict(context_parallel_size=2, context_parallel_mode="ulysses")),
     ],
-    ids=["tp2", "tp2-sp", "zero3"],
+    ids=["tp2", "tp2-sp", "zero3", "cp2-ring", "cp2-ulysses"],
 )
 def test_mla_model_matches_single_process(launcher, reference, world, kwargs):
     results = launcher(world, trainer_run, kwargs, mla_config(**NO_BIAS), STEPS, clip=1.0)

@@ -168,7 +168,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         half = q.shape[1] // 2
         pos = local_positions(q.shape[1], ring.size, ring.rank)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)  # MLA: v width
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
         cur = [k, v] if seg is None else [k, v, seg]
         for step in range(ring.size):

@@ -145,7 +145,8 @@ class TorchBlockKernel:
             qf = q[:, t].float().reshape(b, -1, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
             mask = _visible(q_pos[t], k_pos, causal, None if q_seg is None else q_seg[:, t], k_seg, q.device)
             p, lse = self._probs(qf, kf, scale, mask, None)
-            outs.append(torch.einsum("bhgqk,bhkd->bhgqd", p, vf).permute(0, 3, 1, 2, 4).reshape(b, -1, hq, d))
+            # The value width may differ from the query/key width (MLA): the output takes the value's.
+            outs.append(torch.einsum("bhgqk,bhkd->bhgqd", p, vf).permute(0, 3, 1, 2, 4).reshape(b, -1, hq, v.shape[-1]))
             lses.append(lse.reshape(b, hq, -1))
         return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
@@ -156,7 +157,9 @@ class TorchBlockKernel:
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         dqs = []
         for t in self._tiles(sq):
-            qf, dof, of = (x[:, t].float().reshape(b, -1, hkv, g, d).permute(0, 2, 3, 1, 4) for x in (q, dout, out))
+            qf, dof, of = (
+                x[:, t].float().reshape(b, -1, hkv, g, x.shape[-1]).permute(0, 2, 3, 1, 4) for x in (q, dout, out)
+            )
             mask = _visible(q_pos[t], k_pos, causal, None if q_seg is None else q_seg[:, t], k_seg, q.device)
             # Probabilities against the row-FINAL lse: the block's share of the full softmax, hence exact gradients.
             p, _ = self._probs(qf, kf, scale, mask, lse[:, :, t].reshape(b, hkv, g, -1))
