@@ -301,6 +301,13 @@ class _DCPSource:
         self.reader = FileSystemReader(str(path))
         metadata = self.reader.read_metadata()
         self.meta = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        adapters = sorted(k for k in self.meta if ".lora_A." in k or ".lora_B." in k)
+        if adapters:  # exporting the base alone would silently drop what the run trained
+            raise HFConversionError(
+                f"{path} holds LoRA adapters ({adapters[0]}, ...), which an export of the checkpoint folder does not"
+                " merge; export from the trained module instead (export_hf(module, out_dir) or HFExportCallback merge"
+                " them), or save the adapters alone with convert.peft.save_peft_adapter."
+            )
         hf_config = path / HF_CONFIG_FILE
         self.hf_config = json.loads(hf_config.read_text()) if hf_config.is_file() else None
         self.hf_dir: str | None = str(path)  # hf_to_ckpt copies tokenizer/generation files here

@@ -172,3 +172,20 @@ def test_cli_round_trip_and_user_errors(hf_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         convert_main(["ckpt-to-hf", str(tmp_path / "ck"), str(tmp_path / "back")])
     assert exc.value.code == 2 and "already exists" in capsys.readouterr().err
+
+
+def test_exporting_a_lora_checkpoint_folder_is_refused(tmp_path):
+    # The folder holds the frozen base and the adapters apart; writing the base alone would drop what was trained.
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {
+        "model.norm.weight": torch.ones(8),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+        "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 8),
+        "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2),
+    }}  # fmt: skip
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    config = TransformerConfig(hidden_size=8, intermediate_size=16, num_layers=1, num_attention_heads=2, vocab_size=64)
+    with pytest.raises(HFConversionError, match=r"holds LoRA adapters .*export from the trained module"):
+        export_hf(str(tmp_path / "ckpt"), tmp_path / "out", config=config)
+    assert not (tmp_path / "out").exists()
