@@ -1,8 +1,9 @@
 """Trainer-level MoE parity helpers: plain-SGD copies of the ``tests/strategies/_lm.py`` oracle and run.
 
-SGD (no momentum, no clipping, no weight decay) because Adam hides a gradient's scale; the comparison includes the
-router biases (buffers) and the weight *updates* (not only the weights, whose initial values dominate), so a wrong
-aux-loss scale cannot hide behind them.
+SGD (no momentum, no weight decay) because Adam hides a gradient's scale; the comparison includes the router biases
+(buffers) and the weight *updates* (not only the weights, whose initial values dominate), so a wrong aux-loss scale
+cannot hide behind them. With ``clip`` the runs clip the global gradient norm and record each step's norm before
+clipping, which the comparison includes (clipping would otherwise hide a gradient's scale from the updates).
 """
 
 from __future__ import annotations
@@ -43,31 +44,39 @@ def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, layer in moe_layers(module) if layer.gate.e_score_correction_bias is not None}  # fmt: skip
 
 
-def sgd_reference(config: TransformerConfig, steps: int) -> dict[str, Any]:
-    """Single-process fp32 run on the whole global batch: losses, initial and final weights, router biases."""
+def sgd_reference(config: TransformerConfig, steps: int, clip: float | None = None) -> dict[str, Any]:
+    """Single-process fp32 run on the whole global batch: losses, initial and final weights, router biases (and each
+    step's gradient norm before clipping at ``clip``)."""
     torch.manual_seed(0)
     module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
     module.configure_model()
     init = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     opt = module.configure_optimizers()
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
         losses.append(loss.item())
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item())
         opt.step()
         update_moe_state(module)  # what CausalLMModule.optimizer_step does under a Trainer
         opt.zero_grad()
     params = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     buffers = _buffers(module.model)
-    return {"losses": losses, "init": init, "params": params, "buffers": buffers}
+    return {"losses": losses, "init": init, "params": params, "buffers": buffers, "norms": norms}
 
 
 def sgd_trainer_run(
-    strategy_kwargs: dict[str, Any], config: TransformerConfig, steps: int, batch_size: int | None = None
+    strategy_kwargs: dict[str, Any],
+    config: TransformerConfig,
+    steps: int,
+    batch_size: int | None = None,
+    clip: float | None = None,
 ) -> dict[str, Any]:
-    """``Trainer.fit`` with FlagScaleStrategy on every worker (ragged labels); full weights and biases per rank."""
+    """``Trainer.fit`` with FlagScaleStrategy on every worker (ragged labels, ``gradient_clip_val=clip``); full
+    weights and biases per rank, and each step's gradient norm before clipping."""
     import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
@@ -80,12 +89,15 @@ def sgd_trainer_run(
     losses: list[float] = []
     replicated: list[tuple[int, ...]] = []
     replica_bytes: list[int] = []
+    norms: list[float] = []
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
+            if clip is not None:
+                norms.append(float(trainer.strategy.precision_plugin.last_grad_norm))
             for _, layer in moe_layers(pl_module):
                 replicated.append(layer.replicated_experts)
                 replica_bytes.append(getattr(layer.dispatcher, "replica_bytes", 0))
@@ -95,7 +107,7 @@ def sgd_trainer_run(
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision("32-true")],
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Record()],
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Record()], gradient_clip_val=clip,
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
@@ -110,6 +122,7 @@ def sgd_trainer_run(
         "buffers": _buffers(module.model),
         "replicated": replicated,
         "replica_bytes": replica_bytes,
+        "norms": norms,
     }
 
 
@@ -123,6 +136,11 @@ def assert_sgd_parity(
     for rank, res in enumerate(results):
         held |= set(res["params"])
         assert len(res["losses"]) == len(ref["losses"]), f"{what} rank {rank}: {len(res['losses'])} steps"
+        # the gradient's scale, which clipping hides from the updates: both runs clipped, or neither
+        assert len(res["norms"]) == len(ref["norms"]), f"{what} rank {rank}: {len(res['norms'])} gradient norms"
+        if ref["norms"]:
+            got, want = torch.tensor(res["norms"]), torch.tensor(ref["norms"])
+            assert_rel_close(got, want, rel, f"{what} rank {rank} gradient norms")
         for step, (got, want) in enumerate(zip(res["losses"], ref["losses"])):
             assert abs(got - want) <= rel * abs(want), f"{what} rank {rank} step {step}: loss {got} != {want}"
         if not pipeline:
