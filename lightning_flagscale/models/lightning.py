@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torchmetrics.aggregation import MeanMetric
 
@@ -25,6 +26,8 @@ from lightning_flagscale.models.layers import RMSNorm
 from lightning_flagscale.models.lora import apply_lora, init_adapters
 from lightning_flagscale.models.weights import weight_source
 from lightning_flagscale.moe.balance import update_moe_state
+from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
+from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
 __all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
 
@@ -187,6 +190,27 @@ class CausalLMModule(L.LightningModule):
             apply_lora(self.model, self.lora)
         if not next(self.model.parameters()).is_meta:
             self.initialize_weights()
+        mesh = self._lightning_model_parallel_mesh()
+        if mesh is not None:
+            self._parallelize_on(mesh)
+
+    def _lightning_model_parallel_mesh(self) -> Any:
+        """The ``(data_parallel, tensor_parallel)`` mesh Lightning's ``ModelParallelStrategy`` hands the module, which
+        it expects to parallelise itself in ``configure_model`` (``FlagScaleStrategy`` parallelises it instead)."""
+        trainer = self._trainer
+        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+            return None
+        return self.device_mesh
+
+    def _parallelize_on(self, mesh: Any) -> None:
+        """Under ``ModelParallelStrategy``: Megatron TP over its ``tensor_parallel`` dimension with the model's own plan,
+        then FSDP2 per block over ``data_parallel`` (torchtitan's order). The weights are already initialised, the same
+        on every rank, so sharding them keeps one model."""
+        tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+        if tp.size() > 1:
+            apply_tp(self.model, tp, sequence_parallel=False)
+        if dp.size() > 1:
+            apply_fsdp(self.model, dp, param_dtype=None, reduce_dtype=None)
 
     @classmethod
     def from_hf(cls, hf_dir: str, **kwargs: Any) -> CausalLMModule:
