@@ -1,24 +1,37 @@
-"""Pipeline-schedule bubbles measured on CPU against theory, plus a timeline PNG (issue 3; not a test).
+"""Pipeline-schedule bubbles measured on CPU against theory, with per-rank timelines (issues 3 and 42; not a test).
 
-Runs every schedule of ``lightning_flagscale.parallel.pipeline_parallel.runner`` at p=4 ranks, m=8 micro-batches through the same
-``PipelineRunner`` the strategy uses, on a model whose per-layer cost is known exactly: each layer sleeps ``F`` ms
-in forward, ``I`` ms for its input gradient and ``W`` ms for its weight gradient (sleeping, not computing, so 4
-processes on a 2-core machine do not distort each other's timings). Eight layers in total: 2 per stage for the
-one-stage-per-rank schedules, 1 per stage for the virtual/V ones, so every rank owns the same work.
+Runs every schedule of ``lightning_flagscale.parallel.pipeline_parallel.runner`` at p = 4 ranks and m micro-batches
+(default 8) through the same ``PipelineRunner`` the strategy uses, on a model whose per-layer cost is known exactly:
+each layer sleeps ``F`` ms in forward, ``I`` ms for its input gradient and ``W`` ms for its weight gradient (sleeping,
+not computing, so 4 processes on a 2-core machine do not distort each other's timings). Eight layers in total: 2 per
+stage for the one-stage-per-rank schedules, 1 per stage for the virtual / V ones, so every rank owns the same work
+(except the first stage, which has no input gradient to compute: one I fewer per micro-batch, as with a real
+embedding).
 
-Per schedule and rank it reports busy and idle time, the measured bubble (idle / makespan) next to the theory,
-and the peak number of live micro-batch activations per stage (forwarded, weight gradient not yet done). Theory
-per rank with F = I = W per layer: 1F1B/GPipe (p-1)/(m+p-1); interleaved 1F1B divides the bubble by v; ZB-H1
-leaves (p-1)(F+I-W), about a third of 1F1B's (p-1)(F+I+W); ZB-V ~0; DualPipeV (p/2-1)(F&B+B-3W) per DeepSeek.
+Every action is timed on every rank: F, B (full backward) or I (input gradient) and W (weight gradient), and the
+point-to-point sends and receive waits of torch's schedule runner; the rest of a rank's time is idle (host work of the
+runner between actions, the loss). Per schedule it reports
 
-    python bench/pipeline.py [--out bench/results/tmp/pipeline_timeline.png] [--ms 30] [--iters 3]
+* the measured bubble (time not in F/B/I/W over the makespan, averaged over ranks),
+* the ideal bubble of the same action order (each rank's measured order replayed with each action's sleep time and
+  no communication or host cost: what this schedule would give with free host and network),
+* the textbook theory for F = I = W on every stage: GPipe / 1F1B (p-1)/(m+p-1); interleaved 1F1B the same with
+  per-chunk costs 1/v; ZB-H1 (p-1)(F+I-W); ZB-V 0; DualPipeV (p/2-1)(F&B+B-3W) (DeepSeek-V3 report, F&B = F+B
+  without overlap),
+* where the measured idle time goes: receive waits, send posting, host time between actions, host time inside
+  actions (measured action time minus its sleeps),
+
+and draws each schedule's measured timeline next to its ideal one (PNG).
+
+    python bench/pipeline.py [--out bench/results] [--m 8] [--ms 30] [--iters 3]
+    python bench/pipeline.py --smoke --out /tmp/x     # 1 ms layers, one measured iteration (the test runs this)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,22 +41,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_flagscale.parallel.pipeline_parallel.runner import StatelessInferenceStage
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _procs import collect, free_port  # bench/ is on sys.path
 
-from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.config.schedules import SCHEDULE_NAMES, default_virtual_size
-from lightning_flagscale.parallel.pipeline_parallel.runner import build_pipeline
+P, LAYERS, HIDDEN = 4, 8, 16
 
-P, M, LAYERS, HIDDEN = 4, 8, 8, 16
-# Every schedule at its default virtual size, except interleaved 1F1B, which is shown with 2 chunks per rank.
-SCHEDULES = [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
+
+def _schedules() -> list[tuple[str, int]]:
+    """Every schedule at its default virtual size, except interleaved 1F1B, shown with 2 chunks per rank."""
+    from lightning_flagscale.config.schedules import SCHEDULE_NAMES, default_virtual_size
+
+    return [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
 
 
 # ---- a model of known cost ------------------------------------------------------------------------------------------
+
+_SLEPT = [0.0]  # seconds slept on this rank so far (each action's ideal cost is the difference across it)
+
+
+def _sleep(seconds: float) -> None:
+    if seconds:
+        time.sleep(seconds)
+        _SLEPT[0] += seconds
 
 
 class _Sleep(torch.autograd.Function):
@@ -52,13 +74,12 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
         ctx.bwd_s = bwd_s
-        if fwd_s:
-            time.sleep(fwd_s)
+        _sleep(fwd_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.bwd_s)
+        _sleep(ctx.bwd_s)
         return grad, None, None
 
 
@@ -89,51 +110,93 @@ class _SleepLM(nn.Module):
             x = layer(x)
         return x
 
-    def loss_fn(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (out - target).pow(2).mean()
+    def loss_fn(self, out: torch.Tensor, target: torch.Tensor, num_items: Any = None) -> torch.Tensor:
+        return (out - target).pow(2).sum() / (num_items if num_items is not None else out.numel())
 
 
 # ---- instrumentation ----------------------------------------------------------------------------------------------
 
-_EVENTS: list[tuple[str, int, int, float, float]] = []  # (kind, stage, micro-batch, start, end)
+_EVENTS: list[tuple[str, int, int, float, float, float]] = []  # (kind, stage, micro-batch, start, end, slept)
 
 
-class _TimedStage(StatelessInferenceStage):
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        _EVENTS.append(("F", self.stage_index, fwd_chunk_id, t0, time.perf_counter()))
-        return out
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kw: Any) -> None:
-        t0 = time.perf_counter()
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, **kw)
-        _EVENTS.append(("B" if full_backward else "I", self.stage_index, bwd_chunk_id, t0, time.perf_counter()))
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        t0 = time.perf_counter()
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        _EVENTS.append(("W", self.stage_index, bwd_chunk_id, t0, time.perf_counter()))
+def _timed(kind: str, stage: int, mb: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    slept0, t0 = _SLEPT[0], time.perf_counter()
+    out = fn(*args, **kwargs)
+    _EVENTS.append((kind, stage, mb, t0, time.perf_counter(), _SLEPT[0] - slept0))
+    return out
 
 
-def _run_rank(rank: int, port: int, ms: float, iters: int, queue: Any) -> None:
+def _instrument_p2p() -> None:
+    """Time torch's P2P posting (``S``: sends, ``R``: receives posted) and waits (``S`` / ``R`` by what was posted)."""
+    from torch.distributed.pipelining import schedules
+
+    batch, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    kinds: dict[int, str] = {}
+
+    def _batch_p2p(ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+        kind = "S" if all(op.op is dist.isend for op in ops) else "R"
+        works = _timed(kind, -1, -1, batch, ops, desc=desc) if ops else []
+        for w in works:
+            kinds[id(w)] = kind
+        return works
+
+    def _wait_batch_p2p(works: list[Any]) -> None:
+        if works:
+            kind = kinds.pop(id(works[0]), "R")
+            for w in works[1:]:
+                kinds.pop(id(w), None)
+            _timed(kind, -1, -1, wait, works)
+
+    schedules._batch_p2p, schedules._wait_batch_p2p = _batch_p2p, _wait_batch_p2p
+
+
+def _stage_cls() -> type:
+    from lightning_flagscale.parallel.pipeline_parallel.runner import StatelessInferenceStage
+
+    class _TimedStage(StatelessInferenceStage):
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            fn = super().forward_one_chunk
+            return _timed("F", self.stage_index, fwd_chunk_id, fn, fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(
+            self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kw: Any
+        ) -> None:
+            fn = super().backward_one_chunk
+            kind = "B" if full_backward else "I"
+            _timed(kind, self.stage_index, bwd_chunk_id, fn, bwd_chunk_id, loss=loss, full_backward=full_backward, **kw)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+            fn = super().backward_weight_one_chunk
+            _timed("W", self.stage_index, bwd_chunk_id, fn, bwd_chunk_id, last_backward=last_backward)
+
+    return _TimedStage
+
+
+def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.config import ParallelConfig
+    from lightning_flagscale.parallel.pipeline_parallel.runner import build_pipeline
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=P)
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
+    _instrument_p2p()
+    m = opts["m"]
     gen = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randn(M, HIDDEN, generator=gen), "labels": torch.randn(M, HIDDEN, generator=gen)}
+    x, target = torch.randn(m, HIDDEN, generator=gen), torch.randn(m, HIDDEN, generator=gen)
     out = {}
-    for name, v in SCHEDULES:
+    for name, v in opts["schedules"]:
         cfg = ParallelConfig(pipeline_parallel_size=P, virtual_pipeline_parallel_size=v, pipeline_schedule=name)
-        runner = build_pipeline(_SleepLM(ms), mesh, cfg)
-        runner.stage_cls = _TimedStage
+        runner = build_pipeline(_SleepLM(opts["ms"]), mesh, cfg, device="cpu")
+        runner.stage_cls = _stage_cls()
         runs = []
-        for it in range(iters + 1):  # the first iteration warms up communicators and metadata
+        for it in range(opts["iters"] + 1):  # the first iteration warms up communicators and shape metadata
             dist.barrier()
             _EVENTS.clear()
             start = time.perf_counter()
-            runner.step(batch)
+            runner.step((x,), {}, target)
             end = time.perf_counter()
             if it:
                 runs.append((start, end, list(_EVENTS)))
@@ -142,21 +205,21 @@ def _run_rank(rank: int, port: int, ms: float, iters: int, queue: Any) -> None:
     dist.gather_object(out, gathered, dst=0)
     if rank == 0:
         queue.put(gathered)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 # ---- analysis -----------------------------------------------------------------------------------------------------
 
+COMPUTE = ("F", "B", "I", "W")
 
-def _theory(name: str, v: int, ms: float) -> float:
-    """Bubble fraction of one rank's makespan for F = I = W = ``ms`` per layer."""
-    layers_per_stage = LAYERS // (P * v)
-    f = i = w = ms * layers_per_stage
-    busy = M * v * (f + i + w)
-    if name in ("gpipe", "1f1b"):
+
+def _theory(name: str, v: int, m: int) -> float:
+    """Textbook bubble fraction of one rank's makespan for F = I = W on every stage (units of one layer)."""
+    f = i = w = LAYERS // (P * v)
+    busy = m * v * (f + i + w)
+    if name in ("gpipe", "1f1b", "interleaved_1f1b"):  # interleaved: per-chunk costs are already 1/v of 1F1B's
         idle = (P - 1) * (f + i + w)
-    elif name == "interleaved_1f1b":
-        idle = (P - 1) * (f + i + w)  # per-chunk costs are already 1/v of the 1F1B stage's
     elif name == "zero_bubble":
         idle = (P - 1) * (f + i - w)
     elif name == "zbv":
@@ -166,100 +229,198 @@ def _theory(name: str, v: int, ms: float) -> float:
     return idle / (busy + idle)
 
 
-def _analyse(gathered: list[dict], ms: float) -> list[dict]:
+def _ideal(ranks_events: list[list[tuple]], num_stages: int) -> list[list[tuple]]:
+    """Replay each rank's measured compute order with each action's sleep time and free communication."""
+    queues = [[e for e in events if e[0] in COMPUTE] for events in ranks_events]
+    done: dict[tuple[str, int, int], float] = {}  # (F|G|W, stage, mb) -> finish; G: input gradient ready (B or I)
+    clock, pos = [0.0] * len(queues), [0] * len(queues)
+    out: list[list[tuple]] = [[] for _ in queues]
+    progress = True
+    while progress:
+        progress = False
+        for r, q in enumerate(queues):
+            while pos[r] < len(q):
+                kind, s, mb, _, _, dur = q[pos[r]]
+                if kind == "F":
+                    deps = [("F", s - 1, mb)] if s > 0 else []
+                elif kind in ("B", "I"):
+                    deps = [("F", s, mb)] + ([("G", s + 1, mb)] if s < num_stages - 1 else [])
+                else:
+                    deps = [("G", s, mb)]
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                clock[r] = start + dur
+                done[("G" if kind in ("B", "I") else kind, s, mb)] = clock[r]
+                out[r].append((kind, s, mb, start, clock[r], dur))
+                pos[r] += 1
+                progress = True
+    if any(p < len(q) for p, q in zip(pos, queues)):
+        raise RuntimeError("the measured action order could not be replayed (dependency missing)")
+    return out
+
+
+def _bubble(ranks_events: list[list[tuple]], start: float, span: float) -> tuple[float, list[dict]]:
+    ranks = []
+    for events in ranks_events:
+        by = {k: sum(e[4] - e[3] for e in events if e[0] == k) for k in (*COMPUTE, "S", "R")}
+        busy = sum(by[k] for k in COMPUTE)
+        slept = sum(e[5] for e in events if e[0] in COMPUTE)
+        ranks.append({
+            "busy": busy, "idle": span - busy, "send": by["S"], "recv": by["R"], "slept": slept,
+            "host_in_actions": busy - slept, "host_between": span - busy - by["S"] - by["R"],
+        })  # fmt: skip
+    return sum(r["idle"] for r in ranks) / (len(ranks) * span), ranks
+
+
+def _analyse(gathered: list[dict], schedules: list[tuple[str, int]], m: int) -> list[dict]:
     rows = []
-    for name, v in SCHEDULES:
+    for name, v in schedules:
         per_iter = []
         for it in range(len(gathered[0][name])):
             start = min(g[name][it][0] for g in gathered)
-            end = max(g[name][it][1] for g in gathered)
-            span = end - start
-            ranks = []
-            for g in gathered:
-                events = g[name][it][2]
-                busy = sum(e[4] - e[3] for e in events)
-                live: dict[int, int] = {}
-                peak: dict[int, int] = {}
-                for kind, stage, _, _, _ in sorted(events, key=lambda e: e[4]):
-                    live[stage] = live.get(stage, 0) + (1 if kind == "F" else -1 if kind in ("B", "W") else 0)
-                    peak[stage] = max(peak.get(stage, 0), live[stage])
-                ranks.append({"busy": busy, "idle": span - busy, "peak": peak, "events": events})
-            per_iter.append({"span": span, "start": start, "ranks": ranks})
-        best = min(per_iter, key=lambda r: r["span"])  # least disturbed by the OS scheduler
-        bubble = sum(r["idle"] for r in best["ranks"]) / (P * best["span"])
-        rows.append({"name": name, "v": v, "theory": _theory(name, v, ms), "bubble": bubble, **best})
+            span = max(g[name][it][1] for g in gathered) - start
+            events = [
+                [(k, s, mb, t0 - start, t1 - start, sl) for k, s, mb, t0, t1, sl in g[name][it][2]] for g in gathered
+            ]
+            per_iter.append((span, events))
+        span, events = min(per_iter, key=lambda x: x[0])  # least disturbed by the OS scheduler
+        bubble, ranks = _bubble(events, 0.0, span)
+        ideal = _ideal(events, P * v)
+        ideal_span = max(e[4] for r in ideal for e in r)
+        ideal_bubble, _ = _bubble(ideal, 0.0, ideal_span)
+        rows.append({
+            "name": name, "v": v, "theory": _theory(name, v, m), "bubble": bubble, "span": span, "ranks": ranks,
+            "ideal_bubble": ideal_bubble, "ideal_span": ideal_span, "events": events, "ideal": ideal,
+        })  # fmt: skip
     return rows
 
 
-def _report(rows: list[dict]) -> None:
-    print(f"p={P} m={M}, {LAYERS} layers, F=I=W per layer; bubble = idle / makespan, averaged over ranks")
-    print(f"{'schedule':18s} {'v':>2s} {'makespan':>9s} {'bubble':>7s} {'theory':>7s}  per-rank busy/idle ms")
+def _table(rows: list[dict], opts: dict) -> list[str]:
+    ms, m = opts["ms"], opts["m"]
+    lines = [
+        f"p = {P}, m = {m}, {LAYERS} sleep-timed layers, F = I = W = {ms:g} ms per layer; bubble = time outside F/B/I/W"
+        " over the makespan, averaged over ranks; best of the measured iterations.",
+        "",
+        "| schedule | v | makespan ms | measured bubble | ideal (same order, free host + P2P) | theory |"
+        " recv wait | send | host between actions | host inside actions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        per_rank = " ".join(f"{x['busy'] * 1e3:.0f}/{x['idle'] * 1e3:.0f}" for x in r["ranks"])
-        print(
-            f"{r['name']:18s} {r['v']:2d} {r['span'] * 1e3:7.0f}ms {r['bubble'] * 100:6.1f}% {r['theory'] * 100:6.1f}%"
-            f"  {per_rank}"
+        avg = {k: sum(x[k] for x in r["ranks"]) / P / r["span"] * 100 for k in ("recv", "send", "host_between")}
+        inside = sum(x["host_in_actions"] for x in r["ranks"]) / P / r["span"] * 100
+        lines.append(
+            f"| {r['name']} | {r['v']} | {r['span'] * 1e3:.0f} | {r['bubble'] * 100:.1f}% | {r['ideal_bubble'] * 100:.1f}%"
+            f" | {r['theory'] * 100:.1f}% | {avg['recv']:.1f}% | {avg['send']:.1f}% | {avg['host_between']:.1f}%"
+            f" | {inside:.1f}% |"
         )
-    print("peak live micro-batch activations per stage:")
+    lines += [
+        "",
+        "The last four columns split the measured bubble (receive waits + sends + host time between actions) and show"
+        " the host time inside actions (their time minus their sleeps, counted as busy), each as a share of the"
+        " makespan averaged over ranks. Per-rank busy / idle ms:",
+        "",
+    ]
     for r in rows:
-        peaks = {s: n for x in r["ranks"] for s, n in x["peak"].items()}
-        print(f"  {r['name']:18s} " + " ".join(f"s{s}:{peaks[s]}" for s in sorted(peaks)))
-    one_f = next(r for r in rows if r["name"] == "1f1b")
-    print(
-        f"targets: 1F1B within 5 pp of theory: {abs(one_f['bubble'] - one_f['theory']) <= 0.05}; "
-        + "; ".join(f"{n} below 1F1B: {next(r for r in rows if r['name'] == n)['bubble'] < one_f['bubble']}"
-                    for n in ("zbv", "dualpipev"))
-    )  # fmt: skip
+        per_rank = ", ".join(f"{x['busy'] * 1e3:.0f}/{x['idle'] * 1e3:.0f}" for x in r["ranks"])
+        lines.append(f"- {r['name']}: {per_rank}")
+    return lines
 
 
-def _plot(rows: list[dict], out: Path) -> None:
+COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452", "S": "#8172b2", "R": "#c44e52"}
+
+
+def _plot(rows: list[dict], out: Path, opts: dict) -> bool:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:  # optional: pip install 'lightning-flagscale[bench]'
-        print("matplotlib not installed; skipping the timeline PNG")
-        return
-    colors = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#dd8452"}
-    fig, axes = plt.subplots(len(rows), 1, figsize=(14, 2.0 * len(rows)), sharex=True)
-    for ax, r in zip(axes, rows):
-        for rank, x in enumerate(r["ranks"]):
-            for kind, _stage, mb, t0, t1 in x["events"]:
-                left, width = (t0 - r["start"]) * 1e3, (t1 - t0) * 1e3
-                ax.barh(P - 1 - rank, width, left=left, color=colors[kind], edgecolor="black", linewidth=0.3)
-                ax.text(left + width / 2, P - 1 - rank, f"{kind}{mb}", ha="center", va="center", fontsize=5)
-        ax.set_yticks(range(P), [f"rank {P - 1 - i}" for i in range(P)], fontsize=7)
-        ax.set_title(
-            f"{r['name']} (v={r['v']}): bubble {r['bubble'] * 100:.1f}% (theory {r['theory'] * 100:.1f}%)", fontsize=9
-        )
-    axes[-1].set_xlabel("ms  (blue: forward, green: backward / input-grad, orange: weight-grad)")
-    fig.tight_layout()
+        print("matplotlib not installed; no timeline PNG")
+        return False
+    fig, axes = plt.subplots(len(rows), 2, figsize=(18, 1.9 * len(rows)), squeeze=False)
+    for (ax_m, ax_i), r in zip(axes, rows):
+        xmax = r["span"] * 1e3  # one scale per schedule: measured and ideal side by side
+        for ax, events, span, bubble, what in (
+            (ax_m, r["events"], r["span"], r["bubble"], "measured"),
+            (ax_i, r["ideal"], r["ideal_span"], r["ideal_bubble"], "ideal (same order)"),
+        ):
+            for rank, evs in enumerate(events):
+                y = P - 1 - rank
+                ax.barh(y, span * 1e3, left=0, height=0.8, color="#eeeeee")  # idle unless covered
+                for kind, _stage, mb, t0, t1, _ in evs:
+                    left, width = t0 * 1e3, (t1 - t0) * 1e3
+                    if kind in COMPUTE:
+                        ax.barh(y, width, left=left, height=0.8, color=COLORS[kind], edgecolor="black", linewidth=0.2)
+                        if width > xmax / 60:
+                            ax.text(left + width / 2, y, f"{kind}{mb}", ha="center", va="center", fontsize=4)
+                    else:  # communication: a thin bar at the bottom of the rank's lane
+                        ax.barh(y - 0.3, max(width, xmax / 2000), left=left, height=0.2, color=COLORS[kind])
+            ax.set_xlim(0, xmax)
+            ax.set_yticks(range(P), [f"rank {P - 1 - i}" for i in range(P)], fontsize=7)
+            ax.tick_params(axis="x", labelsize=7)
+            ax.set_title(
+                f"{r['name']} (v={r['v']}) {what}: {span * 1e3:.0f} ms, bubble {bubble * 100:.1f}%"
+                f" (theory {r['theory'] * 100:.1f}%)",
+                fontsize=8,
+            )
+    legend = [Patch(color=COLORS[k], label=label) for k, label in (
+        ("F", "F forward"), ("B", "B full backward"), ("I", "I input grad"), ("W", "W weight grad"),
+        ("S", "send (post + wait)"), ("R", "receive (post + wait)"))]  # fmt: skip
+    legend.append(Patch(color="#eeeeee", label="idle"))
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.suptitle(
+        f"Pipeline timelines, p={P} m={opts['m']}, F=I=W={opts['ms']:g} ms/layer: measured (left), the same action"
+        " order replayed with free host and P2P (right); x in ms",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    print(f"timeline: {out}")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tmp" / "pipeline_timeline.png")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="folder for MD/JSON/PNG")
+    parser.add_argument("--stem", default=None, help="file name stem (default: pipeline, pipeline_m16 for --m 16)")
+    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--ms", type=float, default=30.0, help="F = I = W cost of one layer in milliseconds")
     parser.add_argument("--iters", type=int, default=3, help="measured iterations per schedule (best is kept)")
-    args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    parser.add_argument("--only", nargs="+", default=None, help="a subset of the schedules")
+    parser.add_argument("--smoke", action="store_true", help="1 ms layers, one measured iteration (seconds)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.ms, args.iters = 1.0, 1
+    schedules = [s for s in _schedules() if args.only is None or s[0] in args.only]
+    opts = {"m": args.m, "ms": args.ms, "iters": args.iters, "schedules": schedules}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_run_rank, args=(r, port, args.ms, args.iters, queue)) for r in range(P)]
+    port = free_port()
+    procs = [ctx.Process(target=_run_rank, args=(r, port, opts, queue)) for r in range(P)]
     for proc in procs:
         proc.start()
-    gathered = queue.get(timeout=600)
-    for proc in procs:
-        proc.join()
-    rows = _analyse(gathered, args.ms)
-    _report(rows)
-    _plot(rows, args.out)
+    (gathered,) = collect(procs, queue, 1, timeout=args.timeout, name="bench/pipeline.py")
+    rows = _analyse(gathered, schedules, args.m)
+    stem = args.stem or ("pipeline" if args.m == 8 else f"pipeline_m{args.m}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    command = "python bench/pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    png = args.out / f"{stem}_timeline.png"
+    lines = [f"# Pipeline bubbles: measured, ideal and theory (`{command.strip()}`)", "", *_table(rows, opts)]
+    if _plot(rows, png, opts):
+        lines += ["", f"![per-rank timelines, measured and ideal]({png.name})"]
+    lines += ["", f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at the end: {load}."]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    summary = [{k: r[k] for k in ("name", "v", "theory", "bubble", "ideal_bubble", "span", "ideal_span", "ranks")}
+               for r in rows]  # fmt: skip
+    (args.out / f"{stem}.json").write_text(json.dumps({"command": command, "opts": opts, "rows": summary}, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {args.out / stem}.md, .json" + (", _timeline.png" if png.exists() else ""))
 
 
 if __name__ == "__main__":

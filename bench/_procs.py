@@ -1,0 +1,66 @@
+"""Rank processes of the benchmarks: a free port, and results collected so that a dead rank ends the run.
+
+``queue.get()`` alone waits forever when a rank dies before it puts its result (the others then hang in their next
+collective). :func:`collect` polls the queue and the processes: the first rank that exits with a non-zero code (or is
+killed) terminates the others and raises with its exit code; its traceback is already on stderr.
+"""
+
+from __future__ import annotations
+
+import queue as _queue
+import socket
+import time
+from typing import Any
+
+__all__ = ["collect", "free_port", "stop"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(procs: list[Any], grace: float = 1.0) -> None:
+    """Terminate the processes still alive, then reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.join(timeout=grace)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def collect(procs: list[Any], queue: Any, count: int, timeout: float = 1800.0, name: str = "benchmark") -> list[Any]:
+    """``count`` results from ``queue`` put by ``procs``, then every process joined.
+
+    Raises ``RuntimeError`` (after terminating the rest) as soon as a process exits with a non-zero code, when all
+    exit without ``count`` results, or after ``timeout`` seconds.
+    """
+    results: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < count:
+            try:
+                results.append(queue.get(timeout=0.2))
+                continue
+            except _queue.Empty:
+                pass
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                rank, code = dead[0]
+                raise RuntimeError(f"{name}: rank {rank} exited with code {code} (its traceback is above)")
+            if all(p.exitcode is not None for p in procs):
+                try:  # the last result may still be in the pipe
+                    results.append(queue.get(timeout=2.0))
+                    continue
+                except _queue.Empty:
+                    raise RuntimeError(f"{name}: every rank exited, {len(results)} of {count} results") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: no result after {timeout:.0f} s, {len(results)} of {count}")
+    finally:
+        stop(procs, grace=30.0 if len(results) == count else 0.5)
+    return results
