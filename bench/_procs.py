@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue as _queue
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["collect", "free_port", "stop"]
@@ -34,11 +35,19 @@ def stop(procs: list[Any], grace: float = 1.0) -> None:
             p.join()
 
 
-def collect(procs: list[Any], queue: Any, count: int, timeout: float = 1800.0, name: str = "benchmark") -> list[Any]:
+def collect(
+    procs: list[Any],
+    queue: Any,
+    count: int,
+    timeout: float = 1800.0,
+    name: str = "benchmark",
+    failed: Callable[[Any], bool] | None = None,
+) -> list[Any]:
     """``count`` results from ``queue`` put by ``procs``, then every process joined.
 
     Raises ``RuntimeError`` (after terminating the rest) as soon as a process exits with a non-zero code, when all
-    exit without ``count`` results, or after ``timeout`` seconds.
+    exit without ``count`` results, or after ``timeout`` seconds. A result for which ``failed`` is true (a rank that
+    caught its own error and reported it) ends the collection early: the results so far are returned.
     """
     results: list[Any] = []
     deadline = time.monotonic() + timeout
@@ -46,6 +55,8 @@ def collect(procs: list[Any], queue: Any, count: int, timeout: float = 1800.0, n
         while len(results) < count:
             try:
                 results.append(queue.get(timeout=0.2))
+                if failed is not None and failed(results[-1]):
+                    break
                 continue
             except _queue.Empty:
                 pass

@@ -52,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 
+from _procs import collect
 from compare_report import chart, machine_info, markdown, mib, summarise  # bench/ is sys.path[0]
 from profile_comm import comm_overlap
 
@@ -391,19 +392,8 @@ def launch(spec: RunSpec, world: int, settings: dict[str, Any], timeout: float =
     procs = [ctx.Process(target=run_config, args=(r, world, port, spec, settings, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results: list[dict[str, Any]] = []
-    try:
-        for _ in range(world):
-            res = queue.get(timeout=timeout)
-            results.append(res)
-            if "error" in res:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+    # a rank that dies (killed, or before it can report) ends the run instead of leaving this one waiting
+    results = collect(procs, queue, world, timeout=timeout, name=spec.name, failed=lambda res: "error" in res)
     errors = [r for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{spec.name} failed on rank {errors[0]['rank']}:\n{errors[0]['traceback']}")

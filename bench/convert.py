@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _procs import collect  # noqa: E402  (bench/ is sys.path[0])
+
 
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
@@ -139,9 +141,7 @@ def run_in_process(fn, *args) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=_call, args=(fn, args, queue))
     proc.start()
-    result = queue.get()
-    proc.join()
-    return result
+    return collect([proc], queue, 1, name=getattr(fn, "__name__", "convert"))[0]
 
 
 def _call(fn, args, queue) -> None:
@@ -162,10 +162,7 @@ def run_tp(hf_dir: str, world: int) -> list[dict]:
     procs = [ctx.Process(target=_tp_worker, args=(r, world, port, hf_dir, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    return results
+    return sorted(collect(procs, queue, world, name="TP read"), key=lambda r: r["rank"])
 
 
 def main() -> None:

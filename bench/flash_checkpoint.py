@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _procs import collect  # bench/ is sys.path[0]
+
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
@@ -115,9 +117,7 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, scratch, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
-    results = sorted(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = sorted(collect(procs, queue, args.world, name="flash_checkpoint"))
     shutil.rmtree(scratch, ignore_errors=True)
     per_rank = [rows for _, rows, _ in results]
     params = results[0][2]

@@ -40,6 +40,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _procs import collect  # bench/ is sys.path[0]
+
 WARMUP = 2
 MODEL = dict(num_layers=6, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
@@ -162,11 +164,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     queue = ctx.Queue()
     jobs = _jobs(name, args)
     procs = [p for types, spec in jobs for p in _start(ctx, types, spec, queue)]
-    results = [queue.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"{name}: a rank exited with {p.exitcode}")
+    results = collect(procs, queue, len(procs), timeout=1800, name=name)
     if name == "alone":  # one job per type: its throughput is what rank 0 of the job measured
         per_type = {t: next(r["samples_per_s"] for r in results if r["type"] == t and r["rank"] == 0)
                     for t in ("fast", "slow")}  # fmt: skip

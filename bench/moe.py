@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _procs import collect  # bench/ is sys.path[0]
 
 from lightning_flagscale.moe.experts import GroupedExperts
 
@@ -122,9 +123,7 @@ def bench_a2a(world: int, tokens: int, hidden: int) -> None:
     procs = [ctx.Process(target=_a2a_worker, args=(r, world, port, tokens, hidden, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    per_rank = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    per_rank = dict(collect(procs, queue, world, name="all-to-all"))
     theory = world * tokens * 2 * hidden * 4 * 2 * (world - 1) / world  # fp32, top-2, dispatch + combine
     for label in ("uniform", "skewed", "skewed+replicas"):
         measured = sum(per_rank[r][label][0] for r in range(world))

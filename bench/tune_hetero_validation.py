@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _procs import collect
 from _tune_report import spearman
 from hetero import WARMUP, _start
 
@@ -87,11 +88,7 @@ def _run(plan, args: argparse.Namespace) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = _start(ctx, TYPES, spec, queue)
-    results = [queue.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"{plan.parallel}: a rank exited with {p.exitcode}")
+    results = collect(procs, queue, len(procs), timeout=1800, name=str(plan.parallel))
     rank0 = next(r for r in results if r["rank"] == 0)
     return rank0["wall_s"] / args.steps
 

@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _procs import collect  # bench/ is sys.path[0]
+
 MEASURED_STEP = 2  # 0-based: the third optimizer step
 
 
@@ -124,9 +126,7 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
-    results = queue.get()
-    for p in procs:
-        p.join()
+    (results,) = collect(procs, queue, 1, name="zero")
 
     n = args.world
     half = args.precision != "32-true"
