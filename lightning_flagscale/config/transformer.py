@@ -70,6 +70,13 @@ class TransformerConfig:
     """MLA: per-head value width; ``None`` means ``qk_nope_head_dim + qk_rope_head_dim``."""
     rope_interleave: bool = False
     """MLA: the rotary query/key channels come in interleaved pairs (DeepSeek checkpoints), de-interleaved by RoPE."""
+    # ---- multi-token prediction (DeepSeek-V3 MTP; 0 means none) ----
+    num_nextn_predict_layers: int = 0
+    """MTP depth D: modules after the main model, the k-th predicting the token k + 1 positions ahead (HF's
+    ``num_nextn_predict_layers``). Each is RMSNorm(hidden) and RMSNorm(embedding of the tokens shifted by k),
+    concatenated, projected 2h -> h, one transformer block, its own final norm and the shared LM head."""
+    mtp_loss_weight: float = 0.1
+    """MTP loss weight lambda: the training loss gets ``lambda / D * sum_k L_k`` on top of the unchanged main loss."""
     # ---- MoE (num_experts == 0 means dense) ----
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
@@ -164,6 +171,11 @@ class TransformerConfig:
                     f"moe_hot_expert_replicas={self.moe_hot_expert_replicas} must be in [0, num_experts="
                     f"{self.num_experts}]."
                 )
+        if self.num_nextn_predict_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers} and mtp_loss_weight="
+                f"{self.mtp_loss_weight} must be >= 0."
+            )
         if self.attn_backend not in ("torch", "flash_attn", "transformer_engine"):
             raise ValueError(
                 f"attn_backend={self.attn_backend!r} is unknown; use 'torch', 'flash_attn' or 'transformer_engine'."
@@ -238,8 +250,9 @@ class TransformerConfig:
                 attn += 2 * d
         dense_mlp = 3 * h * self.intermediate_size
         total = 0
-        for i in range(self.num_layers):
-            total += attn + 2 * h
+        # MTP modules (DeepSeek-V3): a block each, plus enorm, hnorm, eh_proj (2h -> h) and their own final norm.
+        for i in range(self.num_layers + self.num_nextn_predict_layers):
+            total += attn + 2 * h + (3 * h + 2 * h * h if i >= self.num_layers else 0)
             if self.is_moe_layer(i):
                 routed = self.num_experts_per_tok if active else self.num_experts
                 total += routed * 3 * h * self.moe_intermediate_size + h * self.num_experts

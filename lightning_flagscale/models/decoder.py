@@ -25,7 +25,7 @@ from lightning_flagscale.models.layers import MLP, RMSNorm, RotaryEmbedding
 from lightning_flagscale.moe import build_moe
 from lightning_flagscale.parallel.tensor_parallel.apply import vocab_parallel_cross_entropy
 
-__all__ = ["CausalLM", "DecoderBlock", "token_mean"]
+__all__ = ["CausalLM", "DecoderBlock", "MTPLayer", "MultiTokenPrediction", "mtp_labels", "token_mean"]
 
 
 class DecoderBlock(nn.Module):
@@ -49,6 +49,73 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MTPLayer(DecoderBlock):
+    """One DeepSeek-V3 multi-token-prediction module (the k-th of ``num_nextn_predict_layers``).
+
+    ``eh_proj([enorm(emb(t_{i+k})), hnorm(h_i)])`` (2h -> h), then one transformer block; ``norm`` is the module's own
+    final RMSNorm (HF ``shared_head.norm``) before the LM head shared with the main model. Block names are HF's
+    (``self_attn.*``, ``mlp.*``), so the checkpoint layer ``model.layers.{num_hidden_layers + k - 1}`` maps 1:1.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+
+    def forward(  # type: ignore[override]
+        self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, segment_ids: Tensor | None = None
+    ) -> Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return super().forward(x, cos, sin, segment_ids)
+
+
+class MultiTokenPrediction(nn.Module):
+    """The MTP modules (``layers``) and the embedding they share with the main model (``embed_tokens``: the very
+    Parameter of the main embedding; a copy kept in sync on a last pipeline stage, like a tied LM head)."""
+
+    def __init__(self, config: TransformerConfig, padded_vocab_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(padded_vocab_size, config.hidden_size)
+        n = config.num_layers
+        self.layers = nn.ModuleDict({str(k): MTPLayer(config, n + k) for k in range(config.num_nextn_predict_layers)})
+
+
+def mtp_labels(labels: Tensor, k: int, segment_ids: Tensor | None = None) -> Tensor:
+    """Targets of the k-th MTP module from next-token ``labels`` [B, S]: ``labels`` shifted left by ``k`` (the
+    token k + 1 positions ahead), ``-100`` in the last ``k`` positions and where the target lies in another packed
+    document (``segment_ids`` differ)."""
+    out = torch.full_like(labels, -100)
+    if k < labels.shape[-1]:
+        shifted = labels[..., k:]
+        if segment_ids is not None:
+            same = segment_ids[..., k:] == segment_ids[..., :-k]
+            shifted = torch.where(same, shifted, torch.full_like(shifted, -100))
+        out[..., :-k] = shifted
+    return out
+
+
+def _shift_tokens(tokens: Tensor, k: int) -> Tensor:
+    """Token ids shifted left by ``k`` (zeros at the end: they only reach positions whose targets are -100)."""
+    return torch.cat([tokens[..., k:], tokens.new_zeros(*tokens.shape[:-1], min(k, tokens.shape[-1]))], dim=-1)
+
+
+class _AddGradOnly(torch.autograd.Function):
+    """Returns ``main`` unchanged; in backward ``extra`` gets the same gradient as ``main``, so ``extra`` trains
+    with the main loss's scale (token factor, accumulation, pipeline scale) while the reported loss stays the main
+    one (Megatron's ``MTPLossAutoScaler`` idea)."""
+
+    @staticmethod
+    def forward(ctx, main: Tensor, extra: Tensor) -> Tensor:  # type: ignore[override]
+        return main.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return grad, grad
+
+
 class CausalLM(nn.Module):
     """Decoder-only causal LM; see the module docstring and the shared model contract.
 
@@ -69,6 +136,12 @@ class CausalLM(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, self.padded_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.rope_dim, config.rope_theta, config.rope_scaling)
+        # DeepSeek-V3 multi-token prediction (None without): runs after the main blocks, on the last pipeline stage.
+        self.mtp: MultiTokenPrediction | None = None
+        if config.num_nextn_predict_layers:
+            self.mtp = MultiTokenPrediction(config, self.padded_vocab_size)
+        self._mtp_pending: tuple[list[Tensor], Tensor | None] | None = None
+        self._mtp_log: list[Tensor] | None = None  # per depth: [token-loss sum, label count] of this rank
         # Set by on_tensor_parallel (called by parallel.tensor.apply_tp): the TP mesh, whether activations between blocks are sequence-sharded,
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
@@ -81,6 +154,8 @@ class CausalLM(nn.Module):
         """Make ``lm_head.weight`` the very Parameter of ``embed_tokens`` (when tied and both parts are present)."""
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+        if getattr(self, "mtp", None) is not None and self.embed_tokens is not None:
+            self.mtp.embed_tokens.weight = self.embed_tokens.weight  # MTP shares the main embedding
 
     def _apply(self, fn: Callable, recurse: bool = True):
         # ``to_empty``/``to`` may replace each module's Parameter objects independently, which would silently untie
@@ -91,20 +166,29 @@ class CausalLM(nn.Module):
 
     def pipeline_units(self) -> list[str]:
         """Module names in execution order, the granularity at which pipeline parallelism cuts stages."""
-        return ["embed_tokens", *(f"layers.{i}" for i in self.layers), "norm", "lm_head"]
+        units = ["embed_tokens", *(f"layers.{i}" for i in self.layers), "norm", "lm_head"]
+        return [*units, "mtp"] if self.mtp is not None else units
 
     def pipeline_inputs(
-        self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        mtp_input_ids: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor | None]]:
         """Stage inputs under pipeline parallelism: ``x`` feeds the first stage, the rest reaches every stage.
 
         Positions are always explicit: a later stage under sequence parallelism receives a sequence shard and could
-        not derive the global positions from its input's length.
+        not derive the global positions from its input's length. With MTP the token ids also reach every stage
+        (``mtp_input_ids``): the last stage embeds them shifted.
         """
         if position_ids is None:
             batch, seq = x.shape[:2]
             position_ids = torch.arange(seq, device=x.device).expand(batch, seq).contiguous()
-        return x, {"position_ids": position_ids, "segment_ids": segment_ids}
+        inputs = {"position_ids": position_ids, "segment_ids": segment_ids}
+        if self.mtp is not None:
+            inputs["mtp_input_ids"] = x if mtp_input_ids is None else mtp_input_ids
+        return x, inputs
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``models/decoder_plan.py``)."""
@@ -122,11 +206,18 @@ class CausalLM(nn.Module):
         self.vocab_start = tp_mesh.get_local_rank() * (self.padded_vocab_size // tp_mesh.size())
 
     # ---- compute ------------------------------------------------------------------------------------------------
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        mtp_input_ids: Tensor | None = None,
+    ) -> Tensor:
         """Token ids [B, S] (or hidden states [B, S, H] without ``embed_tokens``) -> hidden states or head output.
 
         ``position_ids`` are global positions for RoPE (default ``arange(S)``); ``segment_ids`` restrict attention
-        to tokens of the same packed document.
+        to tokens of the same packed document. ``mtp_input_ids``: the token ids for the MTP modules on a stage that
+        has no embedding (default: ``x`` when it is token ids).
         """
         batch, seq = x.shape[:2]
         if self.embed_tokens is not None:
@@ -137,25 +228,61 @@ class CausalLM(nn.Module):
                 seq *= self.tp_mesh.size()
         if position_ids is None:
             position_ids = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, seq)
-        return self.run_layers(h, position_ids, segment_ids)
+        tokens = mtp_input_ids if mtp_input_ids is not None else (x if self.embed_tokens is not None else None)
+        return self.run_layers(h, position_ids, segment_ids, mtp_input_ids=tokens)
 
-    def run_layers(self, h: Tensor, position_ids: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+    def run_layers(
+        self, h: Tensor, position_ids: Tensor, segment_ids: Tensor | None = None, mtp_input_ids: Tensor | None = None
+    ) -> Tensor:
         """Hidden states [B, S, H] after the embedding -> the blocks present, then the norm and head if present.
 
         The one decoder layer loop: every model built on ``CausalLM`` (the VLM included) embeds its inputs its own
         way and continues here. ``position_ids`` are [B, S] (or [3, B, S] for M-RoPE) global positions.
         """
-        if len(self.layers):
+        if len(self.layers) or self.mtp is not None:
             # Under sequence parallelism the embedding output is the local sequence shard; the rotary tables cover
             # the full sequence because attention sees the all-gathered sequence.
             cos, sin = self.rotary_emb(position_ids, self._compute_dtype(h))
             for layer in self.layers.values():
                 h = layer(h, cos, sin, segment_ids)
+        if self.mtp is not None:
+            self._mtp_pending = (self._run_mtp(h, mtp_input_ids, cos, sin, segment_ids), segment_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
         return h
+
+    def _run_mtp(
+        self, h: Tensor, tokens: Tensor | None, cos: Tensor, sin: Tensor, segment_ids: Tensor | None
+    ) -> list[Tensor]:
+        """Head outputs of the MTP modules: module k takes the previous hidden states (the main model's before its
+        final norm, then module k-1's) and the embedding of the tokens shifted by k (DeepSeek-V3, section 2.2)."""
+        if self.lm_head is None or tokens is None:
+            raise RuntimeError(
+                "The MTP modules need the LM head and the token ids on their stage (mtp_input_ids); a stage split that"
+                " separates 'mtp' from 'lm_head' or a caller without token ids cannot run them."
+            )
+        outputs = []
+        for k, layer in enumerate(self.mtp.layers.values(), start=1):
+            h = layer(h, self.mtp.embed_tokens(_shift_tokens(tokens, k)), cos, sin, segment_ids)
+            outputs.append(self.lm_head(layer.norm(h)))
+        return outputs
+
+    def mtp_logits(self) -> list[Tensor]:
+        """Full logits [B, S, vocab_size] of each MTP module from the last forward (position i of module k predicts
+        the token at i + k + 1)."""
+        if self._mtp_pending is None:
+            raise RuntimeError("No MTP output: the model has no MTP modules or ran no forward since the last loss.")
+        return [self.logits(out) for out in self._mtp_pending[0]]
+
+    def pop_mtp_loss(self) -> Tensor | None:
+        """This rank's MTP cross-entropy since the last call (token mean per module, averaged over the modules,
+        without the weight; for logging), or None when no MTP loss was computed."""
+        log, self._mtp_log = self._mtp_log, None
+        if log is None:
+            return None
+        return torch.stack([s / c.clamp(min=1) for s, c in log]).mean()
 
     @staticmethod
     def _compute_dtype(h: Tensor) -> torch.dtype:
@@ -170,14 +297,32 @@ class CausalLM(nn.Module):
         token mean. Padded vocab columns never count. Under TP ``head_output`` is this rank's vocab shard and the
         reduction is vocab-parallel (Megatron-style).
         """
+        main = token_mean(self._token_losses(head_output, labels), labels, num_items_in_batch)
+        pending, self._mtp_pending = self._mtp_pending, None
+        if pending is None:
+            return main
+        # MTP (DeepSeek-V3): lambda / D * sum_k L_k, each L_k over the main loss's normaliser; it trains with the
+        # main loss's gradient scale but is not part of the returned (reported) loss: see pop_mtp_loss.
+        outputs, segment_ids = pending
+        count = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
+        total, log = None, self._mtp_log or [torch.zeros(2, device=main.device) for _ in outputs]
+        for k, (out, entry) in enumerate(zip(outputs, log), start=1):
+            targets = mtp_labels(labels, k, segment_ids)
+            losses = self._token_losses(out, targets)
+            term = token_mean(losses, targets, count)
+            total = term if total is None else total + term
+            entry += torch.stack([losses.detach().float().sum(), (targets != -100).sum().float()]).to(entry.device)
+        self._mtp_log = log
+        return _AddGradOnly.apply(main, total * (self.config.mtp_loss_weight / len(outputs)))
+
+    def _token_losses(self, head_output: Tensor, labels: Tensor) -> Tensor:
+        """Per-token cross-entropy (0 where ``labels == -100``), vocab-parallel under TP."""
         if self.tp_mesh is not None:
-            losses = vocab_parallel_cross_entropy(
+            return vocab_parallel_cross_entropy(
                 head_output, labels, self.tp_mesh.get_group(), self.vocab_start, self.vocab_size
             )
-        else:
-            logits = head_output[..., : self.vocab_size].float()
-            losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
-        return token_mean(losses, labels, num_items_in_batch)
+        logits = head_output[..., : self.vocab_size].float()
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="none")
 
     def logits(self, head_output: Tensor) -> Tensor:
         """Full logits over the real vocabulary [B, S, vocab_size] (gathered over TP)."""
@@ -194,7 +339,8 @@ class CausalLM(nn.Module):
         (``moe.router.AttachAuxLoss``), so adding them to the training loss would count them twice.
         """
         totals: dict[str, Tensor] = {}
-        for layer in self.layers.values():
+        mtp_layers = list(self.mtp.layers.values()) if self.mtp is not None else []
+        for layer in [*self.layers.values(), *mtp_layers]:
             for name, value in getattr(layer.mlp, "last_aux_losses", {}).items():
                 totals[name] = totals[name] + value if name in totals else value
         return totals
@@ -226,6 +372,8 @@ class CausalLM(nn.Module):
             else:
                 # A tied head alone on the last pipeline stage must start equal to the first stage's embedding.
                 seed_name = "embed_tokens.weight" if tied and name == "lm_head.weight" else name
+                if name == "mtp.embed_tokens.weight":  # the main embedding's copy on a last pipeline stage
+                    seed_name = "embed_tokens.weight"
                 gen = torch.Generator(device=cpu).manual_seed(seed_for(seed, seed_name))
                 real_shape = (min(full_shape[0], self.vocab_size), *full_shape[1:]) if _is_vocab(name) else full_shape
                 full = torch.zeros(full_shape, device=cpu)
@@ -248,4 +396,4 @@ def token_mean(losses: Tensor, labels: Tensor, num_items_in_batch: Tensor | int 
 
 
 def _is_vocab(name: str) -> bool:
-    return name.startswith(("embed_tokens.", "lm_head."))
+    return name.startswith(("embed_tokens.", "lm_head.", "mtp.embed_tokens."))

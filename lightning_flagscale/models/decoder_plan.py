@@ -120,8 +120,18 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         plan["norm"] = norm_style()
     if model.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
-    for name, block in model.layers.items():
-        p = f"layers.{name}."
+    blocks = [(f"layers.{name}.", block) for name, block in model.layers.items()]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        # MTP: the shared embedding's copy as the embedding; enorm / hnorm / eh_proj (2h -> h, replicated weight)
+        # like the norms, on sequence shards under SP; the block as any block; its own final norm like ``norm``.
+        plan["mtp.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        for name, block in mtp.layers.items():
+            p = f"mtp.layers.{name}."
+            for part in ("enorm", "hnorm", "eh_proj", "norm"):
+                plan[p + part] = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+            blocks.append((p, block))
+    for p, block in blocks:
         if model.config.is_mla:
             plan.update(latent_attention_tp_plan(p + "self_attn.", block.self_attn))
         else:

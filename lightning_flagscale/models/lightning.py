@@ -260,6 +260,11 @@ class CausalLMModule(L.LightningModule):
         # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
         for name, value in self.model.moe_aux_losses().items():
             self.log(f"train_moe_{name}", value)
+        # Multi-token prediction (DeepSeek-V3): trained through the loss's backward, not part of train_loss, logged
+        # apart as this rank's token mean (absent on pipeline ranks without the last stage).
+        mtp = self._pop_mtp_loss()
+        if mtp is not None:
+            self.log("mtp_loss", mtp, prog_bar=True)
         now = time.perf_counter()
         if self._last_step_time is not None:
             tokens = self._global_tokens(batch["input_ids"].numel())
@@ -292,8 +297,13 @@ class CausalLMModule(L.LightningModule):
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return local_tokens * int(kwargs.get("num_replicas", 1))
 
+    def _pop_mtp_loss(self) -> Tensor | None:
+        pop = getattr(self.model, "pop_mtp_loss", None)
+        return pop() if pop is not None else None
+
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
+        self._pop_mtp_loss()  # not a training statistic
         tokens = (batch["labels"] != -100).sum()
         self.val_loss_mean.update(loss.detach().float(), weight=tokens.float())
         return loss

@@ -111,6 +111,13 @@ class PipelinedModel(nn.Module):
                 out.update(stage.moe_aux_losses())
         return out
 
+    def pop_mtp_loss(self) -> Tensor | None:
+        """The last stage's MTP loss for logging (see ``CausalLM.pop_mtp_loss``); None on other pipeline ranks."""
+        values = [
+            v for stage in self.stage_modules if (v := getattr(stage, "pop_mtp_loss", lambda: None)()) is not None
+        ]
+        return values[0] if values else None
+
     def init_weights(self, seed: int = 0) -> None:
         for stage in self.stage_modules:
             stage.init_weights(seed)

@@ -1,0 +1,146 @@
+"""DeepSeek-V3 multi-token prediction (issue 39 item 2), one process: the MTP loss and every gradient equal a
+hand-written reference, the returned (main) loss is unchanged, targets are the labels shifted per depth (ragged
+and packed), and the layout follows DeepSeek-V3 (section 2.2 of its report).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.models import CausalLM
+from lightning_flagscale.models.decoder import mtp_labels
+
+SHAPE = dict(
+    hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4, q_lora_rank=24,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10, moe_router_num_groups=2,
+    moe_router_group_topk=1, moe_router_bias_update_rate=0.0, vocab_size=61,
+)  # fmt: skip
+
+
+def config(depth: int, **overrides) -> TransformerConfig:
+    return TransformerConfig.from_preset(
+        "deepseek-v3-tiny", **{**SHAPE, "num_nextn_predict_layers": depth, "mtp_loss_weight": 0.3, **overrides}
+    )
+
+
+def batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (3, 14), generator=gen)
+    ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[0, :4] = -100  # ragged
+    labels[1, 7] = -100
+    labels[2, -1] = -100
+    return ids, labels
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_loss(model: CausalLM, ids: torch.Tensor, labels: torch.Tensor, segment_ids=None, num_items=None):
+    """Main + lambda / D * sum_k CE_k written out with the model's weights (blocks reused as black boxes)."""
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    emb_w = model.embed_tokens.weight
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    cos, sin = model.rotary_emb(pos, torch.float32)
+    h = F.embedding(ids, emb_w)
+    for layer in model.layers.values():
+        h = layer(h, cos, sin, segment_ids)
+    denom = (labels != -100).sum() if num_items is None else num_items
+
+    def ce(hidden, norm_w, targets):
+        logits = (_rms(hidden, norm_w, eps) @ model.lm_head.weight.T)[..., : cfg.vocab_size]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / denom
+
+    main = ce(h, model.norm.weight, labels)
+    mtp = 0.0
+    depth = cfg.num_nextn_predict_layers
+    for k in range(1, depth + 1):
+        layer = model.mtp.layers[str(k - 1)]
+        shifted = torch.zeros_like(ids)
+        shifted[:, :-k] = ids[:, k:]
+        targets = torch.full_like(labels, -100)
+        targets[:, :-k] = labels[:, k:]
+        if segment_ids is not None:
+            targets[:, :-k][segment_ids[:, k:] != segment_ids[:, :-k]] = -100
+        e = _rms(F.embedding(shifted, emb_w), layer.enorm.weight, eps)
+        x = torch.cat([e, _rms(h, layer.hnorm.weight, eps)], -1) @ layer.eh_proj.weight.T
+        x = x + layer.self_attn(_rms(x, layer.input_layernorm.weight, eps), cos, sin, segment_ids)
+        h = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, eps))
+        mtp = mtp + ce(h, layer.norm.weight, targets)
+    return main, mtp * cfg.mtp_loss_weight / depth
+
+
+def _grads(model: CausalLM) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_mtp_loss_and_gradients_match_reference(depth, packed):
+    torch.manual_seed(0)
+    model = CausalLM(config(depth), vocab_multiple=8)
+    model.init_weights(3)
+    ids, labels = batch(61)
+    seg = torch.tensor([[0] * 6 + [1] * 7] * 3) if packed else None
+    out = model(ids, segment_ids=seg)
+    loss = model.loss_fn(out, labels, num_items_in_batch=50)
+    logged = model.pop_mtp_loss()
+    loss.backward()
+    ours = _grads(model)
+
+    main, mtp = reference_loss(model, ids, labels, seg, num_items=50)
+    assert loss.item() == pytest.approx(main.item(), rel=1e-6, abs=0)  # the reported loss is the main loss only
+    (main + mtp).backward()
+    ref = _grads(model)
+    assert ours.keys() == ref.keys()
+    assert any(k.startswith("mtp.layers.") for k in ours) and "embed_tokens.weight" in ours
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    # The logged value: the token mean of each module's cross-entropy, averaged over modules, without the weight.
+    count = sum((mtp_labels(labels, k, seg) != -100).sum() for k in range(1, depth + 1))
+    assert logged is not None and logged.item() > 0 and count > 0
+    assert model.pop_mtp_loss() is None
+
+
+def test_main_loss_unchanged_by_mtp():
+    plain, with_mtp = CausalLM(config(0), vocab_multiple=8), CausalLM(config(2), vocab_multiple=8)
+    plain.init_weights(1)
+    with_mtp.init_weights(1)  # per-FQN seeds: the shared parameters start equal
+    for name, p in plain.state_dict().items():
+        assert torch.equal(p, with_mtp.state_dict()[name]), name
+    ids, labels = batch(61, seed=2)
+    a = plain.loss_fn(plain(ids), labels)
+    b = with_mtp.loss_fn(with_mtp(ids), labels)
+    assert torch.equal(a, b)
+    a.backward()
+    b.backward()
+    assert not torch.equal(plain.embed_tokens.weight.grad, with_mtp.embed_tokens.weight.grad)  # MTP trains it
+
+
+def test_mtp_labels_shift_and_mask():
+    labels = torch.tensor([[1, 2, 3, -100, 5, 6]])
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    assert mtp_labels(labels, 1).tolist() == [[2, 3, -100, 5, 6, -100]]
+    assert mtp_labels(labels, 2, seg).tolist() == [[3, -100, -100, 6, -100, -100]]
+    assert mtp_labels(labels, 9).tolist() == [[-100] * 6]
+
+
+def test_mtp_layout_and_sharing():
+    model = CausalLM(config(2), vocab_multiple=8)
+    assert model.mtp.embed_tokens.weight is model.embed_tokens.weight
+    assert model.pipeline_units()[-1] == "mtp"
+    assert (
+        sum(p.numel() for p in model.parameters()) == model.config.num_params() + 2 * 3 * 32
+    )  # 64 - 61 padded rows, embedding and head
+    layer = model.mtp.layers["1"]
+    assert layer.layer_idx == model.config.num_layers + 1 and layer.is_moe
+    assert tuple(layer.eh_proj.weight.shape) == (32, 64)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        config(-1)
