@@ -23,7 +23,7 @@ from lightning_flagscale.config import TransformerConfig, check_known_fields
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.layers import RMSNorm
-from lightning_flagscale.models.lora import apply_lora, init_adapters
+from lightning_flagscale.models.lora import apply_lora, base_weights_reference, init_adapters
 from lightning_flagscale.models.weights import weight_source
 from lightning_flagscale.moe.balance import update_moe_state
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
@@ -162,6 +162,7 @@ class CausalLMModule(L.LightningModule):
         self._window_loss: Tensor | None = None
         self._peak_flops: float | None = None  # per device, for `mfu` (accounting/flops.py)
         self._seq_len = 0
+        self._base_reference: dict[str, Any] | None = None  # LoRA: the base's source and hash, once
 
     # ---- model construction ----------------------------------------------------------------------------------
     @property
@@ -231,6 +232,20 @@ class CausalLMModule(L.LightningModule):
                 weight_source("hf").load_weights(part, self.hf_dir)
         for part in parts if self.lora is not None else ():
             init_adapters(part, self.lora, self.init_seed)
+
+    @property
+    def checkpoint_frozen_weights(self) -> bool:
+        """Checkpoint protocol (``models/protocol.py``): a LoRA run's checkpoints hold the adapters, their optimizer
+        state and the buffers, not the frozen base, which a resume rebuilds from ``hf_dir`` or ``init_seed``."""
+        return self.lora is None
+
+    def base_weights_reference(self) -> dict[str, Any]:
+        """Where the base weights come from and their SHA-256 (``models/lora.py``), computed on first use."""
+        if self._base_reference is None:
+            self._base_reference = base_weights_reference(
+                self.config, self.hf_dir, self.init_seed, self.vocab_multiple
+            )
+        return self._base_reference
 
     def init_weights(self, seed: int | None = None) -> None:
         """Layout-independent deterministic init of the (possibly parallelised) model; default seed ``init_seed``."""

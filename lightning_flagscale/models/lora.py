@@ -15,13 +15,19 @@ keep: they get no gradient, no fp32 master copy and no optimizer state.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
 from lightning_flagscale.models.weights import weight_source
 
@@ -30,10 +36,14 @@ __all__ = [
     "LoRALinear",
     "adapter_modules",
     "apply_lora",
+    "base_weights_reference",
+    "check_base_weights",
     "freeze_base",
+    "hf_weights_sha256",
     "init_adapters",
     "is_adapter_name",
     "merged_weight",
+    "tensors_sha256",
 ]
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
@@ -140,3 +150,84 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
 def merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
     """``W + scaling * B @ A`` (full tensors), computed in fp32 and returned in ``weight``'s dtype."""
     return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+# ---- the base a LoRA checkpoint refers to (issue 40 item 4) ------------------------------------------------------
+# A LoRA run's checkpoint holds what trains (adapters, their optimizer state, buffers), not the frozen base: it names
+# where the base came from and a content hash of it, and a resume rebuilds the base the same way (the module's
+# ``hf_dir`` or ``init_seed``) and refuses one whose hash differs.
+
+
+def hf_weights_sha256(hf_dir: str | Path) -> str:
+    """SHA-256 over the ``*.safetensors`` files of an HF folder (each file's name and bytes, in name order): what
+    ``from_hf`` reads as weights. One sequential read of the files, no tensor is decoded."""
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir} holds no *.safetensors file to hash.")
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tensors_sha256(named: Iterable[tuple[str, Tensor]]) -> str:
+    """SHA-256 over full CPU tensors in name order (each name, dtype, shape and bytes)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def base_weights_reference(
+    config: TransformerConfig, hf_dir: str | None, init_seed: int, vocab_multiple: int
+) -> dict[str, Any]:
+    """Where a module's base weights come from and their SHA-256: the HF folder's safetensors bytes, or, for a
+    seeded init, the fp32 parameters of the model built and initialised once on this process's CPU (the init is
+    layout-independent, so this is the base every layout starts from). Computed once per module (the module caches
+    it); on one rank, whose answer the strategy broadcasts."""
+    if hf_dir:
+        return {"source": "hf", "hf_dir": str(Path(hf_dir).resolve()), "sha256": hf_weights_sha256(hf_dir)}
+    with torch.device("cpu"):
+        model = CausalLM(config, vocab_multiple=vocab_multiple)
+    model.init_weights(init_seed)
+    return {
+        "source": "init", "model": config.name, "init_seed": int(init_seed),
+        "sha256": tensors_sha256(model.state_dict().items()),
+    }  # fmt: skip
+
+
+def _describe(ref: dict[str, Any]) -> str:
+    if ref.get("source") == "hf":
+        return f"the HF folder {ref.get('hf_dir')} (sha256 {ref.get('sha256')})"
+    return f"model {ref.get('model')!r} initialised with init_seed={ref.get('init_seed')} (sha256 {ref.get('sha256')})"
+
+
+def check_base_weights(saved: dict[str, Any] | None, current: dict[str, Any] | None, path: Any) -> None:
+    """Raise unless checkpoint ``path`` (whose base reference is ``saved``; None: it holds the whole model) fits a
+    module whose base reference is ``current`` (None: the module trains, and loads, all its weights)."""
+    if saved is None and current is None:
+        return
+    if current is None:
+        raise ValueError(
+            f"Checkpoint {path} holds only the trainable parameters of a LoRA run (adapters and their optimizer "
+            f"state) on the base {_describe(saved)}, but this module has no LoRA adapters and would need every "
+            "weight from it: resume with the run's `lora=` config and the same base, or merge the adapters "
+            "(`convert ckpt-to-hf`)."
+        )
+    if saved is None:
+        raise ValueError(
+            f"Checkpoint {path} holds a whole model without a base-weights reference, but this module trains LoRA "
+            "adapters on a frozen base it builds itself; resume a LoRA run from its own checkpoints (start LoRA "
+            "from a full checkpoint by exporting it to HF first and passing `hf_dir`)."
+        )
+    if saved.get("sha256") != current.get("sha256"):
+        raise ValueError(
+            f"Checkpoint {path} was trained on the base {_describe(saved)}, but this module's base is "
+            f"{_describe(current)}: LoRA adapters resume only on the base they were trained on. Pass that base "
+            "(model.hf_dir, or the same preset and init_seed)."
+        )

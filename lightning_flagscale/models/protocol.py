@@ -53,6 +53,10 @@ weight init       ``WeightInit``              ``init_weights(seed)`` (part of ``
 precision         ``PrecisionLayoutModule``   optional class attribute ``precision_layout`` (``"megatron"``: the
                                               model's own half-precision layout; default ``"lightning"``).
 token mean        ``GlobalTokenLoss``         optional ``global_token_loss = True`` on the LightningModule (below).
+checkpoints       ``FrozenBaseModule``        optional, on the LightningModule: ``checkpoint_frozen_weights``
+                                              (``False``: checkpoints leave the frozen parameters out, the module
+                                              rebuilds them) and ``base_weights_reference() -> dict`` (their
+                                              source and ``sha256``, checked on resume). LoRA (issue 40).
 sizes             ``ConfiguredModel``         optional ``config`` (a ``TransformerConfig``: layer count, sequence
                                               length and heads the checks and profiling passes read).
 ================  ==========================  ================================================================
@@ -80,6 +84,7 @@ __all__ = [
     "ContextParallelAttention",
     "ContextParallelBatch",
     "CoreAttentionSettings",
+    "FrozenBaseModule",
     "GlobalTokenLoss",
     "MoEBlock",
     "MoEModel",
@@ -101,6 +106,7 @@ __all__ = [
     "is_moe_block",
     "missing_protocol_parts",
     "model_config",
+    "saves_frozen_weights",
     "uses_global_token_loss",
     "validate_layout",
 ]
@@ -216,6 +222,16 @@ class GlobalTokenLoss(Protocol):
 
 
 @runtime_checkable
+class FrozenBaseModule(Protocol):
+    """Optional, on the LightningModule: whether checkpoints hold its frozen parameters, and, when not, where they
+    come from (``{"source": ..., "sha256": ...}``: a resume refuses a different base)."""
+
+    checkpoint_frozen_weights: bool
+
+    def base_weights_reference(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
 class ConfiguredModel(Protocol):
     """Optional: the model's config (a ``TransformerConfig`` is read for sizes)."""
 
@@ -226,6 +242,12 @@ def model_config(module: nn.Module | None) -> TransformerConfig | None:
     """``module.config`` when it is a ``TransformerConfig`` (layer count, sequence length, heads), else None."""
     config = module.config if isinstance(module, ConfiguredModel) else None
     return config if isinstance(config, TransformerConfig) else None
+
+
+def saves_frozen_weights(module: nn.Module) -> bool:
+    """Whether checkpoints of ``module`` hold its frozen parameters (all but a :class:`FrozenBaseModule` that says
+    ``checkpoint_frozen_weights = False``)."""
+    return not isinstance(module, FrozenBaseModule) or bool(module.checkpoint_frozen_weights)
 
 
 def uses_global_token_loss(module: nn.Module) -> bool:

@@ -20,6 +20,7 @@ from lightning_flagscale.checkpoint.sharded import (
     remove_checkpoint_path,
     save_sharded,
 )
+from lightning_flagscale.models.lora import check_base_weights
 from lightning_flagscale.parallel.hetero_dp.shares import resume_shares
 from lightning_flagscale.strategies._snapshots import (
     NEWEST,
@@ -31,6 +32,7 @@ from lightning_flagscale.strategies._snapshots import (
     take,
 )
 from lightning_flagscale.strategies._state import (
+    base_reference,
     load_training_state,
     model_state,
     optimizer_state,
@@ -106,6 +108,9 @@ class CheckpointHooks:
             state[f"optimizer_{i}"] = opt_state
         checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
         checkpoint["parallel_config"] = vars(self.parallel).copy()
+        base = base_reference(self)  # LoRA: the checkpoint holds the adapters, this names (and hashes) the base
+        if base is not None:
+            checkpoint["base_weights"] = base
         self.wait_for_checkpoint()  # one save in flight at a time
         group = self._checkpoint_group if snapshot or self._async_checkpoint else None
         if group is not None:  # meta.pt is written in the background: not the live objects training goes on changing
@@ -152,6 +157,7 @@ class CheckpointHooks:
             clean_interrupted(path.parent)  # saves a crash interrupted: removed (or restored) with a warning
         self.barrier()
         meta = read_meta(path)
+        check_base_weights(meta.pop("base_weights", None), base_reference(self), path)  # before any shard is read
         strict = getattr(self.lightning_module, "strict_loading", True)
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
         restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)

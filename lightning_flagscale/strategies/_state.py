@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_flagscale.checkpoint.layout import read_meta
 from lightning_flagscale.checkpoint.recovery import find_latest_checkpoint
 from lightning_flagscale.checkpoint.sharded import checkpoint_keys, load_sharded
+from lightning_flagscale.models.init import canonical_fqn
+from lightning_flagscale.models.protocol import saves_frozen_weights
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
 from lightning_flagscale.parallel.data_parallel.zero3_flat_state import FlatZero3Optimizer
@@ -102,14 +104,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def model_state(model: torch.nn.Module, dist_optimizers: Iterable[DistributedOptimizer]) -> dict[str, Any]:
-    """This rank's shard of the model state; under mixed precision the fp32 master weights are the model."""
+def frozen_keys(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys a checkpoint of ``model`` leaves out: the frozen parameters of a module that rebuilds
+    them itself (``FrozenBaseModule``, LoRA's base weights); none for every other module."""
+    if saves_frozen_weights(model):
+        return set()
+    return {canonical_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def model_state(
+    model: torch.nn.Module, dist_optimizers: Iterable[DistributedOptimizer], *, frozen: bool = False
+) -> dict[str, Any]:
+    """This rank's shard of the model state; under mixed precision the fp32 master weights are the model. Without
+    ``frozen`` the keys of :func:`frozen_keys` are left out (what a checkpoint holds)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     for dopt in dist_optimizers:
         state.update(dopt.master_state_dict())
-    return state
+    skip = set() if frozen else frozen_keys(model)
+    return {k: v for k, v in state.items() if k not in skip and canonical_fqn(k) not in skip}
 
 
 def optimizer_state(
@@ -134,7 +148,7 @@ def _state_templates(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state, get_optimizer_state_dict
 
     dopts = [d for d in (dist_opt(o) for o in optimizers) if d is not None]
-    state: dict[str, Any] = {"state_dict": model_state(model, dopts)}  # fp32 templates where masters exist
+    state: dict[str, Any] = {"state_dict": model_state(model, dopts, frozen=True)}  # fp32 where masters exist
     for i, opt in enumerate(optimizers):
         dopt = dist_opt(opt)
         if dopt is not None:
@@ -186,7 +200,13 @@ def load_training_state(
 ) -> None:
     """Read model and optimizer shards from the DCP folder ``path`` into this rank's (any) layout."""
     state = _state_templates(model, optimizers, dist_opt, lambda i: _checkpoint_state_keys(path, i))
+    # Frozen weights the checkpoint does not hold (LoRA's base) keep the values the module built; set back as they
+    # are, so that every layout (flat ZeRO-3 rebuilds whole shards) and the strict key check see the whole model.
+    skip = frozen_keys(model)
+    kept = {k: v for k, v in state["state_dict"].items() if k in skip or canonical_fqn(k) in skip}
+    state["state_dict"] = {k: v for k, v in state["state_dict"].items() if k not in kept}
     load_sharded(path, state)
+    state["state_dict"].update(kept)
     _apply_state(state, model, optimizers, dist_opt, strict)
 
 
@@ -219,6 +239,16 @@ def restore_training_meta(
     if hparams is not None and optimizers:
         restore_optimizer_hparams(optimizers, hparams)
     restore_moe_router_state(module, meta.pop("moe_router_state", {}))
+
+
+def base_reference(strategy: Any) -> dict[str, Any] | None:
+    """Collectively: where the module's frozen base weights come from and their hash, for a module whose checkpoints
+    leave them out (``FrozenBaseModule``; None for every other module). Rank 0 computes it (the module caches it),
+    the others receive it."""
+    module = strategy.lightning_module
+    if saves_frozen_weights(module):
+        return None
+    return strategy.broadcast(module.base_weights_reference() if strategy.is_global_zero else None)
 
 
 def auto_resume_path(trainer: Any) -> Path | None:

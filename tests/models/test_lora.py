@@ -83,3 +83,41 @@ def test_unknown_field_and_target_errors():
         _module(LoRAConfig(target_modules=["query"]))
     with pytest.raises(ValueError, match=r"not plain nn\.Linear layers: layers\.0\.input_layernorm"):
         _module(LoRAConfig(target_modules=["input_layernorm"]))
+
+
+def test_base_reference_of_an_hf_folder_hashes_its_safetensors_bytes(tmp_path):
+    """Item 4: the base an HF LoRA run's checkpoints refer to is the folder and the SHA-256 of its safetensors."""
+    from lightning_flagscale.convert import export_hf
+    from lightning_flagscale.models.lora import hf_weights_sha256
+
+    export_hf(_module(None), tmp_path / "hf")
+    module = CausalLMModule.from_hf(str(tmp_path / "hf"), lora=LoRAConfig(rank=2))
+    ref = module.base_weights_reference()
+    assert ref == {
+        "source": "hf",
+        "hf_dir": str((tmp_path / "hf").resolve()),
+        "sha256": hf_weights_sha256(tmp_path / "hf"),
+    }
+    assert not module.checkpoint_frozen_weights and _module(None).checkpoint_frozen_weights
+    (weights,) = (tmp_path / "hf").glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert hf_weights_sha256(tmp_path / "hf") != ref["sha256"]
+
+
+def test_check_base_weights_refusals():
+    from lightning_flagscale.models.lora import check_base_weights
+
+    init = {"source": "init", "model": "llama-tiny", "init_seed": 0, "sha256": "a" * 64}
+    hf = {"source": "hf", "hf_dir": "/models/x", "sha256": "b" * 64}
+    check_base_weights(None, None, "ck")
+    check_base_weights(init, dict(init), "ck")
+    with pytest.raises(ValueError, match=r"trained on the base model 'llama-tiny' initialised with init_seed=0 "
+                                         r"\(sha256 a{64}\), but this module's base is the HF folder /models/x "
+                                         r"\(sha256 b{64}\)"):  # fmt: skip
+        check_base_weights(init, hf, "ck")
+    with pytest.raises(ValueError, match="holds only the trainable parameters of a LoRA run"):
+        check_base_weights(hf, None, "ck")
+    with pytest.raises(ValueError, match="holds a whole model without a base-weights reference"):
+        check_base_weights(None, hf, "ck")

@@ -23,7 +23,14 @@ def lora_config(**overrides: Any) -> LoRAConfig:
 
 
 def lora_module(config: TransformerConfig, lora: LoRAConfig, **kwargs: Any) -> CausalLMModule:
-    kw = dict(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, optimizer="sgd", **kwargs)
+    kw = {
+        "learning_rate": LR,
+        "warmup_steps": 0,
+        "min_lr_ratio": 1.0,
+        "weight_decay": 0.0,
+        "optimizer": "sgd",
+        **kwargs,
+    }
     return CausalLMModule(config, lora=lora, **kw)
 
 
@@ -41,16 +48,18 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
-def lora_reference_run(config: TransformerConfig, lora: LoRAConfig, steps: int) -> tuple[list[float], dict, dict]:
+def lora_reference_run(
+    config: TransformerConfig, lora: LoRAConfig, steps: int, num_samples: int = NUM_SAMPLES, **module_kwargs: Any
+) -> tuple[list[float], dict, dict]:
     """Single-process fp32 LoRA training: (losses, parameters after ``steps``, parameters before)."""
     torch.manual_seed(0)
-    module = lora_module(config, lora)
+    module = lora_module(config, lora, **module_kwargs)
     module.configure_model()
     before = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     opt = module.configure_optimizers()["optimizer"]
     trained = {id(p) for g in opt.param_groups for p in g["params"]}
     assert trained == {id(p) for n, p in module.model.named_parameters() if is_adapter_name(n)}, "optimizer params"
-    data = TokenDataset(config.vocab_size, NUM_SAMPLES)
+    data = TokenDataset(config.vocab_size, num_samples)
     losses = []
     for step in range(steps):
         loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
@@ -65,7 +74,8 @@ def lora_reference_run(config: TransformerConfig, lora: LoRAConfig, steps: int) 
 def lora_trainer_run(
     strategy_kwargs: dict[str, Any], config: TransformerConfig, lora: LoRAConfig, steps: int,
     precision: str = "32-true", save_path: str | None = None, ckpt_path: str | None = None,
-    export_dir: str | None = None,
+    export_dir: str | None = None, max_epochs: int | None = None, num_samples: int = NUM_SAMPLES,
+    module_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
     """``Trainer.fit`` on every worker: (global mean loss per step, full parameters, what the optimizer state holds)."""
     import lightning as L
@@ -85,14 +95,15 @@ def lora_trainer_run(
             losses.append(loss.item() / world)
 
     torch.manual_seed(0)
-    module = lora_module(config, lora)
+    module = lora_module(config, lora, **(module_kwargs or {}))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)], max_steps=steps,
+        accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
+        max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=[Record()],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
-    loader = DataLoader(TokenDataset(config.vocab_size, NUM_SAMPLES), batch_size=GLOBAL_BATCH // dp)
+    loader = DataLoader(TokenDataset(config.vocab_size, num_samples), batch_size=GLOBAL_BATCH // dp)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_path is not None:
         trainer.save_checkpoint(save_path)
