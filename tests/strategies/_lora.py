@@ -11,6 +11,7 @@ from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models import CausalLMModule
 from lightning_flagscale.models.lora import is_adapter_name
+from lightning_flagscale.moe import update_moe_state
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import GLOBAL_BATCH, LR, NUM_SAMPLES, TokenDataset
 
@@ -66,6 +67,8 @@ def lora_reference_run(
         losses.append(loss.item())
         loss.backward()
         opt.step()
+        if config.is_moe:
+            update_moe_state(module)  # what CausalLMModule.optimizer_step does under a Trainer
         opt.zero_grad()
     after = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     return losses, after, before

@@ -7,19 +7,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lora import is_adapter_name
+from tests.moe._trainer import shrink
 from tests.strategies._lm import assert_rel_close, tiny_config
-from tests.strategies._lora import lora_config, lora_reference_run, lora_trainer_run
+from tests.strategies._lora import lora_config, lora_module, lora_reference_run, lora_trainer_run
 
 STEPS = 3
 LAYOUTS = {
     "ddp": dict(zero_stage=0),
     "zero1": dict(zero_stage=1),
+    "zero2": dict(zero_stage=2),
     "zero3-fsdp2": dict(zero_stage=3, zero3_impl="fsdp2"),
     "zero3-flat": dict(zero_stage=3, zero3_impl="flat"),
     "tp2-sp": dict(tensor_parallel_size=2, sequence_parallel=True),
     "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
+    "cp2": dict(context_parallel_size=2),
 }
+# An MoE preset (grouped experts, aux loss) with adapters on the attention projections only: the experts, EP-sharded,
+# stay frozen. Per-expert adapters are not built: targeting the experts is refused (test below).
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MOE_LAYOUTS = {"ep2": dict(expert_parallel_size=2), "ep2-zero1": dict(expert_parallel_size=2, zero_stage=1)}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,30 @@ def reference():
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_layout_matches_single_process(launcher, reference, layout):
-    ref_losses, ref_after, ref_before = reference
     results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS)
+    _assert_matches(results, reference, layout)
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return lora_reference_run(shrink("mixtral-tiny"), lora_config(target_modules=ATTENTION), STEPS)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_lora_on_attention_of_an_moe_model_matches_single_process(launcher, moe_reference, layout):
+    lora = lora_config(target_modules=ATTENTION)
+    results = launcher(2, lora_trainer_run, MOE_LAYOUTS[layout], shrink("mixtral-tiny"), lora, STEPS)
+    _assert_matches(results, moe_reference, layout)
+
+
+def test_lora_on_grouped_experts_is_refused():
+    module = lora_module(shrink("mixtral-tiny"), LoRAConfig(target_modules=["q_proj", "experts"]))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts \(GroupedExperts\).*grouped MoE experts"):
+        module.configure_model()
+
+
+def _assert_matches(results, reference, layout):
+    ref_losses, ref_after, ref_before = reference
     held = set()
     for rank, (losses, params, info) in enumerate(results):
         assert len(losses) == STEPS
