@@ -57,7 +57,8 @@ def config_from_hf(hf_dir: str | os.PathLike, *, revision: str | None = None, **
 
 def _family_config(hf: dict[str, Any], root: Path, **overrides: Any) -> TransformerConfig:
     try:
-        return family_for(hf).config_from_hf(hf, **overrides)
+        family = family_for(hf)
+        return family.config_from_hf(family.checkpoint_hf_config(hf, root), **overrides)
     except HFConversionError as err:  # name the file: users often juggle several model folders
         raise HFConversionError(f"{root / 'config.json'}: {err}") from err
 

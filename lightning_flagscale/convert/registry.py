@@ -62,6 +62,11 @@ class HFFamily(abc.ABC):
     def weight_specs(self, config: TransformerConfig) -> dict[str, Spec]:
         """Every parameter FQN of the full ``CausalLM`` -> the HF tensors it is made of."""
 
+    def checkpoint_hf_config(self, hf: dict[str, Any], root: Any) -> dict[str, Any]:
+        """``config.json`` as the checkpoint at ``root`` realises it (a family may correct fields its weights
+        contradict, e.g. layers a writer skipped); the default is ``hf`` unchanged."""
+        return hf
+
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.search(p, hf_name) for p in self.ignored_tensors)
 

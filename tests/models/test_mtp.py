@@ -144,3 +144,57 @@ def test_mtp_layout_and_sharing():
     assert tuple(layer.eh_proj.weight.shape) == (32, 64)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         config(-1)
+
+
+def test_deepseek_checkpoint_naming_round_trip(tmp_path):
+    """MTP layers export as DeepSeek-V3's ``model.layers.{num_hidden_layers + k}.*`` (with the embedding and head
+    copies) and import back bit-identical; a re-export writes the same tensors; the MTP logits survive."""
+    from safetensors import safe_open
+
+    from lightning_flagscale.convert import causal_lm_from_hf, export_hf
+
+    model = CausalLM(config(2), vocab_multiple=8)
+    model.init_weights(5)
+
+    def tensors(folder):
+        out = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+        return out
+
+    first = tensors(export_hf(model, tmp_path / "a", max_shard_size="40KB"))
+    n = model.config.num_layers
+    for k in range(2):
+        p = f"model.layers.{n + k}."
+        for key in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "input_layernorm", "self_attn.kv_b_proj"):
+            assert p + key + ".weight" in first, p + key
+        assert torch.equal(first[p + "embed_tokens.weight"], first["model.embed_tokens.weight"])
+        assert torch.equal(first[p + "shared_head.head.weight"], first["lm_head.weight"])
+        assert first[p + "embed_tokens.weight"].shape[0] == 61  # vocab padding dropped
+    assert f"model.layers.{n + 2}.enorm.weight" not in first
+    back = causal_lm_from_hf(tmp_path / "a", vocab_multiple=8)
+    assert back.config.num_nextn_predict_layers == 2
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    second = tensors(export_hf(back, tmp_path / "b", max_shard_size="40KB"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    ids, _ = batch(61)
+    with torch.no_grad():
+        model(ids), back(ids)
+        for a, b in zip(model.mtp_logits(), back.mtp_logits()):
+            assert a.shape == (3, 13, 61) and torch.equal(a, b)
+
+
+def test_transformers_checkpoint_without_mtp_layers_imports_without_mtp(tmp_path):
+    """transformers writes num_nextn_predict_layers but no MTP layer: such a checkpoint has no MTP modules."""
+    from lightning_flagscale.convert import causal_lm_from_hf, export_hf
+
+    model = CausalLM(config(0), vocab_multiple=8)
+    model.init_weights(2)
+    out = export_hf(model, tmp_path / "a")
+    cfg = (out / "config.json").read_text().replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
+    (out / "config.json").write_text(cfg)
+    assert causal_lm_from_hf(out, vocab_multiple=8).config.num_nextn_predict_layers == 0

@@ -33,11 +33,12 @@ def test_mtp_under_tensor_parallel(launcher, mtp_ref):
 def test_mtp_under_expert_x_pipeline_parallel(launcher, mtp_ref):
     kwargs = dict(expert_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="gpipe", micro_batch_size=2)
     results = launcher(4, sgd_trainer_run, kwargs, mtp_config(), STEPS)
-    assert_sgd_parity(results, mtp_ref, "deepseek-v3 mtp ep2 x pp2", pipeline=True)
-    last = [r["params"] for r in results if "mtp.embed_tokens.weight" in r["params"]]
-    assert last  # the last stage's copy of the embedding equals the first stage's after training
-    for params in last:
-        assert (params["mtp.embed_tokens.weight"] - mtp_ref["params"]["embed_tokens.weight"]).abs().max() < 1e-5
+    # The last stage holds its own copy of the shared embedding, which must train exactly like the embedding.
+    assert any("mtp.embed_tokens.weight" in r["params"] for r in results)
+    ref = {**mtp_ref, "params": dict(mtp_ref["params"]), "init": dict(mtp_ref["init"])}
+    for key in ("params", "init"):
+        ref[key]["mtp.embed_tokens.weight"] = ref[key]["embed_tokens.weight"]
+    assert_sgd_parity(results, ref, "deepseek-v3 mtp ep2 x pp2", pipeline=True)
 
 
 def test_mtp_refused_with_context_parallel(launcher):

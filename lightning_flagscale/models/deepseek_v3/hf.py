@@ -4,18 +4,27 @@ Our module names are ``transformers``' (``self_attn.q_a_proj``, ``kv_a_proj_with
 e_score_correction_bias``, ``mlp.shared_experts.*``), so the map is one to one except the routed experts, stored
 one tensor per expert on disk (grouped by ``convert.moe_family``'s ``Stack`` of gate/up ``Concat``s). The first
 ``first_k_dense_replace`` blocks keep a dense MLP; every later block is MoE. The router's correction bias is a
-buffer and travels with the weights. Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are
-not modelled yet, so checkpoints that carry them are refused by the name check.
+buffer and travels with the weights.
+
+Multi-token prediction (``num_nextn_predict_layers = D``) is stored in DeepSeek's naming: MTP module ``k`` is layer
+``model.layers.{num_hidden_layers + k}`` with the block's own names plus ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm`` (our ``mtp.layers.{k}.norm``) and copies of the shared embedding (``embed_tokens``) and head
+(``shared_head.head``), read from the main tensors and written as copies of them. ``transformers`` writes the config
+field but skips these layers: a checkpoint without them imports with ``num_nextn_predict_layers = 0``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.convert.decoder_family import field, reject_unless
 from lightning_flagscale.convert.moe_family import MoEDecoderFamily
 from lightning_flagscale.convert.registry import HFConversionError, register_family
+from lightning_flagscale.convert.safetensors_io import HFCheckpointReader
 from lightning_flagscale.convert.specs import Direct, Spec
 
 __all__ = ["DeepseekV3Family"]
@@ -44,6 +53,30 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.setdefault("original_max_position_embeddings", int(field(hf, "max_position_embeddings")))
     scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     return theta, scaling
+
+
+@dataclass(frozen=True)
+class _Copies(Direct):
+    """Read from ``name``; exported under ``name`` and every name of ``copies`` (the MTP layers' copies of the
+    shared embedding and head)."""
+
+    copies: tuple[str, ...] = ()
+
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.copies)
+
+    def split(self, full: torch.Tensor, hf_rows: int | None) -> dict[str, torch.Tensor]:
+        one = super().split(full, hf_rows)[self.name]
+        return {n: one for n in self.names()}
+
+
+@dataclass(frozen=True)
+class _ReadOnly(Direct):
+    """Read from ``name``, never exported: a tensor that another of our names already writes (the last pipeline
+    stage's copy of the embedding the MTP modules share)."""
+
+    def split(self, full: torch.Tensor, hf_rows: int | None) -> dict[str, torch.Tensor]:
+        return {}
 
 
 @register_family
@@ -101,6 +134,7 @@ class DeepseekV3Family(MoEDecoderFamily):
             moe_router_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_router_num_groups=groups,
             moe_router_group_topk=int(hf["topk_group"]) if groups else None,
+            num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0),
         )
         values.update(overrides)
         return TransformerConfig(**values)
@@ -169,8 +203,40 @@ class DeepseekV3Family(MoEDecoderFamily):
             routed_scaling_factor=config.moe_router_scaling_factor,
             n_group=config.moe_router_num_groups or 1,
             topk_group=config.moe_router_group_topk or 1,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=config.num_nextn_predict_layers,
         )
+
+    def checkpoint_hf_config(self, hf: dict[str, Any], root: Any) -> dict[str, Any]:
+        """``transformers`` keeps ``num_nextn_predict_layers`` (default 1) in config.json but writes no MTP layer:
+        without ``model.layers.{num_hidden_layers}.*`` tensors the checkpoint has no MTP modules."""
+        if not int(hf.get("num_nextn_predict_layers") or 0):
+            return hf
+        prefix = f"model.layers.{int(field(hf, 'num_hidden_layers'))}."
+        with HFCheckpointReader(root) as reader:
+            present = any(name.startswith(prefix) for name in reader.weight_map)
+        return hf if present else {**hf, "num_nextn_predict_layers": 0}
+
+    def weight_specs(self, config: TransformerConfig) -> dict[str, Spec]:
+        specs = super().weight_specs(config)
+        depth, n = config.num_nextn_predict_layers, config.num_layers
+        if not depth:
+            return specs
+        layers = [f"model.layers.{n + k}" for k in range(depth)]
+        head = specs["lm_head.weight"]
+        specs["embed_tokens.weight"] = _Copies(
+            "model.embed_tokens.weight", pad_rows=True, copies=tuple(f"{p}.embed_tokens.weight" for p in layers)
+        )
+        specs["lm_head.weight"] = _Copies(
+            head.name, pad_rows=True, copies=tuple(f"{p}.shared_head.head.weight" for p in layers)
+        )
+        specs["mtp.embed_tokens.weight"] = _ReadOnly("model.embed_tokens.weight", pad_rows=True)
+        for k, p in enumerate(layers):
+            ours = f"mtp.layers.{k}."
+            specs.update({ours + key: spec for key, spec in self.block_specs(config, n + k).items()})
+            for key, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                                ("norm", "shared_head.norm")):  # fmt: skip
+                specs[f"{ours}{key}.weight"] = Direct(f"{p}.{theirs}.weight")
+        return specs
 
     # ---- weights ----
     def block_specs(self, config: TransformerConfig, i: int) -> dict[str, Spec]:
