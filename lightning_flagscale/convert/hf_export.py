@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.convert.hf_import import unwrap_causal_lm
 from lightning_flagscale.convert.hub import push_folder_to_hub
+from lightning_flagscale.convert.lora_checkpoint import holds_lora_adapters, module_from_lora_checkpoint
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, config_classes, family_for
 from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
@@ -77,7 +78,8 @@ def export_hf(
 
     ``src``: a ``CausalLM`` / ``CausalLMModule`` (under a process group every rank must call this; rank 0 writes)
     or the folder of a DCP checkpoint (the architecture comes from ``config``, else a ``model_config.json`` in
-    it, else ``hyper_parameters["config"]`` in the strategy's ``meta.pt``). ``model_type``
+    it, else ``hyper_parameters["config"]`` in the strategy's ``meta.pt``; a LoRA run's checkpoint is rebuilt as
+    its adapted module, base and adapters, and written merged: ``convert/lora_checkpoint.py``). ``model_type``
     picks the HF family (default: the one the model was imported from, else inferred from its features);
     ``dtype`` casts the exported weights (default: as stored); ``tokenizer_dir`` (default: the HF folder the
     model came from, if known) provides tokenizer files to copy. Padded vocab rows are dropped.
@@ -87,6 +89,8 @@ def export_hf(
     kwargs = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, dtype=dtype, model_type=model_type,
                   config=config, generation_config=generation_config, push_to_hub=push_to_hub,
                   hub_revision=hub_revision, hub_private=hub_private)  # fmt: skip
+    if isinstance(src, (str, os.PathLike)) and holds_lora_adapters(src):  # a LoRA run's: the adapted module, merged
+        src = module_from_lora_checkpoint(src)
     if isinstance(src, (str, os.PathLike)):
         return _export(_DCPSource(Path(src), config), out_dir, **kwargs)
     with contextlib.ExitStack() as stack:

@@ -67,3 +67,27 @@ def test_lora_resume_refuses_another_base_naming_both_hashes(launcher, saved):
     assert other != saved_hash
     with pytest.raises(WorkerError, match=rf"(?s)init_seed=0 \(sha256 {saved_hash}\).*init_seed=1 \(sha256 {other}\)"):
         _run(launcher, dict(zero_stage=1), 2, ckpt_path=saved, module_kwargs={**ADAMW, "init_seed": 1})
+
+
+def test_convert_ckpt_to_hf_merges_a_lora_checkpoint(saved, tmp_path):
+    """Item 3 from a checkpoint: ``convert ckpt-to-hf`` of the adapters-only folder rebuilds the base from its
+    reference, reads the adapters and writes the merged model, whose logits are the adapted model's (3 AdamW steps
+    on one process)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_flagscale.convert.cli import convert_main
+    from tests.strategies._lora import lora_module
+
+    _, ref_after, _ = lora_reference_run(tiny_config(), lora_config(), STEPS, NUM_SAMPLES, **ADAMW)
+    assert convert_main(["ckpt-to-hf", saved, str(tmp_path / "merged")]) == 0
+    oracle = lora_module(tiny_config(), lora_config())
+    oracle.configure_model()
+    with torch.no_grad():
+        for name, p in oracle.model.named_parameters():
+            p.copy_(ref_after[name])
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+        ours = oracle.model.logits(oracle(ids))
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-4)
+        base = lora_module(tiny_config(), None)
+        base.configure_model()
+        assert (base.model.logits(base(ids)) - ours).abs().max() > 1e-2  # the adapters changed the model
