@@ -7,13 +7,28 @@ killed) terminates the others and raises with its exit code; its traceback is al
 
 from __future__ import annotations
 
+import os
 import queue as _queue
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["collect", "free_port", "stop"]
+__all__ = ["collect", "context", "free_port", "start_method", "stop"]
+
+
+def start_method() -> str:
+    """``spawn`` (a fresh interpreter per rank, as on a cluster), or ``$BENCH_START_METHOD``: the smoke test
+    (``tests/test_bench_smoke.py``) sets ``fork`` so its ranks skip re-importing torch and Lightning (~4 s of CPU
+    each on 2 cores); the parent has started no process group and no thread pool when it forks."""
+    return os.environ.get("BENCH_START_METHOD", "spawn")
+
+
+def context() -> Any:
+    """The (torch) multiprocessing context of :func:`start_method`."""
+    import torch.multiprocessing as mp
+
+    return mp.get_context(start_method())
 
 
 def free_port() -> int:

@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 
-from _procs import collect
+from _procs import collect, context
 from compare_report import chart, machine_info, markdown, mib, summarise  # bench/ is sys.path[0]
 from profile_comm import comm_overlap
 
@@ -384,9 +384,8 @@ def _free_port() -> int:
 
 def launch(spec: RunSpec, world: int, settings: dict[str, Any], timeout: float = 1800.0) -> list[dict[str, Any]]:
     """Run ``spec`` on ``world`` fresh spawned processes; per-rank results sorted by rank."""
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=run_config, args=(r, world, port, spec, settings, queue)) for r in range(world)]

@@ -39,6 +39,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from _procs import context, start_method  # bench/ is sys.path[0]
+
 from lightning_flagscale.accounting.comm import CommTracker
 from lightning_flagscale.parallel.context_parallel.attention import HybridAttention, load_balanced_indices
 from lightning_flagscale.parallel.context_parallel.kernels import TorchBlockKernel
@@ -130,7 +132,7 @@ def run_world(args: argparse.Namespace, seqs: list[int] | None = None) -> dict[t
 
 
 def _spawn(cp: int, args: argparse.Namespace, seqs: list[int] | None = None) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +140,7 @@ def _spawn(cp: int, args: argparse.Namespace, seqs: list[int] | None = None) -> 
     sub = argparse.Namespace(**vars(args))
     if seqs is not None:
         sub.seqs = seqs
-    mp.start_processes(_worker, args=(cp, port, sub, queue), nprocs=cp, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(cp, port, sub, queue), nprocs=cp, start_method=start_method(), join=True)
     return queue.get()
 
 
@@ -170,6 +172,8 @@ def main() -> None:
     parser.add_argument("--q-block", type=int, default=128)
     parser.add_argument("--budget-mib", type=float, default=None)
     args = parser.parse_args()
+    if len(args.seqs) < 2:  # the longest-sequence fit below needs two measured lengths
+        parser.error("--seqs needs at least two lengths")
 
     if "WORLD_SIZE" in os.environ:  # torchrun: one world, cp = world size
         dist.init_process_group("gloo")

@@ -137,7 +137,7 @@ def _tp_worker(rank: int, world: int, port: int, hf_dir: str, queue) -> None:
 
 
 def run_in_process(fn, *args) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # never forked: this parent has run torch (written the checkpoint) by now
     queue = ctx.Queue()
     proc = ctx.Process(target=_call, args=(fn, args, queue))
     proc.start()
@@ -157,7 +157,7 @@ def run_tp(hf_dir: str, world: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # never forked: this parent has run torch (written the checkpoint) by now
     queue = ctx.Queue()
     procs = [ctx.Process(target=_tp_worker, args=(r, world, port, hf_dir, queue)) for r in range(world)]
     for p in procs:

@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _procs import collect  # bench/ is sys.path[0]
+from _procs import collect, context  # bench/ is sys.path[0]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, scratch: str, queue) -> None:
@@ -112,7 +111,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     scratch = tempfile.mkdtemp(prefix="flash-bench-dcp-")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, scratch, queue)) for r in range(args.world)]
     for p in procs:

@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _procs import collect  # bench/ is sys.path[0]
+from _procs import collect, context  # bench/ is sys.path[0]
 
 WARMUP = 2
 MODEL = dict(num_layers=6, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -160,7 +159,7 @@ def _model(args: argparse.Namespace) -> dict[str, int]:
 
 
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     jobs = _jobs(name, args)
     procs = [p for types, spec in jobs for p in _start(ctx, types, spec, queue)]

@@ -22,9 +22,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _procs import collect  # bench/ is sys.path[0]
+from _procs import collect, context  # bench/ is sys.path[0]
 
 from lightning_flagscale.moe.experts import GroupedExperts
 
@@ -118,7 +117,7 @@ def bench_a2a(world: int, tokens: int, hidden: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_a2a_worker, args=(r, world, port, tokens, hidden, queue)) for r in range(world)]
     for p in procs:

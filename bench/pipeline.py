@@ -39,13 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import collect, free_port  # bench/ is on sys.path
+from _procs import collect, context, free_port  # bench/ is on sys.path
 
 P, LAYERS, HIDDEN = 4, 8, 16
 
@@ -398,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         args.ms, args.iters = 1.0, 1
     schedules = [s for s in _schedules() if args.only is None or s[0] in args.only]
     opts = {"m": args.m, "ms": args.ms, "iters": args.iters, "schedules": schedules}
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_run_rank, args=(r, port, opts, queue)) for r in range(P)]

@@ -29,12 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import collect
+from _procs import collect, context
 from _tune_report import spearman
 from hetero import WARMUP, _start
 
@@ -85,7 +83,7 @@ def _run(plan, args: argparse.Namespace) -> float:
         spec["loader_batch"] = args.global_batch // plan.parallel["hetero_meshes"][0]["data_parallel_size"]
     else:  # hetero-DP's samplers cut each rank's share out of the global batch
         spec["loader_batch"] = args.global_batch
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     procs = _start(ctx, TYPES, spec, queue)
     results = collect(procs, queue, len(procs), timeout=1800, name=str(plan.parallel))

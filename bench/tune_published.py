@@ -386,6 +386,7 @@ def main() -> None:
     parser.add_argument("--profile", default="h100")
     args = parser.parse_args()
     text = report(builtin_profile(args.profile))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
 

@@ -1,6 +1,7 @@
 """Split recompute (vision x LLM) and first-batch pre-allocation of the VLM: peak memory and step time on CPU.
 
     python bench/vlm.py [--rounds 3] [--steps 6] [--out bench/results/vlm.md]
+    python bench/vlm.py --smoke --out /tmp/vlm.md     # 3 policies, tiny batches (the smoke test runs this)
 
 One process, fp32, SGD, a VLM of 4.5M parameters (LLM width 256 x 4 blocks, ViT width 128 x 4 blocks) on batches of
 8 synthetic image-text samples whose images vary in size (16 to 64 patches each), so batches differ in sequence
@@ -116,7 +117,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="bench/results/vlm.md")
+    parser.add_argument("--smoke", action="store_true", help="3 policies, batches of 2, 2 steps, 1 round (seconds)")
     args = parser.parse_args()
+    global BATCH, POLICIES
+    if args.smoke:  # every code path once: vision + LLM recompute, pre-allocation
+        args.rounds, args.steps, BATCH = 1, 2, 2
+        POLICIES = [("none", "none", False), ("full", "full", False), ("none", "none", True)]
     torch.set_num_threads(1)
     data = batches(args.steps)
     memory = {p: peak_memory(p, data) for p in POLICIES}

@@ -26,11 +26,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _procs import collect  # bench/ is sys.path[0]
+from _procs import collect, context  # bench/ is sys.path[0]
 
 MEASURED_STEP = 2  # 0-based: the third optimizer step
 
@@ -121,7 +120,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:

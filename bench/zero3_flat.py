@@ -1,7 +1,7 @@
 """ZeRO-3 engines side by side: flat-buffer ZeRO-3 (ours), FSDP2 (``fully_shard``) and FSDP1 (what Lightning's
 ``FSDPStrategy`` runs), training the same decoder from the same initial weights in one process group.
 
-    python bench/zero3_flat.py [--world 2] [--size default|large] [--rounds 3] [--steps 3]
+    python bench/zero3_flat.py [--world 2] [--size default|large|smoke] [--rounds 3] [--steps 3]
 
 Why next to ``compare_strategies.py`` (its ``FS-ZeRO3`` rows run flat, the default engine, and ``FS-ZeRO3-fsdp2``
 FSDP2): that benchmark spawns a fresh ``Trainer`` job per configuration, whose start-up dominates on a loaded machine. Here every rank builds the three
@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 
+from _procs import start_method  # bench/ is sys.path[0]
+
 SIZES = {
     # compare_strategies.py's default decoder (23.9M parameters)
     "default": dict(hidden_size=512, num_layers=8, intermediate_size=1408, num_attention_heads=8,
@@ -36,6 +38,9 @@ SIZES = {
     # 160M parameters: communication is a real share of the step
     "large": dict(hidden_size=1024, num_layers=8, intermediate_size=2816, num_attention_heads=16,
                   num_key_value_heads=8, vocab_size=32000),
+    # the smoke test's (tests/test_bench_smoke.py): every engine's code path in seconds
+    "smoke": dict(hidden_size=64, num_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=256),
 }  # fmt: skip
 ENGINES = ("fsdp1", "fsdp2", "flat")
 SEQ, BATCH_PER_RANK = 128, 2
@@ -171,7 +176,9 @@ def main(argv: list[str]) -> None:
     tmp.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    mp.spawn(_worker, args=(args.world, _free_port(), args, str(tmp)), nprocs=args.world, join=True)
+    mp.start_processes(
+        _worker, args=(args.world, _free_port(), args, str(tmp)), nprocs=args.world, start_method=start_method()
+    )
     result = json.loads(tmp.read_text())
     tmp.unlink()
     tokens = args.world * BATCH_PER_RANK * SEQ
