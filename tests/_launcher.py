@@ -48,10 +48,11 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout_
 
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-    conn.send(("ready", None))
+    conn.send(("ready", None, 1))
     while True:
         try:
             msg = conn.recv()
@@ -62,9 +63,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout_
         module, name, args, kwargs = msg
         try:
             fn = getattr(importlib.import_module(module), name)
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = ("ok", fn(*args, **kwargs))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            result = ("error", traceback.format_exc())
+        conn.send((*result, len(distributed_c10d._world.pg_map)))  # and the process groups it holds now
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
@@ -76,6 +78,7 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = 0
+        self.groups = 1  # the most process groups a worker holds after the last task (the default group: 1)
         port = _free_port()
         self.conns: list[Connection] = []
         self.procs = []
@@ -91,6 +94,7 @@ class WorkerPool:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = dict(enumerate(self.conns))
+        latest: dict[int, int] = {}
         import time
 
         deadline = time.monotonic() + timeout
@@ -105,10 +109,11 @@ class WorkerPool:
             for rank, conn in list(pending.items()):
                 if conn in ready:
                     try:
-                        status, value = conn.recv()
+                        status, value, groups = conn.recv()
                     except EOFError as err:
                         raise RuntimeError(f"rank {rank} died (exit code {self.procs[rank].exitcode})") from err
                     del pending[rank]
+                    latest[rank] = groups
                     if status == "error":
                         errors[rank] = value
                     else:
@@ -116,6 +121,7 @@ class WorkerPool:
             if errors and pending:
                 # Other ranks may be stuck in a collective the failed rank never joined: give them a short grace.
                 deadline = min(deadline, time.monotonic() + 20.0)
+        self.groups = max(latest.values(), default=self.groups)
         if errors:
             rank = min(errors)
             raise WorkerError(f"rank {rank} failed:\n{errors[rank]}", broken=bool(pending))
@@ -128,9 +134,10 @@ class WorkerPool:
         return self._gather(timeout)
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
+        for conn in self.conns:  # every worker leaves at once: their exits overlap
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
+        for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
@@ -149,14 +156,18 @@ class Launcher:
         self.pools: dict[int, WorkerPool] = {}
         self.results: dict[str, list[Any]] = {}
 
-    # Every Trainer run creates process groups that live as long as the worker, each with a gloo transport thread
-    # that wakes up periodically: after a few hundred groups idle workers eat a core. Workers are replaced after this
-    # many tasks (a respawn costs a few seconds).
-    max_tasks_per_pool = 12
+    # Every Trainer run creates process groups that live as long as the worker (destroying a task's groups when it
+    # ends broke the next TP x ZeRO-1 run: torch still resolved one of them by name), each with a gloo thread that
+    # wakes up periodically: a 2-rank pool idles at about 0.15 of a core with 100 groups per worker, 0.4 with 300.
+    # Workers are replaced once one holds this many groups; tasks that create none (most that are not a Trainer
+    # run) do not bring the replacement closer. A replacement costs 5-10 s on 2 cores (close, spawn, imports).
+    max_groups_per_worker = 96
+    # ... and after this many tasks in any case, bounding whatever else tasks leave behind in the workers.
+    max_tasks_per_pool = 48
 
     def __call__(self, world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kw: Any):
         pool = self.pools.get(world_size)
-        if pool is not None and pool.tasks >= self.max_tasks_per_pool:
+        if pool is not None and (pool.tasks >= self.max_tasks_per_pool or pool.groups >= self.max_groups_per_worker):
             self.pools.pop(world_size).close()
         if world_size not in self.pools:
             self.pools[world_size] = WorkerPool(world_size)
