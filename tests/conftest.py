@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,6 +32,18 @@ def _no_idle_workers_under_own_processes(request):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. A CLI run in this process (``seed_everything``) sets
+    ``PL_GLOBAL_SEED``, which workers spawned later inherit and Lightning's distributed sampler reads: every later
+    parity test then trained another data order than its oracle."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def pytest_collection_modifyitems(config, items):
