@@ -242,9 +242,7 @@ class CausalLMModule(L.LightningModule):
     def base_weights_reference(self) -> dict[str, Any]:
         """Where the base weights come from and their SHA-256 (``models/lora.py``), computed on first use."""
         if self._base_reference is None:
-            self._base_reference = base_weights_reference(
-                self.config, self.hf_dir, self.init_seed, self.vocab_multiple
-            )
+            self._base_reference = base_weights_reference(self.config, self.hf_dir, self.init_seed, self.vocab_multiple)
         return self._base_reference
 
     def init_weights(self, seed: int | None = None) -> None:

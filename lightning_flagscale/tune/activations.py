@@ -116,7 +116,9 @@ def layer_activation_bytes(
         kept = block_input + tokens * (e * (2 * q + 2 * kv + h) + 4 * a) + mlp_mm  # q, k, v, o, SDPA out, lse
         if recompute == "selective_mm":
             if m.is_moe_layer(layer):
-                raise ValueError("recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py).")
+                raise ValueError(
+                    "recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py)."
+                )
             kept -= tokens * e * (kv + h + m.intermediate_size / tp)  # the k, o and up outputs are recomputed
         return kept, kept + full
     raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")

@@ -170,7 +170,9 @@ def _every_other_gemm(model: TransformerConfig, c: ParallelConfig, seq_len: int,
     """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th and 6th of q, k, v, o, gate, up,
     down (``parallel/pipeline_parallel/recompute.py``; dense blocks only)."""
     if moe:
-        raise ValueError("recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py).")
+        raise ValueError(
+            "recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py)."
+        )
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
     h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
     k_proj, o_proj = hw.gemm_seconds(t, kv * d / tp, h), hw.gemm_seconds(t, h, q * d / tp)
