@@ -285,3 +285,61 @@ def test_allocation_peak_recovers_a_free_made_on_another_thread():
         again = torch.empty(n, dtype=torch.uint8)
     assert again.data_ptr() == first, "the allocator did not reuse the address: the premise of this test"
     assert (m.peak_bytes, m.net_bytes) == (n, n)
+
+
+# ---- DeepSeek-V3 (MLA, first_k_dense, shared experts, MTP): parameters per pipeline rank against the real model ----
+
+
+def _local_numel(model: torch.nn.Module, name: str, numel: int, tp: int, ep: int) -> float:
+    """Elements of parameter ``name`` on one rank, read off the model's own TP plan (column/row-parallel layers and
+    the vocab-parallel embedding split, every other style replicated) and the EP split of the routed experts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    owner, _, leaf = name.rpartition(".")
+    if ".experts" in f".{owner}":
+        return numel / ep
+    style = model.tp_plan(False).get(owner) if tp > 1 else None
+    if isinstance(style, RowwiseParallel) and leaf == "bias":
+        return numel  # a row-parallel layer's bias is replicated
+    return numel / tp if isinstance(style, (ColwiseParallel, RowwiseParallel)) else numel
+
+
+@pytest.mark.parametrize(("pp", "tp", "ep", "q_lora"), [(1, 1, 1, True), (2, 1, 1, True), (2, 2, 2, True),
+                                                        (2, 2, 1, False), (4, 1, 2, True)])  # fmt: skip
+def test_deepseek_v3_parameters_per_pipeline_rank_match_the_model(pp, tp, ep, q_lora):
+    """MLA projections and latent norms, the dense first block against MoE blocks with a shared expert, and the MTP
+    module (norms, 2h -> h projection, block, and the embedding copy on a last stage that is not the first):
+    ``rank_params`` equals the elements of the real stage modules cut from a meta model, split as the model's TP plan
+    and EP split them."""
+    from lightning_flagscale.parallel.pipeline_parallel.plan import build_stage_module, plan_stages
+    from lightning_flagscale.tune.stage_params import rank_params
+
+    overrides = dict(num_nextn_predict_layers=1, num_layers=4, attention_bias=not q_lora)
+    if not q_lora:
+        overrides["q_lora_rank"] = None
+    config = TransformerConfig.from_preset("deepseek-v3-tiny", **overrides)
+    with torch.device("meta"):
+        model = CausalLM(config, vocab_multiple=64)
+    plan = plan_stages(model.pipeline_units(), pp)
+    predicted = rank_params(config, ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                                   expert_parallel_size=ep).resolve(pp * tp * ep), vocab_multiple=64)  # fmt: skip
+    for rank, units in enumerate(plan.units):
+        stage = build_stage_module(model, units)
+        dense = expert = 0.0
+        for name, p in stage.named_parameters():  # a tied Parameter once
+            n = _local_numel(model, name, p.numel(), tp, ep)
+            dense, expert = (dense, expert + n) if ".experts." in name else (dense + n, expert)
+        assert (predicted[rank].dense, predicted[rank].expert) == (dense, expert), (rank, units)
+    assert "mtp" in plan.units[-1] and config.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_deepseek_v3_671b_has_the_published_parameter_count():
+    """DeepSeek-V3 report: 671B parameters in the main model, 37B of them active per token, and "14B" in its MTP module,
+    whose checkpoint stores its own copies of the embedding and the head that ours shares (13.46B counted that way:
+    one MoE block of 11.6B + eh_proj + norms, the report rounding up)."""
+    main = TransformerConfig.from_preset("deepseek-v3")
+    full = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=1)
+    shared_copies = 2 * full.vocab_size * full.hidden_size
+    assert round(main.num_params() / 1e9) == 671
+    assert 13e9 < full.num_params() - main.num_params() + shared_copies < 14e9
+    assert 37 <= main.num_params(active=True) / 1e9 < 38

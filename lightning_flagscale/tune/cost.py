@@ -55,6 +55,7 @@ from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCK
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 from lightning_flagscale.tune.inflight import schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
+from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params
 
 __all__ = [
     "MeasuredStep",
@@ -432,6 +433,9 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
             if c.num_stages == 1 and model.tie_word_embeddings:
                 ends = 1
             dense += ends * embed
+            if s == c.num_stages - 1 and model.num_nextn_predict_layers:  # MTP (+ its embedding copy away from 0)
+                mtp_dense, mtp_expert = mtp_params(model)
+                dense, expert = dense + mtp_dense + (embed if s else 0.0), expert + mtp_expert
         out.append((dense, expert))
     return out
 
@@ -439,10 +443,10 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
 def _layer_tensors(model: TransformerConfig, layer: int, tp: int, ep: int) -> list[tuple[str, float]]:
     """(reduction group, elements on one rank) of each parameter tensor of block ``layer``, in registration order
     (``models/decoder.py``: norm, q, k, v, o, norm, then the MLP: gate, up, down, or the router and the experts'
-    stacked gate_up and down, then shared experts)."""
-    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    out = [("dense", h), ("dense", h * q * d / tp), ("dense", h * kv * d / tp), ("dense", h * kv * d / tp)]
-    out += [("dense", q * d * h / tp), ("dense", h)]
+    stacked gate_up and down, then shared experts); MLA's projections and latent norms as ``tune.stage_params`` lists
+    them."""
+    h = model.hidden_size
+    out = [("dense", h), *(("dense", n) for n in attention_tensors(model, tp)), ("dense", h)]
     if not model.is_moe_layer(layer):
         return out + [("dense", h * model.intermediate_size / tp)] * 3
     inner, e = model.moe_intermediate_size, model.num_experts
@@ -471,6 +475,11 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
             tensors.append(("dense", h))
             if not (c.num_stages == 1 and model.tie_word_embeddings):
                 tensors.append(("dense", embed))
+            for k in range(model.num_nextn_predict_layers):  # MTP: embedding copy (away from stage 0), block, norms
+                if k == 0 and s:
+                    tensors.append(("dense", embed))
+                tensors += _layer_tensors(model, model.num_layers + k, tp, ep)
+                tensors += [("dense", h), ("dense", h), ("dense", 2 * h * h), ("dense", h)]
     tensors.reverse()
     out: dict[str, list[float]] = {"dense": [], "expert": []}
     for group, run in cut_runs(tensors, bucket_numel):

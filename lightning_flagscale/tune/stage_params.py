@@ -5,6 +5,15 @@ Stages come from ``parallel.pipeline_parallel.plan.plan_stages`` on the decoder'
 attention, dense MLP and the vocabulary (padded to ``vocab_multiple``, as ``CausalLMModule`` pads it); norms are
 replicated; routed experts are split over EP (and not over TP: MoE blocks run whole on every TP rank); a tied
 embedding split across stages is held on both end stages.
+
+Multi-head latent attention (``models/attention.py`` ``LatentAttention``, TP plan ``latent_attention_tp_plan``): the
+down projections ``q_a_proj`` and ``kv_a_proj_with_mqa`` and their RMSNorms are replicated over TP, ``q_proj`` /
+``q_b_proj`` / ``kv_b_proj`` column-parallel and ``o_proj`` row-parallel (heads split). Blocks before
+``first_k_dense_layers`` keep a dense MLP. Multi-token prediction (``models/decoder.py`` ``MTPLayer``): each of the
+``num_nextn_predict_layers`` modules is one block (its index after the main layers decides dense or MoE), ``enorm``,
+``hnorm``, its own final norm and ``eh_proj`` (2h -> h, replicated over TP); they form the ``mtp`` pipeline unit,
+which travels with the LM head to the last stage, where a copy of the embedding they share is held when the first
+stage is elsewhere.
 """
 
 from __future__ import annotations
@@ -15,22 +24,50 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 from lightning_flagscale.parallel.pipeline_parallel.plan import is_layer_unit, plan_stages, stage_ids_for_rank
 
-__all__ = ["RankParams", "decoder_units", "layer_params", "rank_params", "stage_layers"]
+__all__ = [
+    "RankParams",
+    "attention_tensors",
+    "decoder_units",
+    "layer_params",
+    "mtp_params",
+    "rank_params",
+    "stage_layers",
+]
 
 
 def decoder_units(m: TransformerConfig) -> list[str]:
     """The pipeline units of ``models.decoder.CausalLM`` (``pipeline_units()``), without building the model."""
-    return ["embed_tokens", *(f"layers.{i}" for i in range(m.num_layers)), "norm", "lm_head"]
+    units = ["embed_tokens", *(f"layers.{i}" for i in range(m.num_layers)), "norm", "lm_head"]
+    return [*units, "mtp"] if m.num_nextn_predict_layers else units
+
+
+def attention_tensors(m: TransformerConfig, tp: int = 1) -> list[float]:
+    """Elements on one TP rank of each parameter of one attention module, in registration order."""
+    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    bias = m.attention_bias
+    if not m.is_mla:
+        kv = m.num_key_value_heads
+        out: list[float] = []
+        for width in (n * d, kv * d, kv * d):  # q, k, v: column-parallel (weight and bias split)
+            out += [h * width / tp] + ([width / tp] if bias else [])
+        out.append(n * d * h / tp)  # o: row-parallel
+        return out + ([d, d] if m.qk_norm else [])  # QK-norm weights: replicated
+    r, rope, v = m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank is None:
+        out = [h * n * d / tp]  # q_proj: column-parallel
+    else:  # q_a_proj (+ bias) and q_a_layernorm replicated, q_b_proj column-parallel
+        q = m.q_lora_rank
+        out = [h * q, *([q] if bias else []), q, q * n * d / tp]
+    out += [h * (r + rope), *([r + rope] if bias else []), r]  # kv_a_proj_with_mqa (+ bias), kv_a_layernorm
+    out += [r * n * (m.qk_nope_head_dim + v) / tp, n * v * h / tp]  # kv_b_proj column-, o_proj row-parallel
+    return out + ([h] if bias else [])  # o_proj's bias is replicated (row-parallel)
 
 
 def layer_params(m: TransformerConfig, layer: int, *, tp: int = 1, ep: int = 1) -> tuple[float, float]:
-    """(dense, expert) parameters of decoder layer ``layer`` on one rank; expert ones reduce over the EP-DP group."""
-    h, d, q, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
-    attn = (2 * h * q * d + 2 * h * kv * d) / tp + 2 * h  # q, k, v, o split; the two norms replicated
-    if m.attention_bias:
-        attn += (q * d + 2 * kv * d) / tp
-    if m.qk_norm:
-        attn += 2 * d
+    """(dense, expert) parameters of decoder layer ``layer`` on one rank; expert ones reduce over the EP-DP group.
+    ``layer >= num_layers`` is an MTP module's block (dense or MoE by the same rule)."""
+    h = m.hidden_size
+    attn = sum(attention_tensors(m, tp)) + 2 * h  # the two block norms replicated
     if not m.is_moe_layer(layer):
         return attn + 3 * h * m.intermediate_size / tp, 0.0
     dense = attn + h * m.num_experts  # router
@@ -40,8 +77,20 @@ def layer_params(m: TransformerConfig, layer: int, *, tp: int = 1, ep: int = 1) 
     return dense, m.num_experts / ep * 3 * h * m.moe_intermediate_size
 
 
+def mtp_params(m: TransformerConfig, *, tp: int = 1, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of all MTP modules on one rank (without the shared embedding): per module its
+    block, ``enorm``, ``hnorm``, its final norm and ``eh_proj`` (2h -> h), the last four replicated over TP."""
+    dense = expert = 0.0
+    for k in range(m.num_nextn_predict_layers):
+        d, e = layer_params(m, m.num_layers + k, tp=tp, ep=ep)
+        dense, expert = dense + d + 3 * m.hidden_size + 2 * m.hidden_size**2, expert + e
+    return dense, expert
+
+
 def _unit_costs(m: TransformerConfig, padded_vocab: int) -> dict[str, float]:
     costs = {f"layers.{i}": sum(layer_params(m, i)) for i in range(m.num_layers)}
+    if m.num_nextn_predict_layers:
+        costs["mtp"] = sum(mtp_params(m))
     return {**costs, "embed_tokens": padded_vocab * m.hidden_size, "norm": m.hidden_size,
             "lm_head": padded_vocab * m.hidden_size}  # fmt: skip
 
@@ -112,6 +161,10 @@ def _rank_params(m: TransformerConfig, c: ParallelConfig, placement: str, vocab_
             dense += vocab
         if has_last:
             dense += m.hidden_size + (0 if (m.tie_word_embeddings and has_first) else vocab)
+            if m.num_nextn_predict_layers:  # the MTP modules, and their copy of the embedding away from stage 0
+                d, e = mtp_params(m, tp=tp, ep=ep)
+                dense, expert = dense + d + (0 if has_first else vocab), expert + e
+                largest = max(largest, 2 * m.hidden_size**2)
         if has_first or has_last:
             largest = max(largest, vocab)
         out.append(RankParams(pp_rank=r, stages=tuple(stages), layers=tuple(tuple(layers[s]) for s in stages),
