@@ -343,3 +343,55 @@ def test_deepseek_v3_671b_has_the_published_parameter_count():
     assert round(main.num_params() / 1e9) == 671
     assert 13e9 < full.num_params() - main.num_params() + shared_copies < 14e9
     assert 37 <= main.num_params(active=True) / 1e9 < 38
+
+
+MLA = dict(SHAPE, num_key_value_heads=None, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=12, rope_interleave=True)  # fmt: skip
+
+
+def _mla_layer(dtype, recompute: str, **overrides) -> tuple[TransformerConfig, float, float]:
+    """(2-layer config, one layer's measured bytes, the rest of the model's) for a dense MLA model, as the GQA tests
+    measure them: saved tensors without recompute, bytes alive after the forward with it."""
+    configs = [TransformerConfig(**{**MLA, **overrides}, num_layers=n) for n in (1, 2)]
+    one, two = (_forward_bytes(c, dtype, recompute)[0 if recompute == "none" else 1] for c in configs)
+    return configs[1], *_layers_and_rest(one, two, 2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "recompute", "q_lora"),
+    [(torch.bfloat16, rc, q) for rc in ("none", "selective", "selective_mm", "full") for q in (48, None)]
+    + [(torch.float32, "none", 48), (torch.float32, "selective", 48)],
+)
+def test_mla_layer_activations_are_the_bytes_autograd_saves(dtype, recompute, q_lora):
+    """MLA to the byte per layer under every recompute mode: latent norms and projection inputs, and the core
+    attention as torch runs it here (v_head_dim != qk head dim: the math SDPA path, fp32 scores kept); the rest of
+    the model (embedding, rotary tables of qk_rope_head_dim, norm, head, loss) within 0.5%."""
+    from lightning_flagscale.tune.activations import math_attention_keys
+
+    e = 2 if dtype == torch.bfloat16 else 4
+    config, got_layer, got_rest = _mla_layer(dtype, recompute, q_lora_rank=q_lora)
+    keys = math_attention_keys(config, 64, cpu=True)
+    assert keys == 64  # the premise: the math path runs on CPU for these widths
+    layer = layer_activation_bytes(config, 128, act_bytes=e, recompute=recompute, attention_keys=keys)[0]
+    assert got_layer == layer, (got_layer, layer)
+    head = head_bytes(config, 128, padded_vocab=config.padded_vocab_size(64), act_bytes=e)
+    rest = model_edge_bytes(config, 128, act_bytes=e) + head.saved
+    assert abs(got_rest - rest) <= 5e-3 * rest, (got_rest, rest)
+
+
+def test_mla_moe_layer_and_mtp_module_activations():
+    """An MLA block with routed and shared experts within 1% (routing bookkeeping is a measured constant, as for the
+    GQA MoE block); the MTP module on top of the model (shifted-token embedding, enorm, hnorm, 2h -> h projection,
+    a block, its head and loss) to the byte, bf16 and fp32."""
+    from lightning_flagscale.tune.activations import math_attention_keys, mtp_activation_bytes
+
+    moe = dict(MOE, num_shared_experts=1)
+    config, got_layer, _ = _mla_layer(torch.bfloat16, "none", **moe)
+    layer = layer_activation_bytes(config, 128, layer=1, recompute="none", attention_keys=64)[0]
+    assert config.is_moe_layer(1) and abs(got_layer - layer) <= 1e-2 * layer, (got_layer, layer)
+    for dtype, e in ((torch.bfloat16, 2), (torch.float32, 4)):
+        base, with_mtp = (TransformerConfig(**MLA, num_layers=1, num_nextn_predict_layers=d) for d in (0, 1))
+        got = _forward_bytes(with_mtp, dtype, "none")[0] - _forward_bytes(base, dtype, "none")[0]
+        keys = math_attention_keys(with_mtp, 64, cpu=True)
+        want = mtp_activation_bytes(with_mtp, 128, padded_vocab=1024, act_bytes=e, attention_keys=keys)
+        assert got == want, (dtype, got, want)

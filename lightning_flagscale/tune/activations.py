@@ -45,6 +45,20 @@ activations during its backward, and keep the CPU RNG state (5056 bytes) per blo
 (``4n``), per routed copy (``k`` per token) the permuted input, fc1 output ``[2I]``, SwiGLU output and product,
 fc2 output (``E*(2h + 4I)``), plus the combine buffer and routing indices (``E*h + 48k``, measured); shared
 experts add a dense SwiGLU of their width (``4*E*S + E*h``). Routing is assumed balanced.
+
+Multi-head latent attention (``LatentAttention``; ``r`` the KV latent, ``r_q`` the query latent, ``n`` heads of
+``d = nope + rope`` for q/k and ``v`` for values): the latent RMSNorms as above on ``r`` and ``r_q`` (in fp32 the
+KV norm's ``x.float()`` is the latent *view*, so the whole ``kv_a`` output ``4(r + rope)`` stays), the inputs of
+``q_b_proj`` and ``kv_b_proj`` (``E*(r_q + r)``), RoPE keeps only cos/sin of ``qk_rope_head_dim``. The core
+attention: a fused kernel keeps q and k (``E*n*d`` each), v (a view of ``kv_b``'s output, ``E*n*(nope + v)``),
+the output (``E*n*v``, o_proj's input) and the lse (``4n``); torch's CPU SDPA has no fused kernel for ``v != d``
+and runs the math path, which keeps fp32 ``q*scale``, ``k^T``, ``v`` and the softmax probabilities
+(``4n*(2d + v + s)`` for ``s`` keys) and o_proj's input ``E*n*v`` (measured; which path runs is
+:func:`math_attention_keys`; the fused-kernel sizes are what torch's kernels save for GQA, not measured on a GPU
+here). Under TP the heads split; the down projections and their norms run replicated on the whole (gathered)
+sequence. ``selective`` keeps the outputs of q_a, q_b (or q), kv_a, kv_b and o plus the kernel's (math path: the
+two fp32 ``bmm`` outputs ``4n*(s + v)``); ``selective_mm`` every other matmul output in the order the block runs
+them. The MTP modules (:func:`mtp_activation_bytes`) run on the last stage and are never recomputed.
 """
 
 from __future__ import annotations
@@ -59,7 +73,9 @@ __all__ = [
     "head_bytes",
     "korthikanti_layer_bytes",
     "layer_activation_bytes",
+    "math_attention_keys",
     "model_edge_bytes",
+    "mtp_activation_bytes",
 ]
 
 CHECKPOINT_RNG_BYTES = 5056
@@ -81,6 +97,44 @@ def _moe_bytes(m: TransformerConfig, tokens: float, e: int) -> float:
     return tokens * (routed + shared)
 
 
+def math_attention_keys(m: TransformerConfig, seq_len: float, *, cpu: bool) -> float | None:
+    """The key length of torch's math SDPA when it runs the core attention (None: a fused kernel runs): on CPU,
+    torch's fused (flash) kernel needs one head width for q, k and v, so MLA with ``v_head_dim != qk head dim``
+    runs the math path there (measured; the module docstring has what it keeps)."""
+    math = cpu and m.attn_backend == "torch" and m.is_mla and m.v_head_dim != m.head_dim
+    return seq_len if math else None
+
+
+def _attention(m: TransformerConfig, tokens: float, e: int, tp: int, keys: float | None):
+    """(bytes attention keeps beyond its input, bytes of each matmul output in the order they run, bytes of the core
+    attention's outputs) for ``tokens`` tokens; ``keys``: the math SDPA path's key length (None: fused kernel)."""
+    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    a = n / tp
+    if not m.is_mla:
+        q, kv = n * d / tp, m.num_key_value_heads * d / tp
+        return (
+            tokens * (e * (2 * q + 2 * kv) + 4 * a),
+            [tokens * e * x for x in (q, kv, kv, h)],
+            tokens * (e * q + 4 * a),
+        )
+    r, rope, v, nope = m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim, m.qk_nope_head_dim
+    # kv_a_layernorm (in fp32 its ``x.float()`` is the latent view itself: the whole kv_a output is kept) and
+    # kv_b_proj's input; the down projections run on every token of the (gathered) sequence on every TP rank
+    kept = _norm(r, tokens, e) + tokens * (e * r + (4 * rope if e == 4 else 0))
+    widths = [n * d / tp]  # q_proj
+    if m.q_lora_rank is not None:
+        kept += _norm(m.q_lora_rank, tokens, e) + tokens * e * m.q_lora_rank  # q_a_layernorm, q_b_proj's input
+        widths = [m.q_lora_rank, n * d / tp]  # q_a_proj, q_b_proj
+    widths += [r + rope, n * (nope + v) / tp, h]  # kv_a_proj_with_mqa, kv_b_proj, o_proj
+    if keys is None:  # fused kernel: q, k (concatenated), v (a view of kv_b's output), out (o_proj's input), lse
+        kept += tokens * (e * (2 * d + nope + 2 * v) * n / tp + 4 * a)
+        core = tokens * (e * v * n / tp + 4 * a)
+    else:  # math path in fp32: q * scale, k^T, v, softmax probabilities [s, keys]; o_proj's input in the model dtype
+        kept += tokens * (4 * a * (2 * d + v + keys) + e * v * n / tp)
+        core = tokens * 4 * a * (keys + v)  # the two bmm outputs (scores, probs @ v), fp32
+    return kept, [tokens * e * x for x in widths], core
+
+
 def layer_activation_bytes(
     m: TransformerConfig,
     tokens: float,
@@ -90,21 +144,23 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: RecomputeMode = "none",
+    attention_keys: float | None = None,
 ) -> tuple[float, float]:
     """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
-    over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring."""
-    e, h, d = act_bytes, m.hidden_size, m.head_dim
-    q, kv, a = m.num_attention_heads * d / tp, m.num_key_value_heads * d / tp, m.num_attention_heads / tp
+    over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring. ``attention_keys``:
+    the key length when torch's math SDPA runs the core attention (:func:`math_attention_keys`), None for a fused
+    kernel."""
+    e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sequence_parallel else tokens
     norms = 2 * _norm(h, norm_tokens, e)
     inputs = 2 * tokens * e * h  # the (all-gathered) inputs of the column-parallel projections
-    attention = tokens * (e * (2 * q + 2 * kv) + 4 * a)
+    attention, matmuls, core = _attention(m, tokens, e, tp, attention_keys)
     if m.is_moe_layer(layer):
         mlp = _moe_bytes(m, tokens, e)
-        mlp_mm = tokens * m.num_experts_per_tok * e * (3 * m.moe_intermediate_size + h)
+        mlp_mm = [tokens * m.num_experts_per_tok * e * (3 * m.moe_intermediate_size + h)]
     else:
         mlp = tokens * 4 * e * m.intermediate_size / tp
-        mlp_mm = tokens * e * (2 * m.intermediate_size / tp + h)  # gate, up, down outputs
+        mlp_mm = [tokens * e * x for x in (m.intermediate_size / tp, m.intermediate_size / tp, h)]  # gate, up, down
     full = norms + inputs + attention + mlp
     block_input = (norm_tokens if sequence_parallel else tokens) * e * h
     if recompute == "none":
@@ -113,15 +169,44 @@ def layer_activation_bytes(
     if recompute == "full":
         return block_input, block_input + full
     if recompute in ("selective", "selective_mm"):
-        kept = block_input + tokens * (e * (2 * q + 2 * kv + h) + 4 * a) + mlp_mm  # q, k, v, o, SDPA out, lse
+        outputs = matmuls + mlp_mm
         if recompute == "selective_mm":
             if m.is_moe_layer(layer):
                 raise ValueError(
                     "recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py)."
                 )
-            kept -= tokens * e * (kv + h + m.intermediate_size / tp)  # the k, o and up outputs are recomputed
+            outputs = outputs[::2]  # every second matmul's output is recomputed (GQA: k, o and up)
+        kept = block_input + sum(outputs) + core  # + the core attention's outputs (SDPA out and lse)
         return kept, kept + full
     raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
+
+
+def mtp_activation_bytes(
+    m: TransformerConfig,
+    tokens: float,
+    *,
+    padded_vocab: int,
+    act_bytes: int = 2,
+    tp: int = 1,
+    sp: bool = False,
+    attention_keys: float | None = None,
+) -> float:
+    """Bytes the MTP modules keep on the last stage for one micro-batch of ``tokens`` tokens (``models/decoder.py``
+    ``MTPLayer``; never recomputed: recompute applies to the main blocks). Per module: the shifted token ids (8),
+    ``enorm`` of their embedding, ``hnorm`` of the incoming hidden states (in fp32 its input copy is the one the
+    final norm before it already keeps), ``eh_proj``'s input ``[2h]``, one block, a head (own norm, shared LM
+    head, loss) as :func:`head_bytes` and the loss's two scalars (12 bytes)."""
+    e, h = act_bytes, m.hidden_size
+    norm_tokens = tokens / tp if sp else tokens
+    head = head_bytes(m, tokens, padded_vocab=padded_vocab, act_bytes=e, tp=tp, sp=sp).saved
+    total = 0.0
+    for k in range(m.num_nextn_predict_layers):
+        block, _ = layer_activation_bytes(m, tokens, layer=m.num_layers + k, act_bytes=e, tp=tp, sequence_parallel=sp,
+                                          attention_keys=attention_keys)  # fmt: skip
+        hnorm = norm_tokens * (4 + e * h + (4 * h if e != 4 else 0))
+        total += tokens * 8 + _norm(h, norm_tokens, e) + hnorm + norm_tokens * 2 * e * h + block + head
+        total += 12  # the loss's scalars: cross-entropy's fp32 weight total and the int64 normaliser
+    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +244,7 @@ def head_bytes(
 
 def model_edge_bytes(m: TransformerConfig, tokens: float, *, act_bytes: int = 2) -> float:
     """Kept once per micro-batch by every stage that runs layers: token ids (8) and RoPE's cos/sin tables."""
-    return tokens * (8 + 2 * act_bytes * m.head_dim)
+    return tokens * (8 + 2 * act_bytes * m.rope_dim)
 
 
 def korthikanti_layer_bytes(

@@ -12,7 +12,9 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
 - **activations** kept for backward (``tune.activations``, derived from our layers, per recompute policy) of the
   micro-batches alive at once on this rank: the per-rank batch of one accumulation step without PP (it runs as one
   forward/backward), or the (stage, micro-batch) pairs the pipeline schedule keeps alive (``tune.inflight``, read off
-  torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss;
+  torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss
+  and the MTP modules (DeepSeek-V3; never recomputed); ``backend="gloo"`` prices torch's CPU attention kernels
+  (MLA with ``v_head_dim != qk head dim`` runs the math path there);
 - **transients** on top of that peak: the loss's fp32 ``[tokens, vocab]`` temporaries (on the rank holding the last
   stage), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
   (ZeRO-1/2 reduce-scatter outputs, gloo's input copies, FSDP2's unsharded unit and its gradients under ZeRO-3)
@@ -26,13 +28,20 @@ fragmentation and the memory of the framework itself (CUDA context, NCCL buffers
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from lightning_flagscale.accounting.state_bytes import expected_state_bytes
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
-from lightning_flagscale.tune.activations import head_bytes, layer_activation_bytes, model_edge_bytes
+from lightning_flagscale.tune.activations import (
+    head_bytes,
+    layer_activation_bytes,
+    math_attention_keys,
+    model_edge_bytes,
+    mtp_activation_bytes,
+)
 from lightning_flagscale.tune.inflight import schedule_live_peak
 from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
 
@@ -115,7 +124,7 @@ def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: floa
 
 
 def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: tuple[int, ...], num_stages: int,
-                  tokens: float, e: int, recompute: str) -> tuple[float, float]:  # fmt: skip
+                  tokens: float, e: int, recompute: str, keys: float | None) -> tuple[float, float]:  # fmt: skip
     """(kept bytes of one micro-batch on ``stage``, largest recompute re-materialisation on it)."""
     tp, sp = c.tensor_parallel_size, c.sequence_parallel
     kept, extra = model_edge_bytes(m, tokens, act_bytes=e), 0.0
@@ -131,7 +140,7 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
         kinds[False] = (layers[0], len(layers))
     for first, n in kinds.values():
         k, full = layer_activation_bytes(m, tokens, layer=first, act_bytes=e, tp=tp, sequence_parallel=sp,
-                                         recompute=recompute)  # fmt: skip
+                                         recompute=recompute, attention_keys=keys)  # fmt: skip
         kept, extra = kept + n * k, max(extra, full - k)
     boundary = tokens * e * m.hidden_size / (tp if sp else 1)
     if stage > 0:
@@ -196,13 +205,18 @@ def memory_breakdown(
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
     batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
     head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
+    keys = math_attention_keys(m, seq_len, cpu=backend == "gloo")  # gloo: CPU processes, torch's CPU SDPA kernels
+    if m.num_nextn_predict_layers:  # the MTP modules run with the head on the last stage
+        mtp = mtp_activation_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp,
+                                   sp=sp, attention_keys=keys)  # fmt: skip
+        head = dataclasses.replace(head, saved=head.saved + mtp)
     modes = c.stage_recompute
     out = []
     for p in rank_params(m, c, vocab_multiple=vocab_multiple):
         n = c.num_stages
         weights, extra = {}, 0.0
         for s, layers in zip(p.stages, p.layers):
-            kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s])
+            kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s], keys)
             weights[s] = kept + (head.saved if s == n - 1 else 0.0)
             extra = max(extra, rematerialised)
         if pp == 1:  # one batch of ``batch`` micro-batches, all alive at the end of its forward
