@@ -568,3 +568,52 @@ def test_the_loop_overhead_is_the_measured_step_beyond_what_the_model_prices():
     # a profile that already carries an overhead is priced without it; a measurement below the price gives 0
     assert training_loop_overhead(hw.replace(step_overhead=0.5), priced + 0.015, 4) == pytest.approx(0.015, rel=1e-9)
     assert training_loop_overhead(hw, priced / 2, 4) == 0.0
+
+
+# ---- DeepSeek-V3: MLA and MTP in the FLOP count and the cost model ----
+
+
+@pytest.mark.parametrize("q_lora", [48, None])
+def test_mla_and_mtp_flops_are_what_torch_counts(q_lora):
+    """A forward + backward of deepseek-v3-tiny with one MTP module under torch's FLOP counter: the matmuls (MLA's
+    low-rank projections, dense and MoE blocks, the MTP projection and block, the LM head twice) are 6 x the matmul
+    weights per token, and the attention's ``bmm`` (q k^T over the qk width, p v over v_head_dim, in the main blocks
+    and the MTP block) its closed form. The routed experts run their per-expert GEMMs (FlopCounterMode has no formula
+    for ``torch._grouped_mm``)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_flagscale.models.layers import RMSNorm
+
+    config = TransformerConfig.from_preset("deepseek-v3-tiny", num_nextn_predict_layers=1, q_lora_rank=q_lora)
+    model = CausalLM(config)
+    for module in model.modules():
+        if hasattr(module, "use_grouped_mm"):
+            module.use_grouped_mm = False
+    x, y = torch.randint(0, config.vocab_size, (2, 4, 32), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model.loss_fn(model(x), y).backward()
+    counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    blocks = config.num_layers + config.num_nextn_predict_layers
+    attention = 6 * blocks * config.num_attention_heads * (config.head_dim + config.v_head_dim) * 32
+    norms = sum(p.numel() for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+    assert counted == {"aten.mm": x.numel() * (flops_per_token(config, 32) - attention - 6 * norms),
+                       "aten.bmm": x.numel() * attention}  # fmt: skip
+
+
+def test_deepseek_v3_step_on_ideal_hardware_is_its_model_flops():
+    """On a profile where every GEMM and attention kernel runs at peak and nothing else costs, the cost model's step
+    of DeepSeek-V3 671B with its MTP module (EP 64 over DP 2048) is its model FLOPs: attention at the causal half
+    with a 2.5x backward, every matmul weight but the norms' (in ``flops_per_token``'s N, in no GEMM)."""
+    hw = _profile(hbm=float("inf"))
+    model = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=1)
+    c = ParallelConfig(expert_parallel_size=64, zero_stage=1).resolve(2048)
+    seq, batch = 4096, 2048
+    cost = estimate_step(model, c, seq, batch, hw)
+    blocks = model.num_layers + model.num_nextn_predict_layers
+    attention = 6 * blocks * model.num_attention_heads * (model.head_dim + model.v_head_dim) * seq
+    h = model.hidden_size
+    norms = blocks * (2 * h + model.kv_lora_rank + model.q_lora_rank) + h + 3 * h  # + final norm, MTP's three
+    gemms = flops_per_token(model, seq) - attention - 6 * norms
+    want = (gemms + attention / 2 * 3.5 / 3) * batch * seq / (c.world_size * hw.peak_flops)
+    assert cost.step_seconds == pytest.approx(want, rel=1e-12)

@@ -13,6 +13,9 @@ Formula (PaLM, Chowdhery et al. 2022, appendix B; the convention of Megatron-LM 
   token and layer in forward, x 3 for training). The causal mask is *not* discounted (PaLM's convention, so numbers
   compare with published MFU); kernels that skip the masked half do about half of this term. Under multi-head
   latent attention the ``P V`` half runs over ``v_head_dim``: ``6 * L * n_heads * (head_dim + v_head_dim) * seq_len``.
+- Multi-token prediction (DeepSeek-V3, ``num_nextn_predict_layers = D``): each module is one more block (its
+  attention term too), its ``eh_proj`` (2h -> h) and one more pass through the shared LM head; its parameters are
+  in ``num_params`` already, the head's matmul is added once per module (the embedding it shares is a lookup).
 - Recomputation is not counted (MFU, not hardware FLOPs utilisation).
 
 ``mfu = tokens_per_s * flops_per_token / (num_devices * peak_flops_per_device)``, with the peak from
@@ -69,10 +72,13 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
     h = config.hidden_size
-    matmul = config.num_params(include_embedding=False, active=True) + config.vocab_size * h  # + the LM head
+    mtp = getattr(config, "num_nextn_predict_layers", 0)
+    # + the LM head, once for the main model and once per MTP module
+    matmul = config.num_params(include_embedding=False, active=True) + (1 + mtp) * config.vocab_size * h
     # Q K^T runs over the query/key head width, P V over the value width (they differ under MLA); 6 = 2 x 3.
     v_dim = getattr(config, "v_head_dim", None) or config.head_dim
-    attention = 6 * config.num_layers * config.num_attention_heads * (config.head_dim + v_dim) * seq_len
+    blocks = config.num_layers + mtp
+    attention = 6 * blocks * config.num_attention_heads * (config.head_dim + v_dim) * seq_len
     return float(6 * matmul + attention)
 
 

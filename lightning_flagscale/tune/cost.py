@@ -20,6 +20,11 @@ Per micro-batch and pipeline rank, a block costs
   the routing statistics over the data x context ranks), and the
   **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
 
+Multi-head latent attention prices its own projections (q_a, q_b, kv_a, kv_b, o; the down projections replicated
+over TP, whose latents' gradients are all-reduced in backward) and ``Q K^T`` over the qk width, ``P V`` over
+``v_head_dim``. The last stage runs each multi-token-prediction module: ``eh_proj``, one block (never recomputed)
+and the LM head again with its collectives.
+
 The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
 weight-gradient part ``w`` of each of the other ``p - 1`` ranks the heaviest one waits on while the pipeline fills
 and drains (``v`` chunks; the DualPipe README's bubble table,
@@ -138,8 +143,8 @@ def _inter(group: int, stride: int, hw: HardwareProfile) -> bool:
 def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool):
     """(GEMM forward seconds, attention forward seconds, memory-bound forward seconds) of one block."""
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
-    h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    gemm = hw.gemm_seconds(t, (q + 2 * kv) * d / tp, h) + hw.gemm_seconds(t, h, q * d / tp)
+    h = model.hidden_size
+    gemm = sum(hw.gemm_seconds(*shape) for shape in _attention_gemms(model, t, tp))
     if moe:
         k, e, ep, inner = (
             model.num_experts_per_tok,
@@ -167,17 +172,36 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
     return gemm, attn, mem
 
 
+def _attention_gemms(model: TransformerConfig, t: float, tp: int) -> list[tuple[float, float, float]]:
+    """``(rows, columns, inner)`` of one block's attention GEMMs on one rank: the fused q/k/v GEMM and o; under MLA
+    (``models/attention.py``) q_a and q_b (or q), kv_a, kv_b and o in the order they run, the down projections
+    replicated over TP (they run on every token of the gathered sequence), heads split."""
+    h, n, d = model.hidden_size, model.num_attention_heads, model.head_dim
+    if not model.is_mla:
+        return [(t, (n + 2 * model.num_key_value_heads) * d / tp, h), (t, h, n * d / tp)]
+    r, rope, v = model.kv_lora_rank, model.qk_rope_head_dim, model.v_head_dim
+    q = [(t, n * d / tp, h)] if model.q_lora_rank is None else [(t, model.q_lora_rank, h),
+                                                                (t, n * d / tp, model.q_lora_rank)]  # fmt: skip
+    return [*q, (t, r + rope, h), (t, n * (model.qk_nope_head_dim + v) / tp, r), (t, h, n * v / tp)]
+
+
 def _every_other_gemm(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile, moe: bool):
-    """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th and 6th of q, k, v, o, gate, up,
-    down (``parallel/pipeline_parallel/recompute.py``; dense blocks only)."""
+    """Forward seconds of the matmuls ``selective_mm`` recomputes: the 2nd, 4th, ... of the block's matmuls in the
+    order they run (q, k, v, o, gate, up, down: k, o and up; under MLA its projections first), as
+    ``parallel/pipeline_parallel/recompute.py`` counts them (dense blocks only)."""
     if moe:
         raise ValueError(
             "recompute='selective_mm' runs on dense blocks only (parallel/pipeline_parallel/recompute.py)."
         )
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
     h, q, kv, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    k_proj, o_proj = hw.gemm_seconds(t, kv * d / tp, h), hw.gemm_seconds(t, h, q * d / tp)
-    return k_proj + o_proj + hw.gemm_seconds(t, model.intermediate_size / tp, h)
+    if model.is_mla:
+        attn = _attention_gemms(model, t, tp)
+    else:  # the q, k, v, o projections apart (the fused GEMM of _block_compute is three matmuls in the model)
+        attn = [(t, q * d / tp, h), (t, kv * d / tp, h), (t, kv * d / tp, h), (t, h, q * d / tp)]
+    inner = model.intermediate_size / tp
+    shapes = [*attn, (t, inner, h), (t, inner, h), (t, h, inner)]
+    return sum(hw.gemm_seconds(*shape) for shape in shapes[1::2])
 
 
 def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: HardwareProfile) -> tuple[float, float]:
@@ -189,7 +213,8 @@ def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     FLOPs as one call, through the ``torch`` block kernel each step is a separate call on its whole block."""
     tp, u, ring = c.tensor_parallel_size, c.resolved_ulysses_size, c.ring_size
     local = seq_len / ring
-    full = 4 * c.micro_batch_size * local * local * model.num_attention_heads / (tp * u) * model.head_dim
+    width = (model.head_dim + (model.v_head_dim or model.head_dim)) / 2  # q k^T over the qk width, p v over v (MLA)
+    full = 4 * c.micro_batch_size * local * local * model.num_attention_heads / (tp * u) * width
     backend = model.attn_backend
     if ring <= 1:
         return hw.attention_call_seconds(0.5 * full, backend=backend)
@@ -217,6 +242,7 @@ def _block_comm(
     """Exposed forward and backward communication seconds of one block, by kind."""
     tp, cp = c.tensor_parallel_size, c.context_parallel_size
     t, h, d = _tokens(model, c, seq_len), model.hidden_size, model.head_dim
+    v, n, kv_heads = model.v_head_dim or d, model.num_attention_heads, model.num_key_value_heads
     act = t * h * BF16
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
@@ -228,14 +254,17 @@ def _block_comm(
         else:
             one = hw.collective_seconds("all_reduce", act, tp, inter_node=inter)
         fwd["tp"] = bwd["tp"] = 2 * one
+        if model.is_mla:  # the gradients of the replicated latents (q, kv) and of the shared rotary key reduced
+            latents = [model.kv_lora_rank, model.qk_rope_head_dim, *([model.q_lora_rank] if model.q_lora_rank else [])]
+            bwd["tp"] += sum(hw.collective_seconds("all_reduce", t * w * BF16, tp, inter_node=inter) for w in latents)
     if cp > 1:
         u, ring = c.resolved_ulysses_size, c.ring_size
         cp_inter = _inter(cp, tp, hw)
         if u > 1:  # q, k, v in and the output back, each an all-to-all; the same in backward
-            qkvo = t * (2 * model.num_attention_heads + 2 * model.num_key_value_heads) * d * BF16 / tp
+            qkvo = t * (n * (d + v) + kv_heads * (d + v)) * BF16 / tp
             fwd["cp"] = bwd["cp"] = hw.collective_seconds("all_to_all", qkvo, u, inter_node=_inter(u, tp, hw))
         if ring > 1:  # K and V of the local chunk go round the ring, overlapped with the attention of each step
-            kv = 2 * t * model.num_key_value_heads * d * BF16 / tp
+            kv = t * kv_heads * (d + v) * BF16 / tp
             step = hw.collective_seconds("p2p", kv, 2, inter_node=cp_inter)
             fwd["cp"] = fwd.get("cp", 0.0) + max(0.0, (ring - 1) * step - attn[0] * (ring - 1) / ring)
             bwd["cp"] = bwd.get("cp", 0.0) + max(0.0, (ring - 1) * 2 * step - attn[1] * (ring - 1) / ring)
@@ -365,6 +394,23 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 head_dgrad, head_w = hw.backward_gemm_seconds(head)
                 host_f, host_b = hw.tp_overhead[2:] if c.tensor_parallel_size > 1 else (0.0, 0.0)
                 f, b, w = f + head + host_f, b + head_dgrad + head_w + host_b, w + head_w
+                for k in range(model.num_nextn_predict_layers):  # MTP: eh_proj, one block (never recomputed), head
+                    key = (model.is_moe_layer(model.num_layers + k), "none")
+                    if key not in cache:
+                        cache[key] = _block_pass(model, c, seq_len, hw, *key)
+                    one = cache[key]
+                    rows = t / (c.tensor_parallel_size if c.sequence_parallel else 1)
+                    eh = hw.gemm_seconds(rows, model.hidden_size, 2 * model.hidden_size)
+                    gemm_f = eh + head
+                    gemm_d, gemm_w = hw.backward_gemm_seconds(gemm_f)
+                    f, b, w = f + one.f + gemm_f + host_f, b + one.b + gemm_d + gemm_w + host_b, w + one.w + gemm_w
+                    _add(comm, one.comm)
+                    _add(calls, one.calls)
+                    if c.tensor_parallel_size > 1:  # the head's collectives again (its input, the vocab-parallel loss)
+                        ends_f, ends_b = _ends_comm(model, c, seq_len, hw, False, True)
+                        f, b = f + ends_f, b + ends_b
+                        _add(comm, {"tp": ends_f + ends_b})
+                        _add(calls, {"tp": sum(_ends_comm(model, c, seq_len, _CALL_COUNTER, False, True))})
             if c.pipeline_parallel_size > 1 and hw.pipeline_action_overhead:
                 # the schedule's host time per action: a forward, and a backward (an input- and a weight-gradient
                 # action under the zero-bubble family)
