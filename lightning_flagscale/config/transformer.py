@@ -102,6 +102,9 @@ class TransformerConfig:
     """Switch-style load-balancing loss coefficient."""
     moe_z_loss_coeff: float = 0.0
     """Router z-loss coefficient."""
+    moe_seq_aux_loss_coeff: float = 0.0
+    """DeepSeek-V3's complementary sequence-wise balance loss factor alpha (f and P per sequence; HF ``aux_loss_alpha``
+    with ``seq_aux``); layout-invariant, context-parallel shards of a sequence included."""
     moe_router_bias_update_rate: float = 0.0
     """DeepSeek-V3 aux-loss-free balancing: bias update speed (0 disables)."""
     moe_capacity_factor: float | None = None
@@ -162,6 +165,11 @@ class TransformerConfig:
                 )
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
+            if min(self.moe_aux_loss_coeff, self.moe_z_loss_coeff, self.moe_seq_aux_loss_coeff) < 0:
+                raise ValueError(
+                    f"MoE loss coefficients must be >= 0; got moe_aux_loss_coeff={self.moe_aux_loss_coeff},"
+                    f" moe_z_loss_coeff={self.moe_z_loss_coeff}, moe_seq_aux_loss_coeff={self.moe_seq_aux_loss_coeff}."
+                )
             if self.moe_aux_loss_scope not in ("global", "local"):
                 raise ValueError(f"moe_aux_loss_scope={self.moe_aux_loss_scope!r}; use 'global' or 'local'.")
             if self.moe_recompute not in (None, "light", "medium", "full"):

@@ -29,6 +29,7 @@ from lightning_flagscale.moe.balance import (
     moe_layers,
     select_hot_experts,
     set_moe_aux_loss_scale,
+    set_moe_sequence_group,
     update_moe_state,
 )
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, grouped_linear
@@ -52,5 +53,6 @@ __all__ = [
     "moe_layers",
     "select_hot_experts",
     "set_moe_aux_loss_scale",
+    "set_moe_sequence_group",
     "update_moe_state",
 ]

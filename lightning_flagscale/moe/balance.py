@@ -22,6 +22,7 @@ __all__ = [
     "moe_layers",
     "select_hot_experts",
     "set_moe_aux_loss_scale",
+    "set_moe_sequence_group",
     "update_moe_state",
 ]
 
@@ -46,6 +47,15 @@ def set_moe_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Scale of the aux-loss gradients: set it to the factor the main loss gets (e.g. ``1 / num_microbatches``)."""
     for _, layer in moe_layers(model):
         layer.aux_loss_scale = scale
+
+
+def set_moe_sequence_group(model: nn.Module, group: dist.ProcessGroup | None) -> nn.Module:
+    """Tell every MoE layer of ``model`` which ranks hold the other shards of its sequences (the context-parallel
+    group; ``None``: every rank holds whole sequences). The sequence-wise balance loss sums its per-sequence
+    statistics over it. Returns ``model``."""
+    for _, layer in moe_layers(model):
+        layer.sequence_group = group
+    return model
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ over forwards until ``moe.balance.update_moe_state`` consumes it after the optim
 Token group: the ranks whose tokens together form the step's micro-batch (data x context ranks of a pipeline stage).
 Global aux/z losses and the bias-balancing counts are summed over it. ``parallel.expert.set_moe_token_group`` sets
 it; by default it is the default process group when one is initialised (right for Lightning's DDP/FSDP) and nothing
-in a single process.
+in a single process. Sequence group: the context-parallel ranks holding the other shards of this rank's sequences,
+over which the sequence-wise balance loss sums its per-sequence statistics (``moe.balance.set_moe_sequence_group``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, maybe_checkpoint
-from lightning_flagscale.moe.router import AttachAuxLoss, TopKRouter, global_balance_losses, switch_aux_loss, z_loss
+from lightning_flagscale.moe.router import (
+    AttachAuxLoss,
+    TopKRouter,
+    global_balance_losses,
+    sequence_balance_loss,
+    switch_aux_loss,
+    z_loss,
+)
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -165,6 +173,7 @@ class MoELayer(nn.Module):
         shared_gate: bool = False,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        seq_aux_loss_coeff: float = 0.0,
         bias_update_rate: float = 0.0,
         capacity_factor: float | None = None,
         drop_policy: Literal["position", "probs"] = "position",
@@ -184,6 +193,7 @@ class MoELayer(nn.Module):
         elif shared_intermediate_size:
             self.shared_experts = SwiGLUMLP(hidden_size, shared_intermediate_size)
         self.aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate = aux_loss_coeff, z_loss_coeff, bias_update_rate
+        self.seq_aux_loss_coeff = seq_aux_loss_coeff
         self.capacity_factor, self.drop_policy, self.aux_loss_scope = capacity_factor, drop_policy, aux_loss_scope
         # Knobs set by apply_* functions / the strategy (plain attributes: not part of the state dict).
         self.dispatcher: Dispatcher = LocalDispatcher()
@@ -191,6 +201,8 @@ class MoELayer(nn.Module):
         """Gradient scale of the aux losses: the factor the main loss is multiplied by (1/num_microbatches)."""
         self.token_group: dist.ProcessGroup | str | None = DEFAULT_GROUP
         """Ranks sharing the step's tokens (see module docstring); ``None``: this process only."""
+        self.sequence_group: dist.ProcessGroup | None = None
+        """Context-parallel ranks holding the other shards of this rank's sequences (``None``: whole sequences)."""
         self.token_grad_scale: float | None = None
         """Factor on this rank's share of a global loss so the gradient reduction yields the global gradient;
         ``None``: the token group's size (gradients averaged over the group, as DDP and ZeRO do)."""
@@ -283,7 +295,8 @@ class MoELayer(nn.Module):
             load = torch.bincount(route.topk_idx.reshape(-1), minlength=self.num_experts).float()
             self.load_accum += load.to(self.load_accum.device)
             self.dropped_fraction = plan.dropped_fraction
-        return self._attach_aux_losses(out, route.logits, route.scores, route.topk_idx).view(shape)
+        sequences = shape[0] if hidden.dim() == 3 else 1  # [B, S, H]: the sequence-wise loss's sequences
+        return self._attach_aux_losses(out, route.logits, route.scores, route.topk_idx, sequences).view(shape)
 
     def _shared(self, x: Tensor) -> Tensor:
         if hasattr(self, "shared_expert"):
@@ -298,26 +311,40 @@ class MoELayer(nn.Module):
             return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         return self.token_group
 
-    def _attach_aux_losses(self, out: Tensor, logits: Tensor, scores: Tensor, topk_idx: Tensor) -> Tensor:
-        if self.aux_loss_coeff <= 0 and self.z_loss_coeff <= 0:
+    def _attach_aux_losses(
+        self, out: Tensor, logits: Tensor, scores: Tensor, topk_idx: Tensor, sequences: int
+    ) -> Tensor:
+        if self.aux_loss_coeff <= 0 and self.z_loss_coeff <= 0 and self.seq_aux_loss_coeff <= 0:
             return out
         normalize = self.gate.score_func == "sigmoid"
         group = self.resolved_token_group()
+        values: dict[str, Tensor] = {}
         if self.aux_loss_scope == "global" and self.training and group is not None:
             # Only in training: inference (e.g. generation on one rank) must never wait for a collective.
-            values, share = global_balance_losses(
-                logits, scores, topk_idx, aux_coeff=self.aux_loss_coeff, z_coeff=self.z_loss_coeff,
-                normalize=normalize, group=group,
-            )  # fmt: skip
+            share = logits.new_zeros(())
+            if self.aux_loss_coeff > 0 or self.z_loss_coeff > 0:
+                values, share = global_balance_losses(
+                    logits, scores, topk_idx, aux_coeff=self.aux_loss_coeff, z_coeff=self.z_loss_coeff,
+                    normalize=normalize, group=group,
+                )  # fmt: skip
+            if self.seq_aux_loss_coeff > 0:
+                values["seq_aux_loss"], seq_share = sequence_balance_loss(
+                    scores, topk_idx, sequences, coeff=self.seq_aux_loss_coeff, normalize=normalize,
+                    sequence_group=self.sequence_group, token_group=group,
+                )  # fmt: skip
+                share = share + seq_share
             scale = self.token_grad_scale if self.token_grad_scale is not None else dist.get_world_size(group)
             attached = share * scale
         else:
-            values = {}
             if self.aux_loss_coeff > 0:
                 aux = switch_aux_loss(scores, topk_idx, self.num_experts, normalize)
                 values["aux_loss"] = self.aux_loss_coeff * aux
             if self.z_loss_coeff > 0:
                 values["z_loss"] = self.z_loss_coeff * z_loss(logits)
+            if self.seq_aux_loss_coeff > 0:  # this rank's sequences (shards of them under context parallelism)
+                _, values["seq_aux_loss"] = sequence_balance_loss(  # without groups the share is the loss
+                    scores, topk_idx, sequences, coeff=self.seq_aux_loss_coeff, normalize=normalize
+                )
             attached = sum(values.values())
         if not _in_backward():
             self.last_aux_losses = {k: v.detach() for k, v in values.items()}
@@ -356,6 +383,7 @@ def build_moe(config: TransformerConfig, layer_idx: int) -> MoELayer:
         shared_gate=config.shared_expert_gate,
         aux_loss_coeff=config.moe_aux_loss_coeff,
         z_loss_coeff=config.moe_z_loss_coeff,
+        seq_aux_loss_coeff=config.moe_seq_aux_loss_coeff,
         bias_update_rate=config.moe_router_bias_update_rate,
         capacity_factor=config.moe_capacity_factor,
         aux_loss_scope=config.moe_aux_loss_scope,

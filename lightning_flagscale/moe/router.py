@@ -5,13 +5,18 @@ outputs are mixed with. Load-balancing terms:
 
 - Switch-Transformer balance loss ``coeff * E * sum_e f_e * P_e`` (f: fraction of assignments, P: mean probability);
 - router z-loss ``coeff * mean(logsumexp(logits) ** 2)`` (ST-MoE) that keeps logits small;
+- DeepSeek-V3's complementary sequence-wise balance loss ``alpha * sum_i f_i P_i`` with ``f`` and ``P`` taken per
+  sequence (report eq. 17-20), averaged over sequences (:func:`sequence_balance_loss`);
 - DeepSeek-V3 aux-loss-free balancing: a per-expert bias (buffer ``e_score_correction_bias``) added to the scores
   only for the *selection*, nudged after each step towards the under-loaded experts (see ``moe.balance``).
 
 Scope of the statistics (``TransformerConfig.moe_aux_loss_scope``): ``"global"`` (default) computes ``f`` and ``P``
 (and the z-loss token mean) over every token of the step's micro-batch held by the ranks of the layer's token group
 (Megatron-Core's "global" aux loss; :func:`global_balance_losses`), so the model trained does not depend on the
-data/context-parallel layout; ``"local"`` uses this rank's tokens only (per-micro-batch, per-rank statistics).
+data/context-parallel layout; ``"local"`` uses this rank's tokens only (per-micro-batch, per-rank statistics). The
+step's micro-batches each have their own statistics (as in Megatron-Core): a pipeline with several micro-batches per
+step trains what one process trains on the same micro-batches, not on the whole batch at once. The sequence-wise
+loss has no such dependence: its statistics are per sequence (gathered over the context-parallel shards of each).
 
 Aux losses reach the total loss through :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler`` trick): the
 layer output passes through an identity whose backward also emits the gradient of the aux loss, so the loss term
@@ -28,7 +33,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AttachAuxLoss", "RouterOutput", "TopKRouter", "global_balance_losses", "switch_aux_loss", "z_loss"]
+__all__ = [
+    "AttachAuxLoss",
+    "RouterOutput",
+    "TopKRouter",
+    "global_balance_losses",
+    "sequence_balance_loss",
+    "switch_aux_loss",
+    "z_loss",
+]
 
 
 @dataclass
@@ -99,6 +112,51 @@ def global_balance_losses(
         values["z_loss"] = z_coeff * g_lse_sq / tokens
         share = share + z_coeff * lse_sq.sum() / tokens
     return values, share
+
+
+def sequence_balance_loss(
+    scores: Tensor,
+    topk_idx: Tensor,
+    num_sequences: int,
+    *,
+    coeff: float,
+    normalize: bool,
+    sequence_group: dist.ProcessGroup | None = None,
+    token_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's sequence-wise balance loss over the token group's sequences: (global value, this rank's share).
+
+    For sequence ``b`` of ``T_b`` tokens, ``f_bi = E / (k T_b) * #{t: i in topk(t)}`` and ``P_bi = 1/T_b sum_t s'_ti``
+    (``s'`` the affinities normalised over all experts when ``normalize``); the loss is ``coeff * mean_b sum_i f_bi
+    P_bi`` over the sequences of every rank of ``token_group`` (DeepSeek-V3 report, eq. 17-20). ``scores`` [T, E] hold
+    ``num_sequences`` equal slices of this rank's tokens, one per sequence; the ranks of ``sequence_group`` (context
+    parallel) hold other tokens of the same sequences, and their counts, probability sums and token counts are summed
+    per sequence first (one all-reduce), then the sum of ``sum_i f_bi P_bi`` and the sequence count over
+    ``token_group`` (another). This rank's share ``coeff / B sum_b sum_i f_bi sum_{t here} s'_ti / T_b`` carries the
+    gradient: the shares of all ranks sum to the loss, value and gradient (cf. :func:`global_balance_losses`).
+    """
+    num_experts, k = scores.shape[-1], topk_idx.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True) if normalize else scores
+    probs = probs.reshape(num_sequences, -1, num_experts)
+    idx = topk_idx.reshape(num_sequences, -1)
+    counts = probs.new_zeros(num_sequences, num_experts).scatter_add_(1, idx, torch.ones_like(idx, dtype=probs.dtype))
+    tokens = probs.new_full((num_sequences, 1), probs.shape[1])
+    # [counts (E) | sum of probabilities (E) | tokens] per sequence, summed over its context-parallel shards.
+    stats = torch.cat([counts, probs.detach().sum(1), tokens], dim=1)
+    shards = 1
+    if sequence_group is not None:
+        dist.all_reduce(stats, group=sequence_group)
+        shards = dist.get_world_size(sequence_group)
+    g_counts, g_prob_sum, g_tokens = stats[:, :num_experts], stats[:, num_experts:-1], stats[:, -1:]
+    f = num_experts * g_counts / (k * g_tokens)
+    per_sequence = (f * g_prob_sum).sum(1) / g_tokens.squeeze(1)
+    # [sum over this rank's sequences | their count]: each sequence is counted once per context-parallel shard.
+    total = torch.stack([per_sequence.sum(), probs.new_tensor(float(num_sequences))])
+    if token_group is not None:
+        dist.all_reduce(total, group=token_group)
+    sequences = (total[1] / shards).clamp_min(1)
+    share = coeff * torch.sum(f * probs.sum(1) / g_tokens) / sequences
+    return coeff * total[0] / total[1].clamp_min(1), share
 
 
 class AttachAuxLoss(torch.autograd.Function):

@@ -46,7 +46,7 @@ from lightning_flagscale.models.protocol import (
     find_protocol_model,
     model_config,
 )
-from lightning_flagscale.moe.balance import moe_layers
+from lightning_flagscale.moe.balance import moe_layers, set_moe_sequence_group
 from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
@@ -265,6 +265,8 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
 
     # MoE (issue 10): global aux/z losses and bias-balancing counts over the ranks that share the step's tokens.
     set_moe_token_group(part, meshes.group("dp_cp"))
+    # ... and the sequence-wise balance loss's per-sequence statistics over the shards of each sequence (issue 39).
+    set_moe_sequence_group(part, meshes.group("cp") if p.cp_enabled else None)
     if p.tp_enabled:
         apply_tp(part, meshes["tp"], sequence_parallel=p.sequence_parallel)
     if p.cp_enabled:

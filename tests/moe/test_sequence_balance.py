@@ -1,0 +1,112 @@
+"""DeepSeek-V3's complementary sequence-wise balance loss (report eq. 17-20; issue 39 item 5): the formula by hand, and
+the same value and router gradient when a batch's sequences are spread over data-parallel ranks and each sequence's
+tokens over context-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.moe import build_moe
+from lightning_flagscale.moe.layer import MoELayer
+from tests.moe._reference import init_moe, reference_moe, reference_route, rel_err
+
+ALPHA = 0.1
+
+
+def _layer(preset: str, **overrides) -> MoELayer:
+    cfg = TransformerConfig.from_preset(preset, moe_seq_aux_loss_coeff=ALPHA, **overrides)
+    return init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0)
+
+
+def _by_hand(layer: MoELayer, x: torch.Tensor) -> float:
+    """alpha * mean over sequences of sum_i f_i P_i, from per-token Python loops."""
+    E, k = layer.num_experts, layer.top_k
+    total = 0.0
+    for seq in x:
+        chosen, _ = reference_route(layer, seq)
+        T = seq.shape[0]
+        scores = []
+        for t in range(T):
+            s = (layer.gate.weight @ seq[t]).sigmoid() if layer.gate.score_func == "sigmoid" else None
+            s = (layer.gate.weight @ seq[t]).softmax(-1) if s is None else s / s.sum()
+            scores.append(s)
+        f = [E / (k * T) * sum(row.count(e) for row in chosen) for e in range(E)]
+        p = [sum(float(s[e]) for s in scores) / T for e in range(E)]
+        total += sum(fi * pi for fi, pi in zip(f, p))
+    return ALPHA * total / x.shape[0]
+
+
+def _reference_loss(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The same loss as a differentiable torch expression (counts from the per-token reference routing)."""
+    E, k = layer.num_experts, layer.top_k
+    terms = []
+    for seq in x:
+        chosen, _ = reference_route(layer, seq)
+        logits = seq @ layer.gate.weight.T
+        s = logits.sigmoid() if layer.gate.score_func == "sigmoid" else logits.softmax(-1)
+        s = s / s.sum(-1, keepdim=True)
+        f = E / (k * seq.shape[0]) * torch.bincount(torch.tensor(chosen).view(-1), minlength=E)
+        terms.append((f * s.mean(0)).sum())
+    return ALPHA * torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-routing-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_sequence_loss_by_hand_and_its_gradient(preset, scope):
+    # Per sequence f and P, not over the batch: the batch's value differs from the Switch loss of the same tokens.
+    layer = _layer(preset, moe_aux_loss_coeff=0.0, moe_aux_loss_scope=scope)
+    layer.token_group = None  # one process
+    x = torch.randn(3, 5, layer.hidden_size)
+    g = torch.randn_like(x)
+    layer.aux_loss_scale = 0.5
+    (layer(x) * g).sum().backward()
+    assert set(layer.last_aux_losses) == {"seq_aux_loss"}
+    assert layer.last_aux_losses["seq_aux_loss"].item() == pytest.approx(_by_hand(layer, x), rel=1e-5)
+    got = layer.gate.weight.grad.clone()
+    layer.zero_grad()
+    ((reference_moe(layer, x) * g).sum() + 0.5 * _reference_loss(layer, x)).backward()
+    assert rel_err(got, layer.gate.weight.grad) <= 1e-5
+    # and the sequence loss really is per sequence: the whole batch as one sequence gives another value
+    layer.zero_grad()
+    layer(x.reshape(1, -1, layer.hidden_size))
+    assert abs(layer.last_aux_losses["seq_aux_loss"].item() - _by_hand(layer, x)) > 1e-4
+
+
+def test_sequence_loss_config_is_validated():
+    with pytest.raises(ValueError, match=r"moe_seq_aux_loss_coeff=-0\.1"):
+        TransformerConfig.from_preset("deepseek-v3-routing-tiny", moe_seq_aux_loss_coeff=-0.1)
+
+
+def _spread(preset: str, dp: int, cp: int) -> tuple[float, torch.Tensor, torch.Tensor, float]:
+    """Each rank: its sequences (dp) and its token shard of them (cp, zigzag as load-balanced CP does); returns the
+    loss value, the summed router gradient, the single-process gradient and the value by hand."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    d, c = divmod(rank, cp)
+    cp_groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(dp)]
+    layer = _layer(preset)
+    layer.token_group, layer.sequence_group, layer.token_grad_scale = dist.group.WORLD, cp_groups[d], 1.0
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * dp, 4 * cp, layer.hidden_size, generator=g)
+    grad_out = torch.randn(x.shape, generator=g)
+    chunks = lambda t: t.chunk(2 * cp, dim=1)  # noqa: E731
+    mine = lambda t: torch.cat([chunks(t)[c], chunks(t)[2 * cp - 1 - c]], 1)[2 * d : 2 * d + 2]  # noqa: E731
+    (layer(mine(x)) * mine(grad_out)).sum().backward()
+    got = layer.gate.weight.grad.clone()
+    value = layer.last_aux_losses["seq_aux_loss"].item()
+    reference = _layer(preset)
+    reference.token_group = None
+    ((reference_moe(reference, x) * grad_out).sum() + _reference_loss(reference, x)).backward()
+    dist.all_reduce(got)  # token_grad_scale 1: the shares' gradients sum to the loss's
+    return value, got, reference.gate.weight.grad, _by_hand(reference, x)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-routing-tiny"])
+def test_sequence_loss_over_data_and_context_parallel_ranks(launcher, preset):
+    # dp 2 x cp 2: every rank reports the batch's loss, and the summed router gradients are one process's.
+    for value, got, want, by_hand in launcher(4, _spread, preset, 2, 2):
+        assert value == pytest.approx(by_hand, rel=1e-5)
+        assert rel_err(got, want) <= 1e-5
