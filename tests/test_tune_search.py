@@ -698,3 +698,19 @@ def test_ring_context_parallelism_through_the_torch_block_kernel_is_not_ranked_o
                "--attn-backend", "flash_attn"])  # fmt: skip
     out = capsys.readouterr().out
     assert "not ranked" not in out and " ring " in out
+
+
+def test_the_published_deepseek_v3_layout_is_in_the_search_space():
+    """DeepSeek-V3's training layout (report section 3.2: 2048 GPUs, PP 16, EP 64 over the 128 data-parallel ranks of
+    each stage, ZeRO-1, DualPipe: here its V form) is a layout the search enumerates; ``max_context_parallel`` bounds
+    CP as ``max_tensor_parallel`` bounds TP."""
+    from lightning_flagscale.tune.search import describe_layout
+
+    model = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=1)
+    space = SearchSpace(schedules=("dualpipev",), zero_stages=(1,), sequence_parallel=(False,), micro_batch_sizes=(1,),
+                        recompute=("full",), max_tensor_parallel=1, max_context_parallel=1)  # fmt: skip
+    layouts, _ = enumerate_layouts(model, 2048, seq_len=4096, global_batch=15360, space=space)
+    names = {describe_layout(c) for c in layouts}
+    assert "tp1 pp16/v2 dualpipev ep64 dp128 zero1 mbs1 rc=full" in names
+    assert all(c.context_parallel_size == 1 and c.tensor_parallel_size == 1 for c in layouts)
+    assert {c.expert_parallel_size for c in layouts if c.pipeline_parallel_size == 16} == {1, 2, 4, 8, 16, 32, 64, 128}

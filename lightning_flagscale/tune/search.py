@@ -42,6 +42,8 @@ class SearchSpace:
     """``selective_mm`` is skipped for MoE models (``ParallelConfig.validate_model`` refuses it there)."""
     max_tensor_parallel: int | None = None
     """Upper bound on TP (e.g. the devices of one node); ``None`` allows any divisor."""
+    max_context_parallel: int | None = None
+    """Upper bound on CP (short sequences gain nothing from it); ``None`` allows any divisor."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.schedules) - set(SCHEDULE_NAMES))
@@ -143,6 +145,8 @@ def _structures(model: TransformerConfig, devices: int, space: SearchSpace) -> I
     experts = [1] + ([e for e in _divisors(model.num_experts) if e > 1] if model.is_moe else [])
     for tp, pp, cp in itertools.product(_divisors(devices), repeat=3):
         if devices % (tp * pp * cp) or (space.max_tensor_parallel and tp > space.max_tensor_parallel):
+            continue
+        if space.max_context_parallel and cp > space.max_context_parallel:
             continue
         for (schedule, vpp), (mode, ulysses), ep, etp in itertools.product(
             _schedules(pp, model.num_layers, space), _cp_modes(cp, space), experts, space.expert_tensor_parallel_sizes
