@@ -7,7 +7,9 @@
     lightning-flagscale bench [--quick]    FlagScale layouts next to Lightning's strategies (repository checkout)
     lightning-flagscale recipes            the shipped recipes, one line each
 
-``fit``/``validate``/``test``/``predict`` are LightningCLI's (``lightning_flagscale.cli_train``). A recipe is a plain
+``fit``/``validate``/``test``/``predict`` are LightningCLI's (``lightning_flagscale.cli_train``); their ``--help`` is a short
+list of the options set first, ``--help-all`` LightningCLI's full one. Every subcommand parses its options
+(``cli_parsers.py``) before it imports torch or Lightning, so ``--help`` and argument errors answer at once. A recipe is a plain
 LightningCLI YAML file: ``trainer`` (with ``strategy: class_path: ...FlagScaleStrategy``), ``model`` and ``data``
 (``CausalLMModule`` / ``LMDataModule`` arguments by default, or any class by ``class_path``). Recipes shipped with the
 package can be named without a path: ``--config llama_tiny`` finds ``lightning_flagscale/recipes/llama_tiny.yaml``.
@@ -20,6 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from lightning_flagscale import __version__
+from lightning_flagscale.cli_parsers import FIT_HELP, HELP_ALL, add_convert_parsers, recipes_parser, tune_parser
 from lightning_flagscale.recipe_files import list_recipes
 
 __all__ = [
@@ -45,24 +49,13 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 def _recipes(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lightning-flagscale recipes",
-        description="List the shipped recipes: name, then what each sets (devices, layout, model, data), read from"
-        " the YAML itself. Use a name as `lightning-flagscale fit --config NAME`.",
-    )
-    parser.parse_args(argv)
+    recipes_parser().parse_args(argv)
     try:
         list_recipes()
         sys.stdout.flush()
     except BrokenPipeError:
         # `recipes | head -3`: the reader left; say nothing more (Python would print a traceback at exit).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def _version() -> str:
-    from lightning_flagscale import __version__
-
-    return __version__
 
 
 def _overview_parser() -> argparse.ArgumentParser:
@@ -72,7 +65,7 @@ def _overview_parser() -> argparse.ArgumentParser:
         description="FlagScale/Megatron-class hybrid parallelism for the Lightning Trainer.",
         epilog="Run `lightning-flagscale COMMAND --help` for the options of a command.",
     )
-    parser.add_argument("--version", action="version", version=f"lightning-flagscale {_version()}")
+    parser.add_argument("--version", action="version", version=f"lightning-flagscale {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, text in SUBCOMMANDS.items():
         sub.add_parser(name, help=text)
@@ -84,10 +77,13 @@ def _show_tracebacks() -> bool:
 
 
 def _train(argv: list[str]) -> None:
-    from lightning_flagscale.cli_train import FIT_HELP, UsageError, run_lightning_cli
+    if HELP_ALL in argv:  # LightningCLI's full list
+        argv = ["--help" if arg == HELP_ALL else arg for arg in argv]
+    elif "-h" in argv or "--help" in argv:  # the options set first, without importing Lightning
+        print(FIT_HELP.replace("lightning-flagscale fit", f"lightning-flagscale {argv[0]}"), end="")  # CLI output
+        raise SystemExit(0)
+    from lightning_flagscale.cli_train import UsageError, run_lightning_cli
 
-    if "-h" in argv or "--help" in argv:
-        print(FIT_HELP.replace("lightning-flagscale fit", f"lightning-flagscale {argv[0]}"), flush=True)  # CLI output
     try:
         run_lightning_cli(argv)
     except UsageError as err:
@@ -98,17 +94,25 @@ def _train(argv: list[str]) -> None:
         raise SystemExit(2) from None
 
 
+def _convert(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-flagscale")
+    add_convert_parsers(parser.add_subparsers(dest="command", required=True))
+    parser.parse_args(["convert", *argv])  # --help and argument errors, before torch is imported
+    from lightning_flagscale.convert.cli import convert_main
+
+    convert_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else None
     if command in _TRAINING:
         _train(argv)
     elif command == "convert":
-        from lightning_flagscale.convert.cli import convert_main
-
-        convert_main(argv[1:])
+        _convert(argv[1:])
     elif command == "tune":
-        from lightning_flagscale.tune import tune_main
+        tune_parser().parse_args(argv[1:])  # --help and argument errors, before the search and torch are imported
+        from lightning_flagscale.tune.cli import tune_main
 
         tune_main(argv[1:])
     elif command == "bench":

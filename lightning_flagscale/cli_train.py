@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-import lightning_flagscale  # noqa: F401  (registers the strategy)
 from lightning_flagscale.callbacks import KnownFlopsRichModelSummary
 from lightning_flagscale.convert import config_from_hf
 from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
@@ -43,7 +42,6 @@ from lightning_flagscale.strategies._resilience import validate_before_launch
 __all__ = [
     "DEFAULT_DATA",
     "DEFAULT_MODEL",
-    "FIT_HELP",
     "FlagScaleCLI",
     "UsageError",
     "check_hf_weights",
@@ -57,25 +55,6 @@ DEFAULT_MODEL = "lightning_flagscale.models.CausalLMModule"
 DEFAULT_DATA = "lightning_flagscale.data.LMDataModule"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-
-FIT_HELP = """\
-lightning-flagscale fit --config RECIPE [--section.option VALUE ...]
-
-  -c, --config RECIPE         a shipped recipe's name (`lightning-flagscale recipes` lists them) or a YAML path
-  The options set first (every recipe field can be overridden the same way):
-  --data.source FILE|GLOB|DIR your own .txt/.jsonl/.parquet text (default: the embedded synthetic corpus)
-  --data.tokenizer byte|model|DIR   'byte' needs no files; 'model' takes the tokenizer of --model.hf_dir
-  --data.seq_len N, --data.batch_size N
-  --model.config PRESET       a preset (llama-tiny, qwen3-tiny, ...) or a dict of TransformerConfig fields
-  --model.hf_dir DIR_OR_ID    start from a Hugging Face model folder or Hub id (recipe finetune_hf)
-  --trainer.max_steps N, --trainer.devices N
-  --trainer.strategy.init_args.zero_stage 0-3, ...tensor_parallel_size N, ...pipeline_parallel_size N
-  --print_config              the full resolved configuration, then exit
-  Full lists: --model.help CausalLMModule, --data.help LMDataModule, --trainer.strategy.help FlagScaleStrategy.
-  Mistakes found before the workers start are one `error:` line (FLAGSCALE_TRACEBACK=1 shows the traceback).
-  LightningCLI's full option list follows.
-"""
-"""What ``fit --help`` (and ``validate``/``test``/``predict``) prints before LightningCLI's 500-line list."""
 
 _USER_ERRORS = (ArgumentError, ValueError, TypeError, OSError, MisconfigurationException)
 """Raised while parsing, instantiating or checking the run before launch, these are mistakes in the command line or

@@ -91,9 +91,9 @@ def test_unknown_command_names_the_valid_ones(capsys):
     assert "choose from 'fit', 'validate'" in capsys.readouterr().err
 
 
-def test_fit_help_is_lightning_cli(capsys):
+def test_fit_help_all_is_lightning_cli(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--help"])
+        main(["fit", "--help-all"])
     out = capsys.readouterr().out
     assert "--trainer.max_steps" in out and "--model CONFIG" in out and "--data CONFIG" in out
 

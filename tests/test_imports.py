@@ -15,10 +15,10 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "lightning_flagscale"
 NAME = PKG.name
 
-# Imports made inside functions on purpose: the CLI loads a subcommand's (heavy) code only when it runs. (The model
-# families register their presets and HF converters when ``lightning_flagscale.models`` imports them, at the top.)
+# Imports made inside functions on purpose: the CLI loads a subcommand's (heavy) code only when it runs, after its
+# options are parsed. (The model families register their presets and HF converters when ``lightning_flagscale.models``
+# imports them, at the top.)
 LAZY_ALLOWED = {
-    ("cli", "lightning_flagscale"),
     ("cli", "lightning_flagscale.cli_train"),
     ("cli", "lightning_flagscale.convert.cli"),
     ("cli", "lightning_flagscale.tune"),
@@ -61,14 +61,28 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return [n for n in names if n.startswith(NAME)]
 
 
+def _named_imports(module: str, tree: ast.AST) -> set[str]:
+    """Modules a package ``__init__`` names as strings: its PEP 562 ``__getattr__`` imports them on first access
+    (``lightning_flagscale/__init__.py``), so they are edges of the graph like any import."""
+    if MODULES[module].name != "__init__.py":
+        return set()
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES
+    } - {module}
+
+
 def _graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str]], dict[str, set[str]]]:
-    """File edges among package modules, function-level imports, and every absolute import root per module."""
+    """File edges among package modules (lazy ``__init__`` imports named as strings included), function-level
+    imports, and every absolute import root per module."""
     edges: dict[str, set[str]] = {m: set() for m in MODULES}
     lazy: list[tuple[str, int, str]] = []
     roots: dict[str, set[str]] = {m: set() for m in MODULES}
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text())
         skip = _type_checking_nodes(tree)
+        edges[module].update(_named_imports(module, tree))
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in skip:
                 continue
@@ -150,6 +164,13 @@ def test_no_file_level_import_cycle():
 def test_no_folder_level_import_cycle():
     edges, _, _ = _graph()
     assert _cycles(_folder_graph(edges)) == []
+
+
+def test_lazy_package_imports_are_edges():
+    """The root's lazy names are edges (a cycle through them is a cycle), the ``TYPE_CHECKING`` imports are not."""
+    edges, _, _ = _graph()
+    assert {f"{NAME}.strategies", f"{NAME}.precision", f"{NAME}.models"} <= edges[NAME]
+    assert f"{NAME}.tune.search" not in edges[NAME]
 
 
 def test_no_package_import_hidden_in_a_function():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_flagscale.cli_parsers import CONVERT_DTYPES, add_convert_parsers
 from lightning_flagscale.convert.hf_export import HF_CONFIG_FILE, TOKENIZER_FILES, export_hf, write_model_config
 from lightning_flagscale.convert.hf_import import causal_lm_from_hf
 from lightning_flagscale.convert.hub import resolve_hf_dir
@@ -26,7 +27,7 @@ from lightning_flagscale.convert.safetensors_io import CheckpointFormatError, at
 
 __all__ = ["add_convert_subcommands", "ckpt_to_hf", "convert_main", "hf_to_ckpt"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in CONVERT_DTYPES}
 
 
 def hf_to_ckpt(
@@ -80,26 +81,15 @@ def ckpt_to_hf(
 
 
 def add_convert_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``convert {hf-to-ckpt,ckpt-to-hf}`` to an argparse subparsers object; returns the ``convert`` parser."""
-    convert = subparsers.add_parser("convert", help="Hugging Face <-> lightning-flagscale checkpoint conversion")
-    sub = convert.add_subparsers(dest="convert_command", required=True)
-    a = sub.add_parser("hf-to-ckpt", help="HF safetensors folder or Hub repo id -> sharded DCP checkpoint")
-    a.add_argument("hf_dir", metavar="HF_DIR_OR_REPO_ID")
-    a.add_argument("out")
-    a.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id")
-    a.add_argument("--max-seq-len", type=int, default=None, help="override max_position_embeddings")
-    a.set_defaults(
+    """Add ``convert {hf-to-ckpt,ckpt-to-hf}`` to an argparse subparsers object; returns the ``convert`` parser.
+
+    The options are ``cli_parsers.add_convert_parsers``' (shared with ``lightning-flagscale convert --help``, which
+    answers without importing torch); each command's parser gets the function it runs as ``convert_fn``."""
+    convert, to_ckpt, to_hf = add_convert_parsers(subparsers)
+    to_ckpt.set_defaults(
         convert_fn=lambda ns: hf_to_ckpt(ns.hf_dir, ns.out, max_seq_len=ns.max_seq_len, revision=ns.revision)
     )
-    b = sub.add_parser("ckpt-to-hf", help="sharded DCP checkpoint -> HF safetensors folder")
-    b.add_argument("ckpt")
-    b.add_argument("out")
-    b.add_argument("--max-shard-size", default="2GB")
-    b.add_argument("--tokenizer-dir", default=None)
-    b.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
-    b.add_argument("--model-type", default=None, help="HF family to export as (default: inferred)")
-    b.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="then upload the folder to this Hub repo")
-    b.set_defaults(
+    to_hf.set_defaults(
         convert_fn=lambda ns: ckpt_to_hf(
             ns.ckpt,
             ns.out,

@@ -2,8 +2,8 @@
 
 Model code never imports converter code (converters import models, and the layering must stay one-way). A
 converter package registers itself here when it is imported: ``lightning_flagscale.convert`` registers ``"hf"``
-(Hugging Face safetensors folders), and ``import lightning_flagscale`` imports it, so ``CausalLMModule.from_hf``
-works whenever the package is imported.
+(Hugging Face safetensors folders) and ``"peft"``, and ``lightning_flagscale.models`` imports it (through the families'
+converters), so ``CausalLMModule.from_hf`` works wherever the models are imported.
 """
 
 from __future__ import annotations

@@ -19,60 +19,16 @@ from typing import Any
 # Called through their modules so tests can stand in for the slow parts (a calibration, a training run).
 import lightning_flagscale.tune.calibrate as calibration
 import lightning_flagscale.tune.runner as runner
-from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.cli_parsers import LIST_PRESETS, tune_parser
+from lightning_flagscale.config import PRESETS, ParallelConfig, TransformerConfig
 from lightning_flagscale.config.parallel import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune.cost import MeasuredStep, estimate_step, fit_compute_scale
-from lightning_flagscale.tune.hardware import ATTENTION_BACKENDS, HardwareProfile, load_profile
+from lightning_flagscale.tune.hardware import HardwareProfile, load_profile
 from lightning_flagscale.tune.hetero import SCHEDULES, DeviceGroup, plan_hetero, plan_hetero_dp
 from lightning_flagscale.tune.runner import _strategy_args, recipe_dict, write_recipe
 from lightning_flagscale.tune.search import Candidate, SearchResult, SearchSpace, search
 
-__all__ = ["candidate_json", "no_fit_message", "tune_main"]
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lightning-flagscale tune", description="best parallel layouts for a model")
-    p.add_argument("--preset", default="llama3-8b", help="TransformerConfig preset name")
-    p.add_argument("--devices", type=int, help="number of devices (required unless --calibrate or --hetero)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
-    p.add_argument("--profile", help="h100 (default) | h200 | a100 | path to a profile JSON (--calibrate)")
-    p.add_argument("--memory-gb", type=float, help="override the profile's device memory")
-    p.add_argument("--attn-backend", choices=ATTENTION_BACKENDS,
-                   help="attention backend to plan for (default: the preset's); the profile prices its kernel")  # fmt: skip
-    p.add_argument("--top", "--top-k", dest="top", type=int, default=10, help="layouts to show")
-    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
-    p.add_argument("--schedules", help="comma-separated pipeline schedules to search (default: all)")
-    p.add_argument("--grad-bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                   help="the strategy's grad_bucket_numel (DDP / ZeRO: one collective per bucket); written into the"
-                   " recipe when not the default")  # fmt: skip
-    p.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile JSON")
-    p.add_argument("--calibrate-out", default="hardware_profile.json")
-    p.add_argument("--calibrate-groups", default="2,4", help="process-group sizes for the collective benchmarks")
-    p.add_argument("--calibrate-dtype", choices=("fp32", "bf16"),
-                   help="dtype of the GEMM/attention/memory benchmarks: the one training computes in (default: fp32"
-                   " on CPU processes, bf16 on GPUs)")  # fmt: skip
-    p.add_argument("--calibrate-device", choices=("cpu", "cuda"),
-                   help="measure CPU processes (gloo) or CUDA devices (NCCL, one a rank; flash-attn and Transformer"
-                   " Engine kernels when installed); default: cuda when this machine has a GPU")  # fmt: skip
-    p.add_argument(
-        "--calibrate-threads", type=int, help="intra-op threads of one rank (1 for CPU ranks that share a host)"
-    )
-    p.add_argument("--run", type=int, default=0, metavar="K", help="train the top K layouts for a few steps here")
-    p.add_argument("--run-steps", type=int, default=5)
-    p.add_argument("--run-dir", default="tune_runs")
-    p.add_argument("--write-recipe", metavar="PATH",
-                   help="write the best layout as a `fit --config` recipe (with --run: default RUN_DIR/best.yaml)")  # fmt: skip
-    p.add_argument("--refit-profile", metavar="PATH",
-                   help="with --run: write the profile with compute_scale refitted on the measured runs "
-                        "(least squares in log step time) for later `tune --profile PATH` searches")  # fmt: skip
-    p.add_argument("--recipe-steps", type=int, default=100, help="trainer.max_steps of the written recipe")
-    p.add_argument(
-        "--hetero",
-        help="device groups in rank order, TYPE:COUNT:PROFILE,... (plans hetero meshes and"
-        " hetero-DP; --write-recipe writes the fastest plan)",
-    )
-    return p
+__all__ = ["candidate_json", "describe_presets", "no_fit_message", "tune_main"]
 
 
 def candidate_json(cand: Candidate, budget: float) -> dict[str, Any]:
@@ -259,10 +215,26 @@ def _refuse_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
         raise SystemExit("--recipe-steps sets the written recipe's max_steps: add --write-recipe PATH (or --run K).")
 
 
+def describe_presets() -> list[str]:
+    """One line per registered preset: name, parameters, layers x hidden size, the Hugging Face model it mirrors."""
+    lines = []
+    for name in sorted(PRESETS):
+        model = TransformerConfig.from_preset(name)
+        moe = f", {model.num_experts} experts" if model.num_experts else ""
+        params = model.num_params()
+        size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+        lines.append(f"{name:<25} {size:>7} parameters, {model.num_layers} layers x {model.hidden_size}{moe};"
+                     f" {model.hf_source}")  # fmt: skip
+    return lines
+
+
 def tune_main(argv: list[str]) -> None:
     """``lightning-flagscale tune``: print the best layouts for a model on a cluster (see the module docstring)."""
-    parser = _parser()
+    parser = tune_parser()
     args = parser.parse_args(argv)
+    if args.list_presets or args.preset == LIST_PRESETS:
+        print("\n".join(["presets (`tune --preset NAME`, `fit --model.config NAME`):", *describe_presets()]))
+        return
     _refuse_unused_flags(args, parser)
     if args.calibrate:
         return _calibrate(args)

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_flagscale.config.attention import ATTENTION_BACKENDS  # the attn_backend values a profile can price
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "BUILTIN_PROFILES",
@@ -78,8 +80,6 @@ __all__ = [
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Scope = Literal["intra", "inter"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "flash_attn", "transformer_engine")
-"""``TransformerConfig.attn_backend`` values a profile's ``attention_kernels`` can price."""
 
 
 def algorithm_factor(kind: str, n: int) -> float:
