@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -37,7 +38,7 @@ from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim
 from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
-from lightning_flagscale.parallel.plan import RankLayout, build_rank_meshes, parallelize_rank
+from lightning_flagscale.parallel.plan import RankLayout, parallelize_rank
 from lightning_flagscale.parallel.step import (
     build_optimizers,
     grads_replicated,
@@ -48,7 +49,13 @@ from lightning_flagscale.parallel.step import (
 from lightning_flagscale.precision.flagscale import check_precision_layout
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
-from lightning_flagscale.strategies._plumbing import PlumbingHooks
+from lightning_flagscale.strategies._plumbing import (
+    PlumbingHooks,
+    recording_new_groups,
+    release_groups_of_other_modules,
+    retire_groups,
+    shared_rank_meshes,
+)
 from lightning_flagscale.strategies._resilience import NanPolicy, ResilienceHooks, StepGuard
 from lightning_flagscale.strategies._signature import check_options, with_config_keywords
 from lightning_flagscale.strategies._tokens import (
@@ -122,6 +129,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._pp_zero_grad_pending = True
         self._moe_layers: list[nn.Module] = []
         self._expert_grad_scale = 1.0
+        self._created_groups: list[dist.ProcessGroup] = []  # this run's, handed to `retire_groups` in teardown
+        self._offloaded = False  # teardown moved module and optimizer state from an accelerator to the CPU
         self.num_nodes = 1
 
     def global_tokens(self, local_tokens: int) -> int:
@@ -147,13 +156,15 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        release_groups_of_other_modules(self.lightning_module)  # earlier runs' groups (_plumbing.py says why here)
         # Heterogeneous meshes: this rank keeps its stage group's meshes and its group's layout as `parallel`.
-        self.parallel, self._meshes, self._hetero_groups = build_rank_meshes(
+        self.parallel, self._meshes, self._hetero_groups = shared_rank_meshes(
             self.hetero_parallel or self.parallel, self.lightning_module, self.root_device
         )
         if self._async_checkpoint:
-            # The background writer's collectives get their own group, never interleaved with training's.
-            self._checkpoint_group = dist.new_group(backend="gloo")
+            with recording_new_groups(self._created_groups):
+                # The background writer's collectives get their own group, never interleaved with training's.
+                self._checkpoint_group = dist.new_group(backend="gloo")
         self.lightning_module._device_mesh = self._meshes.world
         self._start_watchdog()
 
@@ -162,6 +173,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     def setup(self, trainer) -> None:
         assert self.model is not None
         self.accelerator.setup(trainer)
+        self._offloaded = False  # `_place` moves the module to the device again (`validate` after `fit`)
         p = self.parallel
         apply_accumulation(p, trainer)
         module = self.lightning_module
@@ -174,7 +186,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             param_dtype=None if precision.param_dtype == torch.float32 else precision.param_dtype,
             reduce_dtype=precision.reduce_dtype,
         )  # fmt: skip
-        result = parallelize_rank(module, layout, hetero=self.hetero_parallel, place=self._place)
+        with recording_new_groups(self._created_groups):
+            result = parallelize_rank(module, layout, hetero=self.hetero_parallel, place=self._place)
         self._hetero_groups, self._dp_speeds = result.hetero_groups, result.dp_speeds
         self._pipeline, self._fsdp_roots = result.pipeline, result.fsdp_roots
         self._expert_grad_scale = result.expert_grad_scale
@@ -333,11 +346,46 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
 
     @override
     def teardown(self) -> None:
+        """Give the run back (issue 37 item 1), as Lightning's ``Strategy.teardown`` does, plus what only we hold: the
+        ZeRO all-gathers and the checkpoint write in flight are completed, the watchdog thread stopped and joined,
+        the gradient hooks removed, module and optimizer state moved to the CPU, and this run's process groups
+        handed over to be destroyed when a run on another module starts (``_plumbing.py`` says why not now)."""
         self.wait_params()
         self.wait_for_checkpoint()
         self._stop_watchdog()
+        for dopt in self._dist_optimizers.values():
+            dopt.close()  # its hooks on every parameter; `state_dict()` still serves a save after `fit`
+        self._offload()
+        group = self._checkpoint_group  # MemoryCheckpoint creates it during training (`ensure_checkpoint_group`)
+        if group is not None and group not in self._created_groups and group != dist.GroupMember.WORLD:
+            self._created_groups.append(group)
+        retire_groups(self.lightning_module, self._created_groups)
+        self._created_groups = []
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    def _offload(self) -> None:
+        cpu = torch.device("cpu")
+        _optimizers_to_device(self.optimizers, cpu)
+        if self.lightning_module is not None:
+            self.lightning_module.cpu()
+            self._offloaded = self.root_device != cpu
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # `trainer.save_checkpoint` after `fit` (the first hook it calls): the shards' collectives run on the device.
+        if self._offloaded:
+            self.model_to_device()
+            _optimizers_to_device(self.optimizers, self.root_device)
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._offloaded:  # saved after `fit`: back to the CPU once written
+            self.wait_for_checkpoint()
+            self._offload()
