@@ -38,6 +38,8 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
     "vlm.py": ("--smoke --out {out}/vlm.md", ["vlm.md"]),
     "grad_hook_overhead.py": ("--rounds 1 --steps 1 --out {out}/grad_hook.md", ["grad_hook.md"]),
     "tune_published.py": ("--out {out}/tune_published.md", ["tune_published.md"]),
+    "tune_deepseek_v3.py": ("--smoke --out {out}/tune_deepseek_v3.md", ["tune_deepseek_v3.md"]),
+    "mla.py": ("--smoke --out {out}/mla.md", ["mla.md"]),
     # the measured runs need 4 ranks per layout and a bandwidth probe (minutes); the report and the tuner's
     # predictions for every layout are recomputed from the committed measurements
     "tune_validation.py": (
