@@ -29,7 +29,24 @@ from lightning_flagscale.moe.balance import update_moe_state
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
-__all__ = ["CausalLMModule", "log_window_loss", "param_groups", "warmup_cosine_lambda"]
+__all__ = ["CausalLMModule", "log_window_loss", "parallelize_for_lightning", "param_groups", "warmup_cosine_lambda"]
+
+
+def parallelize_for_lightning(module: L.LightningModule, model: nn.Module) -> None:
+    """Under Lightning's ``ModelParallelStrategy``, which expects the module to parallelise itself in
+    ``configure_model`` over the ``(data_parallel, tensor_parallel)`` mesh it hands over (``FlagScaleStrategy``
+    parallelises the model itself instead): Megatron TP over ``tensor_parallel`` with the model's own plan, then FSDP2
+    per block over ``data_parallel`` (torchtitan's order). The weights are already initialised, the same on every rank,
+    so sharding them keeps one model. Elsewhere a no-op."""
+    trainer = module._trainer
+    if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+        return
+    mesh = module.device_mesh
+    tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+    if tp.size() > 1:
+        apply_tp(model, tp, sequence_parallel=False)
+    if dp.size() > 1:
+        apply_fsdp(model, dp, param_dtype=None, reduce_dtype=None)
 
 
 def _resolve_config(config: TransformerConfig | str | dict[str, Any]) -> TransformerConfig:
@@ -191,27 +208,7 @@ class CausalLMModule(L.LightningModule):
             apply_lora(self.model, self.lora)
         if not next(self.model.parameters()).is_meta:
             self.initialize_weights()
-        mesh = self._lightning_model_parallel_mesh()
-        if mesh is not None:
-            self._parallelize_on(mesh)
-
-    def _lightning_model_parallel_mesh(self) -> Any:
-        """The ``(data_parallel, tensor_parallel)`` mesh Lightning's ``ModelParallelStrategy`` hands the module, which
-        it expects to parallelise itself in ``configure_model`` (``FlagScaleStrategy`` parallelises it instead)."""
-        trainer = self._trainer
-        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
-            return None
-        return self.device_mesh
-
-    def _parallelize_on(self, mesh: Any) -> None:
-        """Under ``ModelParallelStrategy``: Megatron TP over its ``tensor_parallel`` dimension with the model's own plan,
-        then FSDP2 per block over ``data_parallel`` (torchtitan's order). The weights are already initialised, the same
-        on every rank, so sharding them keeps one model."""
-        tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
-        if tp.size() > 1:
-            apply_tp(self.model, tp, sequence_parallel=False)
-        if dp.size() > 1:
-            apply_fsdp(self.model, dp, param_dtype=None, reduce_dtype=None)
+        parallelize_for_lightning(self, self.model)
 
     @classmethod
     def from_hf(cls, hf_dir: str, **kwargs: Any) -> CausalLMModule:

@@ -28,7 +28,12 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_flagscale.models.lightning import log_window_loss, param_groups, warmup_cosine_lambda
+from lightning_flagscale.models.lightning import (
+    log_window_loss,
+    parallelize_for_lightning,
+    param_groups,
+    warmup_cosine_lambda,
+)
 from lightning_flagscale.models.qwen2_5_vl.batching import batch_segment_ids
 from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
@@ -146,6 +151,7 @@ class VLMModule(L.LightningModule):
         apply_vision_recompute(self.model.visual, hp.vision_recompute, hp.vision_recompute_step)
         if not next(self.model.parameters()).is_meta:
             self.initialize_weights()
+        parallelize_for_lightning(self, self.model)  # ModelParallelStrategy: the module shards itself (issue 37)
 
     def initialize_weights(self) -> None:
         """HF weights when built from an HF folder, else the layout-independent ``init_weights``."""
