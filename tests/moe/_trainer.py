@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models import CausalLMModule
-from lightning_flagscale.moe import moe_layers, update_moe_state
+from lightning_flagscale.moe import moe_layers, set_moe_aux_loss_scale, update_moe_state
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import GLOBAL_BATCH, NUM_SAMPLES, TokenDataset, assert_rel_close
 
@@ -44,20 +44,30 @@ def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, layer in moe_layers(module) if layer.gate.e_score_correction_bias is not None}  # fmt: skip
 
 
-def sgd_reference(config: TransformerConfig, steps: int, clip: float | None = None) -> dict[str, Any]:
+def sgd_reference(
+    config: TransformerConfig, steps: int, clip: float | None = None, micro_batches: int = 1
+) -> dict[str, Any]:
     """Single-process fp32 run on the whole global batch: losses, initial and final weights, router biases (and each
-    step's gradient norm before clipping at ``clip``)."""
+    step's gradient norm before clipping at ``clip``). With ``micro_batches`` the batch runs as that many consecutive
+    slices whose gradients add up (the token mean of the whole batch; MoE aux losses averaged over the slices), as a
+    pipeline runs its micro-batches: the oracle of a per-micro-batch statistic."""
     torch.manual_seed(0)
     module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
     module.configure_model()
     init = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     opt = module.configure_optimizers()
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
+    set_moe_aux_loss_scale(module.model, 1.0 / micro_batches)
     losses, norms = [], []
     for step in range(steps):
-        loss = module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step)))
+        indices = global_batch_indices(len(data), GLOBAL_BATCH, step)
+        items = {"num_items_in_batch": (data.batch(indices)["labels"] != -100).sum()} if micro_batches > 1 else {}
+        loss = torch.zeros(())
+        for part in indices.tensor_split(micro_batches):
+            part_loss = module._loss({**data.batch(part), **items})
+            part_loss.backward()
+            loss = loss + part_loss.detach()
         losses.append(loss.item())
-        loss.backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item())
         opt.step()

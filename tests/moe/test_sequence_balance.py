@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.convert import family_for
 from lightning_flagscale.moe import build_moe
 from lightning_flagscale.moe.layer import MoELayer
 from tests.moe._reference import init_moe, reference_moe, reference_route, rel_err
@@ -77,6 +78,19 @@ def test_sequence_loss_by_hand_and_its_gradient(preset, scope):
 def test_sequence_loss_config_is_validated():
     with pytest.raises(ValueError, match=r"moe_seq_aux_loss_coeff=-0\.1"):
         TransformerConfig.from_preset("deepseek-v3-routing-tiny", moe_seq_aux_loss_coeff=-0.1)
+
+
+def test_deepseek_presets_and_checkpoints_carry_the_sequence_loss():
+    # DeepSeek-V3's config.json: ``seq_aux: true, aux_loss_alpha: 0.001``; transformers' config class drops neither.
+    config = TransformerConfig.from_preset("deepseek-v3-tiny")
+    assert config.moe_seq_aux_loss_coeff == 1e-3
+    family = family_for({"model_type": "deepseek_v3"})
+    hf = family.config_to_hf(config)
+    assert (hf["aux_loss_alpha"], hf["seq_aux"]) == (1e-3, True)
+    same = dict(name=config.name, hf_source=config.hf_source, moe_router_bias_update_rate=1e-3)  # not in config.json
+    assert family.config_from_hf(hf, **same) == config
+    assert family.config_from_hf({**hf, "seq_aux": False}).moe_seq_aux_loss_coeff == 0.0  # a batch-wise alpha
+    assert family.config_from_hf({k: v for k, v in hf.items() if k != "seq_aux"}).moe_seq_aux_loss_coeff == 0.0
 
 
 def _spread(preset: str, dp: int, cp: int) -> tuple[float, torch.Tensor, torch.Tensor, float]:

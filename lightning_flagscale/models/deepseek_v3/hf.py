@@ -135,6 +135,8 @@ class DeepseekV3Family(MoEDecoderFamily):
             moe_router_num_groups=groups,
             moe_router_group_topk=int(hf["topk_group"]) if groups else None,
             num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0),
+            # DeepSeek's config.json (not transformers' config class): the sequence-wise loss when ``seq_aux``
+            moe_seq_aux_loss_coeff=float(hf.get("aux_loss_alpha") or 0.0) if hf.get("seq_aux") else 0.0,
         )
         values.update(overrides)
         return TransformerConfig(**values)
@@ -204,6 +206,8 @@ class DeepseekV3Family(MoEDecoderFamily):
             n_group=config.moe_router_num_groups or 1,
             topk_group=config.moe_router_group_topk or 1,
             num_nextn_predict_layers=config.num_nextn_predict_layers,
+            aux_loss_alpha=config.moe_seq_aux_loss_coeff,
+            seq_aux=config.moe_seq_aux_loss_coeff > 0,
         )
 
     def checkpoint_hf_config(self, hf: dict[str, Any], root: Any) -> dict[str, Any]:

@@ -29,6 +29,9 @@ _ROUTING_TINY: dict[str, Any] = dict(
     moe_router_num_groups=4,
     moe_router_group_topk=2,
     moe_router_scaling_factor=2.5,
+    # The complementary sequence-wise balance loss: DeepSeek-V3's config.json (``seq_aux: true``,
+    # ``aux_loss_alpha: 0.001``); the report trains with alpha = 1e-4.
+    moe_seq_aux_loss_coeff=1e-3,
 )
 
 # DeepSeek-V3's YaRN settings (its config.json); mscale == mscale_all_dim leaves cos/sin unscaled.
@@ -78,5 +81,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_router_num_groups=8,
         moe_router_group_topk=4,
         moe_router_scaling_factor=2.5,
+        moe_seq_aux_loss_coeff=1e-3,
     ),
 }
