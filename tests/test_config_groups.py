@@ -40,7 +40,7 @@ def test_each_group_is_a_view_of_the_resolved_config():
     [
         (ParallelSizes, dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
         (ParallelSizes, dict(context_parallel_size=4, context_parallel_mode="hybrid", ulysses_size=3), "must divide"),
-        (ParallelSizes, dict(expert_tensor_parallel_size=2), "not supported"),
+        (ParallelSizes, dict(expert_tensor_parallel_size=0), "expert_tensor_parallel_size must be a positive integer"),
         (DataParallelConfig, dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
         (DataParallelConfig, dict(grad_bucket_numel=0), "grad_bucket_numel=0 must be a positive"),
         (DataParallelConfig, dict(overlap_param_gather=True), "zero_stage=0 has none to overlap"),

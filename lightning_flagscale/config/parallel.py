@@ -67,7 +67,9 @@ class ParallelSizes:
     expert_parallel_size: int = 1
     """Ranks the routed experts are split over."""
     expert_tensor_parallel_size: int = 1
-    """Tensor parallel degree inside each expert; only 1 is supported (values > 1 are rejected)."""
+    """Tensor parallel degree inside each expert (ETP): gate/up column- and down row-sharded over that many ranks,
+    folded with EP over a stage's ranks. Megatron-Core defaults it to ``tensor_parallel_size``; here it stays 1 so that
+    existing layouts (e.g. TP 2 x EP 4 on 4 ranks, where EP x TP would not fit) keep their meaning: set it explicitly."""
     data_parallel_size: int | None = None
     """Data-parallel replicas; ``None`` derives it from the world size."""
 
@@ -94,13 +96,6 @@ class ParallelSizes:
                 continue  # auto, resolved by ParallelConfig
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}.")
-        if self.expert_tensor_parallel_size > 1:
-            # Refused rather than ignored: nothing splits an expert's weights inside an EP rank (issue 11 item 5).
-            raise ValueError(
-                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} is not supported: experts are"
-                " sharded across ranks by expert_parallel_size only, never split inside one. Set"
-                " expert_tensor_parallel_size=1 (use expert_parallel_size to spread the experts)."
-            )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1 or None (auto), got {self.data_parallel_size}.")
         if self.context_parallel_mode not in ("ring", "ulysses", "hybrid"):
@@ -256,6 +251,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         if self.virtual_pipeline_parallel_size is None:
             self.virtual_pipeline_parallel_size = auto_vpp
         self._check_zero3_impl()
+        self._check_expert_tensor_parallel()
         if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
@@ -441,7 +437,24 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
 
     @property
     def ep_enabled(self) -> bool:
-        return self.expert_parallel_size > 1
+        """Whether the routed experts are sharded: over EP ranks, inside each expert over ETP ranks, or both."""
+        return self.expert_parallel_size > 1 or self.expert_tensor_parallel_size > 1
+
+    @property
+    def etp_tokens_replicated(self) -> bool:
+        """Whether each ETP group lies inside a TP group (ETP divides TP; both are the fastest rank dims), whose ranks
+        feed the MoE blocks the same tokens: the ETP ranks then split the same rows (no token all-gather) and sum their
+        partial outputs. Otherwise the ETP ranks all-gather their tokens and reduce-scatter the outputs."""
+        return self.tensor_parallel_size % self.expert_tensor_parallel_size == 0
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """What expert gradients summed over the expert-data-parallel ranks are divided by: how many times each
+        token of the step reached every expert shard. MoE blocks run on the whole sequence on every TP rank, so each
+        (dp, cp) token shard is dispatched by its tp ranks; ETP ranks that split the same rows
+        (``etp_tokens_replicated``) see each of those copies once per ETP group instead of once per rank."""
+        copies = self.dp * self.context_parallel_size * self.tensor_parallel_size
+        return copies // self.expert_tensor_parallel_size if self.etp_tokens_replicated else copies
 
     @property
     def dp_enabled(self) -> bool:
@@ -498,6 +511,23 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             )
         return self
 
+    def _check_expert_tensor_parallel(self) -> None:
+        """ETP combinations that are not implemented are refused here, before any process group exists."""
+        etp = self.expert_tensor_parallel_size
+        if etp == 1:
+            return
+        if self.hetero_meshes is not None:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} is not supported with hetero_meshes yet (each mesh would need its"
+                " own ETP groups); use expert_tensor_parallel_size=1 with hetero_meshes."
+            )
+        if self.zero_stage == 3:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} is not supported with zero_stage=3 yet (ZeRO-3 shards experts"
+                " over the expert-data-parallel ranks of a 1-D expert shard); use zero_stage 0, 1 or 2, or"
+                " expert_tensor_parallel_size=1."
+            )
+
     def validate_model(self, config: TransformerConfig) -> None:
         """Check that ``config`` can be split the way this layout asks."""
         if self.hetero_meshes is not None:
@@ -545,9 +575,29 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             raise ValueError(SELECTIVE_MM_ON_MOE)
         if self.ep_enabled:
             if not config.is_moe:
-                raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts > 0).")
+                raise ValueError(
+                    "expert_parallel_size > 1 or expert_tensor_parallel_size > 1 needs an MoE model (num_experts > 0)."
+                )
+            self._check_expert_split(config)
             if config.num_experts % self.expert_parallel_size:
                 raise ValueError(
                     f"num_experts={config.num_experts} is not divisible by expert_parallel_size="
                     f"{self.expert_parallel_size}."
                 )
+
+    def _check_expert_split(self, config: TransformerConfig) -> None:
+        """Each expert's FFN must split evenly over ETP; hot-expert replicas are whole experts (not ETP shards)."""
+        etp = self.expert_tensor_parallel_size
+        if etp == 1:
+            return
+        inter = config.moe_intermediate_size or config.intermediate_size
+        if inter % etp:
+            raise ValueError(
+                f"The expert intermediate size {inter} (moe_intermediate_size) is not divisible by"
+                f" expert_tensor_parallel_size={etp}; choose an ETP size that divides it."
+            )
+        if config.moe_hot_expert_replicas:
+            raise ValueError(
+                f"moe_hot_expert_replicas={config.moe_hot_expert_replicas} is not supported with"
+                f" expert_tensor_parallel_size={etp} (replicas are whole experts); set moe_hot_expert_replicas=0."
+            )

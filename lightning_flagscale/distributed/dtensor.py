@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -18,7 +18,11 @@ def local_tensor(t: Tensor) -> Tensor:
 def copy_global_into(dst: Tensor, full: Tensor) -> None:
     """Copy the part of ``full`` (global values) that ``dst`` holds: all of it, or its DTensor shard. Slices locally
     instead of ``distribute_tensor``: no communication, for callers where every rank holds the same ``full``."""
-    if isinstance(dst, DTensor):
+    if isinstance(dst, DTensor) and any(isinstance(p, _StridedShard) for p in dst.placements):
+        # Not one box of `full` (expert tensor parallelism's gate/up chunks): each rank keeps its own part, no
+        # communication (src_data_rank=None).
+        dst.to_local().copy_(distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local())
+    elif isinstance(dst, DTensor):
         # Private torch helper: the shard's local shape and global offset under any placements.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

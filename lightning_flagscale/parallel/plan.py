@@ -9,7 +9,8 @@ knowing. The order, and why:
    parallelises (or materialises) layers it does not run.
 2. **TP** on each stage: DTensor styles shard the full-size modules; everything after sees TP-local shapes.
 3. **CP** swaps each core attention for ring / Ulysses attention over the TP-local heads (needs TP's head split).
-4. **EP** shards experts over the expert mesh (after TP: experts are not tensor-parallel, the rest of the block is).
+4. **EP** shards experts over the expert mesh, and under ETP each expert's FFN over its "etp" dim (after TP: the
+   rest of the block is tensor-parallel; experts follow the expert mesh's folding, not TP's).
 5. **Recompute** wraps whole blocks, after TP/CP/EP changed what runs inside them (under PP the pipeline builder
    applies it per stage, with the replayable variant split-backward schedules need).
 6. **ZeRO-3** (FSDP2) last: it shards whatever TP/EP left local (experts first, over the expert data-parallel
@@ -274,8 +275,8 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
             part, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
             tp_size=p.tensor_parallel_size,
         )  # fmt: skip
-    if p.ep_enabled:
-        apply_ep(part, meshes["ep"])
+    if p.ep_enabled:  # EP and/or ETP, over the (ep, etp) dims of the expert mesh
+        apply_ep(part, meshes[("ep", "etp")], etp_tokens_replicated=p.etp_tokens_replicated)
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
         # A hetero stage group (pp = 1 inside its group) runs its pipeline schedule: split-backward ones backpropagate
         # each block twice (input, then weight gradients).

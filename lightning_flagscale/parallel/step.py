@@ -56,7 +56,7 @@ def grads_replicated(config: ParallelConfig, meshes: ParallelMeshes, world_size:
     """Whether the reduced gradients are the same on every rank of the world: stage 0 buckets all-reduced over
     data x context ranks that are the whole world (no TP, PP or EP shards, one mesh)."""
     return (
-        config.zero_stage == 0 and not hetero and config.expert_parallel_size == 1
+        config.zero_stage == 0 and not hetero and not config.ep_enabled
         and meshes.size(MeshDim.DP_CP) == world_size
     )  # fmt: skip
 

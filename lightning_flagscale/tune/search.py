@@ -35,6 +35,7 @@ class SearchSpace:
     """Chunks per rank tried for the interleaved schedules (V schedules always use 2)."""
     context_parallel_modes: tuple[str, ...] = ("ring", "ulysses", "hybrid")
     expert_tensor_parallel_sizes: tuple[int, ...] = (1,)
+    """Only ``(1,)``: the memory and cost models do not model expert tensor parallelism yet (issue 39 item 4)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (True, False)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
@@ -52,6 +53,12 @@ class SearchSpace:
         modes = sorted(set(self.context_parallel_modes) - {"ring", "ulysses", "hybrid"})
         if modes:
             raise ValueError(f"Unknown context-parallel mode(s) {modes}; use 'ring', 'ulysses' or 'hybrid'.")
+        if tuple(self.expert_tensor_parallel_sizes) != (1,):
+            raise ValueError(
+                f"expert_tensor_parallel_sizes={self.expert_tensor_parallel_sizes}: the tuner's memory and cost models"
+                " do not model expert tensor parallelism yet; leave it (1,) and set expert_tensor_parallel_size on the"
+                " strategy by hand."
+            )
         if any(v < 2 for v in self.virtual_sizes) or any(m < 1 for m in self.micro_batch_sizes):
             raise ValueError("virtual_sizes must be >= 2 (chunks per rank) and micro_batch_sizes >= 1.")
 

@@ -51,6 +51,25 @@ def test_balance_after_step_in_a_plain_loop():
     handle.remove()
 
 
-def test_expert_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported"):
-        ParallelConfig(expert_parallel_size=2, expert_tensor_parallel_size=2)
+def test_expert_tensor_parallel_combinations_not_implemented_are_refused():
+    # Accepted since issue 39 item 4 (tests/strategies/test_expert_tensor_parallel.py); these stay refused before launch.
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported with zero_stage=3"):
+        ParallelConfig(expert_tensor_parallel_size=2, zero_stage=3)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported with hetero_meshes"):
+        ParallelConfig(expert_tensor_parallel_size=2, hetero_meshes=[{}, {}], hetero_layers=[1, 1])
+    p = ParallelConfig(expert_tensor_parallel_size=2).resolve(2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size.*not divisible by expert_tensor_parallel_size=2"):
+        p.validate_model(TransformerConfig.from_preset("mixtral-tiny", moe_intermediate_size=15))
+    with pytest.raises(ValueError, match="moe_hot_expert_replicas=1 is not supported with expert_tensor_parallel"):
+        p.validate_model(TransformerConfig.from_preset("mixtral-tiny", moe_hot_expert_replicas=1))
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        p.validate_model(TransformerConfig.from_preset("llama-tiny"))
+
+
+def test_expert_gradient_divisor_counts_each_token_copy_once():
+    # ETP inside TP: the ETP ranks split the same rows; across data-parallel ranks: they all-gather distinct ones.
+    inside = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2).resolve(4)
+    across = ParallelConfig(expert_tensor_parallel_size=2).resolve(4)
+    assert inside.etp_tokens_replicated and inside.expert_grad_divisor == 2
+    assert not across.etp_tokens_replicated and across.expert_grad_divisor == 4
+    assert ParallelConfig(expert_parallel_size=2, tensor_parallel_size=2).resolve(4).expert_grad_divisor == 4

@@ -24,7 +24,7 @@ NON_LAYOUT_KWARGS = {
 # A valid non-default value for every ParallelConfig field: a new field must be added here (and to the strategy).
 NON_DEFAULTS = dict(
     tensor_parallel_size=2, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2, context_parallel_size=4,
-    context_parallel_mode="hybrid", ulysses_size=2, expert_parallel_size=2,
+    context_parallel_mode="hybrid", ulysses_size=2, expert_parallel_size=2, expert_tensor_parallel_size=2,
     data_parallel_size=3, zero_stage=1, sequence_parallel=True, micro_batch_size=2, gradient_accumulation_steps=2,
     pipeline_schedule="interleaved_1f1b", pipeline_layers=[1, 2, 1, 2], hetero_dp_batch_sizes=[1, 2, 3],
     pipeline_balance="cost", recompute="full", zero3_impl="flat", grad_bucket_numel=1000, overlap_grad_reduce=False,
@@ -54,7 +54,7 @@ def test_strategy_kwargs_are_the_config_fields_plus_the_listed_extras():
         assert strategy_hints[name] == config_hints[name], (name, strategy_hints[name], config_hints[name])
 
 
-# Fields tested apart: heterogeneous meshes exclude the global sizes; expert TP has no valid value but 1 (refused).
+# Fields tested apart: heterogeneous meshes exclude the global sizes.
 HETERO_NON_DEFAULTS = dict(
     hetero_meshes=[dict(tensor_parallel_size=2), dict(data_parallel_size=2)], hetero_layers=[1, 1]
 )
@@ -62,11 +62,10 @@ HETERO_SPEED = dict(
     hetero_meshes=[dict(tensor_parallel_size=2, device_type="a"), dict(data_parallel_size=2, device_type="b")],
     hetero_device_speed={"a": 2.0, "b": 1.0},
 )
-SINGLE_VALUED = {"expert_tensor_parallel_size"}
 
 
 def test_every_kwarg_reaches_the_config():
-    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | SINGLE_VALUED
+    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED)
     assert covered == set(_fields()), "give every ParallelConfig field a non-default value here"
     for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS}.items():
         assert value != _default(_fields()[name]), name

@@ -332,13 +332,14 @@ def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[s
 
     Dense gradients: the data x context ranks. Expert gradients (MoE): the expert-data-parallel ranks, divided by
     every dp x cp x tp token shard, because an expert's owner already holds the sum over its EP group and MoE blocks
-    run on the whole sequence on every TP rank (with or without SP), so each token counts once per TP rank.
+    run on the whole sequence on every TP rank (with or without SP), so each token counts once per TP rank; ETP
+    ranks splitting the same rows count it once per ETP group (``ParallelConfig.expert_grad_divisor``).
     """
     groups = {"dp_cp": meshes.group("dp_cp")}
     divisors = {"dp_cp": parallel.dp * parallel.context_parallel_size}
     if meshes.expert is not None:
         groups["edp"] = meshes.group("edp")
-        divisors["edp"] = parallel.dp * parallel.context_parallel_size * parallel.tensor_parallel_size
+        divisors["edp"] = parallel.expert_grad_divisor
     return groups, divisors
 
 

@@ -18,15 +18,27 @@ Token group (``set_moe_token_group``): the strategy tells the MoE layers which r
 data x context ranks of their stage); global aux/z losses and the bias-balancing counts are summed over it.
 
 MoE parallel folding (Megatron): the EP group is cut out of a pipeline stage's dp x cp x tp ranks, on a second mesh
-("edp", "ep") over the same ranks (``parallel/mesh.py`` builds it). Each rank of the EP group must feed *different*
-tokens to its MoE layers (distinct data/context shards, or TP ranks under sequence parallelism).
+("edp", "ep", "etp") over the same ranks (``parallel/mesh.py`` builds it).
+
+Expert tensor parallelism (ETP, issue 39 item 4), on the "etp" dim of that mesh: each expert's ``gate_up_proj``
+[E, 2I, H] is column-sharded (rank s holds the gate rows and the up rows of intermediate chunk s: a
+``_StridedShard(1, split_factor=2)`` placement, so ``full_tensor()`` and the init see the true global layout) and its
+``down_proj`` [E, H, I] row-sharded (``Shard(2)``). After the EP all-to-all, the rows an ETP rank received run
+through its intermediate chunk and the partial outputs are summed over the ETP group:
+
+- ETP inside a TP group (``ParallelConfig.etp_tokens_replicated``): MoE blocks run on the whole sequence on every TP
+  rank, so the ETP ranks hold the same rows; each runs them through its chunk, the partial outputs are all-reduced
+  and the input gradients all-reduced in backward (Megatron's column/row-parallel pair);
+- otherwise the ETP ranks hold different rows: they all-gather them (per local expert), run them through their chunk
+  and reduce-scatter the partial outputs back to their owners (Megatron's ETP token dispatcher).
 
 Gradient reduction contract (the data-parallel / ZeRO code honours it): expert parameters carry
 ``param._flagscale_grad_group = "edp"``. Their gradient on the owner already sums the contributions of every token
 of the EP group (the combine backward brought them home), so it must be reduced (summed) over the **edp** group
 only, never over ep, and scaled by the same factor as every other gradient (``1 / (dp * cp)`` for a mean loss).
 ZeRO shards expert optimizer states over edp. All other parameters (router, shared experts) follow the normal
-dp x cp reduction.
+dp x cp reduction. Under ETP the divisor is ``ParallelConfig.expert_grad_divisor`` (the ETP ranks' shards are distinct
+parameters, never reduced over etp).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_flagscale.moe.balance import HotExpertReplication, moe_layers
 from lightning_flagscale.moe.layer import MoELayer
@@ -102,6 +115,37 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToGroup(torch.autograd.Function):
+    """Identity whose backward sums the gradient over the group: rows every rank of the group holds alike, each
+    rank's copy feeding a different weight shard (Megatron's ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Sum of partial outputs over the group; the backward is the identity: each rank's output is used alike on
+    every rank (Megatron's ``reduce_from_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 def _regroup_index(counts: Tensor) -> Tensor:
     """Row order turning chunks laid out [src][expert] (sizes ``counts`` [src, e]) into [expert][src]."""
     src, ne = counts.shape
@@ -115,10 +159,42 @@ def _regroup_index(counts: Tensor) -> Tensor:
 class AllToAllDispatcher:
     """Dispatcher of an expert-parallel :class:`MoELayer` (see module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep_size: int, ep_rank: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        ep_size: int,
+        ep_rank: int,
+        *,
+        etp_group: dist.ProcessGroup | None = None,
+        etp_size: int = 1,
+        etp_tokens_replicated: bool = False,
+    ) -> None:
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.etp_group, self.etp_size, self.etp_tokens_replicated = etp_group, etp_size, etp_tokens_replicated
         self.replica_bytes = 0
         """Bytes of replica weights all-reduced by this rank in the last forward (hot-expert replication)."""
+
+    def _run_local(self, layer: MoELayer, x: Tensor, counts: list[int], busiest: int) -> Tensor:
+        """The local experts on rows sorted by local expert; under ETP, each through this rank's FFN chunk."""
+        if self.etp_size == 1:
+            return layer.run_experts(x, counts, busiest)
+        group, k = self.etp_group, self.etp_size
+        if self.etp_tokens_replicated:
+            y = layer.run_experts(_CopyToGroup.apply(x, group), counts, busiest)
+            return _ReduceFromGroup.apply(y, group)
+        local = torch.tensor(counts, dtype=torch.long)
+        gathered = [torch.zeros_like(local) for _ in range(k)]
+        dist.all_gather(gathered, local, group=group)
+        etp_counts = torch.stack(gathered)  # [etp rank, local expert]
+        rows, n = etp_counts.sum(1).tolist(), x.shape[0]
+        # An uneven all-gather as an all-to-all that sends every rank the same rows (differentiable both ways: the
+        # backward sums each rank's gradient of our rows).
+        x_all = all_to_all(torch.cat([x] * k), rows, [n] * k, group)
+        order = _regroup_index(etp_counts).to(x.device)
+        y_sorted = layer.run_experts(x_all[order], etp_counts.sum(0).tolist(), busiest * k)
+        y_all = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+        # Reduce-scatter: every rank's partial outputs of our rows come home and are summed.
+        return all_to_all(y_all, [n] * k, rows, group).view(k, n, -1).sum(0)
 
     def _replica_weights(self, layer: MoELayer, experts: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         w1, w2 = layer.experts.local_weights()
@@ -140,6 +216,9 @@ class AllToAllDispatcher:
 
     def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor:
         ep, rank = self.ep_size, self.ep_rank
+        if ep == 1:  # ETP alone: every expert is local, split over the ETP group
+            layer.record_dispatch(torch.tensor([counts]), a2a_bytes=0)
+            return self._run_local(layer, x_perm, counts, sum(counts))
         per_rank = layer.num_experts // ep
         local = torch.tensor(counts, dtype=torch.long)
         gathered = [torch.zeros_like(local) for _ in range(ep)]
@@ -159,7 +238,7 @@ class AllToAllDispatcher:
 
         x_recv = all_to_all(x_perm[a2a_rows] if replicated else x_perm, recv, send, self.group)
         order = _regroup_index(recv_counts).to(x_perm.device)
-        y_local = layer.run_experts(x_recv[order], recv_counts.sum(0).tolist(), busiest)
+        y_local = self._run_local(layer, x_recv[order], recv_counts.sum(0).tolist(), busiest)
         y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
         y = all_to_all(y_recv, send, recv, self.group)
 
@@ -178,52 +257,92 @@ class AllToAllDispatcher:
         return out.index_copy(0, a2a_rows, y).index_copy(0, rep_rows, y_rep)
 
 
-def _ep_submesh(ep_mesh: DeviceMesh) -> DeviceMesh:
+def _expert_submesh(ep_mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The ("ep", "etp") mesh to shard over and its "etp" dim (None when ETP is 1: experts 1-D over "ep")."""
     names = ep_mesh.mesh_dim_names or ()
-    if "etp" in names and ep_mesh["etp"].size() > 1:
-        raise ValueError(
-            "apply_ep does not implement expert tensor parallelism (experts are never split inside an EP rank);"
-            " use expert_tensor_parallel_size=1."
-        )
-    if ep_mesh.ndim == 1:
-        return ep_mesh
+    if ep_mesh.ndim == 1 and names != ("etp",):
+        return ep_mesh, None
     if "ep" not in names:
         raise ValueError(f"The expert mesh needs an 'ep' dimension; got dims {names}.")
-    return ep_mesh["ep"]
+    if "etp" not in names or ep_mesh["etp"].size() == 1:
+        return ep_mesh["ep"], None
+    return ep_mesh[("ep", "etp")], ep_mesh["etp"]
 
 
-def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
-    ep, rank = mesh.size(), mesh.get_local_rank()
+def _local_expert_part(param: Tensor, name: str, ep: int, ep_rank: int, etp: int, etp_rank: int) -> Tensor:
+    """This rank's part of a stacked expert weight: its experts, and under ETP its FFN chunk (gate and up rows of
+    chunk ``etp_rank`` for ``gate_up_proj``, its columns for ``down_proj``)."""
     per_rank = param.shape[0] // ep
-    local = param.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
-    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+    w = param.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank]
+    if etp > 1 and name == "gate_up_proj":
+        gate, up = w.chunk(2, dim=1)
+        w = torch.cat([gate.chunk(etp, dim=1)[etp_rank], up.chunk(etp, dim=1)[etp_rank]], dim=1)
+    elif etp > 1:
+        w = w.chunk(etp, dim=2)[etp_rank]
+    return w.clone()
+
+
+def _shard_param(param: nn.Parameter, name: str, mesh: DeviceMesh, etp_mesh: DeviceMesh | None) -> nn.Parameter:
+    if etp_mesh is None:
+        local = _local_expert_part(param, name, mesh.size(), mesh.get_local_rank(), 1, 0)
+        placements: list = [Shard(0)]
+    else:
+        ep_mesh = mesh["ep"]
+        local = _local_expert_part(
+            param, name, ep_mesh.size(), ep_mesh.get_local_rank(), etp_mesh.size(), etp_mesh.get_local_rank()
+        )
+        # gate_up_proj holds [gate; up]: chunk s of each is rows {s, k + s} of 2k equal row blocks, the layout of
+        # `_StridedShard(1, split_factor=2)`; down_proj's chunk is one block of columns.
+        etp_placement = _StridedShard(1, split_factor=2) if name == "gate_up_proj" else Shard(2)
+        placements = [Shard(0), etp_placement]
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
     setattr(new, EXPERT_GRAD_GROUP_ATTR, "edp")
     return new
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, hot_experts: HotExpertReplication | None = None) -> nn.Module:
-    """Shard the experts of every MoE layer of ``model`` over ``ep_mesh`` (1-D, or a mesh with an "ep" dim).
+def apply_ep(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    *,
+    hot_experts: HotExpertReplication | None = None,
+    etp_tokens_replicated: bool = False,
+) -> nn.Module:
+    """Shard the experts of every MoE layer of ``model`` over ``ep_mesh``: 1-D over "ep", or a mesh with "ep" (and
+    "etp") dims; an "etp" dim of size k > 1 splits each expert's FFN over k ranks (module docstring).
 
-    Call it before ZeRO/FSDP wrapping and after TP (experts are not tensor-parallel here); works on meta-device
-    models (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
+    ``etp_tokens_replicated``: the ETP ranks feed their MoE blocks the same tokens (ETP inside a TP group,
+    ``ParallelConfig.etp_tokens_replicated``), so they split the same rows instead of all-gathering them. Call it
+    before ZeRO/FSDP wrapping and after TP (the rest of the block is tensor-parallel); works on meta-device models
+    (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
     """
     layers = moe_layers(model)
     if not layers:
         raise ValueError("apply_ep found no MoE layers in the model; expert parallelism needs num_experts > 0.")
-    mesh = _ep_submesh(ep_mesh)
-    ep = mesh.size()
+    mesh, etp_mesh = _expert_submesh(ep_mesh)
+    ep_dim = mesh if etp_mesh is None else mesh["ep"]
+    ep, etp = ep_dim.size(), 1 if etp_mesh is None else etp_mesh.size()
     for name, layer in layers:
         if layer.num_experts % ep:
             raise ValueError(
                 f"{name}: num_experts={layer.num_experts} is not divisible by the expert-parallel size {ep};"
                 " change expert_parallel_size."
             )
+        if layer.experts.intermediate_size % etp:
+            raise ValueError(
+                f"{name}: the expert intermediate size {layer.experts.intermediate_size} is not divisible by the"
+                f" expert-tensor-parallel size {etp}; change expert_tensor_parallel_size."
+            )
+        if etp > 1 and (hot_experts is not None or layer.hot_expert_config is not None):
+            raise ValueError(f"{name}: hot-expert replication is not supported with expert tensor parallelism.")
         if isinstance(layer.experts.gate_up_proj, DTensor):
             raise ValueError(f"{name}: experts are already sharded; apply_ep was called twice.")
         for pname in ("gate_up_proj", "down_proj"):
-            setattr(layer.experts, pname, _shard_param(getattr(layer.experts, pname), mesh))
-        layer.dispatcher = AllToAllDispatcher(mesh.get_group(), ep, mesh.get_local_rank())
+            setattr(layer.experts, pname, _shard_param(getattr(layer.experts, pname), pname, mesh, etp_mesh))
+        layer.dispatcher = AllToAllDispatcher(
+            ep_dim.get_group(), ep, ep_dim.get_local_rank(), etp_group=None if etp_mesh is None else
+            etp_mesh.get_group(), etp_size=etp, etp_tokens_replicated=etp_tokens_replicated,
+        )  # fmt: skip
         if hot_experts is not None:  # else keep what the config asked for (``moe_hot_expert_replicas``)
             layer.hot_expert_config = hot_experts
     return model

@@ -1,0 +1,128 @@
+"""Expert tensor parallelism (issue 39 item 4) inside Trainer.fit: each expert's FFN split over ETP ranks, folded with
+EP over a stage's ranks, matches the single-process run (plain SGD, ragged labels, clipped, 3 steps, aux loss on).
+
+Each launch trains several layouts one after the other on the same workers (one pool start per world size):
+
+- ETP ranks holding different tokens (ETP over data-parallel ranks): tokens all-gathered over ETP, partial outputs
+  reduce-scattered;
+- ETP inside a TP group (the TP ranks feed the MoE blocks the same tokens): the same rows split, outputs all-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run, shrink
+
+STEPS = 3
+CLIP = 1.0
+REL = 1e-6
+
+LAYOUTS_2 = {
+    "etp2": dict(expert_tensor_parallel_size=2),  # dp 2 folded as etp 2: all-gather / reduce-scatter
+    "tp2-sp-etp2-zero1": dict(  # etp = tp: the same rows split, partial outputs all-reduced
+        tensor_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2, zero_stage=1
+    ),
+}
+LAYOUTS_4 = {
+    "ep2xetp2": dict(expert_parallel_size=2, expert_tensor_parallel_size=2),  # dp 4: all-to-all, then etp gather
+    "ep2xetp2-tp2-zero1": dict(
+        expert_parallel_size=2, expert_tensor_parallel_size=2, tensor_parallel_size=2, zero_stage=1
+    ),
+    "etp2-zero2": dict(expert_tensor_parallel_size=2, zero_stage=2),  # dp 4 = edp 2 x etp 2
+}
+
+
+def _config():
+    return shrink("mixtral-tiny")  # 8 experts, top-2, moe_intermediate_size 16, its default aux loss
+
+
+def run_layouts(layouts: dict[str, dict[str, Any]], one_layer: bool = False) -> dict[str, dict[str, Any]]:
+    """Every layout's ``sgd_trainer_run`` on this worker, in order (one launch for all of them); with ``one_layer``
+    also :func:`layer_under_etp` in both modes."""
+    results = {name: sgd_trainer_run(kwargs, _config(), STEPS, clip=CLIP) for name, kwargs in layouts.items()}
+    if one_layer:
+        results.update({f"layer-{mode}": layer_under_etp(mode == "replicated") for mode in ("gathered", "replicated")})
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = _config()
+    assert config.moe_aux_loss_coeff > 0
+    return sgd_reference(config, STEPS, clip=CLIP)
+
+
+@pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["world2", "world4"])
+def test_expert_tensor_parallel_matches_single_process(launcher, reference, world, layouts):
+    assert min(reference["norms"]) > CLIP  # clipping active: the compared pre-clip norms carry the gradient scale
+    per_rank = launcher(world, run_layouts, layouts, world == 2, timeout=600.0)
+    for name in layouts:
+        assert_sgd_parity([res[name] for res in per_rank], reference, name, rel=REL)
+    for mode in ("gathered", "replicated") if world == 2 else ():
+        for rank, res in enumerate(res[f"layer-{mode}"] for res in per_rank):
+            assert res["is_dtensor"] and res["gate_up_local"] and res["down_local"] and res["full"], (mode, rank, res)
+            for key in ("out_err", "gate_up_grad_err", "down_grad_err", "router_grad_err"):
+                assert res[key] < REL, (mode, rank, key, res[key])
+
+
+def layer_under_etp(replicated: bool) -> dict[str, Any]:
+    """One MoE layer under ETP 2 (world 2, no EP) against the same layer in this process: outputs, the local shards
+    (gate and up rows of chunk s, down columns of chunk s) and their gradients. ``replicated``: both ranks feed the
+    same tokens (ETP inside TP); else each rank its own (ETP over data-parallel ranks: all-gathered)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.moe import build_moe
+    from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group
+
+    rank = dist.get_rank()
+    config = shrink("mixtral-tiny", moe_aux_loss_coeff=0.0)
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleDict({"mlp": build_moe(config, 0)})
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    xs = torch.randn(2, 3, 5, config.hidden_size)  # one batch per rank
+    ws = torch.randn(2, 3, 5, config.hidden_size)
+    set_moe_token_group(ref, None)
+    ref_out = [ref.mlp(xs[r]) for r in range(2)]
+    sources = [0] if replicated else [0, 1]
+    sum(((ref_out[r] * ws[r]).sum() for r in sources), torch.zeros(())).backward()
+
+    model = torch.nn.ModuleDict({"mlp": build_moe(config, 0)})
+    model.load_state_dict(ref.state_dict())
+    set_moe_token_group(model, None)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "etp"))
+    apply_ep(model, mesh, etp_tokens_replicated=replicated)
+    x = xs[0] if replicated else xs[rank]
+    w = ws[0] if replicated else ws[rank]
+    out = model.mlp(x)
+    (out * w).sum().backward()
+    experts, ref_experts = model.mlp.experts, ref.mlp.experts
+    inter = config.moe_intermediate_size // 2
+    chunk = slice(rank * inter, (rank + 1) * inter)
+    g, u = ref_experts.gate_up_proj.chunk(2, dim=1)
+    gg, gu = ref_experts.gate_up_proj.grad.chunk(2, dim=1)
+    return {
+        "out_err": float((out - ref_out[0 if replicated else rank]).norm() / ref_out[0].norm()),
+        "is_dtensor": isinstance(experts.gate_up_proj, DTensor),
+        "gate_up_local": torch.equal(experts.gate_up_proj.to_local(), torch.cat([g[:, chunk], u[:, chunk]], dim=1)),
+        "down_local": torch.equal(experts.down_proj.to_local(), ref_experts.down_proj[:, :, chunk]),
+        "full": torch.equal(experts.gate_up_proj.full_tensor(), ref_experts.gate_up_proj.detach()),
+        "gate_up_grad_err": float(
+            (experts.gate_up_proj.grad.to_local() - torch.cat([gg[:, chunk], gu[:, chunk]], dim=1)).norm() / gg.norm()
+        ),
+        "down_grad_err": float(
+            (experts.down_proj.grad.to_local() - ref_experts.down_proj.grad[:, :, chunk]).norm()
+            / ref_experts.down_proj.grad.norm()
+        ),
+        "router_grad_err": float(
+            (model.mlp.gate.weight.grad - ref.mlp.gate.weight.grad).norm() / ref.mlp.gate.weight.grad.norm()
+        )
+        if replicated
+        else 0.0,
+    }
