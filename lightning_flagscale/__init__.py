@@ -6,7 +6,8 @@ below load their module on first use (PEP 562), and so does any subpackage reach
 ``lightning_flagscale.strategies``) registers ``Trainer(strategy="flagscale")``. The built-in model families register
 their presets and HF converters when ``lightning_flagscale.models`` is imported: the preset registry imports it on
 its first read (``config/presets.py``), and ``models`` imports ``convert``, whose ``"hf"`` weight source
-``from_hf`` uses.
+``from_hf`` uses. Importing the package filters a few notices Lightning and torch print on every run that no user can
+act on (``_notices.py``: by message and raising module, never a user's own warnings).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_flagscale._notices import filter_dependency_notices
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.presets import add_preset_loader
 
@@ -44,6 +46,8 @@ def _load_builtin_families() -> None:
 
 
 add_preset_loader(_load_builtin_families)
+# Lightning's and torch's notices that no user can act on (their message and module only; see _notices.py).
+filter_dependency_notices()
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import sys
-import warnings
 from argparse import ArgumentError
 from collections.abc import Generator
 from pathlib import Path
@@ -243,20 +241,6 @@ def _resolve_config_args(argv: list[str]) -> list[str]:
     return out
 
 
-# Deprecation notices raised inside dependencies on every run, which a user of the command cannot act on.
-_THIRD_PARTY_NOISE = (
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning 2.6's pytree helper under torch >= 2.10
-    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",  # renamed in torch 2.13
-)
-
-
-class _DropAdvertisement(logging.Filter):
-    """Lightning (2.6) logs a tip to install a cloud logging service on every Trainer; it is not about this run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
-
-
 @contextlib.contextmanager
 def _command_line(argv: list[str]) -> Generator[None, None, None]:
     """Run with ``sys.argv`` set to the resolved command line.
@@ -274,21 +258,13 @@ def _command_line(argv: list[str]) -> Generator[None, None, None]:
 
 
 def run_lightning_cli(argv: list[str]) -> FlagScaleCLI:
-    quiet = _DropAdvertisement()
-    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    rank_zero_logger.addFilter(quiet)
-    try:
-        with _command_line(_resolve_config_args(argv)), warnings.catch_warnings():
-            for pattern in _THIRD_PARTY_NOISE:
-                warnings.filterwarnings("ignore", message=pattern)
-            return FlagScaleCLI(
-                LightningModule,
-                LightningDataModule,
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                save_config_kwargs={"overwrite": True},
-                # Argument errors raise (and become one `error:` line) instead of printing the 500-line usage.
-                parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in _SUBCOMMANDS}},
-            )
-    finally:
-        rank_zero_logger.removeFilter(quiet)
+    with _command_line(_resolve_config_args(argv)):
+        return FlagScaleCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            # Argument errors raise (and become one `error:` line) instead of printing the 500-line usage.
+            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in _SUBCOMMANDS}},
+        )

@@ -81,7 +81,9 @@ def take(trainer: Any, folder: Path) -> float:
     strategy = trainer.strategy
     strategy._snapshot_local = True  # the strategy's state hooks hand ZeRO-1/2 slices as `LocalChunks`: no gathers
     try:
-        trainer.save_checkpoint(snapshot_path(folder, trainer.global_step), storage_options=MemorySnapshot())
+        # weights_only=False said, not defaulted: a snapshot resumes training (Lightning logs the default on every rank)
+        path = snapshot_path(folder, trainer.global_step)
+        trainer.save_checkpoint(path, weights_only=False, storage_options=MemorySnapshot())
     finally:
         strategy._snapshot_local = False
     return time.perf_counter() - start
