@@ -395,3 +395,46 @@ def test_mla_moe_layer_and_mtp_module_activations():
         keys = math_attention_keys(with_mtp, 64, cpu=True)
         want = mtp_activation_bytes(with_mtp, 128, padded_vocab=1024, act_bytes=e, attention_keys=keys)
         assert got == want, (dtype, got, want)
+
+
+def _tp_layer_bytes(shape: dict) -> dict[bool, int]:
+    """Per sequence-parallel setting, the bytes one more layer adds to what autograd saves on this rank for a forward
+    + loss under TP 2 (bf16): the 2-layer model's minus the 1-layer model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x, y = torch.randint(0, shape["vocab_size"], (2, 2, 64), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for sp in (False, True):
+        saved_bytes = []
+        for n in (1, 2):
+            with torch.device("meta"):
+                model = CausalLM(TransformerConfig(**shape, num_layers=n), vocab_multiple=64)
+            apply_tp(model, mesh, sequence_parallel=sp)
+            model.to_empty(device="cpu")
+            model.init_weights(seed=0)
+            model.to(torch.bfloat16)
+            with SavedActivations.of_module(model) as saved:
+                loss = model.loss_fn(model(x), y)
+            del loss
+            saved_bytes.append(saved.total_bytes)
+        out[sp] = saved_bytes[1] - saved_bytes[0]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["mla", "gqa"])
+def test_layer_activations_under_tensor_parallel(launcher, shape):
+    """Under TP 2, with and without SP, a layer keeps on each rank what the model says (sharded DTensors counted by
+    their local shard): heads and MLP width split; MLA's down projections and latent norms whole on the gathered
+    sequence; the block norms on sequence shards under SP, the projections' gathered inputs whole."""
+    from lightning_flagscale.tune.activations import math_attention_keys
+
+    kwargs = MLA if shape == "mla" else SHAPE
+    config = TransformerConfig(**kwargs, num_layers=2)
+    keys = math_attention_keys(config, 64, cpu=True)
+    for rank, got in enumerate(launcher(2, _tp_layer_bytes, kwargs)):
+        for sp, layer in got.items():
+            want = layer_activation_bytes(config, 128, tp=2, sequence_parallel=sp, attention_keys=keys)[0]
+            assert layer == want, (rank, sp, layer, want)

@@ -32,7 +32,8 @@ of indices/masks. The loss also has the largest transients of the step: backward
 forward holds the half-precision logits, the masked and shifted fp32 logits and the exponentials at once.
 
 These were checked against ``tune.measure.SavedActivations`` on a one- and two-layer model (bf16 and fp32, exact to
-the byte for the layer and within 3% outside it); ``tests/test_tune_memory.py`` keeps the check.
+the byte for the layer and within 3% outside it; a layer under TP 2 with and without SP to the byte on each rank);
+``tests/test_tune_memory.py`` keeps the check.
 
 Tensor parallelism (``models/decoder_plan.py``) divides q/k/v/i and the vocabulary by ``t``; without sequence
 parallelism the norms run on the whole sequence on every TP rank; with it the norms run on ``s/t`` tokens but the

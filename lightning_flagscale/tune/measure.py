@@ -96,7 +96,8 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         if key not in self._params and key not in self._alive and t.device.type != "meta":
-            storage = t.untyped_storage()
+            # a DTensor's own storage has its global size: count its shard, what this rank holds
+            storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
             self._alive[key] = storage.nbytes()
             self.total_bytes += storage.nbytes()
             weakref.finalize(storage, self._alive.pop, key, None)
