@@ -205,7 +205,9 @@ def memory_breakdown(
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
     batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
     head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
-    keys = math_attention_keys(m, seq_len, cpu=backend == "gloo")  # gloo: CPU processes, torch's CPU SDPA kernels
+    # gloo: CPU processes, torch's CPU SDPA kernels; ring CP runs its own kernel (q, k, v, out, lse kept), Ulysses
+    # the model's core attention on the gathered sequence
+    keys = math_attention_keys(m, seq_len, cpu=backend == "gloo") if c.ring_size == 1 else None
     if m.num_nextn_predict_layers:  # the MTP modules run with the head on the last stage
         mtp = mtp_activation_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp,
                                    sp=sp, attention_keys=keys)  # fmt: skip
