@@ -202,13 +202,14 @@ def test_global_losses_in_one_process_equal_local(preset):
     x = torch.randn(2, 6, 64)
     grads, values = [], []
     for scope in ("global", "local"):
-        layer = make_layer(preset, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_aux_loss_scope=scope)
+        layer = make_layer(preset, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_seq_aux_loss_coeff=0.1,
+                           moe_aux_loss_scope=scope)  # fmt: skip
         layer.token_group = None
         layer(x).square().sum().backward()
         grads.append(layer.gate.weight.grad)
         values.append(layer.last_aux_losses)
     assert rel_err(grads[0], grads[1]) <= 1e-6
-    assert values[0].keys() == values[1].keys() == {"aux_loss", "z_loss"}
+    assert values[0].keys() == values[1].keys() == {"aux_loss", "z_loss", "seq_aux_loss"}
     for key in values[0]:
         assert values[0][key].item() == pytest.approx(values[1][key].item(), rel=1e-6)
 
