@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_flagscale.callbacks import KnownFlopsRichModelSummary
+from lightning_flagscale.callbacks import DropEmptyLogDir, KnownFlopsRichModelSummary
 from lightning_flagscale.convert import config_from_hf
 from lightning_flagscale.convert.hf_import import ARCHITECTURE_FIELDS
 from lightning_flagscale.convert.hub import resolve_hf_dir
@@ -146,10 +146,10 @@ class FlagScaleCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         # The Rich summary Lightning adds by default shows FLOPs of 0 for modules without `example_input_array`.
-        trainer.callbacks = [
+        trainer.callbacks = [DropEmptyLogDir()] + [
             KnownFlopsRichModelSummary(cb._max_depth, **cb._summarize_kwargs) if type(cb) is RichModelSummary else cb
             for cb in trainer.callbacks
-        ]
+        ]  # a run failing before it logs anything leaves no empty version_N folder
         extra = tensorboard_beside_csv(trainer.loggers)
         if extra is not None:
             trainer.loggers = [*trainer.loggers, extra]

@@ -93,3 +93,38 @@ def test_no_recipe_writes_a_second_checkpoint():
         own = [cb for cb in trainer.get("callbacks") or [] if cb["class_path"].endswith(".ModelCheckpoint")]
         assert trainer.get("enable_checkpointing") is False or own, path.name
         assert not (trainer.get("enable_checkpointing") is False and own), path.name  # Lightning would refuse it
+
+
+def _failing_fit(tmp_path: Path, *, callbacks: list, write_first: bool = False) -> Path:
+    """A fit whose data ``setup`` fails (as a corpus too small to split does on the workers), after writing a file into
+    the log folder with ``write_first`` (as LightningCLI's config callback does later in a run)."""
+    import lightning as L
+    import pytest
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Data(BoringDataModule):
+        def setup(self, stage: str) -> None:
+            if write_first:
+                (Path(self.trainer.log_dir) / "config.yaml").write_text("{}\n")
+            raise ValueError("'tiny.txt' holds 1 document(s); at least 2 are needed for train/val.")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path / "logs", name="run"),
+                        callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        trainer.fit(BoringModel(), datamodule=Data())
+    return tmp_path / "logs"
+
+
+def test_a_run_failing_before_it_logs_leaves_no_empty_log_folder(tmp_path):
+    from lightning_flagscale.callbacks import DropEmptyLogDir
+
+    assert (_failing_fit(tmp_path / "a", callbacks=[]) / "run" / "version_0").is_dir()  # what Lightning leaves
+    assert not _failing_fit(tmp_path / "b", callbacks=[DropEmptyLogDir()]).exists()  # version_0, run/, logs/
+    (tmp_path / "d" / "logs" / "other").mkdir(parents=True)
+    assert list(_failing_fit(tmp_path / "d", callbacks=[DropEmptyLogDir()]).iterdir()) == [
+        tmp_path / "d" / "logs" / "other"
+    ]
+    kept = _failing_fit(tmp_path / "c", callbacks=[DropEmptyLogDir()], write_first=True)
+    assert (kept / "run" / "version_0" / "config.yaml").is_file()  # a folder holding anything stays

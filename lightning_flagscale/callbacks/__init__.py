@@ -1,6 +1,7 @@
 """Lightning callbacks: progress bar and reports, loss plot, slow-rank detection, MoE telemetry, HF export, in-memory
-checkpoints."""
+checkpoints, and no empty log folder after a failed run."""
 
+from lightning_flagscale.callbacks.empty_logs import DropEmptyLogDir
 from lightning_flagscale.callbacks.hf_export import HFExportCallback
 from lightning_flagscale.callbacks.loss_plot import LossCurvePlot
 from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
@@ -11,6 +12,7 @@ from lightning_flagscale.callbacks.slow_rank import SlowRankDetector
 from lightning_flagscale.callbacks.summary import KnownFlopsRichModelSummary
 
 __all__ = [
+    "DropEmptyLogDir",
     "HFExportCallback",
     "KnownFlopsRichModelSummary",
     "LossCurvePlot",
