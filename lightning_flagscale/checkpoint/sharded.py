@@ -9,6 +9,10 @@ Layout of a checkpoint folder::
                                  position, per-rank RNG), written by rank 0
       COMPLETE                   written last
 
+Expert tensor parallelism stores each expert's gate/up chunk as two row blocks (``_StridedShard``), which DCP cannot
+describe (one box per rank and key): those tensors are saved with their shard moved to the hidden dim
+(``Shard(2)``, one box), and loaded through such a copy, so every layout reads and writes the same global tensor.
+
 All ranks write into ``ckpt.tmp-<id>/``; rank 0 renames it to ``ckpt/`` only after every rank finished and the
 marker is written, so a crash leaves a ``*.tmp-*`` folder that is never mistaken for a checkpoint. Asynchronous
 saves (DCP ``async_save``: tensors staged to CPU memory, written by a background thread, as in the seeds' flash
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_flagscale.checkpoint.layout import COMPLETE_MARKER, META_FILE, is_sharded_checkpoint, read_meta
 from lightning_flagscale.checkpoint.recovery import clean_interrupted
@@ -55,6 +61,46 @@ def _broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def _boxed_placements(value: Any) -> tuple | None:
+    """Placements DCP can write for ``value``: an ETP-split ``gate_up_proj`` (``Shard(0)`` over ep, gate and up rows
+    of chunk s as ``_StridedShard(1, split_factor=2)`` over etp) gets its etp shard on the hidden dim; None: as is."""
+    if not isinstance(value, DTensor) or len(value.placements) != 2 or value.ndim != 3:
+        return None
+    first, second = value.placements
+    if first == Shard(0) and isinstance(second, _StridedShard) and second.dim == 1 and second.split_factor == 2:
+        return (Shard(0), Shard(2))
+    return None
+
+
+def _slots(obj: Any) -> Any:
+    """Every (container, key, value) of the nested dicts and lists of a state."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        yield obj, key, value
+        yield from _slots(value)
+
+
+def _box_strided(state: dict[str, Any]) -> list[tuple[Any, Any, DTensor, DTensor]]:
+    """Replace, in place, every tensor of ``state`` DCP cannot write by a copy it can (:func:`_boxed_placements`);
+    returns (container, key, original, copy) to undo it with :func:`_unbox_strided`."""
+    swapped = []
+    for container, key, value in list(_slots(state)):
+        placements = _boxed_placements(value)
+        if placements is not None:
+            boxed = value.redistribute(value.device_mesh, placements)
+            container[key] = boxed
+            swapped.append((container, key, value, boxed))
+    return swapped
+
+
+def _unbox_strided(swapped: list[tuple[Any, Any, DTensor, DTensor]], *, copy_back: bool) -> None:
+    for container, key, original, boxed in swapped:
+        if copy_back:
+            values = boxed.redistribute(original.device_mesh, original.placements).to_local()
+            original.to_local().copy_(values)
+        container[key] = original
+
+
 def save_sharded(
     path: str | os.PathLike,
     state: dict[str, Any],
@@ -78,8 +124,11 @@ def save_sharded(
         tmp.mkdir(parents=True, exist_ok=False)
     _barrier()
     _save_event("tmp_created", tmp)
+    state = dict(state)  # the boxed copies replace entries of this copy's nested containers
+    swapped = _box_strided(state)
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
+        _unbox_strided(swapped, copy_back=False)
         _save_event("data_written", tmp)
         if rank == 0:
             _finalize(tmp, path, meta)
@@ -179,8 +228,10 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
     if not is_sharded_checkpoint(path):
         read_meta(path)  # raises the descriptive error
     check_shard_files(path)
+    swapped = _box_strided(state)
     try:
         dcp.load(state, checkpoint_id=path)
+        _unbox_strided(swapped, copy_back=True)
     except (Exception, CheckpointException) as err:  # CheckpointException derives from BaseException
         # DCP reports e.g. "PytorchStreamReader failed reading zip archive" without the file: name the shards.
         files = sorted(p.name for p in path.glob("*.distcp"))

@@ -119,8 +119,9 @@ def _check_names(reader: HFCheckpointReader, family: HFFamily, specs: dict[str, 
         )
 
 
-def _local_box(tensor: Tensor) -> Box:
-    """Global region held by this rank: all of a plain tensor, the local shard of a DTensor."""
+def _local_box(tensor: Tensor, placements: Any = None) -> Box:
+    """Global region held by this rank: all of a plain tensor, the local shard of a DTensor (under ``placements``
+    instead of its own, when given)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
@@ -128,7 +129,8 @@ def _local_box(tensor: Tensor) -> Box:
     # Private but stable helper (DCP and torchtitan use it): local shape and global offset of the shard.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    placements = tensor.placements if placements is None else placements
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
     return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
@@ -192,7 +194,30 @@ def _load_one(reader: HFCheckpointReader, name: str, spec: Spec, target: Tensor)
     from torch.distributed.tensor import DTensor
 
     local = target.to_local() if isinstance(target, DTensor) else target
-    local.copy_(spec.read(reader.read, reader.shape, _local_box(target), local.dtype))
+    strided = _strided_dim(target)
+    if strided is None:
+        local.copy_(spec.read(reader.read, reader.shape, _local_box(target), local.dtype))
+        return
+    # Expert tensor parallelism's gate/up chunk: rows of `split_factor` blocks, not one box. Read the box spanning
+    # them (the strided mesh dim taken as replicated) and keep this rank's rows of each block.
+    from torch.distributed.tensor import Replicate
+
+    mesh_dim, placement = strided
+    placements = [Replicate() if i == mesh_dim else pl for i, pl in enumerate(target.placements)]
+    region = spec.read(reader.read, reader.shape, _local_box(target, placements), local.dtype)
+    k, coord = target.device_mesh.size(mesh_dim), target.device_mesh.get_coordinate()[mesh_dim]
+    blocks = region.chunk(placement.split_factor, dim=placement.dim)
+    local.copy_(torch.cat([block.chunk(k, dim=placement.dim)[coord] for block in blocks], dim=placement.dim))
+
+
+def _strided_dim(tensor: Tensor) -> tuple[int, Any] | None:
+    """(mesh dim, placement) of a DTensor's ``_StridedShard`` placement, or None."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    return next(((i, pl) for i, pl in enumerate(tensor.placements) if isinstance(pl, _StridedShard)), None)
 
 
 def causal_lm_from_hf(

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
 from lightning_flagscale.checkpoint.in_memory import LocalChunks, flat_blocks, list_snapshots, snapshot_path
@@ -114,7 +115,16 @@ def _chunks_of(dopt: DistributedOptimizer, bucket: Any, shard: Tensor) -> dict[s
 
 
 def _local(dopt: Any) -> bool:
-    return type(dopt) is DistributedOptimizer and dopt.master_weights  # flat ZeRO-3 and plain DDP: the usual path
+    # Flat ZeRO-3 and plain DDP take the usual path, and so do ETP-split experts (issue 39 item 4): their gate/up
+    # chunk is two row blocks, not one box at one global offset.
+    return (
+        type(dopt) is DistributedOptimizer and dopt.master_weights
+        and not any(_strided(p) for bucket in dopt.buckets for p in bucket.params)
+    )  # fmt: skip
+
+
+def _strided(p: Tensor) -> bool:
+    return isinstance(p, DTensor) and any(isinstance(pl, _StridedShard) for pl in p.placements)
 
 
 def local_model_state(model: torch.nn.Module, dopts: Any) -> dict[str, Any]:

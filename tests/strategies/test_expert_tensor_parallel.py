@@ -10,11 +10,16 @@ Each launch trains several layouts one after the other on the same workers (one 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from lightning_flagscale.convert import export_hf
+from lightning_flagscale.models import CausalLM
 from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run, shrink
+from tests.strategies._lm import GRAD_NORMS, assert_rel_close, reference_run, trainer_run
 
 STEPS = 3
 CLIP = 1.0
@@ -35,17 +40,56 @@ LAYOUTS_4 = {
 }
 
 
+def _safetensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _hf_config():
+    return shrink("mixtral-tiny", intermediate_size=16)  # Mixtral's config.json has one FFN width: the experts'
+
+
 def _config():
     return shrink("mixtral-tiny")  # 8 experts, top-2, moe_intermediate_size 16, its default aux loss
 
 
-def run_layouts(layouts: dict[str, dict[str, Any]], one_layer: bool = False) -> dict[str, dict[str, Any]]:
+def run_layouts(
+    layouts: dict[str, dict[str, Any]], one_layer: bool = False, hf_dir: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Every layout's ``sgd_trainer_run`` on this worker, in order (one launch for all of them); with ``one_layer``
-    also :func:`layer_under_etp` in both modes."""
+    also :func:`layer_under_etp` in both modes, with ``hf_dir`` :func:`hf_round_trip_under_etp`."""
     results = {name: sgd_trainer_run(kwargs, _config(), STEPS, clip=CLIP) for name, kwargs in layouts.items()}
     if one_layer:
         results.update({f"layer-{mode}": layer_under_etp(mode == "replicated") for mode in ("gathered", "replicated")})
+    if hf_dir is not None:
+        results["hf"] = hf_round_trip_under_etp(hf_dir)
     return results
+
+
+def hf_round_trip_under_etp(hf_dir: str) -> dict[str, Any]:
+    """An HF folder streamed into a model under ETP 2 (each rank reads its gate/up row blocks) and exported back."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.convert import export_hf
+    from lightning_flagscale.convert.hf_import import load_hf_weights
+    from lightning_flagscale.models import CausalLM
+    from lightning_flagscale.parallel.expert_parallel.apply import apply_ep
+
+    reference = CausalLM(_hf_config())
+    load_hf_weights(reference, hf_dir)
+    model = CausalLM(_hf_config())
+    apply_ep(model, init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "etp")))
+    load_hf_weights(model, hf_dir)
+    strided = isinstance(model.layers["0"].mlp.experts.gate_up_proj, DTensor)
+    equal = all(
+        torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, reference.get_parameter(name))
+        for name, p in model.named_parameters()
+    )
+    export_hf(model, f"{hf_dir}-etp2")
+    return {"strided": strided, "equal": equal}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +100,22 @@ def reference():
 
 
 @pytest.mark.parametrize("world,layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["world2", "world4"])
-def test_expert_tensor_parallel_matches_single_process(launcher, reference, world, layouts):
+def test_expert_tensor_parallel_matches_single_process(launcher, reference, tmp_path, world, layouts):
     assert min(reference["norms"]) > CLIP  # clipping active: the compared pre-clip norms carry the gradient scale
-    per_rank = launcher(world, run_layouts, layouts, world == 2, timeout=600.0)
+    hf_dir = None
+    if world == 2:  # an HF folder of seeded weights, read and written back under ETP 2 by the same launch
+        hf_dir = str(tmp_path / "hf")
+        source = CausalLM(_hf_config())
+        source.init_weights(seed=3)
+        export_hf(source, hf_dir)
+    per_rank = launcher(world, run_layouts, layouts, world == 2, hf_dir, timeout=600.0)
     for name in layouts:
         assert_sgd_parity([res[name] for res in per_rank], reference, name, rel=REL)
+    if hf_dir is not None:
+        assert all(res["hf"]["strided"] and res["hf"]["equal"] for res in per_rank), [r["hf"] for r in per_rank]
+        assert _safetensors(hf_dir + "-etp2").keys() == _safetensors(hf_dir).keys()
+        for name, value in _safetensors(hf_dir + "-etp2").items():
+            assert torch.equal(value, _safetensors(hf_dir)[name]), name
     for mode in ("gathered", "replicated") if world == 2 else ():
         for rank, res in enumerate(res[f"layer-{mode}"] for res in per_rank):
             assert res["is_dtensor"] and res["gate_up_local"] and res["down_local"] and res["full"], (mode, rank, res)
@@ -126,3 +181,45 @@ def layer_under_etp(replicated: bool) -> dict[str, Any]:
         if replicated
         else 0.0,
     }
+
+
+# ---- checkpoints reshard across ETP sizes: one AdamW run saved and resumed under three layouts in turn equals one
+# uninterrupted single-process AdamW run (Adam's moments of the ETP-split gate/up rows must land on the right rows) ----
+NUM_SAMPLES, STEPS_PER_EPOCH = 12, 3  # global batch 4: each checkpoint sits on an epoch boundary
+RESUME_LEGS = [  # (what, strategy keywords, DataLoader batch per rank)
+    ("ep2xetp2-zero1", dict(expert_parallel_size=2, expert_tensor_parallel_size=2, zero_stage=1), 1),
+    ("ep2-zero1", dict(expert_parallel_size=2, zero_stage=1), 1),  # ETP 2 -> 1
+    ("tp2-etp2-zero1", dict(tensor_parallel_size=2, expert_tensor_parallel_size=2, zero_stage=1), 2),  # ETP 1 -> 2
+]
+
+
+def resume_chain(folder: str) -> list[tuple[list[float], dict]]:
+    """Every leg of :data:`RESUME_LEGS` on this worker, each resuming the previous leg's checkpoint."""
+    results, checkpoint = [], None
+    for leg, (what, strategy, batch_size) in enumerate(RESUME_LEGS):
+        save = f"{folder}/{leg}-{what}.ckpt"
+        kwargs = dict(max_epochs=leg + 1, num_samples=NUM_SAMPLES, clip=CLIP, optimizer="adamw", batch_size=batch_size)
+        results.append(trainer_run(strategy, _config(), -1, ckpt_path=checkpoint, save_path=save, **kwargs))
+        checkpoint = save
+    return results
+
+
+def test_adam_checkpoints_reshard_across_expert_tensor_parallel_sizes(launcher, tmp_path):
+    references = [
+        reference_run(_config(), STEPS_PER_EPOCH * (leg + 1), clip=CLIP, num_samples=NUM_SAMPLES, optimizer="adamw")
+        for leg in range(len(RESUME_LEGS))
+    ]
+    ref_losses, ref_params = references[-1]
+    assert (ref_params[GRAD_NORMS] > CLIP).all(), ref_params[GRAD_NORMS]  # clipping active at every step
+    per_rank = launcher(4, resume_chain, str(tmp_path), timeout=600.0)
+    for leg, (what, _, _) in enumerate(RESUME_LEGS):
+        steps = slice(STEPS_PER_EPOCH * leg, STEPS_PER_EPOCH * (leg + 1))
+        want = references[leg][1]
+        for rank, legs in enumerate(per_rank):
+            losses, params = legs[leg]
+            where = f"leg {leg + 1} ({what}) rank {rank}"
+            assert losses == pytest.approx(ref_losses[steps], rel=1e-5), (where, losses, ref_losses[steps])
+            assert_rel_close(params.pop(GRAD_NORMS), ref_params[GRAD_NORMS][steps], 1e-5, f"{where} gradient norms")
+            assert set(params) == set(want) - {GRAD_NORMS}, where
+            for name, value in params.items():
+                assert_rel_close(value, want[name], 1e-5, f"{where} {name}")
