@@ -438,3 +438,16 @@ def test_layer_activations_under_tensor_parallel(launcher, shape):
         for sp, layer in got.items():
             want = layer_activation_bytes(config, 128, tp=2, sequence_parallel=sp, attention_keys=keys)[0]
             assert layer == want, (rank, sp, layer, want)
+
+
+def test_mtp_activations_are_priced_on_the_last_pipeline_stage_only():
+    """Under PP 2 (1F1B, one micro-batch alive on the last rank at its peak) the MTP module adds its bytes to the
+    last rank's activations and nothing to the first's."""
+    from lightning_flagscale.tune.activations import mtp_activation_bytes
+
+    base, with_mtp = (TransformerConfig(**MLA, num_layers=4, num_nextn_predict_layers=d) for d in (0, 1))
+    c = ParallelConfig(pipeline_parallel_size=2).resolve(2)
+    before, after = (memory_breakdown(m, c, 64, 4).ranks for m in (base, with_mtp))
+    assert after[0].activations == before[0].activations and after[1].live_microbatches == 1
+    mtp = mtp_activation_bytes(with_mtp, 64, padded_vocab=with_mtp.padded_vocab_size(64))
+    assert after[1].activations - before[1].activations == mtp
