@@ -88,15 +88,20 @@ def _lightning_run(
                 dist.all_reduce(loss)
             losses.append(loss.item() / world)
 
+    from torch.utils.data import DistributedSampler
+
     dp = 1 if strategy_name.endswith("tp2") else world  # every TP rank reads the whole batch
     if module_name == "vlm":
-        module = _vlm_module()
-        loader = DataLoader(RaggedShapes(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE)
+        module, data, collate = _vlm_module(), RaggedShapes(), COLLATE
     else:
         config = tiny_config()
         torch.manual_seed(0)
-        module = make_module(config)
-        loader = DataLoader(TokenDataset(config.vocab_size, ragged=False), batch_size=GLOBAL_BATCH // dp)
+        module, data, collate = make_module(config), TokenDataset(config.vocab_size, ragged=False), None
+    # A single-device strategy injects no DistributedSampler: the order of the one it would inject, as the oracle's.
+    sampler = (
+        DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if strategy_name == "auto" else None
+    )
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH // dp, collate_fn=collate, sampler=sampler)
     trainer = L.Trainer(
         accelerator=accelerator, devices=world, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
