@@ -28,12 +28,14 @@ EP2_DP2 = dict(data_parallel_size=2, expert_parallel_size=2)
 Z = dict(moe_z_loss_coeff=1e-3)  # no preset sets a z-loss: on top of qwen2-moe's default aux loss
 
 # name: (preset, overrides, hetero meshes, layers per mesh, micro_batch_size, DataLoader batch, micro-batches per step)
-# (the global batch is 4: the loader batch times the first mesh's data-parallel size)
-CASES: dict[str, tuple[str, dict, list, list[int], int, int, int]] = {
+# (the global batch is 4: the loader batch times the first mesh's data-parallel size). The one-mesh pipeline (no
+# hetero meshes) shows the same per-micro-batch statistics on one mesh, against the same oracle.
+CASES: dict[str, tuple[str, dict, list | None, list[int] | None, int, int, int]] = {
     "mixtral dp2 -> dp2, 2 micro-batches": ("mixtral-tiny", {}, [DP2, DP2], [1, 1], 1, 2, 2),
     "mixtral ep2 x dp2 -> tp2": ("mixtral-tiny", {}, [EP2_DP2, TP2], [1, 1], 2, 2, 1),
     "qwen2-moe + z tp2 -> dp2, 2 micro-batches": ("qwen2-moe-tiny", Z, [TP2, DP2], [1, 1], 2, 4, 2),
     "deepseek-v3 dp2 -> tp2, 2 micro-batches": ("deepseek-v3-tiny", {}, [DP2, TP2], [2, 1], 1, 2, 2),
+    "mixtral one mesh pp2 x dp2, 2 micro-batches": ("mixtral-tiny", {}, None, None, 1, 2, 2),
 }
 
 
@@ -50,7 +52,11 @@ def run_cases(names: list[str]) -> dict[str, Any]:
     out = {}
     for name in names:
         _, _, meshes, layers, micro, batch, _ = CASES[name]
-        strategy = dict(hetero_meshes=meshes, hetero_layers=layers, micro_batch_size=micro, zero_stage=1)
+        strategy = dict(micro_batch_size=micro, zero_stage=1)
+        if meshes is None:
+            strategy.update(pipeline_parallel_size=2, pipeline_schedule="1f1b")
+        else:
+            strategy.update(hetero_meshes=meshes, hetero_layers=layers)
         out[name] = sgd_trainer_run(strategy, _config(name), STEPS, batch_size=batch, clip=CLIP)
     return out
 
