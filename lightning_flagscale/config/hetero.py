@@ -32,7 +32,7 @@ __all__ = [
 
 MESH_KEYS = (
     "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-    "expert_parallel_size", "device_type",
+    "expert_parallel_size", "expert_tensor_parallel_size", "device_type",
 )  # fmt: skip
 
 
@@ -45,6 +45,8 @@ class HeteroMesh:
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    """Each expert's FFN split over this many of the mesh's ranks (``ParallelSizes.expert_tensor_parallel_size``)."""
     device_type: str | None = None
     """A free label (e.g. "fast", "A100"): ranks reporting this type fill the mesh (``rank_order_by_type``)."""
 
@@ -78,6 +80,8 @@ class StageGroup:
     """Blocks of each of the group's model chunks (one per virtual stage; ``(num_layers,)`` without them)."""
     sequence_parallel: bool = False
     """Activations between blocks are split along the sequence over TP (sequence parallelism with TP > 1)."""
+    expert_tensor_parallel_size: int = 1
+    """Expert tensor parallelism inside the group (folded with EP over its ranks)."""
 
     def __post_init__(self) -> None:
         if not self.chunk_layers:

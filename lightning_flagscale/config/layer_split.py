@@ -128,6 +128,7 @@ def plan_stage_groups(
                 index=index, mesh=m_idx, first_rank=rank, tensor_parallel_size=mesh.tensor_parallel_size,
                 data_parallel_size=mesh.data_parallel_size, context_parallel_size=mesh.context_parallel_size,
                 expert_parallel_size=mesh.expert_parallel_size, num_layers=sum(chunks[index]),
+                expert_tensor_parallel_size=mesh.expert_tensor_parallel_size,
                 device_type=mesh.device_type, chunk_layers=chunks[index],
                 sequence_parallel=sequence_parallel and mesh.tensor_parallel_size > 1, global_ranks=span,
             )  # fmt: skip

@@ -190,7 +190,8 @@ class HeteroConfig:
 
     hetero_meshes: list[dict[str, Any]] | None = None
     """Heterogeneous process meshes in rank order, each a dict of ``tensor_parallel_size``, ``data_parallel_size``,
-    ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``device_type``; chained as
+    ``pipeline_parallel_size``, ``context_parallel_size``, ``expert_parallel_size``, ``expert_tensor_parallel_size``,
+    ``device_type``; chained as
     pipeline stages (see ``config/hetero.py``). The global TP/PP/CP/EP/DP sizes must then stay at their defaults.
     Ranks reporting a ``device_type`` (``FLAGSCALE_DEVICE_TYPE``) fill the meshes declaring it, else rank order."""
     hetero_layers: list[int] | None = None
@@ -321,7 +322,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         per_mesh = {
             "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
             "context_parallel_size": self.context_parallel_size, "expert_parallel_size": self.expert_parallel_size,
-            "data_parallel_size": self.data_parallel_size or 1,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size, "data_parallel_size": self.data_parallel_size or 1,
         }  # fmt: skip
         clash = [k for k, v in per_mesh.items() if v != 1]
         if clash:
@@ -392,7 +393,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 ParallelConfig(
                     tensor_parallel_size=g.tensor_parallel_size, data_parallel_size=g.data_parallel_size,
                     context_parallel_size=g.context_parallel_size, expert_parallel_size=g.expert_parallel_size,
-                    sequence_parallel=g.sequence_parallel,
+                    expert_tensor_parallel_size=g.expert_tensor_parallel_size, sequence_parallel=g.sequence_parallel,
                     zero_stage=self.zero_stage, zero3_impl=self.resolved_zero3_impl,
                     micro_batch_size=samples // g.data_parallel_size,
                     gradient_accumulation_steps=self.gradient_accumulation_steps, pipeline_schedule=self.pipeline_schedule,
@@ -514,13 +515,10 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
     def _check_expert_tensor_parallel(self) -> None:
         """ETP combinations that are not implemented are refused here, before any process group exists."""
         etp = self.expert_tensor_parallel_size
+        if self.hetero_meshes is not None:  # the meshes' own sizes, each checked by its stage groups' configs
+            etp = max(m.expert_tensor_parallel_size for m in parse_hetero_meshes(self.hetero_meshes))
         if etp == 1:
             return
-        if self.hetero_meshes is not None:
-            raise ValueError(
-                f"expert_tensor_parallel_size={etp} is not supported with hetero_meshes yet (each mesh would need its"
-                " own ETP groups); use expert_tensor_parallel_size=1 with hetero_meshes."
-            )
         if self.zero_stage == 3:
             raise ValueError(
                 f"expert_tensor_parallel_size={etp} is not supported with zero_stage=3 yet (ZeRO-3 shards experts"

@@ -122,10 +122,11 @@ def sgd_trainer_run(
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
     trainer.fit(module, DataLoader(data, batch_size=batch_size or GLOBAL_BATCH // dp))
-    params = {}
+    params, local_shapes = {}, {}
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().float().clone()
+        local_shapes[name] = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
     return {
         "losses": losses,
         "params": params,
@@ -133,6 +134,7 @@ def sgd_trainer_run(
         "replicated": replicated,
         "replica_bytes": replica_bytes,
         "norms": norms,
+        "local_shapes": local_shapes,  # what this rank holds of each parameter (its shard)
     }
 
 

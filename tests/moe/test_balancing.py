@@ -55,7 +55,9 @@ def test_expert_tensor_parallel_combinations_not_implemented_are_refused():
     # Accepted since issue 39 item 4 (tests/strategies/test_expert_tensor_parallel.py); these stay refused before launch.
     with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported with zero_stage=3"):
         ParallelConfig(expert_tensor_parallel_size=2, zero_stage=3)
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported with hetero_meshes"):
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported with zero_stage=3"):
+        ParallelConfig(hetero_meshes=[{"expert_tensor_parallel_size": 2}, {}], hetero_layers=[1, 1], zero_stage=3)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size belong inside each mesh's dict"):
         ParallelConfig(expert_tensor_parallel_size=2, hetero_meshes=[{}, {}], hetero_layers=[1, 1])
     p = ParallelConfig(expert_tensor_parallel_size=2).resolve(2)
     with pytest.raises(ValueError, match=r"moe_intermediate_size.*not divisible by expert_tensor_parallel_size=2"):

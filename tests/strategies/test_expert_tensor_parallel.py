@@ -38,6 +38,15 @@ LAYOUTS_4 = {
     ),
     "etp2-zero2": dict(expert_tensor_parallel_size=2, zero_stage=2),  # dp 4 = edp 2 x etp 2
 }
+# Two meshes of one layer each, ETP 2 on both: over data-parallel ranks on the first (gathered), inside TP on the
+# second (replicated). Aux loss off: its hetero-mesh statistics are issue 39 item 6, apart from ETP.
+HETERO = dict(
+    hetero_meshes=[
+        dict(data_parallel_size=2, expert_tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, expert_tensor_parallel_size=2),
+    ],
+    hetero_layers=[1, 1], micro_batch_size=2, zero_stage=1,
+)  # fmt: skip
 
 
 def _safetensors(folder: str) -> dict[str, torch.Tensor]:
@@ -50,21 +59,36 @@ def _hf_config():
     return shrink("mixtral-tiny", intermediate_size=16)  # Mixtral's config.json has one FFN width: the experts'
 
 
-def _config():
-    return shrink("mixtral-tiny")  # 8 experts, top-2, moe_intermediate_size 16, its default aux loss
+def _config(**overrides: Any):
+    return shrink("mixtral-tiny", **overrides)  # 8 experts, top-2, moe_intermediate_size 16, its default aux loss
 
 
 def run_layouts(
-    layouts: dict[str, dict[str, Any]], one_layer: bool = False, hf_dir: str | None = None
+    layouts: dict[str, dict[str, Any]], one_layer: bool = False, hf_dir: str | None = None, hetero: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Every layout's ``sgd_trainer_run`` on this worker, in order (one launch for all of them); with ``one_layer``
-    also :func:`layer_under_etp` in both modes, with ``hf_dir`` :func:`hf_round_trip_under_etp`."""
+    also :func:`layer_under_etp` in both modes, with ``hf_dir`` :func:`hf_round_trip_under_etp`, with ``hetero`` the
+    :data:`HETERO` layout."""
     results = {name: sgd_trainer_run(kwargs, _config(), STEPS, clip=CLIP) for name, kwargs in layouts.items()}
+    if hetero:
+        results["hetero"] = sgd_trainer_run(HETERO, _config(moe_aux_loss_coeff=0.0), STEPS, batch_size=2, clip=CLIP)
     if one_layer:
         results.update({f"layer-{mode}": layer_under_etp(mode == "replicated") for mode in ("gathered", "replicated")})
     if hf_dir is not None:
         results["hf"] = hf_round_trip_under_etp(hf_dir)
     return results
+
+
+def _assert_experts_split(results: list[dict[str, Any]], ep: int, what: str) -> None:
+    """Every rank holds 1/ep of the experts and half of each one's FFN (ETP 2)."""
+    config = _config()
+    e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for rank, res in enumerate(results):
+        shapes = {n: s for n, s in res["local_shapes"].items() if ".experts." in n}
+        assert shapes, (what, rank)
+        for name, shape in shapes.items():
+            want = (e // ep, inter, h) if name.endswith("gate_up_proj") else (e // ep, h, inter // 2)
+            assert shape == want, (what, rank, name, shape, want)
 
 
 def hf_round_trip_under_etp(hf_dir: str) -> dict[str, Any]:
@@ -108,9 +132,14 @@ def test_expert_tensor_parallel_matches_single_process(launcher, reference, tmp_
         source = CausalLM(_hf_config())
         source.init_weights(seed=3)
         export_hf(source, hf_dir)
-    per_rank = launcher(world, run_layouts, layouts, world == 2, hf_dir, timeout=600.0)
+    per_rank = launcher(world, run_layouts, layouts, world == 2, hf_dir, world == 4, timeout=600.0)
     for name in layouts:
         assert_sgd_parity([res[name] for res in per_rank], reference, name, rel=REL)
+        _assert_experts_split([res[name] for res in per_rank], layouts[name].get("expert_parallel_size", 1), name)
+    if world == 4:
+        hetero_ref = sgd_reference(_config(moe_aux_loss_coeff=0.0), STEPS, clip=CLIP)
+        assert_sgd_parity([res["hetero"] for res in per_rank], hetero_ref, "hetero", rel=REL, pipeline=True)
+        _assert_experts_split([res["hetero"] for res in per_rank], 1, "hetero")
     if hf_dir is not None:
         assert all(res["hf"]["strided"] and res["hf"]["equal"] for res in per_rank), [r["hf"] for r in per_rank]
         assert _safetensors(hf_dir + "-etp2").keys() == _safetensors(hf_dir).keys()

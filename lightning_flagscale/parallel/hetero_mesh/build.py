@@ -71,9 +71,9 @@ def build_group_meshes(groups: list[StageGroup], configs: list[Any], device_type
         )
         stage = DeviceMesh(device_type, ranks.reshape(-1), mesh_dim_names=(MeshDim.STAGE.value,))
         expert = None
-        if group.expert_parallel_size > 1:
-            ep = group.expert_parallel_size
-            eshape = (1, group.size // ep, ep, 1)
+        if group.expert_parallel_size > 1 or group.expert_tensor_parallel_size > 1:
+            ep, etp = group.expert_parallel_size, group.expert_tensor_parallel_size
+            eshape = (1, group.size // (ep * etp), ep, etp)
             expert = DeviceMesh(device_type, ranks.reshape(eshape), mesh_dim_names=("pp", "edp", "ep", "etp"))
         if dist.get_rank() in group.ranks:
             dp_cp = by_tp[MeshDim.DP_CP.value]
