@@ -5,10 +5,13 @@ describes every option, ``fit --help`` names the options set first, ``recipes`` 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -48,8 +51,35 @@ def test_every_help_answers_without_torch_or_lightning():
         assert out.startswith(f"usage: lightning-flagscale {' '.join(argv)}".rstrip()), (argv, out[:200])
 
 
+BENCH_OPTIONS = Path(__file__).resolve().parents[1] / "bench" / "compare_options.py"
+
+
+def _bench_options():
+    if "compare_options" not in sys.modules:  # bench/ is not a package: loaded by path (its dataclasses need the entry)
+        spec = importlib.util.spec_from_file_location("compare_options", BENCH_OPTIONS)
+        sys.modules["compare_options"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["compare_options"])
+    return sys.modules["compare_options"]
+
+
+@pytest.mark.own_processes
+def test_bench_help_answers_from_a_file_that_imports_no_torch():
+    """``bench --help`` runs ``bench/compare_options.py``, which imports the standard library only, and prints the
+    benchmark's options with ``compare_strategies.py``'s description."""
+    tree = ast.parse(BENCH_OPTIONS.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+    command = [sys.executable, "-c", "from lightning_flagscale.cli import main; main(['bench', '--help'])"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: lightning-flagscale bench") and "--quick" in proc.stdout
+    assert "FlagScaleStrategy side by side with Lightning's built-in strategies" in proc.stdout
+
+
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     parsers = {"lightning-flagscale": _overview_parser(), "recipes": recipes_parser(), "tune": tune_parser()}
+    parsers["bench"] = _bench_options().build_parser("the benchmark")
     root = argparse.ArgumentParser(prog="lightning-flagscale")
     for parser in add_convert_parsers(root.add_subparsers()):
         parsers[parser.prog] = parser
