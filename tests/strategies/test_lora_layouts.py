@@ -10,7 +10,7 @@ import torch
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lora import is_adapter_name
 from tests.moe._trainer import shrink
-from tests.strategies._lm import assert_rel_close, tiny_config
+from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
 from tests.strategies._lora import lora_config, lora_module, lora_reference_run, lora_trainer_run
 
 STEPS = 3
@@ -24,6 +24,12 @@ LAYOUTS = {
     "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
     "cp2": dict(context_parallel_size=2),
 }
+# Two meshes chained as pipeline stages (4 processes): TP 2 holds layer 0, DP 2 layer 1 (and the head).
+HETERO = dict(
+    hetero_meshes=[{"tensor_parallel_size": 2, "data_parallel_size": 1}, {"data_parallel_size": 2}],
+    hetero_layers=[1, 1],
+    micro_batch_size=2,
+)
 # An MoE preset (grouped experts, aux loss) with adapters on the attention projections only: the experts, EP-sharded,
 # stay frozen. Per-expert adapters are not built: targeting the experts is refused (test below).
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -35,10 +41,20 @@ def reference():
     return lora_reference_run(tiny_config(), lora_config(), STEPS)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# TP 2+SP and PP 2 are checked against one process by the peft export test's launch (same run, one launch each).
+EXPORTED = ("tp2-sp", "pp2")
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in EXPORTED])
 def test_lora_layout_matches_single_process(launcher, reference, layout):
     results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS)
     _assert_matches(results, reference, layout)
+
+
+def test_lora_on_hetero_meshes_matches_single_process(launcher, reference):
+    # the first mesh (DP 1) reads the whole global batch, the second slices it
+    results = launcher(4, lora_trainer_run, HETERO, tiny_config(), lora_config(), STEPS, batch_size=GLOBAL_BATCH)
+    _assert_matches(results, reference, "hetero tp2|dp2")
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +96,9 @@ def _assert_matches(results, reference, layout):
     assert held == set(ref_after), f"{layout}: parameters held across ranks differ from the model's"
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", EXPORTED)
 def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout, tmp_path):
-    """Item 3 from parallel layouts: the gathered adapters hold the trained values under peft's key names,
+    """The run matches one process as the other layouts do; item 3 from parallel layouts: the gathered adapters hold the trained values under peft's key names,
     ``peft.PeftModel.from_pretrained`` on the base HF model and the merged HF export both give the logits of the
     single-process adapted model."""
     transformers = pytest.importorskip("transformers")
@@ -93,7 +109,10 @@ def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout,
     from tests.strategies._lora import lora_module
 
     _, ref_after, _ = reference
-    launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS, export_dir=str(tmp_path))
+    results = launcher(
+        2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS, export_dir=str(tmp_path)
+    )
+    _assert_matches(results, reference, layout)
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     want = {f"base_model.model.model.{n}": v for n, v in ref_after.items() if is_adapter_name(n)}
     assert set(saved) == set(want)
