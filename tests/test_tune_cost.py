@@ -11,7 +11,7 @@ from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.parallel.data_parallel.grad_buckets import bucket_runs
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
 from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
-from lightning_flagscale.tune.cost import _bucket_sizes, _rank_pass
+from lightning_flagscale.tune.cost import _bucket_sizes, _rank_params, _rank_pass
 from lightning_flagscale.tune.hardware import COLLECTIVES
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
@@ -617,3 +617,20 @@ def test_deepseek_v3_step_on_ideal_hardware_is_its_model_flops():
     gemms = flops_per_token(model, seq) - attention - 6 * norms
     want = (gemms + attention / 2 * 3.5 / 3) * batch * seq / (c.world_size * hw.peak_flops)
     assert cost.step_seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_collectives():
+    # Issue 39 item 4: Mixtral 8x7B, TP 2 x EP 4 on 8 ranks, with and without ETP 2 (inside TP: the same rows split,
+    # partial outputs all-reduced). ETP halves the expert GEMMs and the expert weights per rank and adds ETP traffic.
+    model = TransformerConfig.from_preset("mixtral-8x7b", num_layers=4)
+    hw = _profile(bandwidth=1e11, latency=1e-5)  # finite links: the ETP all-reduces cost time
+    plain = ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4, zero_stage=1).resolve(8)
+    etp = ParallelConfig(tensor_parallel_size=2, expert_parallel_size=4, expert_tensor_parallel_size=2, zero_stage=1)
+    etp = etp.resolve(8)
+    assert (plain.expert_shards, plain.expert_data_parallel_size) == (4, 2)
+    assert (etp.expert_shards, etp.expert_data_parallel_size) == (8, 1)  # each expert shard on one rank of the stage
+    a, b = estimate_step(model, plain, 4096, 16, hw), estimate_step(model, etp, 4096, 16, hw)
+    assert b.compute_seconds < a.compute_seconds
+    assert b.comm["ep"] > a.comm["ep"]
+    (dense_a, expert_a), (dense_b, expert_b) = _rank_params(model, plain)[0], _rank_params(model, etp)[0]
+    assert dense_a == dense_b and expert_a == expert_b  # before the division by the expert shards

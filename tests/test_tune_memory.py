@@ -226,12 +226,13 @@ LAYOUTS = [
     dict(tensor_parallel_size=2, zero_stage=1),
     dict(pipeline_parallel_size=2, pipeline_layers=[2, 1], zero_stage=1),
     dict(expert_parallel_size=2, zero_stage=1),
+    dict(expert_tensor_parallel_size=2, zero_stage=1),  # each expert's FFN over 2 ranks, states over edp 2
 ]
 
 
-@pytest.mark.parametrize("kwargs", LAYOUTS, ids=["tp2-zero1", "pp2-uneven", "ep2-moe"])
+@pytest.mark.parametrize("kwargs", LAYOUTS, ids=["tp2-zero1", "pp2-uneven", "ep2-moe", "etp2-moe"])
 def test_model_states_per_rank_match_the_trainer_run(launcher, kwargs):
-    moe = "expert_parallel_size" in kwargs
+    moe = "expert_parallel_size" in kwargs or "expert_tensor_parallel_size" in kwargs
     world = 4 if moe else 2
     c = ParallelConfig(**kwargs).resolve(world)
     config = tiny_config(num_layers=3, **(MOE if moe else {}))

@@ -46,10 +46,10 @@ def test_search_drops_virtual_sizes_the_even_split_cannot_take():
 
 
 def test_every_candidate_of_the_full_space_constructs_and_validates():
-    with pytest.raises(ValueError, match="do not model expert tensor parallelism yet"):
-        SearchSpace(expert_tensor_parallel_sizes=(1, 2))
-    layouts, _ = enumerate_layouts(MOE, 8, seq_len=64, global_batch=16)
+    space = SearchSpace(expert_tensor_parallel_sizes=(1, 2, 8))  # ETP 8 does not fit with EP > 1: counted, dropped
+    layouts, refused = enumerate_layouts(MOE, 8, seq_len=64, global_batch=16, space=space)
     assert len(layouts) > 500
+    assert any(reason.startswith("invalid: expert_parallel_size x expert_tensor_parallel_size") for reason in refused)
     seen = {
         "schedules": {c.pipeline_schedule for c in layouts if c.pp_enabled},
         "vpp": {c.virtual_pipeline_parallel_size for c in layouts},
@@ -66,7 +66,7 @@ def test_every_candidate_of_the_full_space_constructs_and_validates():
     assert seen["zero"] == {0, 1, 2, 3} and seen["recompute"] == {"none", "selective", "full"}  # MoE: no selective_mm
     dense, _ = enumerate_layouts(TransformerConfig.from_preset("llama-tiny"), 2, seq_len=64, global_batch=8)
     assert {c.recompute for c in dense} == {"none", "selective", "selective_mm", "full"}
-    assert seen["mbs"] == {1, 2, 4} and seen["tp"] >= {1, 2} and seen["etp"] == {1}
+    assert seen["mbs"] == {1, 2, 4} and seen["tp"] >= {1, 2} and seen["etp"] == {1, 2, 8}
     for c in layouts:  # the strategy's keyword arguments rebuild exactly this layout, and it validates
         rebuilt = ParallelConfig(**_strategy_args(c)).resolve(8)
         rebuilt.validate_model(MOE)

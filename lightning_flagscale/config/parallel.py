@@ -442,6 +442,17 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         return self.expert_parallel_size > 1 or self.expert_tensor_parallel_size > 1
 
     @property
+    def expert_shards(self) -> int:
+        """Ranks that split one MoE layer's routed expert weights: ep x etp."""
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same expert shard (their gradients are reduced, ZeRO shards their states): a stage's
+        dp x cp x tp ranks over ep x etp."""
+        return self.dp * self.context_parallel_size * self.tensor_parallel_size // self.expert_shards
+
+    @property
     def etp_tokens_replicated(self) -> bool:
         """Whether each ETP group lies inside a TP group (ETP divides TP; both are the fastest rank dims), whose ranks
         feed the MoE blocks the same tokens: the ETP ranks then split the same rows (no token all-gather) and sum their

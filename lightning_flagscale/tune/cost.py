@@ -154,6 +154,10 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
         )
         rows = t * k / tp  # the stage's ranks share the routed rows evenly (balanced routing assumed)
         local = e / ep
+        # ETP: each rank runs 1/etp of every expert's FFN, on its ETP group's rows (all-gathered unless the group
+        # already holds the same rows: ETP inside TP)
+        etp = c.expert_tensor_parallel_size
+        rows, inner = rows * (1 if c.etp_tokens_replicated else etp), inner / etp
         gemm += hw.gemm_seconds(t, e, h)  # router
         gemm += hw.gemm_seconds(rows / local, inner, h, count=2 * local) + hw.gemm_seconds(
             rows / local, h, inner, local
@@ -274,6 +278,18 @@ def _block_comm(
         fwd["ep"] = bwd["ep"] = 2 * hw.collective_seconds("all_to_all", routed, ep, inter_node=_inter(ep, 1, hw))
         # the per-expert row counts (int64) all-gathered first, so every rank knows the all-to-all splits
         fwd["ep"] += hw.collective_seconds("all_gather", 8 * model.num_experts * ep, ep, inter_node=_inter(ep, 1, hw))
+    etp = c.expert_tensor_parallel_size
+    if moe and etp > 1:  # reported with the expert all-to-alls (kind ``ep``)
+        rows = t * model.num_experts_per_tok * h * BF16 / tp  # this rank's routed rows after the dispatch
+        inter = _inter(etp, 1, hw)
+        if c.etp_tokens_replicated:  # partial outputs all-reduced; in backward the input gradients
+            one = hw.collective_seconds("all_reduce", rows, etp, inter_node=inter)
+            fwd["ep"], bwd["ep"] = fwd.get("ep", 0.0) + one, bwd.get("ep", 0.0) + one
+        else:  # rows all-gathered, partial outputs reduce-scattered; the reverse pair in backward
+            pair = hw.collective_seconds("all_gather", rows * etp, etp, inter_node=inter) + hw.collective_seconds(
+                "reduce_scatter", rows * etp, etp, inter_node=inter
+            )
+            fwd["ep"], bwd["ep"] = fwd.get("ep", 0.0) + pair, bwd.get("ep", 0.0) + pair
     tokens_group = c.dp * cp
     balance = model.moe_aux_loss_coeff > 0 or model.moe_z_loss_coeff > 0
     if moe and balance and model.moe_aux_loss_scope == "global" and tokens_group > 1:
@@ -507,7 +523,7 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
     data x context ranks, ``expert`` over the expert-data-parallel ones), as ``parallel/grad_buckets.bucket_runs``
     cuts them: the tensors in reverse registration order, runs of one group of at most ``bucket_numel`` elements, a
     larger tensor alone."""
-    tp, ep, h = c.tensor_parallel_size, c.expert_parallel_size, model.hidden_size
+    tp, ep, h = c.tensor_parallel_size, c.expert_shards, model.hidden_size
     embed = model.vocab_size * h / tp
     counts = stage_layer_counts(model, c)
     first = [sum(counts[:i]) for i in range(len(counts))]
@@ -535,8 +551,8 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
 
 def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float) -> float:
     """The optimizer phase of a rank holding ``dense`` and ``expert`` parameters (ZeRO shards them over DP)."""
-    tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
-    groups = [(dense / tp, dp * cp)] + ([(expert / ep, dp * cp * tp // ep)] if expert else [])
+    tp, cp, dp = c.tensor_parallel_size, c.context_parallel_size, c.dp
+    groups = [(dense / tp, dp * cp)] + ([(expert / c.expert_shards, c.expert_data_parallel_size)] if expert else [])
     return sum(hw.optimizer_seconds(psi / n if c.zero_stage >= 1 else psi) for psi, n in groups)
 
 
@@ -554,11 +570,11 @@ def _data_parallel(
     and ``expert`` parameters (exposed: what backward and compute do not hide; total: their whole duration).
     DDP / ZeRO-1 / ZeRO-2 issue one reduction and (ZeRO) one gather per gradient bucket (``buckets``, from
     :func:`_bucket_sizes`), each paying the link's latency; the last bucket's reduction starts when backward ends."""
-    tp, cp, dp, ep = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_parallel_size
+    tp, cp, dp, shards = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_shards
     groups = [("dense", dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
     if expert:
-        edp = dp * cp * tp // ep
-        groups.append(("expert", expert / ep, edp, _inter(edp, ep, hw)))  # over the ranks holding the same experts
+        edp = c.expert_data_parallel_size  # over the ranks holding the same expert shard
+        groups.append(("expert", expert / shards, edp, _inter(edp, shards, hw)))
     exposed = total = 0.0
     m = c.gradient_accumulation_steps
     for name, psi, n, inter in groups:

@@ -22,8 +22,10 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
 - the **optimizer step** (AdamW's temporaries: two fp32 copies of one bucket's main parameters per tensor on CPU,
   one fp32 copy of all of them with foreach on GPUs), whose peak replaces the backward one when it is higher.
 
-What is not modelled: routing imbalance (MoE activations assume every expert gets its share), allocator
-fragmentation and the memory of the framework itself (CUDA context, NCCL buffers, Python objects).
+What is not modelled: routing imbalance (MoE activations assume every expert gets its share), expert tensor
+parallelism's effect on the expert activations (priced as without ETP; its weights, gradients and optimizer states
+are split), allocator fragmentation and the memory of the framework itself (CUDA context, NCCL buffers, Python
+objects).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class MemoryBreakdown:
 
 def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: float) -> tuple[float, ...]:
     dp_cp = c.dp * c.context_parallel_size
-    edp = max(1, dp_cp * c.tensor_parallel_size // c.expert_parallel_size)
+    edp = max(1, c.expert_data_parallel_size)
     dense = expected_state_bytes(p.dense, dp_cp, c.zero_stage, precision)
     expert = expected_state_bytes(p.expert, edp, c.zero_stage, precision)
     grads = dense.grads + expert.grads
@@ -169,7 +171,7 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
         in_flight = min(psi, ZERO2_MAX_STAGING * bucket_numel)
         return 4 * in_flight / shards + (4 * in_flight if gloo else 0.0)
     if c.zero_stage == 3:
-        blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_parallel_size))
+        blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_shards))
                   for ls in p.layers for i in ls]  # fmt: skip
         units = sorted([psi - sum(blocks), *blocks], reverse=True)
         g = 4 if gloo else 0

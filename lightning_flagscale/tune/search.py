@@ -34,8 +34,8 @@ class SearchSpace:
     virtual_sizes: tuple[int, ...] = (2, 4)
     """Chunks per rank tried for the interleaved schedules (V schedules always use 2)."""
     context_parallel_modes: tuple[str, ...] = ("ring", "ulysses", "hybrid")
-    expert_tensor_parallel_sizes: tuple[int, ...] = (1,)
-    """Only ``(1,)``: the memory and cost models do not model expert tensor parallelism yet (issue 39 item 4)."""
+    expert_tensor_parallel_sizes: tuple[int, ...] | None = None
+    """ETP sizes tried for MoE models; ``None``: 1 and the layout's TP size (Megatron-Core's default ETP)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (True, False)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
@@ -53,12 +53,8 @@ class SearchSpace:
         modes = sorted(set(self.context_parallel_modes) - {"ring", "ulysses", "hybrid"})
         if modes:
             raise ValueError(f"Unknown context-parallel mode(s) {modes}; use 'ring', 'ulysses' or 'hybrid'.")
-        if tuple(self.expert_tensor_parallel_sizes) != (1,):
-            raise ValueError(
-                f"expert_tensor_parallel_sizes={self.expert_tensor_parallel_sizes}: the tuner's memory and cost models"
-                " do not model expert tensor parallelism yet; leave it (1,) and set expert_tensor_parallel_size on the"
-                " strategy by hand."
-            )
+        if self.expert_tensor_parallel_sizes is not None and any(v < 1 for v in self.expert_tensor_parallel_sizes):
+            raise ValueError(f"expert_tensor_parallel_sizes={self.expert_tensor_parallel_sizes} must be >= 1.")
         if any(v < 2 for v in self.virtual_sizes) or any(m < 1 for m in self.micro_batch_sizes):
             raise ValueError("virtual_sizes must be >= 2 (chunks per rank) and micro_batch_sizes >= 1.")
 
@@ -71,8 +67,10 @@ def describe_layout(c: ParallelConfig) -> str:
         parts.append(f"pp{c.pipeline_parallel_size}{vpp} {c.pipeline_schedule}")
     if c.cp_enabled:
         parts.append(f"cp{c.context_parallel_size} {c.context_parallel_mode}")
-    if c.ep_enabled:
+    if c.expert_parallel_size > 1:
         parts.append(f"ep{c.expert_parallel_size}")
+    if c.expert_tensor_parallel_size > 1:
+        parts.append(f"etp{c.expert_tensor_parallel_size}")
     parts += [f"dp{c.dp}", f"zero{c.zero_stage}"]
     if c.sequence_parallel:
         parts.append("sp")
@@ -155,8 +153,9 @@ def _structures(model: TransformerConfig, devices: int, space: SearchSpace) -> I
             continue
         if space.max_context_parallel and cp > space.max_context_parallel:
             continue
+        etps = space.expert_tensor_parallel_sizes or ((1, tp) if model.is_moe and tp > 1 else (1,))
         for (schedule, vpp), (mode, ulysses), ep, etp in itertools.product(
-            _schedules(pp, model.num_layers, space), _cp_modes(cp, space), experts, space.expert_tensor_parallel_sizes
+            _schedules(pp, model.num_layers, space), _cp_modes(cp, space), experts, etps
         ):
             yield dict(
                 tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp, pipeline_schedule=schedule,

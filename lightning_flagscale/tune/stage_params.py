@@ -65,6 +65,7 @@ def attention_tensors(m: TransformerConfig, tp: int = 1) -> list[float]:
 
 def layer_params(m: TransformerConfig, layer: int, *, tp: int = 1, ep: int = 1) -> tuple[float, float]:
     """(dense, expert) parameters of decoder layer ``layer`` on one rank; expert ones reduce over the EP-DP group.
+    ``ep``: the ranks splitting the routed experts (ep x etp under expert tensor parallelism).
     ``layer >= num_layers`` is an MTP module's block (dense or MoE by the same rule)."""
     h = m.hidden_size
     attn = sum(attention_tensors(m, tp)) + 2 * h  # the two block norms replicated
@@ -132,7 +133,7 @@ def rank_params(m: TransformerConfig, c: ParallelConfig, *, vocab_multiple: int 
     p = c.pipeline_parallel_size
     placement = SCHEDULE_SPECS[c.pipeline_schedule].placement if p > 1 else "loop"
     layers = tuple(c.pipeline_layers) if c.pipeline_layers is not None else None
-    key = (repr(m), c.tensor_parallel_size, c.expert_parallel_size, p, c.virtual_pipeline_parallel_size, layers,
+    key = (repr(m), c.tensor_parallel_size, c.expert_shards, p, c.virtual_pipeline_parallel_size, layers,
            c.pipeline_balance, placement, vocab_multiple)  # fmt: skip
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
@@ -142,7 +143,7 @@ def rank_params(m: TransformerConfig, c: ParallelConfig, *, vocab_multiple: int 
 
 
 def _rank_params(m: TransformerConfig, c: ParallelConfig, placement: str, vocab_multiple: int) -> list[RankParams]:
-    tp, ep, p = c.tensor_parallel_size, c.expert_parallel_size, c.pipeline_parallel_size
+    tp, ep, p = c.tensor_parallel_size, c.expert_shards, c.pipeline_parallel_size  # experts: ep x etp shards
     layers = stage_layers(m, c, vocab_multiple=vocab_multiple)
     n = len(layers)
     vocab = m.padded_vocab_size(vocab_multiple) * m.hidden_size / tp
