@@ -3,8 +3,8 @@ and a reference to the frozen base (where it came from and its SHA-256), not the
 from the module (here its seeded init), reshards the adapters and their optimizer state to another layout and
 continues as the uninterrupted run; a different base is refused naming both hashes.
 
-Saved under TP 2 + SP (A/B sharded like their layers), resumed under ZeRO-1 over 2 ranks (adapter moments sliced over
-DP): AdamW, so a moment lost or resharded to the wrong rows changes the weights. 12 samples, global batch 4: the
+Saved under TP 2 + SP (A/B sharded like their layers), resumed under ZeRO-3 over 2 ranks (adapter moments sharded over
+DP, frozen base sharded) and under PP 2 (each stage reads its blocks' adapters): AdamW, so a moment lost or resharded to the wrong rows changes the weights. 12 samples, global batch 4: the
 checkpoint sits on an epoch boundary (3 steps)."""
 
 from __future__ import annotations
@@ -48,17 +48,30 @@ def test_lora_checkpoint_holds_adapters_their_optimizer_state_and_a_base_referen
     assert base == want and base["source"] == "init" and len(base["sha256"]) == 64
 
 
-def test_lora_resume_under_zero1_matches_uninterrupted(launcher, saved):
-    ref_losses, ref_after, ref_before = lora_reference_run(tiny_config(), lora_config(), 2 * STEPS, NUM_SAMPLES,
-                                                           **ADAMW)  # fmt: skip
-    for rank, (losses, params, _) in enumerate(_run(launcher, dict(zero_stage=1), 2, ckpt_path=saved)):
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return lora_reference_run(tiny_config(), lora_config(), 2 * STEPS, NUM_SAMPLES, **ADAMW)
+
+
+# ZeRO-3 (FSDP2: frozen base sharded without gradients, adapter moments sharded over DP) and PP 2 (each stage reads
+# its blocks' adapters and moments); ZeRO-1's sliced moments are the same resharding as ZeRO-3's DP shards.
+RESUME_LAYOUTS = {
+    "zero3": dict(zero_stage=3, zero3_impl="fsdp2"),
+    "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_lora_resume_under_another_layout_matches_uninterrupted(launcher, saved, uninterrupted, layout):
+    ref_losses, ref_after, ref_before = uninterrupted
+    for rank, (losses, params, _) in enumerate(_run(launcher, RESUME_LAYOUTS[layout], 2, ckpt_path=saved)):
         assert len(losses) == STEPS, "the resumed run continues at step 4"
-        assert losses == pytest.approx(ref_losses[STEPS:], rel=1e-5), (rank, losses, ref_losses[STEPS:])
+        assert losses == pytest.approx(ref_losses[STEPS:], rel=1e-5), (layout, rank, losses, ref_losses[STEPS:])
         for name, value in params.items():
             if is_adapter_name(name):
-                assert_rel_close(value, ref_after[name], 1e-5, f"rank {rank} {name}")
+                assert_rel_close(value, ref_after[name], 1e-5, f"{layout} rank {rank} {name}")
             else:  # the base rebuilt from the module's init, bit-identical and still frozen
-                assert torch.equal(value, ref_before[name]), f"rank {rank}: base weight {name} changed"
+                assert torch.equal(value, ref_before[name]), f"{layout} rank {rank}: base weight {name} changed"
 
 
 def test_lora_resume_refuses_another_base_naming_both_hashes(launcher, saved):
@@ -66,7 +79,7 @@ def test_lora_resume_refuses_another_base_naming_both_hashes(launcher, saved):
     other = base_weights_reference(tiny_config(), None, 1, 64)["sha256"]
     assert other != saved_hash
     with pytest.raises(WorkerError, match=rf"(?s)init_seed=0 \(sha256 {saved_hash}\).*init_seed=1 \(sha256 {other}\)"):
-        _run(launcher, dict(zero_stage=1), 2, ckpt_path=saved, module_kwargs={**ADAMW, "init_seed": 1})
+        _run(launcher, RESUME_LAYOUTS["zero3"], 2, ckpt_path=saved, module_kwargs={**ADAMW, "init_seed": 1})
 
 
 def test_convert_ckpt_to_hf_merges_a_lora_checkpoint(saved, tmp_path):
