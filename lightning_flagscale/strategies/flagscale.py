@@ -51,6 +51,7 @@ from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
 from lightning_flagscale.strategies._plumbing import (
     PlumbingHooks,
+    live_groups,
     recording_new_groups,
     release_groups_of_other_modules,
     retire_groups,
@@ -157,6 +158,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         release_groups_of_other_modules(self.lightning_module)  # earlier runs' groups (_plumbing.py says why here)
+        if self._checkpoint_group is not None and self._checkpoint_group not in live_groups():
+            self._checkpoint_group = None  # this strategy's earlier run on another module: destroyed just now
         # Heterogeneous meshes: this rank keeps its stage group's meshes and its group's layout as `parallel`.
         self.parallel, self._meshes, self._hetero_groups = shared_rank_meshes(
             self.hetero_parallel or self.parallel, self.lightning_module, self.root_device

@@ -192,6 +192,41 @@ def test_fit_leaves_nothing_alive_with_hetero_meshes(launcher):
     _check_teardown(results, layouts, reuse=("hetero-meshes-again",), retired=())
 
 
+def _reuse_strategy_with_checkpoint_group() -> list[str]:
+    """One Trainer (so one strategy), two fits on two modules; each run asks for the checkpoint writer's group as
+    ``MemoryCheckpoint`` does (``ensure_checkpoint_group``, during training) and uses it. The second run's set-up
+    destroys the first run's group, so the strategy must not hand it out again."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScaleStrategy
+
+    used = []
+
+    class UseCheckpointGroup(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.ensure_checkpoint_group()
+            dist.barrier(group=trainer.strategy._checkpoint_group)
+            used.append(trainer.strategy._checkpoint_group.group_name)
+
+    config = tiny_config()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=FlagScaleStrategy(), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[UseCheckpointGroup()],
+    )  # fmt: skip
+    for fit in range(2):
+        torch.manual_seed(0)
+        trainer.fit_loop.epoch_loop.max_steps = fit + 1  # the Trainer's step count goes on from the first fit
+        trainer.fit(make_module(config), DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // 2))
+    return used
+
+
+def test_a_strategy_reused_on_another_module_gets_a_live_checkpoint_group(launcher):
+    for rank, used in enumerate(launcher(2, _reuse_strategy_with_checkpoint_group)):
+        assert len(used) == 2 and used[0] != used[1], f"rank {rank}: checkpoint groups {used}"
+
+
 MIB = 1 << 20
 
 
