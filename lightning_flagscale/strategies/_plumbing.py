@@ -94,7 +94,7 @@ _MESHES: dict[tuple, tuple[dist.ProcessGroup, tuple, list[dist.ProcessGroup]]] =
 
 
 def _mesh_key(parallel: ParallelConfig, module: nn.Module, device: torch.device) -> tuple:
-    if not parallel.hetero_enabled:  # what `build_meshes` reads
+    if not parallel.hetero_enabled:  # every field `parallel/mesh.py::build_meshes` reads: keep them in step
         p = parallel
         sizes = (p.pipeline_parallel_size, p.dp, p.context_parallel_size, p.tensor_parallel_size)
         return (device.type, *sizes, p.expert_parallel_size, p.expert_tensor_parallel_size)
