@@ -34,7 +34,7 @@ from lightning_flagscale.convert.lora_checkpoint import holds_lora_adapters, mod
 from lightning_flagscale.convert.registry import HFConversionError, HFFamily, config_classes, family_for
 from lightning_flagscale.convert.safetensors_io import ShardedSafetensorsWriter, atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
-from lightning_flagscale.models.lora import adapter_modules, is_adapter_name, merged_weight
+from lightning_flagscale.models.lora import adapter_modules, expert_adapter_modules, is_adapter_name, merged_weight
 
 __all__ = ["MODEL_CONFIG_FILE", "TOKENIZER_FILES", "export_hf", "is_dcp_checkpoint", "write_model_config"]
 
@@ -231,7 +231,7 @@ class _ModuleSource:
 
     def _adapter_scaling(self, model: nn.Module) -> float | None:
         """The scale of the adapters (one LoRA config per model); None without adapters."""
-        scales = {m.scaling for m in adapter_modules(model).values()}
+        scales = {m.scaling for m in (*adapter_modules(model).values(), *expert_adapter_modules(model).values())}
         if self.distributed:  # a pipeline stage may hold none of them
             every: list[set] = [None] * dist.get_world_size()  # type: ignore[list-item]
             dist.all_gather_object(every, scales)
@@ -246,9 +246,13 @@ class _ModuleSource:
         """The full tensor ``name`` (rank 0; None elsewhere under a process group), adapters merged in."""
         full = self._get(name)
         layer = name.removesuffix(".weight")
-        if self.scaling is None or f"{layer}.lora_A.weight" not in self.names:
+        parent, _, leaf = name.rpartition(".")  # per-expert adapters: <experts>.lora_A.<gate_up_proj|down_proj>
+        if self.scaling is not None and f"{layer}.lora_A.weight" in self.names:
+            lora_a, lora_b = self._get(f"{layer}.lora_A.weight"), self._get(f"{layer}.lora_B.weight")
+        elif self.scaling is not None and f"{parent}.lora_A.{leaf}" in self.names:
+            lora_a, lora_b = self._get(f"{parent}.lora_A.{leaf}"), self._get(f"{parent}.lora_B.{leaf}")
+        else:
             return full
-        lora_a, lora_b = self._get(f"{layer}.lora_A.weight"), self._get(f"{layer}.lora_B.weight")
         return full if full is None else merged_weight(full, lora_a, lora_b, self.scaling)
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from lightning_flagscale.convert.hf_import import _local_box, unwrap_causal_lm
 from lightning_flagscale.convert.registry import HFConversionError
 from lightning_flagscale.convert.safetensors_io import atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
-from lightning_flagscale.models.lora import ADAPTER_KEYS, adapter_modules, is_adapter_name
+from lightning_flagscale.models.lora import ADAPTER_KEYS, adapter_modules, expert_adapter_modules, is_adapter_name
 
 __all__ = [
     "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "load_peft_adapter", "lora_config_from_peft", "module_from_peft",
@@ -74,6 +74,7 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     lora = lora or getattr(module, "lora", None)
     if lora is None:
         raise ValueError("save_peft_adapter needs the module's LoRAConfig (module.lora) or lora=...")
+    _refuse_expert_adapters(module)
     source = _ModuleSource(module)
     adapters = sorted(n for n in source.names if is_adapter_name(n))
     if not adapters:
@@ -98,6 +99,17 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     if dist.is_initialized():
         dist.barrier()
     return Path(out_dir)
+
+
+def _refuse_expert_adapters(module: nn.Module) -> None:
+    experts = sorted(expert_adapter_modules(unwrap_causal_lm(module)))
+    if experts:
+        raise HFConversionError(
+            f"The module has per-expert LoRA adapters ({', '.join(experts[:3])}, ...; our keys "
+            "<experts>.lora_A.<gate_up_proj|down_proj> [E, r, in] and .lora_B.<...> [E, out, r]), which have no peft "
+            "interchange here yet (peft adapts stacked experts through target_parameters, a layout not mapped); "
+            "export the merged model with export_hf, or leave `experts` out of target_modules."
+        )
 
 
 def _peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None) -> dict[str, Any]:
@@ -164,6 +176,7 @@ def load_peft_adapter(module: nn.Module, adapter_dir: str | os.PathLike) -> None
     must be in the file, and every tensor of the file must be an adapter of the model (checked on the whole file)."""
     root = Path(adapter_dir)
     peft = _read_peft_config(root)
+    _refuse_expert_adapters(module)
     model = unwrap_causal_lm(module)
     layers = adapter_modules(model)
     hf_config = getattr(module, "hf_config", None) or getattr(model, "hf_config", None)

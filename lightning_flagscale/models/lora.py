@@ -27,17 +27,22 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.distributed.dtensor import local_tensor
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.models.init import canonical_fqn, copy_global_into, seed_for
 from lightning_flagscale.models.weights import weight_source
+from lightning_flagscale.moe.experts import GroupedExperts
 
 __all__ = [
     "ADAPTER_KEYS",
+    "EXPERT_WEIGHTS",
+    "LoRAGroupedExperts",
     "LoRALinear",
     "adapter_modules",
     "apply_lora",
     "base_weights_reference",
     "check_base_weights",
+    "expert_adapter_modules",
     "freeze_base",
     "hf_weights_sha256",
     "init_adapters",
@@ -78,6 +83,61 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The stacked expert weights [E, out, in] that per-expert adapters adapt (both, when the experts are a target)."""
+
+
+class _ExpertFactors(nn.Module):
+    """One factor (all A, or all B) of the per-expert adapters: a [E, rows, cols] Parameter per expert weight."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+
+
+class LoRAGroupedExperts(GroupedExperts):
+    """:class:`GroupedExperts` (the base's own stacked Parameters) plus one adapter per expert and weight:
+    ``lora_A.<w>`` [E, r, in] and ``lora_B.<w>`` [E, out, r] for ``w`` in ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I]; expert ``e`` computes with ``W[e] + scaling * B[e] @ A[e]``.
+
+    The adapted weights are formed per step from this rank's experts (``local_weights``), as peft's ``ParamWrapper``
+    does for ``target_parameters``: the token-sorted grouped GEMMs, the capacity path and expert parallelism run
+    unchanged, and EP shards the adapters on dim 0 with their experts (``stacked_parameters``). No adapter dropout
+    (peft refuses it for stacked experts too: ``x`` cannot be factored out of ``B A dropout(x)`` per weight)."""
+
+    def __init__(self, base: GroupedExperts, *, rank: int, scaling: float) -> None:
+        nn.Module.__init__(self)  # not GroupedExperts.__init__: the base's Parameters are reused
+        self.num_experts, self.hidden_size = base.num_experts, base.hidden_size
+        self.intermediate_size, self.use_grouped_mm = base.intermediate_size, base.use_grouped_mm
+        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        e, kw = base.num_experts, dict(device=base.gate_up_proj.device, dtype=base.gate_up_proj.dtype)
+        shapes = {w: tuple(getattr(base, w).shape) for w in EXPERT_WEIGHTS}
+        self.lora_A = _ExpertFactors({w: (e, rank, s[2]) for w, s in shapes.items()}, **kw)
+        self.lora_B = _ExpertFactors({w: (e, s[1], rank) for w, s in shapes.items()}, **kw)
+        self.scaling = float(scaling)
+
+    def stacked_parameters(self) -> list[tuple[nn.Module, str]]:
+        return [*super().stacked_parameters(), *((f, w) for f in (self.lora_A, self.lora_B) for w in EXPERT_WEIGHTS)]
+
+    def local_weights(self) -> tuple[Tensor, Tensor]:
+        """This rank's experts' ``W + scaling * B @ A`` (one batched matmul per weight; gradients reach A and B)."""
+        base = super().local_weights()
+        return tuple(
+            w + self.scaling * torch.bmm(local_tensor(getattr(self.lora_B, n)), local_tensor(getattr(self.lora_A, n)))
+            for w, n in zip(base, EXPERT_WEIGHTS, strict=True)
+        )  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return f"rank={self.lora_A.gate_up_proj.shape[1]}, scaling={self.scaling:g}"
+
+
+def _adapted(module: nn.Module, config: LoRAConfig) -> nn.Module:
+    if isinstance(module, GroupedExperts):
+        return LoRAGroupedExperts(module, rank=config.rank, scaling=config.scaling)
+    return LoRALinear(module, rank=config.rank, scaling=config.scaling, dropout=config.dropout)
+
+
 def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` that ``config`` targets by a :class:`LoRALinear` and freeze the rest.
 
@@ -85,14 +145,23 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     Raises ``ValueError`` when nothing matches or a target is not an ``nn.Linear`` (fused MoE experts, embeddings).
     """
     targets = [(name, mod) for name, mod in model.named_modules() if name and config.matches(canonical_fqn(name))]
+    adaptable = (nn.Linear, GroupedExperts)
     wrong = [
-        f"{n} ({type(m).__name__})" for n, m in targets if not isinstance(m, nn.Linear) or isinstance(m, LoRALinear)
+        f"{n} ({type(m).__name__})"
+        for n, m in targets
+        if not isinstance(m, adaptable) or isinstance(m, (LoRALinear, LoRAGroupedExperts))
     ]
     if wrong:
         raise ValueError(
-            f"LoRA target_modules={config.target_modules!r} match modules that are not plain nn.Linear layers: "
-            f"{', '.join(wrong[:5])}. Adapters go on linear layers (q/k/v/o_proj, gate/up/down_proj, lm_head); "
-            "grouped MoE experts and embeddings are not supported yet."
+            f"LoRA target_modules={config.target_modules!r} match modules that are neither nn.Linear layers nor "
+            f"grouped MoE experts: {', '.join(wrong[:5])}. Adapters go on linear layers (q/k/v/o_proj, "
+            "gate/up/down_proj, lm_head) and on `experts` (per-expert adapters of gate_up_proj and down_proj)."
+        )
+    if config.dropout > 0 and any(isinstance(m, GroupedExperts) for _, m in targets):
+        raise ValueError(
+            f"LoRA dropout={config.dropout} with the grouped MoE experts as a target: per-expert adapters are "
+            "merged into the expert weights per step (as peft's target_parameters), which cannot drop out the "
+            "adapter's input; set dropout=0 or leave `experts` out of target_modules."
         )
     if not targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -103,8 +172,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        adapted = LoRALinear(linear, rank=config.rank, scaling=config.scaling, dropout=config.dropout)
-        setattr(parent, child, adapted)
+        setattr(parent, child, _adapted(linear, config))
     freeze_base(model)
     return [name for name, _ in targets]
 
@@ -116,8 +184,13 @@ def freeze_base(model: nn.Module) -> None:
 
 
 def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """The adapted layers of ``model`` (or of a pipeline stage) by canonical name."""
+    """The adapted linear layers of ``model`` (or of a pipeline stage) by canonical name."""
     return {canonical_fqn(name): m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def expert_adapter_modules(model: nn.Module) -> dict[str, LoRAGroupedExperts]:
+    """The grouped experts of ``model`` (or of a pipeline stage) that carry per-expert adapters, by canonical name."""
+    return {canonical_fqn(name): m for name, m in model.named_modules() if isinstance(m, LoRAGroupedExperts)}
 
 
 @torch.no_grad()
@@ -131,24 +204,34 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
         weight_source("peft").load_weights(model, config.adapter_dir)
         return
     cpu = torch.device("cpu")
-    for name, module in adapter_modules(model).items():
-        for key in ADAPTER_KEYS:
-            param = getattr(module, key).weight
-            shape = tuple(param.shape)  # the global shape of a DTensor
-            gen = torch.Generator(device=cpu).manual_seed(seed_for(seed, f"{name}.{key}.weight"))
-            fan_in = shape[1]
-            if key == "lora_B" and config.init_lora_weights is not False:
-                full = torch.zeros(shape, device=cpu)
-            elif key == "lora_A" and config.init_lora_weights == "gaussian":
-                full = torch.randn(shape, generator=gen, device=cpu) / config.rank
-            else:
-                bound = 1.0 / math.sqrt(fan_in)
-                full = torch.rand(shape, generator=gen, device=cpu) * (2 * bound) - bound
-            copy_global_into(param, full)
+    params = [
+        (f"{name}.{key}.weight", key, getattr(module, key).weight)
+        for name, module in adapter_modules(model).items()
+        for key in ADAPTER_KEYS
+    ]
+    params += [
+        (f"{name}.{key}.{w}", key, getattr(getattr(module, key), w))
+        for name, module in expert_adapter_modules(model).items()
+        for key in ADAPTER_KEYS
+        for w in EXPERT_WEIGHTS
+    ]
+    for fqn, key, param in params:
+        shape = tuple(param.shape)  # the global shape of a DTensor; [E, rows, cols] for per-expert adapters
+        gen = torch.Generator(device=cpu).manual_seed(seed_for(seed, fqn))
+        fan_in = shape[-1]
+        if key == "lora_B" and config.init_lora_weights is not False:
+            full = torch.zeros(shape, device=cpu)
+        elif key == "lora_A" and config.init_lora_weights == "gaussian":
+            full = torch.randn(shape, generator=gen, device=cpu) / config.rank
+        else:
+            bound = 1.0 / math.sqrt(fan_in)
+            full = torch.rand(shape, generator=gen, device=cpu) * (2 * bound) - bound
+        copy_global_into(param, full)
 
 
 def merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
-    """``W + scaling * B @ A`` (full tensors), computed in fp32 and returned in ``weight``'s dtype."""
+    """``W + scaling * B @ A`` (full tensors; per expert for stacked [E, ...] ones), computed in fp32 and returned in
+    ``weight``'s dtype."""
     return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 

@@ -90,6 +90,11 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         """Set False to force the sorted-segment fallback (benchmarks, debugging)."""
 
+    def stacked_parameters(self) -> list[tuple[nn.Module, str]]:
+        """(owner, name) of every ``[num_experts, ...]`` Parameter that expert parallelism shards on dim 0; LoRA's
+        per-expert adapters add theirs (``models/lora.py``)."""
+        return [(self, "gate_up_proj"), (self, "down_proj")]
+
     def local_weights(self) -> tuple[Tensor, Tensor]:
         """The weights of the experts this rank owns (all of them without EP)."""
         return local_tensor(self.gate_up_proj), local_tensor(self.down_proj)

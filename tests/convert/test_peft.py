@@ -96,3 +96,19 @@ def test_peft_errors(hf_dir, tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(HFConversionError, match="use_dora=True is not supported"):
         lora_config_from_peft(tmp_path / "a")
+
+
+def test_per_expert_adapters_merge_into_the_hf_export_and_are_refused_by_peft(tmp_path):
+    """Item 2: an HF Mixtral with per-expert adapters (random B) exports merged (each expert's W + s B A), and
+    transformers on that folder gives our logits; the peft interchange refuses them by name (not mapped)."""
+    hf_dir = save(make_hf_model("mixtral"), tmp_path / "hf")
+    lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "experts"], init_lora_weights=False)
+    ours = _ours(hf_dir, lora)
+    base = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), IDS)
+    assert (_logits(ours) - base).abs().max() > 1e-3  # the expert adapters change the model
+    export_hf(ours, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    torch.testing.assert_close(hf_logits(merged, IDS), _logits(ours), rtol=0, atol=1e-5)
+    with pytest.raises(HFConversionError, match=r"per-expert LoRA adapters \(layers\.0\.mlp\.experts"):
+        save_peft_adapter(ours, tmp_path / "adapter")

@@ -81,7 +81,9 @@ def test_unknown_field_and_target_errors():
         _module({"rnak": 4})
     with pytest.raises(ValueError, match=r"match no module of CausalLM; its linear layers are named .*q_proj"):
         _module(LoRAConfig(target_modules=["query"]))
-    with pytest.raises(ValueError, match=r"not plain nn\.Linear layers: layers\.0\.input_layernorm"):
+    with pytest.raises(
+        ValueError, match=r"neither nn\.Linear layers nor grouped MoE experts: layers\.0\.input_layernorm"
+    ):
         _module(LoRAConfig(target_modules=["input_layernorm"]))
 
 
@@ -121,3 +123,42 @@ def test_check_base_weights_refusals():
         check_base_weights(hf, None, "ck")
     with pytest.raises(ValueError, match="holds a whole model without a base-weights reference"):
         check_base_weights(None, hf, "ck")
+
+
+def test_per_expert_adapters_compute_each_experts_own_update_and_only_they_train():
+    """Item 2: targeting ``experts`` gives every expert its own A [r, in] / B [out, r] for gate_up_proj and
+    down_proj; the grouped path equals the per-expert loop ``x W[e]^T + s (x A[e]^T) B[e]^T``; only adapters get
+    gradients; dropout is refused (the update is merged into the expert weights per step)."""
+    from lightning_flagscale.models.lora import LoRAGroupedExperts, expert_adapter_modules
+    from lightning_flagscale.moe.experts import _swiglu
+    from tests.moe._trainer import shrink
+
+    lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "experts"], init_lora_weights=False)
+    module = CausalLMModule(shrink("mixtral-tiny"), lora=lora, optimizer="sgd")
+    module.configure_model()
+    experts = expert_adapter_modules(module.model)
+    assert sorted(experts) == [f"layers.{i}.mlp.experts" for i in range(module.config.num_layers)]
+    layer = next(iter(experts.values()))
+    assert isinstance(layer, LoRAGroupedExperts)
+    e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    assert layer.lora_A.gate_up_proj.shape == (e, 2, h) and layer.lora_B.gate_up_proj.shape == (e, 2 * i, 2)
+    assert layer.lora_A.down_proj.shape == (e, 2, i) and layer.lora_B.down_proj.shape == (e, h, 2)
+    counts = [3, 0, 2, 1][:e] + [1] * max(0, e - 4)
+    x = torch.randn(sum(counts), h, generator=torch.Generator().manual_seed(0))
+    want = []
+    for k, seg in enumerate(x.split(counts)):
+        a1, b1 = layer.lora_A.gate_up_proj[k], layer.lora_B.gate_up_proj[k]
+        a2, b2 = layer.lora_A.down_proj[k], layer.lora_B.down_proj[k]
+        hid = _swiglu(seg @ layer.gate_up_proj[k].T + 2.0 * (seg @ a1.T) @ b1.T)
+        want.append(hid @ layer.down_proj[k].T + 2.0 * (hid @ a2.T) @ b2.T)
+    torch.testing.assert_close(layer(x, counts), torch.cat(want), rtol=1e-5, atol=1e-6)
+    module(torch.randint(0, 256, (2, 8))).float().pow(2).mean().backward()
+    with_grad = {n for n, p in module.model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, p in module.model.named_parameters() if is_adapter_name(n)}
+    assert {f"layers.0.mlp.experts.{k}.{w}" for k in ("lora_A", "lora_B") for w in ("gate_up_proj", "down_proj")} <= (
+        with_grad
+    )
+    with pytest.raises(ValueError, match=r"dropout=0\.1 with the grouped MoE experts"):
+        CausalLMModule(
+            shrink("mixtral-tiny"), lora=LoRAConfig(target_modules=["experts"], dropout=0.1)
+        ).configure_model()

@@ -9,8 +9,9 @@ from torch.utils.data import DataLoader
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
+from lightning_flagscale.distributed.dtensor import local_tensor
 from lightning_flagscale.models import CausalLMModule
-from lightning_flagscale.models.lora import is_adapter_name
+from lightning_flagscale.models.lora import EXPERT_WEIGHTS, expert_adapter_modules, is_adapter_name
 from lightning_flagscale.moe import update_moe_state
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import GLOBAL_BATCH, LR, NUM_SAMPLES, TokenDataset
@@ -122,4 +123,12 @@ def lora_trainer_run(
         t.numel() for opt in trainer.optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
     )
     opt_numel = sum(p.numel() for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
-    return losses, params, {"trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel}
+    experts = [  # how many experts' adapters this rank holds, per adapter tensor (EP shards them on dim 0)
+        local_tensor(getattr(getattr(m, key), w)).shape[0]
+        for m in expert_adapter_modules(module.model).values()
+        for key in ("lora_A", "lora_B")
+        for w in EXPERT_WEIGHTS
+    ]
+    return losses, params, {
+        "trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel, "expert_adapter_experts": experts
+    }  # fmt: skip

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lora import is_adapter_name
+from tests._launcher import WorkerError
 from tests.moe._trainer import shrink
 from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
-from tests.strategies._lora import lora_config, lora_module, lora_reference_run, lora_trainer_run
+from tests.strategies._lora import lora_config, lora_reference_run, lora_trainer_run
 
 STEPS = 3
 LAYOUTS = {
@@ -30,9 +30,10 @@ HETERO = dict(
     hetero_layers=[1, 1],
     micro_batch_size=2,
 )
-# An MoE preset (grouped experts, aux loss) with adapters on the attention projections only: the experts, EP-sharded,
-# stay frozen. Per-expert adapters are not built: targeting the experts is refused (test below).
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# An MoE preset (grouped experts, aux loss) with adapters on the attention projections and per-expert adapters on
+# every expert's gate_up_proj and down_proj (item 2): under EP each rank holds its experts' adapters, and the experts'
+# base weights, EP-sharded, stay frozen.
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
 MOE_LAYOUTS = {"ep2": dict(expert_parallel_size=2), "ep2-zero1": dict(expert_parallel_size=2, zero_stage=1)}
 
 
@@ -59,20 +60,25 @@ def test_lora_on_hetero_meshes_matches_single_process(launcher, reference):
 
 @pytest.fixture(scope="module")
 def moe_reference():
-    return lora_reference_run(shrink("mixtral-tiny"), lora_config(target_modules=ATTENTION), STEPS)
+    return lora_reference_run(shrink("mixtral-tiny"), lora_config(target_modules=MOE_TARGETS), STEPS)
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_lora_on_attention_of_an_moe_model_matches_single_process(launcher, moe_reference, layout):
-    lora = lora_config(target_modules=ATTENTION)
+def test_lora_with_per_expert_adapters_matches_single_process(launcher, moe_reference, layout):
+    lora = lora_config(target_modules=MOE_TARGETS)
     results = launcher(2, lora_trainer_run, MOE_LAYOUTS[layout], shrink("mixtral-tiny"), lora, STEPS)
     _assert_matches(results, moe_reference, layout)
+    config = shrink("mixtral-tiny")
+    for rank, (_, _, info) in enumerate(
+        results
+    ):  # each rank holds (and trains) the adapters of its half of the experts
+        assert info["expert_adapter_experts"] == [config.num_experts // 2] * 4 * config.num_layers, (rank, info)
 
 
-def test_lora_on_grouped_experts_is_refused():
-    module = lora_module(shrink("mixtral-tiny"), LoRAConfig(target_modules=["q_proj", "experts"]))
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts \(GroupedExperts\).*grouped MoE experts"):
-        module.configure_model()
+def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher):
+    with pytest.raises(WorkerError, match="per-expert LoRA adapters are not supported with expert tensor parallel"):
+        launcher(2, lora_trainer_run, dict(expert_tensor_parallel_size=2), shrink("mixtral-tiny"),
+                 lora_config(target_modules=MOE_TARGETS), 1)  # fmt: skip
 
 
 def _assert_matches(results, reference, layout):

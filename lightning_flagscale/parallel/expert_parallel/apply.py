@@ -337,8 +337,15 @@ def apply_ep(
             raise ValueError(f"{name}: hot-expert replication is not supported with expert tensor parallelism.")
         if isinstance(layer.experts.gate_up_proj, DTensor):
             raise ValueError(f"{name}: experts are already sharded; apply_ep was called twice.")
-        for pname in ("gate_up_proj", "down_proj"):
-            setattr(layer.experts, pname, _shard_param(getattr(layer.experts, pname), pname, mesh, etp_mesh))
+        stacked = layer.experts.stacked_parameters()
+        if len(stacked) > 2 and (etp > 1 or hot_experts is not None or layer.hot_expert_config is not None):
+            raise ValueError(
+                f"{name}: per-expert LoRA adapters are not supported with expert tensor parallelism or hot-expert "
+                "replication; set expert_tensor_parallel_size=1 and no hot experts, or leave the experts out of "
+                "LoRA target_modules."
+            )
+        for owner, pname in stacked:
+            setattr(owner, pname, _shard_param(getattr(owner, pname), pname, mesh, etp_mesh))
         layer.dispatcher = AllToAllDispatcher(
             ep_dim.get_group(), ep, ep_dim.get_local_rank(), etp_group=None if etp_mesh is None else
             etp_mesh.get_group(), etp_size=etp, etp_tokens_replicated=etp_tokens_replicated,
