@@ -162,3 +162,10 @@ def test_per_expert_adapters_compute_each_experts_own_update_and_only_they_train
         CausalLMModule(
             shrink("mixtral-tiny"), lora=LoRAConfig(target_modules=["experts"], dropout=0.1)
         ).configure_model()
+
+
+def test_vlm_lora_refuses_the_freeze_options():
+    from lightning_flagscale.multimodal import VLMModule
+
+    with pytest.raises(ValueError, match="lora= trains the adapters only"):
+        VLMModule("qwen2.5-vl-tiny", lora=LoRAConfig(), freeze_vision=True)

@@ -132,3 +132,40 @@ def lora_trainer_run(
     return losses, params, {
         "trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel, "expert_adapter_experts": experts
     }  # fmt: skip
+
+
+def vlm_lora_reference(lora: LoRAConfig, steps: int) -> tuple[dict, dict]:
+    """Single-process fp32 LoRA on the tiny Qwen2.5-VL (SGD, ragged text-only and two-image rows): (parameters
+    after ``steps``, before)."""
+    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, RaggedShapes, _module
+
+    module = _module(lora=lora)
+    module.configure_model()
+    before = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    opt = module.configure_optimizers()["optimizer"]
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for n, p in module.model.named_parameters() if is_adapter_name(n)}, "optimizer params"
+    data = RaggedShapes()
+    for step in range(steps):
+        batch = COLLATE([data[int(i)] for i in global_batch_indices(len(data), GLOBAL_BATCH, step)])
+        module._loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in module.model.named_parameters()}, before
+
+
+def vlm_lora_run(strategy_kwargs: dict[str, Any], lora: LoRAConfig, steps: int, dp: int) -> dict[str, torch.Tensor]:
+    """``Trainer.fit`` of the tiny Qwen2.5-VL with LoRA on every worker: the full parameters after ``steps``."""
+    import lightning as L
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, RaggedShapes, _module
+
+    module = _module(lora=lora)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=FlagScaleStrategy(**strategy_kwargs),
+        plugins=[FlagScalePrecision("32-true")], max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(RaggedShapes(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE))
+    return full_params(module.model)

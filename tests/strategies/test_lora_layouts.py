@@ -11,7 +11,13 @@ from lightning_flagscale.models.lora import is_adapter_name
 from tests._launcher import WorkerError
 from tests.moe._trainer import shrink
 from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
-from tests.strategies._lora import lora_config, lora_reference_run, lora_trainer_run
+from tests.strategies._lora import (
+    lora_config,
+    lora_reference_run,
+    lora_trainer_run,
+    vlm_lora_reference,
+    vlm_lora_run,
+)
 
 STEPS = 3
 LAYOUTS = {
@@ -79,6 +85,32 @@ def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher
     with pytest.raises(WorkerError, match="per-expert LoRA adapters are not supported with expert tensor parallel"):
         launcher(2, lora_trainer_run, dict(expert_tensor_parallel_size=2), shrink("mixtral-tiny"),
                  lora_config(target_modules=MOE_TARGETS), 1)  # fmt: skip
+
+
+# The VLM (item 3): adapters on the decoder's attention and on the vision tower's attention projections; the rest of
+# the tower (patch embedding, MLPs, merger) and of the decoder frozen. TP 2+SP: the decoder Megatron-sharded, the
+# tower replicated with its adapters.
+VLM_TARGETS = r"layers\.\d+\.self_attn\.(q|k|v|o)_proj|visual\.blocks\.\d+\.attn\.(qkv|proj)"
+
+
+def test_lora_on_the_vlm_matches_single_process(launcher):
+    lora = lora_config(target_modules=VLM_TARGETS)
+    ref_after, ref_before = vlm_lora_reference(lora, STEPS)
+    adapted = {n.split(".lora_")[0] for n in ref_after if is_adapter_name(n)}
+    assert {n for n in adapted if n.startswith("visual.")} and {n for n in adapted if not n.startswith("visual.")}
+    tp2 = dict(tensor_parallel_size=2, sequence_parallel=True)
+    for rank, params in enumerate(launcher(2, vlm_lora_run, tp2, lora, STEPS, 1)):
+        assert set(params) == set(ref_after), f"rank {rank}: parameter names"
+        for name, value in params.items():
+            want = ref_after[name]
+            if value.shape[0] > want.shape[0]:  # the strategy pads the vocabulary (rows stay zero)
+                assert torch.count_nonzero(value[want.shape[0] :]) == 0, name
+                value = value[: want.shape[0]]
+            if is_adapter_name(name):
+                assert_rel_close(value, want, 1e-5, f"vlm rank {rank} {name}")
+                assert not torch.equal(value, ref_before[name]), f"vlm rank {rank}: {name} did not train"
+            else:
+                assert torch.equal(value, ref_before[name]), f"vlm rank {rank}: base weight {name} changed"
 
 
 def _assert_matches(results, reference, layout):

@@ -28,12 +28,14 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lightning import (
     log_window_loss,
     parallelize_for_lightning,
     param_groups,
     warmup_cosine_lambda,
 )
+from lightning_flagscale.models.lora import apply_lora, freeze_base, init_adapters
 from lightning_flagscale.models.qwen2_5_vl.batching import batch_segment_ids
 from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
@@ -111,11 +113,15 @@ class VLMModule(L.LightningModule):
         max_seq_len: int | None = None,
         vocab_multiple: int = 64,
         image_token_share: float = 0.5,
+        lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.config = _resolve_config(config)
         self.hf_dir = hf_dir
+        # LoRA (issue 40): adapters on the targeted linear layers of the decoder and/or the vision tower (by name or
+        # regex, e.g. ``visual.blocks.N.attn.qkv``), everything else frozen (models/lora.py); freeze_* do not apply.
+        self.lora = LoRAConfig.from_value(lora)
         _check_options(self.hparams)
         self.model: VisionLanguageModel | None = None
         self.prealloc: PreallocState | None = None
@@ -147,6 +153,8 @@ class VLMModule(L.LightningModule):
             self.config, vocab_multiple=self.vocab_multiple,
             image_token_share=float(self.hparams.get("image_token_share", 0.5)),
         )  # fmt: skip
+        if self.lora is not None:  # before recompute wrappers and the strategy's plan, which place the adapters too
+            apply_lora(self.model, self.lora)
         hp = self.hparams
         apply_vision_recompute(self.model.visual, hp.vision_recompute, hp.vision_recompute_step)
         if not next(self.model.parameters()).is_meta:
@@ -155,12 +163,14 @@ class VLMModule(L.LightningModule):
 
     def initialize_weights(self) -> None:
         """HF weights when built from an HF folder, else the layout-independent ``init_weights``."""
+        parts = getattr(self.model, "stage_modules", None) or [self.model]
         if not self.hf_dir:
             self.model.init_weights(self.init_seed)
-            return
-        loader = weight_source("hf").load_weights
-        for part in getattr(self.model, "stage_modules", None) or [self.model]:
-            loader(part, self.hf_dir)
+        else:
+            for part in parts:
+                weight_source("hf").load_weights(part, self.hf_dir)
+        for part in parts if self.lora is not None else ():
+            init_adapters(part, self.lora, self.init_seed)
 
     def _require_model(self) -> VisionLanguageModel:
         if self.model is None:
@@ -199,6 +209,9 @@ class VLMModule(L.LightningModule):
     # ---- optimisation ----------------------------------------------------------------------------------------
     def trainable_parameters(self) -> None:
         """Apply the freeze options (``requires_grad``) to the current (possibly parallelised) parameters."""
+        if self.lora is not None:  # only the adapters train
+            freeze_base(self._require_model())
+            return
         hp = self.hparams
         for name, p in self._require_model().named_parameters():
             name = _canonical(name)
@@ -234,6 +247,11 @@ def _check_options(hp: Any) -> None:
         raise ValueError(f"vision_recompute_step must be >= 1, got {hp.vision_recompute_step}.")
     if not hp.vision_lr_multiplier > 0:
         raise ValueError(f"vision_lr_multiplier must be > 0, got {hp.vision_lr_multiplier}; use freeze_vision instead.")
+    if hp.get("lora") is not None and (hp.freeze_vision or hp.freeze_merger or hp.freeze_llm):
+        raise ValueError(
+            "lora= trains the adapters only (everything else is frozen): leave freeze_vision/freeze_merger/freeze_llm "
+            "False and choose what adapts with LoRAConfig.target_modules."
+        )
     if hp.freeze_vision and hp.freeze_merger and hp.freeze_llm:
         raise ValueError("freeze_vision, freeze_merger and freeze_llm are all set: nothing would train.")
     if hp.preallocate and (hp.max_image_tokens is None or hp.max_image_tokens < 0):

@@ -53,6 +53,9 @@ class ReplicateParallel(ParallelStyle):
     and checkpointing (torch has no built-in style for this; torchtitan carries a similar ``NoParallel``).
     """
 
+    replicates_parameters = True
+    """Every parameter of the module and its children is replicated: LoRA adapters inside need no variant."""
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, None, input_fn=self._to_dtensor, output_fn=self._to_local)
 

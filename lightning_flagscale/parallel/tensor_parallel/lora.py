@@ -77,8 +77,8 @@ def adapt_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str,
             module = model.get_submodule(name)
         except AttributeError:
             continue  # a pattern or a part this pipeline stage lacks: parallelize_module handles it
-        if not is_adapted_linear(module):
-            continue
+        if not is_adapted_linear(module) or getattr(style, "replicates_parameters", False):
+            continue  # a style that replicates every parameter (ReplicateParallel) replicates the adapters too
         variant = _ADAPTED_STYLES.get(type(style))
         if variant is None:
             raise ValueError(
