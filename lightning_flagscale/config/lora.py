@@ -39,7 +39,9 @@ class LoRAConfig:
     use_rslora: bool = False
     """Rank-stabilised LoRA (Kalajdzievski 2023, arXiv:2312.03732): scale by ``alpha / sqrt(rank)``."""
     use_dora: bool = False
-    """DoRA (weight-decomposed LoRA, Liu et al. 2024): not implemented here; ``True`` is refused."""
+    """DoRA (weight-decomposed LoRA, Liu et al. 2024, arXiv:2402.09353): a trainable magnitude per output row,
+    ``W' = m * (W + s B A) / ||W + s B A||`` with the norm detached (peft's); tested on one process and TP 2, the
+    other layouts refuse it before launch."""
     init_lora_weights: bool | Literal["gaussian"] = True
     """``True``: ``A`` Kaiming-uniform, ``B`` zero (the adapted model starts equal to the base, peft's default);
     ``"gaussian"``: ``A ~ N(0, 1/rank)``, ``B`` zero; ``False``: ``B`` random too (tests only: not a no-op)."""
@@ -54,11 +56,6 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}.")
-        if self.use_dora:
-            raise ValueError(
-                "LoRAConfig.use_dora=True: DoRA is not implemented yet (its magnitude vector needs the norm of the "
-                "merged weight's rows, a TP collective per step); use plain LoRA or rsLoRA (use_rslora=True)."
-            )
         if self.init_lora_weights not in (True, False, "gaussian"):
             raise ValueError(
                 f"LoRAConfig.init_lora_weights must be True, False or 'gaussian', got {self.init_lora_weights!r}."

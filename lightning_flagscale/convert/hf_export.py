@@ -247,13 +247,16 @@ class _ModuleSource:
         full = self._get(name)
         layer = name.removesuffix(".weight")
         parent, _, leaf = name.rpartition(".")  # per-expert adapters: <experts>.lora_A.<gate_up_proj|down_proj>
+        magnitude = None
         if self.scaling is not None and f"{layer}.lora_A.weight" in self.names:
             lora_a, lora_b = self._get(f"{layer}.lora_A.weight"), self._get(f"{layer}.lora_B.weight")
+            if f"{layer}.lora_magnitude_vector" in self.names:  # DoRA: rows rescaled to m
+                magnitude = self._get(f"{layer}.lora_magnitude_vector")
         elif self.scaling is not None and f"{parent}.lora_A.{leaf}" in self.names:
             lora_a, lora_b = self._get(f"{parent}.lora_A.{leaf}"), self._get(f"{parent}.lora_B.{leaf}")
         else:
             return full
-        return full if full is None else merged_weight(full, lora_a, lora_b, self.scaling)
+        return full if full is None else merged_weight(full, lora_a, lora_b, self.scaling, magnitude)
 
     @torch.no_grad()
     def _get(self, name: str) -> Tensor:

@@ -34,7 +34,13 @@ from lightning_flagscale.convert.hf_import import _local_box, unwrap_causal_lm
 from lightning_flagscale.convert.registry import HFConversionError
 from lightning_flagscale.convert.safetensors_io import atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
-from lightning_flagscale.models.lora import ADAPTER_KEYS, adapter_modules, expert_adapter_modules, is_adapter_name
+from lightning_flagscale.models.lora import (
+    ADAPTER_KEYS,
+    MAGNITUDE_KEY,
+    adapter_modules,
+    expert_adapter_modules,
+    is_adapter_name,
+)
 
 __all__ = [
     "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "load_peft_adapter", "lora_config_from_peft", "module_from_peft",
@@ -46,7 +52,7 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 # peft options whose non-default values change the math in ways our adapters do not model: refused on import.
 _UNSUPPORTED = {
-    "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None, "rank_pattern": {},
+    "fan_in_fan_out": False, "bias": "none", "modules_to_save": None, "rank_pattern": {},
     "alpha_pattern": {}, "layers_to_transform": None, "use_qalora": False, "lora_bias": False,
 }  # fmt: skip
 
@@ -79,7 +85,7 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     adapters = sorted(n for n in source.names if is_adapter_name(n))
     if not adapters:
         raise HFConversionError("The module has no LoRA adapters to save (build it with lora=LoRAConfig(...)).")
-    layers = sorted({n.rsplit(".", 2)[0] for n in adapters})
+    layers = sorted({n.rsplit(".", 1)[0] if n.endswith("." + MAGNITUDE_KEY) else n.rsplit(".", 2)[0] for n in adapters})
     hf_names = _peft_module_names(source.config, source.hf_config, layers)
     if Path(out_dir).exists():
         raise FileExistsError(f"Output folder {str(out_dir)!r} already exists; remove it or choose another path.")
@@ -88,9 +94,13 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     tensors = {}
     for name in adapters:  # every rank takes part in each gather
         full = source._get(name)
-        layer, key, _ = name.rsplit(".", 2)
+        if name.endswith("." + MAGNITUDE_KEY):  # DoRA's m: peft's key has no ".weight"
+            key = f"{_PEFT_PREFIX}{hf_names[name.rsplit('.', 1)[0]]}.{MAGNITUDE_KEY}"
+        else:
+            layer, kind, _ = name.rsplit(".", 2)
+            key = f"{_PEFT_PREFIX}{hf_names[layer]}.{kind}.weight"
         if full is not None:
-            tensors[f"{_PEFT_PREFIX}{hf_names[layer]}.{key}.weight"] = full.contiguous()
+            tensors[key] = full.contiguous()
     if not dist.is_initialized() or dist.get_rank() == 0:
         with atomic_output_dir(out_dir) as tmp:
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
@@ -119,7 +129,7 @@ def _peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None) -> d
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
         "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
-        "use_rslora": lora.use_rslora, "init_lora_weights": lora.init_lora_weights, "inference_mode": False,
+        "use_rslora": lora.use_rslora, "use_dora": lora.use_dora, "init_lora_weights": lora.init_lora_weights, "inference_mode": False,
         **_UNSUPPORTED,
     }  # fmt: skip
 
@@ -155,7 +165,7 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike, **overrides: Any) -> L
     fields = dict(
         rank=int(peft["r"]), alpha=float(peft.get("lora_alpha", 8)), dropout=float(peft.get("lora_dropout", 0.0)),
         target_modules=[t.removeprefix("model.") for t in targets or []], use_rslora=bool(peft.get("use_rslora")),
-        adapter_dir=str(root),
+        use_dora=bool(peft.get("use_dora")), adapter_dir=str(root),
     )  # fmt: skip
     return LoRAConfig(**{**fields, **overrides})
 
@@ -193,6 +203,11 @@ def load_peft_adapter(module: nn.Module, adapter_dir: str | os.PathLike) -> None
                 if name not in keys:
                     raise HFConversionError(f"{file}: no tensor {name!r} for the adapter of {layer!r}.")
                 _copy_slice(reader, name, getattr(adapted, key).weight, file)
+            if adapted.lora_magnitude_vector is not None:  # DoRA
+                name = f"{_PEFT_PREFIX}{hf_names[layer]}.{MAGNITUDE_KEY}"
+                if name not in keys:
+                    raise HFConversionError(f"{file}: no tensor {name!r} for the DoRA magnitude of {layer!r}.")
+                _copy_slice(reader, name, adapted.lora_magnitude_vector, file)
     rank = int(peft["r"])
     if any(m.lora_A.weight.shape[0] != rank for m in layers.values()):
         raise HFConversionError(f"{root / ADAPTER_CONFIG_FILE}: r={rank} differs from the module's adapters.")

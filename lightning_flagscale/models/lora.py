@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
@@ -36,6 +38,7 @@ from lightning_flagscale.moe.experts import GroupedExperts
 __all__ = [
     "ADAPTER_KEYS",
     "EXPERT_WEIGHTS",
+    "MAGNITUDE_KEY",
     "LoRAGroupedExperts",
     "LoRALinear",
     "adapter_modules",
@@ -46,6 +49,7 @@ __all__ = [
     "freeze_base",
     "hf_weights_sha256",
     "init_adapters",
+    "init_magnitudes",
     "is_adapter_name",
     "merged_weight",
     "tensors_sha256",
@@ -53,17 +57,27 @@ __all__ = [
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 """The child names that hold adapter weights (peft's)."""
+MAGNITUDE_KEY = "lora_magnitude_vector"
+"""DoRA's trainable per-output-row magnitude ``m`` (peft's name)."""
 
 
 def is_adapter_name(fqn: str) -> bool:
     """Whether the parameter (or module) name ``fqn`` belongs to an adapter."""
-    return any(f".{key}." in f".{fqn}." for key in ADAPTER_KEYS)
+    return any(f".{key}." in f".{fqn}." for key in (*ADAPTER_KEYS, MAGNITUDE_KEY))
 
 
 class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` (the base's own ``weight``/``bias`` Parameters) plus a low-rank update ``scaling * B A``."""
+    """An ``nn.Linear`` (the base's own ``weight``/``bias`` Parameters) plus a low-rank update ``scaling * B A``.
 
-    def __init__(self, base: nn.Linear, *, rank: int, scaling: float, dropout: float = 0.0) -> None:
+    With ``use_dora`` (DoRA, Liu et al. 2024, arXiv:2402.09353) also a magnitude ``m`` [out]: the layer computes with
+    ``m * (W + s B A) / ||W + s B A||`` (one L2 norm per output row, detached as in peft, so it acts as a constant in
+    backward). Under TP the norm of a column-parallel layer is local to its rows; of a row-parallel one DTensor sums
+    the squares over the TP group (``parallel/tensor_parallel/lora.py`` places ``m`` like the output rows).
+    """
+
+    def __init__(
+        self, base: nn.Linear, *, rank: int, scaling: float, dropout: float = 0.0, use_dora: bool = False
+    ) -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: the base's Parameters are reused, nothing is allocated
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -73,14 +87,33 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, base.out_features, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = float(scaling)
+        magnitude = nn.Parameter(torch.empty(base.out_features, device=kw["device"], dtype=kw["dtype"]))
+        self.register_parameter(MAGNITUDE_KEY, magnitude if use_dora else None)
 
     def forward(self, x: Tensor) -> Tensor:
         # Under TP every tensor here may be a DTensor; the placements the TP style gave A and B make this the
         # Megatron LoRA layout without a line of communication code (see parallel/tensor_parallel/lora.py).
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        dropped = self.lora_dropout(x)
+        update = self.lora_B(self.lora_A(dropped)) * self.scaling
+        if self.lora_magnitude_vector is None:
+            return F.linear(x, self.weight, self.bias) + update
+        scale = self.lora_magnitude_vector / self.weight_norm()  # [out]; the norm is a constant (peft's choice)
+        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+            base = F.linear(x, self.weight)
+            out = scale * (base + update)
+            return out if self.bias is None else out + self.bias
+        # peft's form with dropout: the base path sees x, the DoRA correction and the update see dropout(x)
+        return F.linear(x, self.weight, self.bias) + (scale - 1) * F.linear(dropped, self.weight) + scale * update
+
+    @torch.no_grad()
+    def weight_norm(self) -> Tensor:
+        """``||W + s B A||`` per output row [out], without a gradient (a DTensor under TP: summed over the group
+        for a row-parallel layer)."""
+        return torch.linalg.vector_norm(self.weight + self.scaling * (self.lora_B.weight @ self.lora_A.weight), dim=1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
+        dora = ", dora" if self.lora_magnitude_vector is not None else ""
+        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}{dora}"
 
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -135,7 +168,9 @@ class LoRAGroupedExperts(GroupedExperts):
 def _adapted(module: nn.Module, config: LoRAConfig) -> nn.Module:
     if isinstance(module, GroupedExperts):
         return LoRAGroupedExperts(module, rank=config.rank, scaling=config.scaling)
-    return LoRALinear(module, rank=config.rank, scaling=config.scaling, dropout=config.dropout)
+    return LoRALinear(
+        module, rank=config.rank, scaling=config.scaling, dropout=config.dropout, use_dora=config.use_dora
+    )
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
@@ -156,6 +191,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"LoRA target_modules={config.target_modules!r} match modules that are neither nn.Linear layers nor "
             f"grouped MoE experts: {', '.join(wrong[:5])}. Adapters go on linear layers (q/k/v/o_proj, "
             "gate/up/down_proj, lm_head) and on `experts` (per-expert adapters of gate_up_proj and down_proj)."
+        )
+    if config.use_dora and any(isinstance(m, GroupedExperts) for _, m in targets):
+        raise ValueError(
+            "LoRA use_dora=True with the grouped MoE experts as a target: DoRA is built for linear layers only (peft "
+            "refuses it on stacked experts too); leave `experts` out of target_modules or set use_dora=False."
         )
     if config.dropout > 0 and any(isinstance(m, GroupedExperts) for _, m in targets):
         raise ValueError(
@@ -200,6 +240,7 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
     Kaiming-uniform(a=sqrt 5), i.e. U(-1/sqrt(in), 1/sqrt(in)); ``"gaussian"`` A ~ N(0, 1/r); B zero unless ``False``
     (then B ~ U(-1/sqrt(r), 1/sqrt(r)) so that the adapter changes the model from the start). With ``adapter_dir``
     the adapters are read from that peft folder instead."""
+    _check_dora_layout(model)
     if config.adapter_dir:  # continued training: the weights of a peft folder (convert/peft.py registers "peft")
         weight_source("peft").load_weights(model, config.adapter_dir)
         return
@@ -227,12 +268,46 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
             bound = 1.0 / math.sqrt(fan_in)
             full = torch.rand(shape, generator=gen, device=cpu) * (2 * bound) - bound
         copy_global_into(param, full)
+    init_magnitudes(model)
 
 
-def merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+def _check_dora_layout(model: nn.Module) -> None:
+    """DoRA is tested on one process and under tensor parallelism alone (every process in one TP group); raise on
+    every rank, before any step, for the other layouts (data parallel, ZeRO, PP, CP, EP, hetero meshes)."""
+    dora = [m for m in adapter_modules(model).values() if m.lora_magnitude_vector is not None]
+    if not dora:
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = dora[0].weight.device_mesh if isinstance(dora[0].weight, DTensor) else None
+    tp = mesh.size() if mesh is not None and mesh.mesh_dim_names == ("tp",) else 1
+    if world != tp:
+        raise ValueError(
+            f"LoRA use_dora=True runs on one process or under tensor parallelism alone (tensor_parallel_size = the "
+            f"number of processes), the layouts it is tested on; this run has {world} processes and TP {tp}. Use "
+            "plain LoRA (use_dora=False) with data, pipeline, context or expert parallelism and ZeRO."
+        )
+
+
+@torch.no_grad()
+def init_magnitudes(model: nn.Module) -> None:
+    """DoRA: ``m = ||W + s B A||`` per output row of every DoRA layer (peft's init: the adapted model starts as
+    ``W + s B A``), from this layer's current weights; under TP each rank keeps its rows of the (global) norm."""
+    for module in adapter_modules(model).values():
+        if module.lora_magnitude_vector is None:
+            continue
+        norm = module.weight_norm()
+        copy_global_into(module.lora_magnitude_vector, norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def merged_weight(
+    weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, magnitude: Tensor | None = None
+) -> Tensor:
     """``W + scaling * B @ A`` (full tensors; per expert for stacked [E, ...] ones), computed in fp32 and returned in
-    ``weight``'s dtype."""
-    return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+    ``weight``'s dtype; with a DoRA ``magnitude`` [out], each row rescaled to it: ``m * V / ||V||``."""
+    merged = weight.float() + scaling * (lora_b.float() @ lora_a.float())
+    if magnitude is not None:
+        merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+    return merged.to(weight.dtype)
 
 
 # ---- the base a LoRA checkpoint refers to (issue 40 item 4) ------------------------------------------------------

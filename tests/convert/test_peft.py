@@ -93,9 +93,12 @@ def test_peft_errors(hf_dir, tmp_path):
     with pytest.raises(HFConversionError, match=r"no tensor 'base_model\.model\.model\.layers\.0\.self_attn\.v_proj"):
         load_peft_adapter(other, tmp_path / "a")
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
-    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(HFConversionError, match="use_dora=True is not supported"):
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
+    with pytest.raises(HFConversionError, match="fan_in_fan_out=True is not supported"):
         lora_config_from_peft(tmp_path / "a")
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(HFConversionError, match=r"no tensor '.*\.lora_magnitude_vector' for the DoRA magnitude"):
+        _ours(hf_dir, lora_config_from_peft(tmp_path / "a"))  # a LoRA folder claiming DoRA lacks the magnitudes
 
 
 def test_per_expert_adapters_merge_into_the_hf_export_and_are_refused_by_peft(tmp_path):
@@ -112,3 +115,42 @@ def test_per_expert_adapters_merge_into_the_hf_export_and_are_refused_by_peft(tm
     torch.testing.assert_close(hf_logits(merged, IDS), _logits(ours), rtol=0, atol=1e-5)
     with pytest.raises(HFConversionError, match=r"per-expert LoRA adapters \(layers\.0\.mlp\.experts"):
         save_peft_adapter(ours, tmp_path / "adapter")
+
+
+def test_dora_matches_peft_logits_gradients_and_round_trips(hf_dir, tmp_path):
+    """Item 4: DoRA (m per output row, the row norm of W + s B A detached) on the seven projections gives peft's
+    logits and gradients (A, B and m) on the transformers model; the folder holds peft's ``lora_magnitude_vector``
+    keys and ``use_dora: true``, loads back here with the same logits, and the merged export gives them too."""
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=TARGETS, init_lora_weights=False, use_dora=True)
+    ours = _ours(hf_dir, lora).train()
+    with torch.no_grad():  # m != ||W + s B A||: DoRA differs from LoRA
+        for name, p in ours.model.named_parameters():
+            if name.endswith("lora_magnitude_vector"):
+                p.mul_(1 + 0.2 * torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    save_peft_adapter(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).train()
+    theirs = adapted(IDS).logits
+    mine = ours.model.logits(ours(IDS))
+    torch.testing.assert_close(theirs, mine, rtol=0, atol=1e-5)
+    theirs.square().mean().backward()
+    mine.square().mean().backward()
+    peft_grads = {
+        n.removeprefix("base_model.model.model.").replace(".default", "").replace("vector.weight", "vector"): p.grad
+        for n, p in adapted.named_parameters()
+        if p.requires_grad
+    }
+    our_grads = {n: p.grad for n, p in ours.model.named_parameters() if p.requires_grad}
+    assert set(peft_grads) == set(our_grads) and any(n.endswith("lora_magnitude_vector") for n in our_grads)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+    again = _ours(hf_dir, lora_config_from_peft(tmp_path / "adapter"))
+    assert again.lora.use_dora
+    torch.testing.assert_close(_logits(again), _logits(ours), rtol=0, atol=0)
+    export_hf(ours, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(hf_logits(merged, IDS), _logits(ours), rtol=0, atol=1e-5)

@@ -64,7 +64,6 @@ def test_module_accepts_a_dict():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(use_dora=True), "DoRA is not implemented"),
         (dict(rank=0), "rank must be a positive int"),
         (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
         (dict(target_modules=[]), "non-empty list"),

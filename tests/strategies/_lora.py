@@ -129,8 +129,15 @@ def lora_trainer_run(
         for key in ("lora_A", "lora_B")
         for w in EXPERT_WEIGHTS
     ]
+    from torch.distributed.tensor import DTensor
+
+    magnitudes = {  # DoRA: how each magnitude vector is placed
+        n: str(p.placements) if isinstance(p, DTensor) else "plain"
+        for n, p in module.model.named_parameters() if n.endswith("lora_magnitude_vector")
+    }  # fmt: skip
     return losses, params, {
-        "trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel, "expert_adapter_experts": experts
+        "trainable": grads, "optimizer_numel": opt_numel, "state_numel": state_numel, "expert_adapter_experts": experts,
+        "magnitudes": magnitudes,
     }  # fmt: skip
 
 

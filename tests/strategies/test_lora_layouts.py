@@ -87,6 +87,24 @@ def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher
                  lora_config(target_modules=MOE_TARGETS), 1)  # fmt: skip
 
 
+def test_dora_under_tp2_sp_matches_single_process(launcher):
+    """Item 4: DoRA's magnitudes sharded with the output rows (column-parallel layers: a local row norm; row-parallel:
+    the squared norms summed over TP) = one process."""
+    dora = lora_config(use_dora=True)
+    reference = lora_reference_run(tiny_config(), dora, STEPS)
+    assert any(n.endswith("lora_magnitude_vector") for n in reference[1])
+    results = launcher(2, lora_trainer_run, LAYOUTS["tp2-sp"], tiny_config(), dora, STEPS)
+    _assert_matches(results, reference, "dora tp2-sp")
+    placed = results[0][2]["magnitudes"]
+    assert placed["layers.0.self_attn.q_proj.lora_magnitude_vector"] == "(Shard(dim=0),)", placed
+    assert placed["layers.0.self_attn.o_proj.lora_magnitude_vector"] == "(Replicate(),)", placed
+
+
+def test_dora_is_refused_on_the_layouts_it_is_not_tested_on(launcher):
+    with pytest.raises(WorkerError, match=r"use_dora=True runs on one process or under tensor parallelism alone"):
+        launcher(2, lora_trainer_run, dict(zero_stage=1), tiny_config(), lora_config(use_dora=True), 1)
+
+
 # The VLM (item 3): adapters on the decoder's attention and on the vision tower's attention projections; the rest of
 # the tower (patch embedding, MLPs, merger) and of the decoder frozen. TP 2+SP: the decoder Megatron-sharded, the
 # tower replicated with its adapters.

@@ -5,6 +5,8 @@
 - row-parallel base (weight ``Shard(1)``, input features split): ``A`` ``Shard(1)`` like the weight (it reads this
   rank's slice of ``x``), ``B`` replicated; ``A x`` is then a partial sum that DTensor reduces together with
   ``W x`` (one all-reduce, or reduce-scatter under SP, for both).
+- DoRA's magnitude ``m`` [out] lies like the output rows: ``Shard(0)`` on a column-parallel layer, whose row norms
+  of ``W + s B A`` are local; replicated on a row-parallel one, whose row norms DTensor sums (squared) over TP.
 
 Written as subclasses of torch's ``ColwiseParallel`` / ``RowwiseParallel`` that only partition the extra
 parameters; the inputs, outputs and their layouts are the base style's, so a model's plan needs no change:
@@ -51,6 +53,7 @@ class LoRAColwiseParallel(ColwiseParallel):
         _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
         _distribute(module.lora_A, "weight", device_mesh, Replicate(), self.src_data_rank)
         _distribute(module.lora_B, "weight", device_mesh, Shard(0), self.src_data_rank)
+        _distribute(module, "lora_magnitude_vector", device_mesh, Shard(0), self.src_data_rank)  # DoRA: per row
 
 
 class LoRARowwiseParallel(RowwiseParallel):
@@ -63,6 +66,7 @@ class LoRARowwiseParallel(RowwiseParallel):
         _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
         _distribute(module.lora_A, "weight", device_mesh, Shard(1), self.src_data_rank)
         _distribute(module.lora_B, "weight", device_mesh, Replicate(), self.src_data_rank)
+        _distribute(module, "lora_magnitude_vector", device_mesh, Replicate(), self.src_data_rank)
 
 
 _ADAPTED_STYLES: dict[type, type] = {ColwiseParallel: LoRAColwiseParallel, RowwiseParallel: LoRARowwiseParallel}
