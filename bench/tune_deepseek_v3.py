@@ -32,7 +32,8 @@ SPACE = SearchSpace(
     schedules=("1f1b", "interleaved_1f1b", "zbv", "dualpipev"), virtual_sizes=(2,), zero_stages=(1, 2, 3),
     micro_batch_sizes=(1, 2), recompute=("none", "selective", "full"), max_tensor_parallel=8, max_context_parallel=1,
 )  # fmt: skip
-"""TP within a node, no CP (4K sequences), the V and interleaved schedules besides 1F1B; the rest as the CLI."""
+"""TP within a node, no CP (4K sequences), the V and interleaved (2 chunks) schedules besides 1F1B; the rest (ETP
+among them) as the CLI."""
 
 
 def h800() -> HardwareProfile:
