@@ -26,6 +26,7 @@ knowing. The order, and why:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -70,7 +71,14 @@ from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recom
 from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
-__all__ = ["Parallelized", "RankLayout", "build_rank_meshes", "parallelize", "parallelize_rank"]
+__all__ = [
+    "Parallelized",
+    "RankLayout",
+    "build_rank_meshes",
+    "check_parallelized_layout",
+    "parallelize",
+    "parallelize_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,8 @@ class Parallelized:
     """Heterogeneous meshes: every stage group, with the block split the plan used (profiled when left open)."""
     dp_speeds: list[float] | None = None
     """``hetero_dp_batch_sizes="auto"``: every data-parallel rank's speed (the data loaders' shares)."""
+    model: nn.Module | None = None
+    """The protocol model (its batch hooks), found before the pipeline split replaced ``module.model``."""
 
     def tag_parameters(self, model: nn.Module, ep_enabled: bool) -> None:
         """Mark the tied pipeline copy (left out of the gradient norm) and expert parameters (reduced over the
@@ -134,7 +144,20 @@ def parallelize_rank(
     """Everything ``setup`` does to ``module`` on this rank, in order: the profiled block split of heterogeneous
     meshes (``hetero_layers`` left open), the data-parallel speeds (``hetero_dp_batch_sizes="auto"``),
     :func:`parallelize`, the emulated slowdown of a declared device type, ``place`` (the caller's dtype and device
-    moves) and last the parameter tags, which those moves may replace (:meth:`Parallelized.tag_parameters`)."""
+    moves) and last the parameter tags, which those moves may replace (:meth:`Parallelized.tag_parameters`).
+
+    A module this function already parallelised (an earlier ``fit`` / ``validate`` / ``test`` / ``predict`` of the
+    process, by this strategy object or another) is not parallelised again: its recorded result is returned after
+    ``place`` (which brings it back from the CPU where ``teardown`` left it), as Lightning's ``FSDPStrategy`` skips
+    wrapping a wrapped module. With another layout it is refused (:func:`check_parallelized_layout`)."""
+    job = hetero if hetero is not None else layout.config
+    dtypes = (layout.param_dtype, layout.reduce_dtype)
+    applied = check_parallelized_layout(module, job, dtypes)
+    if applied is not None:
+        place()
+        result = applied.result
+        result.tag_parameters(module.model if result.pipeline is not None else result.model, layout.config.ep_enabled)
+        return result
     model = find_protocol_model(module)
     groups = layout.hetero_groups
     if groups is not None and hetero is not None:  # hetero_layers=None: the split of a profiling pass on these ranks
@@ -142,12 +165,63 @@ def parallelize_rank(
         layout = dataclasses.replace(layout, hetero_groups=groups)
     speeds = gather_dp_speeds(layout.config, layout.meshes, model, layout.device)
     result = parallelize(module, model, layout)
-    result.hetero_groups, result.dp_speeds = groups, speeds
+    result.hetero_groups, result.dp_speeds, result.model = groups, speeds, model
+    # Recorded on the module itself (not in a process-wide map, which would keep every fitted module alive).
+    module.__dict__[_APPLIED_ATTR] = _Applied(copy.deepcopy(job), dtypes, result)
     stages = result.pipeline.stage_modules if result.pipeline is not None else [model]
     install_emulated_slowdown(stages, rank_device_type(groups), layout.device)
     place()
     result.tag_parameters(module.model if result.pipeline is not None else model, layout.config.ep_enabled)
     return result
+
+
+_APPLIED_ATTR = "_fs_parallelized"
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """What :func:`parallelize_rank` did to a module: the job's layout, the ZeRO-3 dtypes and the result."""
+
+    layout: ParallelConfig
+    dtypes: tuple[torch.dtype | None, torch.dtype | None]
+    result: Parallelized
+
+
+def check_parallelized_layout(
+    module: nn.Module, layout: ParallelConfig, dtypes: tuple[torch.dtype | None, torch.dtype | None] | None = None
+) -> _Applied | None:
+    """None for a module not parallelised yet; the record of an earlier :func:`parallelize_rank` when ``layout`` (the
+    job's resolved layout) and, if given, the ZeRO-3 ``(param_dtype, reduce_dtype)`` are the ones it ran with;
+    else a ``ValueError`` naming both layouts. Every field counts, even those only the optimizers read (zero stages
+    1 and 2, buckets): the plan does not track which fields shaped the module."""
+    applied = module.__dict__.get(_APPLIED_ATTR)
+    if applied is None:
+        return None
+    if applied.layout != layout:
+        raise ValueError(
+            f"{type(module).__name__} was already parallelised by FlagScaleStrategy with the layout"
+            f" {_describe(applied.layout)}; this run asks for {_describe(layout)}. A parallelised module keeps its"
+            " layout: run this stage with the same layout, or build a new module for the new one (or load its"
+            " checkpoint into one: checkpoints reshard across layouts)."
+        )
+    if dtypes is not None and applied.dtypes != dtypes:
+        raise ValueError(
+            f"{type(module).__name__} was already parallelised by FlagScaleStrategy with ZeRO-3 (param_dtype,"
+            f" reduce_dtype) = {applied.dtypes}; this run's precision asks for {dtypes}. Use the same precision, or"
+            " build a new module."
+        )
+    return applied
+
+
+def _describe(layout: ParallelConfig) -> str:
+    """``ParallelConfig(...)`` with the fields that differ from the defaults (the resolved sizes included)."""
+    default = ParallelConfig()
+    fields = [
+        f"{f.name}={getattr(layout, f.name)!r}"
+        for f in dataclasses.fields(layout)
+        if getattr(layout, f.name) != getattr(default, f.name)
+    ]
+    return f"ParallelConfig({', '.join(fields)})"
 
 
 def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:

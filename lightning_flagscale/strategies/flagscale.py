@@ -33,12 +33,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_flagscale.config import ParallelConfig
-from lightning_flagscale.models.protocol import find_protocol_model, validate_layout
+from lightning_flagscale.models.protocol import validate_layout
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim
 from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
-from lightning_flagscale.parallel.plan import RankLayout, parallelize_rank
+from lightning_flagscale.parallel.plan import RankLayout, check_parallelized_layout, parallelize_rank
 from lightning_flagscale.parallel.step import (
     build_optimizers,
     grads_replicated,
@@ -140,7 +140,10 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
 
     # ------------------------------------------------------------------ environment
     def _check_layout(self, parallel: ParallelConfig, module: Any) -> None:
-        validate_layout(parallel, module)
+        # A module an earlier stage parallelised (`validate` after `fit`) is reused with the same layout, refused with
+        # another; its model (under PP the pipeline) was checked against this layout then.
+        if check_parallelized_layout(module, parallel) is None:
+            validate_layout(parallel, module)
         check_precision_layout(self.precision_plugin.precision, parallel)
 
     @override
@@ -148,8 +151,10 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         super().setup_environment()
         self._set_world_ranks()
         # Validate before any process group exists: a wrong layout fails in milliseconds, not after a rendezvous.
-        self.parallel.resolve(self.world_size)
-        self._check_layout(self.parallel, self.lightning_module)
+        # The job's layout: under hetero_meshes an earlier stage left this rank's group's layout in `parallel`.
+        job = self.hetero_parallel or self.parallel
+        job.resolve(self.world_size)
+        self._check_layout(job, self.lightning_module)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -180,7 +185,6 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         p = self.parallel
         apply_accumulation(p, trainer)
         module = self.lightning_module
-        self._batch_model = find_protocol_model(module)  # its batch hooks: under PP module.model becomes the pipeline
         precision = self.precision_plugin
         # Autocast + fp32 weights for any module, Megatron's half-precision layout for modules that declare it.
         precision.select_layout(module, self.root_device.type)
@@ -193,6 +197,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             result = parallelize_rank(module, layout, hetero=self.hetero_parallel, place=self._place)
         self._hetero_groups, self._dp_speeds = result.hetero_groups, result.dp_speeds
         self._pipeline, self._fsdp_roots = result.pipeline, result.fsdp_roots
+        self._batch_model = result.model  # its batch hooks: under PP module.model became the pipeline
         self._expert_grad_scale = result.expert_grad_scale
         precision.grad_norm_fn = partial(
             clip_grad_norm_, pp_size=p.pipeline_parallel_size,

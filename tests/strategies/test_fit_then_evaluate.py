@@ -1,0 +1,112 @@
+"""Lightning's usual sequence on one module: ``fit``, then ``validate`` (twice: ``CausalLMModule`` has no
+``test_step`` or ``predict_step``), then ``fit`` again by a new Trainer with the same layout, under every layout.
+
+The module is parallelised once, by the first stage; a later stage brings it back from the CPU where ``teardown``
+left it and reuses it (issue 37 item 1: the second stage used to apply TP again and fail). Each validation loss is
+the one-process model's after the same SGD steps on the same batches; a module parallelised with one layout is
+refused, naming both layouts, by a stage with another. All layouts run one after the other in one launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests._oracle import global_batch_indices
+from tests.strategies._lm import GLOBAL_BATCH, TokenDataset, make_module, tiny_config
+
+STEPS = 2
+VAL_SAMPLES = 8
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": dict(zero_stage=0),
+    "zero1": dict(zero_stage=1),
+    "zero3-flat": dict(zero_stage=3, zero3_impl="flat"),
+    "zero3-fsdp2": dict(zero_stage=3, zero3_impl="fsdp2"),
+    "tp2-sp": dict(tensor_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
+    "cp2": dict(context_parallel_size=2),
+    "ep2": dict(expert_parallel_size=2),
+}
+
+
+def _config(name: str):
+    if name == "ep2":  # aux loss off: its per-rank statistics are not the whole batch's (test_expert_loop.py)
+        return tiny_config(num_experts=4, num_experts_per_tok=2, moe_aux_loss_coeff=0.0)
+    return tiny_config()
+
+
+def _oracle(config) -> list[float]:
+    """One process: the validation loss (token mean over the whole set) after STEPS SGD steps, and after STEPS more
+    on the same batches again (the second Trainer starts its data at the first batch)."""
+    torch.manual_seed(0)
+    module = make_module(config)
+    module.configure_model()
+    opt = module.configure_optimizers()["optimizer"]
+    data, val = TokenDataset(config.vocab_size), TokenDataset(config.vocab_size, VAL_SAMPLES)
+    losses = []
+    for _ in range(2):
+        for step in range(STEPS):
+            module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step))).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            losses.append(module._loss(val.batch(torch.arange(VAL_SAMPLES))).item())
+    return losses
+
+
+def _trainer(kwargs: dict[str, Any]):
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScaleStrategy
+
+    return L.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=FlagScaleStrategy(**kwargs), max_steps=STEPS,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+
+
+def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per layout: [val after fit, val again, val after a second fit by a new Trainer]; then the refusal's message."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale.config import ParallelConfig
+
+    results: dict[str, Any] = {}
+    module = None
+    for name, kwargs in layouts.items():
+        config = _config(name)
+        torch.manual_seed(0)
+        module = make_module(config)
+        trainer = _trainer(kwargs)
+        dp = dist.get_world_size() // ParallelConfig(**kwargs).model_parallel_size
+        train = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
+        val = DataLoader(TokenDataset(config.vocab_size, VAL_SAMPLES), batch_size=VAL_SAMPLES // dp)
+        trainer.fit(module, train)
+        losses = [trainer.validate(module, val, verbose=False)[0]["val_loss"] for _ in range(2)]
+        again = _trainer(kwargs)
+        again.fit(module, train)
+        losses.append(again.validate(module, val, verbose=False)[0]["val_loss"])
+        results[name] = losses
+    try:  # the last module (EP 2) under another layout
+        _trainer(dict(tensor_parallel_size=2)).validate(module, val, verbose=False)
+    except ValueError as err:
+        results["refusal"] = str(err)
+    return results
+
+
+def test_fit_validate_fit_again_under_every_layout(launcher):
+    oracles = {name: _oracle(_config(name)) for name in LAYOUTS}
+    for rank, results in enumerate(launcher(2, _stages, LAYOUTS, timeout=600.0)):
+        for name, (after_fit, again, after_second_fit) in ((n, results[n]) for n in LAYOUTS):
+            want, want_second = oracles[name]
+            for got, expected, what in ((after_fit, want, "after fit"), (again, want, "validated again"),
+                                        (after_second_fit, want_second, "after the second fit")):  # fmt: skip
+                assert abs(got - expected) <= 1e-5 * expected, f"{name} rank {rank} {what}: {got} != {expected}"
+        refusal = results.get("refusal", "")
+        assert "already parallelised" in refusal, refusal
+        assert "expert_parallel_size=2" in refusal and "tensor_parallel_size=2" in refusal, refusal
