@@ -222,8 +222,13 @@ def expected_state_bytes(
     *,
     when: Literal["optimizer_step", "backward_peak"] = "optimizer_step",
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
+    frozen_params: float = 0.0,
 ) -> StateBytes:
     """Model-state bytes per rank that this package holds for Ψ = ``num_params`` parameters over ``dp`` ranks (Adam).
+
+    ``frozen_params`` (LoRA's frozen base, issue 40): parameters held without gradient, master copy or optimizer
+    state, in the model dtype (stages 0-2) or as ZeRO-3's fp32 shards (FSDP2; 4 bytes / N each); Ψ then counts the
+    trainable parameters only.
 
     The same categories as :func:`state_bytes` measures, so a run can be compared field by field. Differences from
     the paper's layout (:func:`zero_theory_bytes`): gradients live in fp32 buckets (4 bytes whatever the parameter
@@ -242,18 +247,26 @@ def expected_state_bytes(
         raise ValueError(f"when={when!r}: use 'optimizer_step' or 'backward_peak'.")
     if dp < 1 or num_params < 0:
         raise ValueError(f"Need dp >= 1 and num_params >= 0, got dp={dp}, num_params={num_params}.")
-    psi, n, model = num_params, dp, _MODEL_DTYPE_BYTES[precision]
+    if frozen_params < 0:
+        raise ValueError(f"Need frozen_params >= 0, got {frozen_params}.")
+    psi, n, model, frozen = num_params, dp, _MODEL_DTYPE_BYTES[precision], frozen_params
     if stage == 3:
-        return StateBytes(params=4 * psi / n, grads=4 * psi / n, master_params=0, optimizer_states=8 * psi / n)
+        return StateBytes(
+            params=4 * (psi + frozen) / n, grads=4 * psi / n, master_params=0, optimizer_states=8 * psi / n
+        )
     if stage == 0:
         master = 4 * psi if model != 4 else 0  # mixed precision: fp32 master weights (whole, unsharded)
-        return StateBytes(params=model * psi, grads=4 * psi, master_params=master, optimizer_states=8 * psi)
+        return StateBytes(
+            params=model * (psi + frozen), grads=4 * psi, master_params=master, optimizer_states=8 * psi
+        )
     if stage == 1:
         grads = 4 * psi
     else:
         staging = 4 * min(psi, ZERO2_MAX_STAGING * bucket_numel) if when == "backward_peak" else 0
         grads = 4 * psi / n + staging
-    return StateBytes(params=model * psi, grads=grads, master_params=4 * psi / n, optimizer_states=8 * psi / n)
+    return StateBytes(
+        params=model * (psi + frozen), grads=grads, master_params=4 * psi / n, optimizer_states=8 * psi / n
+    )
 
 
 @dataclass(frozen=True)

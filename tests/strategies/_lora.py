@@ -79,7 +79,7 @@ def lora_trainer_run(
     strategy_kwargs: dict[str, Any], config: TransformerConfig, lora: LoRAConfig, steps: int,
     precision: str = "32-true", save_path: str | None = None, ckpt_path: str | None = None,
     export_dir: str | None = None, max_epochs: int | None = None, num_samples: int = NUM_SAMPLES,
-    module_kwargs: dict[str, Any] | None = None, batch_size: int | None = None,
+    module_kwargs: dict[str, Any] | None = None, batch_size: int | None = None, callbacks: list | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
     """``Trainer.fit`` on every worker: (global mean loss per step, full parameters, what the optimizer state holds)."""
     import lightning as L
@@ -104,7 +104,7 @@ def lora_trainer_run(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision(precision)],
         max_steps=steps if max_epochs is None else -1, max_epochs=max_epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[Record()],
+        num_sanity_val_steps=0, callbacks=[Record(), *(callbacks or [])],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     loader = DataLoader(TokenDataset(config.vocab_size, num_samples), batch_size=batch_size or GLOBAL_BATCH // dp)
