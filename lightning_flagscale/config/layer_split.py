@@ -5,12 +5,14 @@ builds stages from the same functions."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from lightning_flagscale.config.hetero import (
     HeteroMesh,
     StageGroup,
 )
 from lightning_flagscale.config.schedules import stage_placement
+from lightning_flagscale.config.transformer import TransformerConfig
 
 
 def even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
@@ -35,15 +37,56 @@ def even_layer_counts(num_layers: int, pp: int, vpp: int) -> tuple[list[int], li
     return [slots - pad for pad in padding], padding
 
 
+def edge_block_costs(model: TransformerConfig, seq_len: int) -> tuple[float, float]:
+    """(embedding, LM head) cost of a decoder in blocks: forward FLOPs per token over one block's (issue 42 item 5).
+
+    A block is ``2 x`` its active parameters plus attention's ``Q K^T`` and ``P V`` (``2 x heads x (head_dim +
+    v_head_dim) x seq_len``, causal half not discounted, as ``accounting/flops.py`` counts); the LM head is the
+    ``vocab x hidden`` GEMM (``2 V h``), once more per MTP module, which also runs one block on the last stage. The
+    backward of every GEMM is twice its forward, so the ratio holds for training. The embedding is a lookup: 0. The
+    cross-entropy (a few operations per logit against the head's ``2 h``) is left out. At small hidden sizes and
+    large vocabularies the head is several blocks (hidden 128, vocab 32k: about 20); at llama-tiny's vocab of 256, a
+    sixth of one.
+    """
+    h, mtp = model.hidden_size, model.num_nextn_predict_layers
+    blocks = model.num_layers + mtp
+    v_dim = (model.v_head_dim if model.is_mla else None) or model.head_dim
+    attention = 2 * model.num_attention_heads * (model.head_dim + v_dim) * seq_len
+    block = (2 * (model.num_params(include_embedding=False, active=True) - h) + blocks * attention) / blocks
+    head = 2 * model.vocab_size * h * (1 + mtp) + mtp * block
+    return 0.0, head / block
+
+
+def edge_extra_blocks(
+    model: TransformerConfig, seq_len: int, stages: int, *, virtual: int = 1, schedule: str = "1f1b"
+) -> list[float]:
+    """Per stage group, the blocks' worth of embedding and LM head it carries (:func:`edge_block_costs`): the
+    embedding on the group of global stage 0, the head on the group of the last (group 0 too under a V schedule)."""
+    embed, head = edge_block_costs(model, seq_len)
+    extra = [0.0] * stages
+    extra[stage_placement(0, stages, schedule)[0]] += embed
+    extra[stage_placement(stages * virtual - 1, stages, schedule)[0]] += head
+    return extra
+
+
 def speed_aware_layers(
-    meshes: list[HeteroMesh], num_layers: int, device_speed: dict[str, float] | None = None, *, min_layers: int = 1
+    meshes: list[HeteroMesh],
+    num_layers: int,
+    device_speed: dict[str, float] | None = None,
+    *,
+    min_layers: int = 1,
+    extra_blocks: Sequence[float] | None = None,
 ) -> list[int]:
     """Blocks per pipeline stage that equalise stage times, from each device type's relative speed.
 
     A stage runs every sample of a micro-batch through its blocks on its ``tp x dp x cp`` ranks, so its time is
-    proportional to ``layers / (speed x ranks)``: blocks are split in proportion to ``speed x ranks`` (largest
-    shortfalls, at least ``min_layers`` per stage: one per model chunk). Without ``device_speed`` every device counts
-    as equally fast.
+    proportional to ``(layers + extra) / (speed x ranks)``, ``extra`` the blocks' worth of other work the stage
+    carries on its own device (``extra_blocks``, one per stage: the embedding and the LM head,
+    :func:`edge_extra_blocks`; none by default). Blocks are split in proportion to ``speed x ranks`` less each
+    stage's extra (largest shortfalls, at least ``min_layers`` per stage: one per model chunk); when whole blocks
+    leave that split with a slower slowest stage than another split, the split that minimises the slowest stage
+    wins (the head's stage then takes fewer blocks: the pipeline order of the meshes fixes which stage holds it).
+    Without ``device_speed`` every device counts as equally fast.
     """
     weights = []
     for i, mesh in enumerate(meshes):
@@ -64,12 +107,33 @@ def speed_aware_layers(
             f"num_layers={num_layers} is fewer than {min_layers} block(s) for each of the {len(weights)} heterogeneous"
             " pipeline stages."
         )
-    exact = [num_layers * w / sum(weights) for w in weights]
+    extra = [0.0] * len(weights) if extra_blocks is None else [float(e) for e in extra_blocks]
+    if len(extra) != len(weights) or min(extra) < 0:
+        raise ValueError(f"extra_blocks={extra_blocks} needs one value >= 0 per pipeline stage ({len(weights)}).")
+    pace = (num_layers + sum(extra)) / sum(weights)  # the common stage time of a split into fractions of blocks
+    exact = [pace * w - e for w, e in zip(weights, extra)]
     counts = [max(min_layers, int(x)) for x in exact]
     while sum(counts) < num_layers:  # largest shortfall first
         counts[max(range(len(counts)), key=lambda i: exact[i] - counts[i])] += 1
     while sum(counts) > num_layers:  # every stage keeps its minimum
         counts[max((i for i in range(len(counts)) if counts[i] > min_layers), key=lambda i: counts[i] - exact[i])] -= 1
+    best = _min_slowest(weights, extra, num_layers, min_layers)
+    if _slowest(best, weights, extra) < _slowest(counts, weights, extra) * (1 - 1e-9):
+        return best
+    return counts
+
+
+def _slowest(counts: list[int], weights: list[float], extra: list[float]) -> float:
+    return max((n + e) / w for n, w, e in zip(counts, weights, extra))
+
+
+def _min_slowest(weights: list[float], extra: list[float], num_layers: int, min_layers: int) -> list[int]:
+    """The split with the fastest slowest stage: from the minimum, each block to the stage it slows least (optimal
+    for stage times increasing in their blocks)."""
+    counts = [min_layers] * len(weights)
+    for _ in range(num_layers - sum(counts)):
+        i = min(range(len(counts)), key=lambda j: (counts[j] + 1 + extra[j]) / weights[j])
+        counts[i] += 1
     return counts
 
 
@@ -104,9 +168,11 @@ def plan_stage_groups(
     virtual: int = 1,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
+    extra_blocks: Sequence[float] | None = None,
 ) -> list[StageGroup]:
     """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order (``schedule`` places the
-    model chunks of per-virtual-stage ``layers``).
+    model chunks of per-virtual-stage ``layers``). ``extra_blocks``: with ``layers=None``, each stage group's
+    embedding and LM head in blocks (:func:`edge_extra_blocks`) for :func:`speed_aware_layers`.
 
     ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh (from
     ``rank_order_by_type``); ``None`` = rank order.
@@ -116,7 +182,7 @@ def plan_stage_groups(
     if rank_order is not None and list(rank_order) == sorted(rank_order):
         rank_order = None  # identity: keep the groups contiguous
     if layers is None:
-        layers = speed_aware_layers(meshes, num_layers, device_speed, min_layers=virtual)
+        layers = speed_aware_layers(meshes, num_layers, device_speed, min_layers=virtual, extra_blocks=extra_blocks)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
     chunks = split_into_chunks(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual, schedule)
