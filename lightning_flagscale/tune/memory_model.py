@@ -36,6 +36,7 @@ from typing import Literal
 
 from lightning_flagscale.accounting.state_bytes import expected_state_bytes
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
 from lightning_flagscale.tune.activations import (
     head_bytes,
@@ -47,7 +48,7 @@ from lightning_flagscale.tune.activations import (
 from lightning_flagscale.tune.inflight import schedule_live_peak
 from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
 
-__all__ = ["MemoryBreakdown", "RankMemory", "estimate_memory", "memory_breakdown", "stage_params"]
+__all__ = ["MemoryBreakdown", "RankMemory", "estimate_memory", "lora_rank_params", "memory_breakdown", "stage_params"]
 
 Precision = Literal["32-true", "bf16-mixed", "16-mixed"]
 _ACT_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
@@ -116,6 +117,10 @@ class MemoryBreakdown:
 def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: float) -> tuple[float, ...]:
     dp_cp = c.dp * c.context_parallel_size
     edp = max(1, c.expert_data_parallel_size)
+    if p.frozen:  # LoRA: the base held as parameters only, the adapters (``p.dense``) with their full state
+        lora = expected_state_bytes(p.dense, dp_cp, c.zero_stage, precision, frozen_params=p.frozen)
+        grads = lora.grads + (4 * min(p.dense, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0)
+        return lora.params, grads, lora.master_params, lora.optimizer_states
     dense = expected_state_bytes(p.dense, dp_cp, c.zero_stage, precision)
     expert = expected_state_bytes(p.expert, edp, c.zero_stage, precision)
     grads = dense.grads + expert.grads
@@ -123,6 +128,37 @@ def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: floa
         grads += 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel)
     return (dense.params + expert.params, grads, dense.master_params + expert.master_params,
             dense.optimizer_states + expert.optimizer_states)  # fmt: skip
+
+
+def _lora_linears(m: TransformerConfig) -> dict[str, tuple[int, int, bool]]:
+    """A decoder layer's linears that LoRA adapts: name -> (in, out, column-parallel)."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    i = m.intermediate_size
+    return {
+        "self_attn.q_proj": (h, q, True), "self_attn.k_proj": (h, kv, True), "self_attn.v_proj": (h, kv, True),
+        "self_attn.o_proj": (q, h, False), "mlp.gate_proj": (h, i, True), "mlp.up_proj": (h, i, True),
+        "mlp.down_proj": (i, h, False),
+    }  # fmt: skip
+
+
+def lora_rank_params(m: TransformerConfig, c: ParallelConfig, p: RankParams, lora: LoRAConfig) -> float:
+    """Adapter parameters one rank of pipeline rank ``p`` holds (LoRA, issue 40): per targeted linear ``r (in + out)``,
+    the TP-sharded factor divided by TP (column-parallel: B [out, r]; row-parallel: A [r, in]), plus DoRA's
+    magnitude (split like the output rows). Dense decoders with standard attention only."""
+    if m.is_moe or m.kv_lora_rank is not None:
+        raise ValueError(
+            f"The memory model prices LoRA on dense decoders with standard attention; {m.name!r} has "
+            f"{'MoE experts' if m.is_moe else 'MLA'}. Plan it without lora=."
+        )
+    tp, r, total = c.tensor_parallel_size, lora.rank, 0.0
+    for layers in p.layers:
+        for layer in layers:
+            for name, (fan_in, fan_out, column) in _lora_linears(m).items():
+                if not lora.matches(f"layers.{layer}.{name}"):
+                    continue
+                a, b = r * fan_in / (1 if column else tp), r * fan_out / (tp if column else 1)
+                total += a + b + (fan_out / (tp if column else 1) if lora.use_dora else 0.0)
+    return total
 
 
 def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: tuple[int, ...], num_stages: int,
@@ -152,6 +188,11 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
     return kept, extra
 
 
+def _shards(c: ParallelConfig) -> int:
+    """Ranks a ZeRO stage shards dense states over: data x context."""
+    return c.dp * c.context_parallel_size
+
+
 def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: int, bucket_numel: float, *,
                      gloo: bool) -> float:  # fmt: skip
     """Gradient-reduction buffers at the end of backward (``parallel/data_parallel/grad_buckets.py``, FSDP2).
@@ -173,8 +214,10 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
     if c.zero_stage == 3:
         blocks = [sum(layer_params(m, i, tp=c.tensor_parallel_size, ep=c.expert_shards))
                   for ls in p.layers for i in ls]  # fmt: skip
-        units = sorted([psi - sum(blocks), *blocks], reverse=True)
         g = 4 if gloo else 0
+        if p.frozen:  # LoRA: the largest unit gathered, gradients of the adapters only (all of them: an upper bound)
+            return e * max([p.frozen - sum(blocks), *blocks]) + (e + 4 + 2 * g) * psi
+        units = sorted([psi - sum(blocks), *blocks], reverse=True)
         # FSDP2 holds a unit's reduce-scatter until the next unit's post-backward (one input buffer); gloo's async
         # copy of it lives until the work completes, while the next unit's gradients and its own reduce-scatter
         # (and copy) are allocated: the next largest unit adds its gradients and, under gloo, two fp32 copies.
@@ -194,11 +237,15 @@ def memory_breakdown(
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
     foreach_optimizer: bool = False,
     backend: Literal["nccl", "gloo"] = "nccl",
+    lora: LoRAConfig | None = None,
 ) -> MemoryBreakdown:
     """Per pipeline rank bytes for ``num_microbatches`` micro-batches of ``config.micro_batch_size`` sequences of
     ``seq_len`` tokens per data-parallel rank and optimizer step (module docstring). ``foreach_optimizer``: the
     optimizer steps all parameters at once (torch's default on GPUs) rather than one tensor at a time (CPU);
-    ``backend="gloo"``: CPU runs, whose reduce-scatter copies its input."""
+    ``backend="gloo"``: CPU runs, whose reduce-scatter copies its input. ``lora``: LoRA fine-tuning, the base frozen
+    in the model dtype (ZeRO-3: fp32 shards) without gradients, master copies or optimizer state, the adapters
+    (:func:`lora_rank_params`) with all of them; the gradient reduction and the optimizer step then see the
+    adapters only (activations as for full fine-tuning: the adapters' own ``r``-wide ones are left out)."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
@@ -217,6 +264,8 @@ def memory_breakdown(
     modes = c.stage_recompute
     out = []
     for p in rank_params(m, c, vocab_multiple=vocab_multiple):
+        if lora is not None:  # what trains is the adapters; the base is frozen
+            p = dataclasses.replace(p, dense=lora_rank_params(m, c, p, lora), expert=0.0, frozen=p.dense + p.expert)
         n = c.num_stages
         weights, extra = {}, 0.0
         for s, layers in zip(p.stages, p.layers):
@@ -237,7 +286,8 @@ def memory_breakdown(
         # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` and the
         # bf16 copy for ``sync_params`` make ~3 fp32-sized temporaries of one main parameter (one bucket shard). GPU runs default to foreach: one fp32
         # temporary of all the stepped parameters at once.
-        stepped = (master if master else params) / 4  # numel of the fp32 parameters the optimizer steps
+        # numel of the fp32 parameters the optimizer steps (LoRA: the adapters only, never the frozen base)
+        stepped = master / 4 if master else (p.dense + p.expert) / (_shards(c) if c.zero_stage == 3 else 1)
         shards = 1 if c.zero_stage == 0 else c.dp * c.context_parallel_size
         temporaries = 4 * stepped if foreach_optimizer else 12 * min(stepped, bucket_numel / shards)  # 3 measured
         staging = 4 * min(p.dense + p.expert, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0
@@ -263,9 +313,10 @@ def estimate_memory(
     bucket_numel: float = DEFAULT_BUCKET_NUMEL,
     foreach_optimizer: bool = False,
     backend: Literal["nccl", "gloo"] = "nccl",
+    lora: LoRAConfig | None = None,
 ) -> float:
     """Bytes at the step's peak on the heaviest rank of ``config`` (see :func:`memory_breakdown`)."""
     return memory_breakdown(
         model, config, seq_len, num_microbatches, precision=precision, vocab_multiple=vocab_multiple,
-        bucket_numel=bucket_numel, foreach_optimizer=foreach_optimizer, backend=backend,
+        bucket_numel=bucket_numel, foreach_optimizer=foreach_optimizer, backend=backend, lora=lora,
     ).peak  # fmt: skip

@@ -121,6 +121,8 @@ class RankParams:
     """Routed-expert parameters reduced/sharded over the expert-data-parallel ranks."""
     largest: float
     """The largest single parameter (local shard): the biggest gradient autograd materialises at once."""
+    frozen: float = 0.0
+    """Parameters held without gradient or optimizer state (LoRA's base; ``dense`` then counts the adapters)."""
 
 
 _CACHE: dict[tuple, tuple[RankParams, ...]] = {}

@@ -6,7 +6,13 @@ state), the formula ``tune`` and ``bench/`` use; full fine-tuning is the same fo
 
 from __future__ import annotations
 
-from tests.strategies._lm import tiny_config
+import pytest
+
+from lightning_flagscale.accounting.state_bytes import expected_state_bytes
+from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.tune.memory_model import memory_breakdown
+from tests.moe._trainer import shrink
+from tests.strategies._lm import SEQ, tiny_config
 from tests.strategies._lora import lora_config, lora_trainer_run
 
 RANKS = (8, 16, 64)
@@ -53,8 +59,6 @@ def test_lora_state_bytes_match_the_formula(launcher):
     plus Adam's 4-byte step counter per adapter tensor, which the formula leaves out). ZeRO-3 under FSDP2; flat
     ZeRO-3 is not held to it (it keeps gradient buffers for the frozen weights of a unit holding adapters, and
     splits the adapter elements of a unit unevenly over ranks; see docs/lora.md)."""
-    from lightning_flagscale.accounting.state_bytes import expected_state_bytes
-
     adapter_tensors = 2 * 7 * tiny_config().num_layers
     for rank_results in launcher(2, _measure):
         for (stage, rank), m in rank_results.items():
@@ -65,3 +69,14 @@ def test_lora_state_bytes_match_the_formula(launcher):
             )  # fmt: skip
             assert m["optimizer_states"] == want.optimizer_states + 4 * adapter_tensors, (stage, rank, m, want)
             assert want.total < full.total or rank == 64  # the tiny model's rank-64 adapters outgrow its base
+            # the tuner's memory model, from the configs alone: the same bytes (its adapter count from the layer shapes)
+            c = ParallelConfig(**LAYOUTS[stage]).resolve(2)
+            lora = lora_config(rank=rank, alpha=2.0 * rank)
+            planned = memory_breakdown(tiny_config(), c, SEQ, 1, precision="32-true", lora=lora).ranks[0]
+            got = (planned.params, planned.grads, planned.master_params, planned.optimizer_states)
+            assert got == (want.params, want.grads, want.master_params, want.optimizer_states), (stage, rank, got)
+
+
+def test_the_memory_model_refuses_lora_where_it_does_not_price_it():
+    with pytest.raises(ValueError, match="prices LoRA on dense decoders with standard attention"):
+        memory_breakdown(shrink("mixtral-tiny"), ParallelConfig().resolve(1), SEQ, 1, lora=lora_config())
