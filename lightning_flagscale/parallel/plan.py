@@ -193,7 +193,9 @@ def check_parallelized_layout(
     """None for a module not parallelised yet; the record of an earlier :func:`parallelize_rank` when ``layout`` (the
     job's resolved layout) and, if given, the ZeRO-3 ``(param_dtype, reduce_dtype)`` are the ones it ran with;
     else a ``ValueError`` naming both layouts. Every field counts, even those only the optimizers read (zero stages
-    1 and 2, buckets): the plan does not track which fields shaped the module."""
+    1 and 2, buckets): the plan does not track which fields shaped the module. The dtypes count under ZeRO-3 only,
+    whose units keep them; other layouts hold what the precision plugin's ``convert_module`` makes of the weights, as
+    under Lightning's own strategies."""
     applied = module.__dict__.get(_APPLIED_ATTR)
     if applied is None:
         return None
@@ -204,7 +206,7 @@ def check_parallelized_layout(
             " layout: run this stage with the same layout, or build a new module for the new one (or load its"
             " checkpoint into one: checkpoints reshard across layouts)."
         )
-    if dtypes is not None and applied.dtypes != dtypes:
+    if dtypes is not None and layout.zero_stage == 3 and applied.dtypes != dtypes:
         raise ValueError(
             f"{type(module).__name__} was already parallelised by FlagScaleStrategy with ZeRO-3 (param_dtype,"
             f" reduce_dtype) = {applied.dtypes}; this run's precision asks for {dtypes}. Use the same precision, or"

@@ -5,7 +5,8 @@ Trainer, under every layout.
 The module is parallelised once, by the first stage; a later stage brings it back from the CPU where ``teardown``
 left it and reuses it (issue 37 item 1: the second stage used to apply TP again and fail). Each validation loss is
 the one-process model's after the same SGD steps on the same batches; a module parallelised with one layout is
-refused, naming both layouts, by a stage with another. All layouts run one after the other in one launch.
+refused, naming both layouts, by a stage with another (a ZeRO-3 one by a stage with other FSDP dtypes). All layouts
+run one after the other in one launch.
 """
 
 from __future__ import annotations
@@ -61,33 +62,33 @@ def _oracle(config) -> list[float]:
     return losses
 
 
-def _trainer(kwargs: dict[str, Any]):
+def _trainer(kwargs: dict[str, Any], precision: str = "32-true"):
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_flagscale import FlagScaleStrategy
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
 
     return L.Trainer(
         accelerator="cpu", devices=dist.get_world_size(), strategy=FlagScaleStrategy(**kwargs), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        plugins=[FlagScalePrecision(precision)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
 
 
 def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per layout, the validation loss after fit, again, after a new Trainer's fit and after the same Trainer's next
-    fit; then the message refusing the last module under another layout."""
+    fit; then the messages refusing a module under another layout and a ZeRO-3 module under another precision."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from lightning_flagscale.config import ParallelConfig
 
     results: dict[str, Any] = {}
-    module = None
+    modules = {}
     for name, kwargs in layouts.items():
         config = _config(name)
         torch.manual_seed(0)
-        module = make_module(config)
+        module = modules[name] = make_module(config)
         trainer = _trainer(kwargs)
         dp = dist.get_world_size() // ParallelConfig(**kwargs).model_parallel_size
         train = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
@@ -101,10 +102,14 @@ def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         again.fit(module, train)
         losses.append(again.validate(module, val, verbose=False)[0]["val_loss"])
         results[name] = losses
-    try:  # the last module (EP 2) under another layout
-        _trainer(dict(tensor_parallel_size=2)).validate(module, val, verbose=False)
-    except ValueError as err:
-        results["refusal"] = str(err)
+    for what, kwargs, module, precision in (
+        ("refusal", dict(tensor_parallel_size=2), modules["ep2"], "32-true"),  # another layout
+        ("dtype refusal", layouts["zero3-fsdp2"], modules["zero3-fsdp2"], "bf16-true"),  # FSDP2 keeps fp32 compute
+    ):
+        try:
+            _trainer(kwargs, precision).validate(module, val, verbose=False)
+        except ValueError as err:
+            results[what] = str(err)
     return results
 
 
@@ -119,3 +124,5 @@ def test_fit_validate_fit_again_under_every_layout(launcher):
         refusal = results.get("refusal", "")
         assert "already parallelised" in refusal, refusal
         assert "expert_parallel_size=2" in refusal and "tensor_parallel_size=2" in refusal, refusal
+        refusal = results.get("dtype refusal", "")
+        assert "already parallelised" in refusal and "torch.bfloat16" in refusal, refusal
