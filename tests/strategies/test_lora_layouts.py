@@ -48,8 +48,10 @@ def reference():
     return lora_reference_run(tiny_config(), lora_config(), STEPS)
 
 
-# TP 2+SP and PP 2 are checked against one process by the peft export test's launch (same run, one launch each).
-EXPORTED = ("tp2-sp", "pp2")
+# TP 2+SP and PP 2 are checked against one process by the peft export test's launch (one launch each); TP 2+SP runs
+# DoRA there (item 4), plain LoRA under TP 2+SP is the saved run of test_lora_checkpoint.py, whose resumes match an
+# uninterrupted one-process run.
+EXPORTED = {"tp2-sp": True, "pp2": False}  # layout -> use_dora
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in EXPORTED])
@@ -85,19 +87,6 @@ def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher
     with pytest.raises(WorkerError, match="per-expert LoRA adapters are not supported with expert tensor parallel"):
         launcher(2, lora_trainer_run, dict(expert_tensor_parallel_size=2), shrink("mixtral-tiny"),
                  lora_config(target_modules=MOE_TARGETS), 1)  # fmt: skip
-
-
-def test_dora_under_tp2_sp_matches_single_process(launcher):
-    """Item 4: DoRA's magnitudes sharded with the output rows (column-parallel layers: a local row norm; row-parallel:
-    the squared norms summed over TP) = one process."""
-    dora = lora_config(use_dora=True)
-    reference = lora_reference_run(tiny_config(), dora, STEPS)
-    assert any(n.endswith("lora_magnitude_vector") for n in reference[1])
-    results = launcher(2, lora_trainer_run, LAYOUTS["tp2-sp"], tiny_config(), dora, STEPS)
-    _assert_matches(results, reference, "dora tp2-sp")
-    placed = results[0][2]["magnitudes"]
-    assert placed["layers.0.self_attn.q_proj.lora_magnitude_vector"] == "(Shard(dim=0),)", placed
-    assert placed["layers.0.self_attn.o_proj.lora_magnitude_vector"] == "(Replicate(),)", placed
 
 
 def test_dora_is_refused_on_the_layouts_it_is_not_tested_on(launcher):
@@ -152,11 +141,13 @@ def _assert_matches(results, reference, layout):
     assert held == set(ref_after), f"{layout}: parameters held across ranks differ from the model's"
 
 
-@pytest.mark.parametrize("layout", EXPORTED)
+@pytest.mark.parametrize("layout", list(EXPORTED))
 def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout, tmp_path):
-    """The run matches one process as the other layouts do; item 3 from parallel layouts: the gathered adapters hold the trained values under peft's key names,
-    ``peft.PeftModel.from_pretrained`` on the base HF model and the merged HF export both give the logits of the
-    single-process adapted model."""
+    """The run matches one process as the other layouts do (TP 2+SP with DoRA: its magnitudes placed like the output
+    rows, ``Shard(0)`` on column-parallel layers whose row norms are local, replicated on row-parallel ones whose
+    squared norms DTensor sums over TP); item 3 from parallel layouts: the gathered adapters hold the trained values
+    under peft's key names, ``peft.PeftModel.from_pretrained`` on the base HF model and the merged HF export both give
+    the logits of the single-process adapted model."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
@@ -164,18 +155,24 @@ def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout,
     from lightning_flagscale.convert import export_hf
     from tests.strategies._lora import lora_module
 
+    lora = lora_config(use_dora=EXPORTED[layout])
+    if lora.use_dora:
+        reference = lora_reference_run(tiny_config(), lora, STEPS)
+        assert any(n.endswith("lora_magnitude_vector") for n in reference[1])
     _, ref_after, _ = reference
-    results = launcher(
-        2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS, export_dir=str(tmp_path)
-    )
+    results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora, STEPS, export_dir=str(tmp_path))
     _assert_matches(results, reference, layout)
+    if lora.use_dora:
+        placed = results[0][2]["magnitudes"]
+        assert placed["layers.0.self_attn.q_proj.lora_magnitude_vector"] == "(Shard(dim=0),)", placed
+        assert placed["layers.0.self_attn.o_proj.lora_magnitude_vector"] == "(Replicate(),)", placed
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     want = {f"base_model.model.model.{n}": v for n, v in ref_after.items() if is_adapter_name(n)}
     assert set(saved) == set(want)
     for name, value in saved.items():
         assert_rel_close(value, want[name], 1e-5, f"{layout} {name}")
 
-    oracle = lora_module(tiny_config(), lora_config())
+    oracle = lora_module(tiny_config(), lora)
     oracle.configure_model()
     base = lora_module(tiny_config(), None)
     base.configure_model()
