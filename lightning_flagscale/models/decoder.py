@@ -98,7 +98,12 @@ def mtp_labels(labels: Tensor, k: int, segment_ids: Tensor | None = None) -> Ten
 
 
 def _shift_tokens(tokens: Tensor, k: int) -> Tensor:
-    """Token ids shifted left by ``k`` (zeros at the end: they only reach positions whose targets are -100)."""
+    """Token ids shifted left by ``k`` (zeros at the end: they only reach positions whose targets are -100).
+
+    ``tokens`` [B, S, D] are already shifted on the whole sequence (:meth:`CausalLM.prepare_batch`): column
+    ``k - 1`` holds the ids ``k`` positions ahead."""
+    if tokens.dim() == 3:
+        return tokens[..., k - 1]
     return torch.cat([tokens[..., k:], tokens.new_zeros(*tokens.shape[:-1], min(k, tokens.shape[-1]))], dim=-1)
 
 
@@ -140,7 +145,8 @@ class CausalLM(nn.Module):
         self.mtp: MultiTokenPrediction | None = None
         if config.num_nextn_predict_layers:
             self.mtp = MultiTokenPrediction(config, self.padded_vocab_size)
-        self._mtp_pending: tuple[list[Tensor], Tensor | None] | None = None
+        # Head outputs of the MTP modules from the last forward, with their segment ids and pre-shifted targets.
+        self._mtp_pending: tuple[list[Tensor], Tensor | None, Tensor | None] | None = None
         self._mtp_log: list[Tensor] | None = None  # per depth: [token-loss sum, label count] of this rank
         # Set by on_tensor_parallel (called by parallel.tensor.apply_tp): the TP mesh, whether activations between blocks are sequence-sharded,
         # and the first vocab row this rank's LM-head shard holds.
@@ -175,6 +181,7 @@ class CausalLM(nn.Module):
         position_ids: Tensor | None = None,
         segment_ids: Tensor | None = None,
         mtp_input_ids: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor | None]]:
         """Stage inputs under pipeline parallelism: ``x`` feeds the first stage, the rest reaches every stage.
 
@@ -188,7 +195,33 @@ class CausalLM(nn.Module):
         inputs = {"position_ids": position_ids, "segment_ids": segment_ids}
         if self.mtp is not None:
             inputs["mtp_input_ids"] = x if mtp_input_ids is None else mtp_input_ids
+            inputs["mtp_labels"] = mtp_labels
         return x, inputs
+
+    @property
+    def cp_sequence_keys(self) -> tuple[str, ...]:
+        """Per-token keys :meth:`prepare_batch` adds, which context parallelism shards with the token ids."""
+        return ("mtp_input_ids", "mtp_labels") if getattr(self, "mtp", None) is not None else ()
+
+    def prepare_batch(self, batch: dict) -> dict:
+        """The full batch, before context parallelism shards the sequence, with what the MTP modules need from the
+        whole sequence (model protocol ``ContextParallelBatch``): ``mtp_input_ids`` [B, S, D], column ``k - 1`` the
+        token ids ``k`` positions ahead, and ``mtp_labels`` [B, S, D], module k's targets (:func:`mtp_labels`). The
+        last positions of a load-balanced CP chunk look ahead into another rank's chunk; shifting first, as the
+        next-token labels are, gives every rank its tokens without an exchange. Without MTP the batch is unchanged."""
+        if self.mtp is None or "mtp_input_ids" in batch:
+            return batch
+        segment_ids = batch.get("segment_ids")
+        mask = batch.get("attention_mask")
+        if segment_ids is None and mask is not None and not bool(mask.all()):
+            segment_ids = mask.long()  # padding as a segment of its own, as CausalLMModule's loss does
+        depth = range(1, len(self.mtp.layers) + 1)
+        tokens, labels = batch["input_ids"], batch["labels"]
+        return {
+            **batch,
+            "mtp_input_ids": torch.stack([_shift_tokens(tokens, k) for k in depth], dim=-1),
+            "mtp_labels": torch.stack([mtp_labels(labels, k, segment_ids) for k in depth], dim=-1),
+        }
 
     def tp_plan(self, sequence_parallel: bool) -> dict:
         """Module name -> DTensor ``ParallelStyle`` for the parts present (see ``models/decoder_plan.py``)."""
@@ -212,12 +245,14 @@ class CausalLM(nn.Module):
         position_ids: Tensor | None = None,
         segment_ids: Tensor | None = None,
         mtp_input_ids: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
     ) -> Tensor:
         """Token ids [B, S] (or hidden states [B, S, H] without ``embed_tokens``) -> hidden states or head output.
 
         ``position_ids`` are global positions for RoPE (default ``arange(S)``); ``segment_ids`` restrict attention
         to tokens of the same packed document. ``mtp_input_ids``: the token ids for the MTP modules on a stage that
-        has no embedding (default: ``x`` when it is token ids).
+        has no embedding (default: ``x`` when it is token ids), or the ids already shifted with their targets
+        ``mtp_labels`` [B, S, D] (:meth:`prepare_batch`; what a context-parallel shard needs).
         """
         batch, seq = x.shape[:2]
         if self.embed_tokens is not None:
@@ -229,10 +264,15 @@ class CausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, seq)
         tokens = mtp_input_ids if mtp_input_ids is not None else (x if self.embed_tokens is not None else None)
-        return self.run_layers(h, position_ids, segment_ids, mtp_input_ids=tokens)
+        return self.run_layers(h, position_ids, segment_ids, mtp_input_ids=tokens, mtp_labels=mtp_labels)
 
     def run_layers(
-        self, h: Tensor, position_ids: Tensor, segment_ids: Tensor | None = None, mtp_input_ids: Tensor | None = None
+        self,
+        h: Tensor,
+        position_ids: Tensor,
+        segment_ids: Tensor | None = None,
+        mtp_input_ids: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
     ) -> Tensor:
         """Hidden states [B, S, H] after the embedding -> the blocks present, then the norm and head if present.
 
@@ -246,7 +286,7 @@ class CausalLM(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, cos, sin, segment_ids)
         if self.mtp is not None:
-            self._mtp_pending = (self._run_mtp(h, mtp_input_ids, cos, sin, segment_ids), segment_ids)
+            self._mtp_pending = (self._run_mtp(h, mtp_input_ids, cos, sin, segment_ids), segment_ids, mtp_labels)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:
@@ -303,11 +343,11 @@ class CausalLM(nn.Module):
             return main
         # MTP (DeepSeek-V3): lambda / D * sum_k L_k, each L_k over the main loss's normaliser; it trains with the
         # main loss's gradient scale but is not part of the returned (reported) loss: see pop_mtp_loss.
-        outputs, segment_ids = pending
+        outputs, segment_ids, shifted = pending
         count = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
         total, log = None, self._mtp_log or [torch.zeros(2, device=main.device) for _ in outputs]
         for k, (out, entry) in enumerate(zip(outputs, log), start=1):
-            targets = mtp_labels(labels, k, segment_ids)
+            targets = mtp_labels(labels, k, segment_ids) if shifted is None else shifted[..., k - 1]
             losses = self._token_losses(out, targets)
             term = token_mean(losses, targets, count)
             total = term if total is None else total + term

@@ -262,7 +262,9 @@ class CausalLMModule(L.LightningModule):
         if segment_ids is None and mask is not None and not bool(mask.all()):
             # Padding as a segment of its own: real tokens never attend to pad tokens (any padding side).
             segment_ids = mask.long()
-        out = model(batch["input_ids"], batch.get("position_ids"), segment_ids)
+        # MTP inputs shifted on the whole sequence before context parallelism sharded it (CausalLM.prepare_batch).
+        mtp = {k: batch[k] for k in ("mtp_input_ids", "mtp_labels") if batch.get(k) is not None}
+        out = model(batch["input_ids"], batch.get("position_ids"), segment_ids, **mtp)
         return model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -229,14 +229,6 @@ def _describe(layout: ParallelConfig) -> str:
 def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:
     """Apply the plan (module docstring) to ``model`` (the protocol model of ``module``, or None for DP-only)."""
     p = layout.config
-    if p.cp_enabled and getattr(getattr(model, "config", None), "num_nextn_predict_layers", 0):
-        # Raised on every rank before any collective. The MTP modules embed the tokens shifted by k positions, which
-        # for the last k tokens of a context-parallel shard live on another rank: not exchanged yet.
-        raise ValueError(
-            "Multi-token prediction (num_nextn_predict_layers > 0) is not supported with context_parallel_size > 1:"
-            " the shifted tokens cross context-parallel shards. Use context_parallel_size=1 or"
-            " num_nextn_predict_layers=0."
-        )
     result = Parallelized(parts=[] if model is None else [model])
     if model is not None and layout.hetero_groups is not None:
         result.pipeline = build_hetero_pipelined_model(model, layout.hetero_groups, layout.meshes, p, layout.device)
