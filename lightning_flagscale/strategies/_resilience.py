@@ -293,7 +293,9 @@ class ResilienceHooks:
         """Run in the launching process before any worker exists (``setup_environment`` repeats the layout checks
         for launchers that bypass this one)."""
         world_size = self.num_nodes * self.num_processes
-        validate_before_launch(self.parallel, self.lightning_module, world_size, datamodule, self._check_layout)
+        # The job's layout: under hetero_meshes an earlier stage (`fit` before `validate`) left its rank's in `parallel`.
+        job = self.hetero_parallel or self.parallel
+        validate_before_launch(job, self.lightning_module, world_size, datamodule, self._check_layout)
 
     def _start_watchdog(self) -> None:
         if self._watchdog_timeout is None or self._watchdog is not None:

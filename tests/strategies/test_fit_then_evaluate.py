@@ -30,6 +30,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": dict(pipeline_parallel_size=2, micro_batch_size=1),
     "cp2": dict(context_parallel_size=2),
     "ep2": dict(expert_parallel_size=2),
+    # one block on each of two one-rank meshes: a later stage set-up sees the rank's group's layout in `parallel`
+    "hetero": dict(hetero_meshes=[dict(data_parallel_size=1)] * 2, hetero_layers=[1, 1], micro_batch_size=2),
 }
 
 
@@ -90,7 +92,8 @@ def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         torch.manual_seed(0)
         module = modules[name] = make_module(config)
         trainer = _trainer(kwargs)
-        dp = dist.get_world_size() // ParallelConfig(**kwargs).model_parallel_size
+        parallel = ParallelConfig(**kwargs)
+        dp = 1 if parallel.hetero_enabled else dist.get_world_size() // parallel.model_parallel_size
         train = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
         val = DataLoader(TokenDataset(config.vocab_size, VAL_SAMPLES), batch_size=VAL_SAMPLES // dp)
         trainer.fit(module, train)
