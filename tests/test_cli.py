@@ -26,7 +26,10 @@ def test_recipe_parses(name, capsys):
     assert strategy["class_path"].endswith("FlagScaleStrategy")
     assert config["model"]["class_path"].endswith(("CausalLMModule", "VLMModule"))  # class_path, default or not
     presets = ("llama-tiny", "mixtral-tiny", "deepseek-v3-tiny", "qwen2.5-vl-tiny")
-    assert config["model"]["init_args"]["config"] in presets
+    model = config["model"]["init_args"]["config"]  # a preset name, or a preset with overrides
+    assert (model["preset"] if isinstance(model, dict) else model) in presets
+    if name == "deepseek_v3_tiny":  # trains with DeepSeek-V3's MTP module and its early loss weight (issue 39 item 7)
+        assert (model["num_nextn_predict_layers"], model["mtp_loss_weight"]) == (1, 0.3)
     assert config["data"]["class_path"].endswith(("LMDataModule", "VLMDataModule"))
 
 
