@@ -80,11 +80,12 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     lora = lora or getattr(module, "lora", None)
     if lora is None:
         raise ValueError("save_peft_adapter needs the module's LoRAConfig (module.lora) or lora=...")
-    _refuse_expert_adapters(module)
     source = _ModuleSource(module)
     adapters = sorted(n for n in source.names if is_adapter_name(n))
     if not adapters:
         raise HFConversionError("The module has no LoRA adapters to save (build it with lora=LoRAConfig(...)).")
+    experts = [n for n in adapters if _is_expert_adapter(n)]
+    adapters = [n for n in adapters if not _is_expert_adapter(n)]
     layers = sorted({n.rsplit(".", 1)[0] if n.endswith("." + MAGNITUDE_KEY) else n.rsplit(".", 2)[0] for n in adapters})
     hf_names = _peft_module_names(source.config, source.hf_config, layers)
     if Path(out_dir).exists():
@@ -101,32 +102,56 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
             key = f"{_PEFT_PREFIX}{hf_names[layer]}.{kind}.weight"
         if full is not None:
             tensors[key] = full.contiguous()
+    for name in experts:  # per-expert adapters: peft's target_parameters layout (module docstring)
+        full = source._get(name)
+        parent, kind, weight = name.rsplit(".", 2)
+        key = f"{_PEFT_PREFIX}model.{parent.removesuffix('.' + kind)}.{_EXPERT_SLOT[weight]}{kind}.weight"
+        if full is not None:
+            tensors[key] = _expert_to_peft(kind, full)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with atomic_output_dir(out_dir) as tmp:
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-            config = _peft_config(lora, sorted(hf_names.values()), source.hf_dir)
+            config = _peft_config(lora, sorted(hf_names.values()), source.hf_dir, experts=bool(experts))
             (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if dist.is_initialized():
         dist.barrier()
     return Path(out_dir)
 
 
+# Per-expert adapters (models/lora.py's LoRAGroupedExperts) in peft's ``target_parameters`` format: peft wraps the
+# experts module once per targeted parameter, the first listed innermost (keys ``<experts>.base_layer.lora_A.weight``
+# for gate_up_proj, ``<experts>.lora_A.weight`` for down_proj), each with one expert-major ``lora_A`` [E r, in] and
+# one expert-minor ``lora_B`` [out, r E] (peft's ``ParamWrapper.get_delta_weight``); ours are [E, r, in] / [E, out, r].
+EXPERT_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_EXPERT_SLOT = {"gate_up_proj": "base_layer.", "down_proj": ""}
+
+
+def _is_expert_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in _EXPERT_SLOT and name.rsplit(".", 2)[-2] in ADAPTER_KEYS
+
+
+def _expert_to_peft(kind: str, t: Tensor) -> Tensor:
+    if kind == "lora_A":  # [E, r, in] -> [E r, in]
+        return t.reshape(-1, t.shape[-1]).contiguous()
+    return t.permute(1, 2, 0).reshape(t.shape[1], -1).contiguous()  # [E, out, r] -> [out, r E] (expert fastest)
+
+
 def _refuse_expert_adapters(module: nn.Module) -> None:
     experts = sorted(expert_adapter_modules(unwrap_causal_lm(module)))
     if experts:
         raise HFConversionError(
-            f"The module has per-expert LoRA adapters ({', '.join(experts[:3])}, ...; our keys "
-            "<experts>.lora_A.<gate_up_proj|down_proj> [E, r, in] and .lora_B.<...> [E, out, r]), which have no peft "
-            "interchange here yet (peft adapts stacked experts through target_parameters, a layout not mapped); "
-            "export the merged model with export_hf, or leave `experts` out of target_modules."
+            f"The module has per-expert LoRA adapters ({', '.join(experts[:3])}, ...): save_peft_adapter writes them "
+            "in peft's target_parameters format, but reading such a folder back is not built; start from the merged "
+            "model (export_hf) or leave `experts` out of target_modules."
         )
 
 
-def _peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None) -> dict[str, Any]:
+def _peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None, *, experts: bool = False) -> dict[str, Any]:
     # A regex of ours is matched against our names (``layers.0...``), peft's against its own (``model.layers.0...``):
-    # the explicit module list means the same to both.
-    targets = hf_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    # the explicit module list means the same to both. The experts go to target_parameters.
+    targets = hf_modules if isinstance(lora.target_modules, str) else [t for t in lora.target_modules if t != "experts"]
     return {
+        "target_parameters": EXPERT_TARGET_PARAMETERS if experts else None,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
         "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
         "use_rslora": lora.use_rslora, "use_dora": lora.use_dora, "init_lora_weights": lora.init_lora_weights, "inference_mode": False,
@@ -156,6 +181,11 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike, **overrides: Any) -> L
             raise HFConversionError(
                 f"{root / ADAPTER_CONFIG_FILE}: {key}={value!r} is not supported (only {default!r})."
             )
+    if peft.get("target_parameters"):
+        raise HFConversionError(
+            f"{root / ADAPTER_CONFIG_FILE}: target_parameters={peft['target_parameters']!r} (per-expert adapters): "
+            "reading them back is not built; merge the adapter into the base with peft and start from that."
+        )
     targets = peft.get("target_modules")
     if isinstance(targets, str):
         raise HFConversionError(

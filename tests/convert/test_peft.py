@@ -101,9 +101,10 @@ def test_peft_errors(hf_dir, tmp_path):
         _ours(hf_dir, lora_config_from_peft(tmp_path / "a"))  # a LoRA folder claiming DoRA lacks the magnitudes
 
 
-def test_per_expert_adapters_merge_into_the_hf_export_and_are_refused_by_peft(tmp_path):
+def test_per_expert_adapters_merge_into_the_hf_export_and_load_in_peft(tmp_path):
     """Item 2: an HF Mixtral with per-expert adapters (random B) exports merged (each expert's W + s B A), and
-    transformers on that folder gives our logits; the peft interchange refuses them by name (not mapped)."""
+    transformers on that folder gives our logits; saved in peft's target_parameters format, peft gives them too;
+    reading such a folder back here is refused by name (not built)."""
     hf_dir = save(make_hf_model("mixtral"), tmp_path / "hf")
     lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "experts"], init_lora_weights=False)
     ours = _ours(hf_dir, lora)
@@ -113,8 +114,15 @@ def test_per_expert_adapters_merge_into_the_hf_export_and_are_refused_by_peft(tm
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(hf_logits(merged, IDS), _logits(ours), rtol=0, atol=1e-5)
-    with pytest.raises(HFConversionError, match=r"per-expert LoRA adapters \(layers\.0\.mlp\.experts"):
-        save_peft_adapter(ours, tmp_path / "adapter")
+    save_peft_adapter(ours, tmp_path / "adapter")  # peft's target_parameters layout
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["q_proj"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    torch.testing.assert_close(hf_logits(adapted, IDS), _logits(ours), rtol=0, atol=1e-5)
+    with pytest.raises(HFConversionError, match=r"target_parameters=.*reading them back is not built"):
+        lora_config_from_peft(tmp_path / "adapter")
 
 
 def test_dora_matches_peft_logits_gradients_and_round_trips(hf_dir, tmp_path):

@@ -72,10 +72,23 @@ def moe_reference():
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_lora_with_per_expert_adapters_matches_single_process(launcher, moe_reference, layout):
+def test_lora_with_per_expert_adapters_matches_single_process(launcher, moe_reference, layout, tmp_path):
     lora = lora_config(target_modules=MOE_TARGETS)
-    results = launcher(2, lora_trainer_run, MOE_LAYOUTS[layout], shrink("mixtral-tiny"), lora, STEPS)
+    export = str(tmp_path) if layout == "ep2" else None  # the peft folder, gathered from the EP shards
+    results = launcher(2, lora_trainer_run, MOE_LAYOUTS[layout], shrink("mixtral-tiny"), lora, STEPS, export_dir=export)
     _assert_matches(results, moe_reference, layout)
+    if export is not None:
+        from safetensors.torch import load_file
+
+        from lightning_flagscale.convert.peft import _expert_to_peft
+
+        saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+        slot = {"gate_up_proj": "base_layer.", "down_proj": ""}
+        for name, value in moe_reference[1].items():
+            if ".experts.lora_" in name:
+                parent, kind, weight = name.rsplit(".", 2)
+                key = f"base_model.model.model.{parent.removesuffix('.' + kind)}.{slot[weight]}{kind}.weight"
+                assert_rel_close(saved[key], _expert_to_peft(kind, value), 1e-5, f"{layout} {key}")
     config = shrink("mixtral-tiny")
     for rank, (_, _, info) in enumerate(
         results
