@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _procs import collect, context  # bench/ is sys.path[0]
+from _timeline import draw_lanes, legend
 
 WARMUP = 2
 MODEL = dict(num_layers=6, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -68,6 +69,54 @@ def _timer_of(trainer: Any, pl_module: Any) -> Any:
     return next((m._fs_busy_timer for m in stages if hasattr(m, "_fs_busy_timer")), None)
 
 
+class _Events:
+    """Wall-clock intervals of this rank's stage work, for the timeline of one timed step (issue 42 item 5).
+
+    ``F`` / ``B``: forward and backward of each stage module, hooked after the emulation's hooks so that they include
+    its delay (the backward from its output's gradient to the end of the backward call, as ``BusyTimer`` times it);
+    ``R``: blocking receives of the boundary (the wait for the neighbour stage), ``S``: posting the sends and, at the
+    step's end, waiting for them. The runner's ``BoundaryComm`` methods are wrapped on this one instance (a benchmark
+    probe on our own object; nothing in torch or Lightning is patched)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float]] = []
+        self._fwd: list[float] = []
+
+    def install(self, stages: list[Any], comm: Any) -> None:
+        from torch.autograd import Variable
+
+        def pre(module: Any, args: Any) -> None:
+            self._fwd.append(time.perf_counter())
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            self.events.append(("F", self._fwd.pop(), time.perf_counter()))
+            out = output if isinstance(output, torch.Tensor) else None
+            if out is not None and out.requires_grad and torch.is_grad_enabled():
+                out.register_hook(started)
+
+        def started(grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            Variable._execution_engine.queue_callback(lambda: self.events.append(("B", t0, time.perf_counter())))
+
+        for stage in stages:
+            stage.register_forward_pre_hook(pre)
+            stage.register_forward_hook(post)
+        for name, kind in (("send", "S"), ("recv", "R"), ("wait", "S")):
+            setattr(comm, name, self._timed(kind, getattr(comm, name)))
+
+    def _timed(self, kind: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.events.append((kind, t0, time.perf_counter()))
+            return out
+
+        return timed
+
+    def window(self, t0: float, t1: float) -> list[tuple[str, float, float]]:
+        return [e for e in self.events if e[1] >= t0 and e[2] <= t1]
+
+
 def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, queue: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -89,8 +138,14 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     marks: list[float] = []
     out: dict[str, Any] = {"rank": rank, "type": types[rank]}
+    recorder = _Events()
 
     class Clock(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pipeline = trainer.strategy._pipeline
+            if pipeline is not None and hasattr(pipeline.runner, "_comm"):  # a hetero job: record its last step
+                recorder.install(pipeline.stage_modules, pipeline.runner._comm)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == len(marks):
                 return  # inside an accumulation window: the clock ticks once per optimizer step
@@ -104,6 +159,9 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
             if groups is not None:
                 out["layers"] = [g.num_layers for g in groups]
                 out["stage"] = next(g.index for g in groups if rank in g.ranks)
+                out["stage_types"] = [g.device_type for g in groups]
+            if len(marks) == spec["steps"] and recorder.events:  # the last timed step, absolute perf_counter times
+                out["timeline"] = dict(start=marks[-2], end=marks[-1], events=recorder.window(marks[-2], marks[-1]))
 
     config = TransformerConfig.from_preset("llama-tiny", **spec["model"])
     optimizer = spec.get("optimizer", "sgd")  # tune_hetero_validation.py trains as the recipes do (AdamW, bf16-mixed)
@@ -145,6 +203,10 @@ def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
         return [(["fast", "fast"], alone), (["slow", "slow"], alone)]
     half = args.layers // 2
     meshes = [dict(data_parallel_size=2, device_type="fast"), dict(data_parallel_size=2, device_type="slow")]
+    if (
+        name == "aware_rev"
+    ):  # pipeline order slow -> fast: the LM head and loss on the fast mesh (ranks keep their types)
+        meshes = meshes[::-1]
     strategy = dict(
         hetero_meshes=meshes, hetero_layers=[half, half] if name == "even" else None, micro_batch_size=args.micro,
         pipeline_schedule="1f1b", zero_stage=1,
@@ -176,10 +238,12 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     busy_step = {}
     for r in ranks:
         busy_step.setdefault(r["stage"], []).append(r.get("busy_s", 0.0) / timed)
+    timeline = [dict(rank=r["rank"], stage=r["stage"], **r["timeline"]) for r in ranks if "timeline" in r]
     return dict(
         samples_per_s=ranks[0]["samples_per_s"], layers=ranks[0]["layers"], step_s=ranks[0]["wall_s"] / timed,
         busy={s: statistics.mean(v) for s, v in sorted(busy.items())},
         busy_s_per_step={s: statistics.mean(v) for s, v in sorted(busy_step.items())},
+        stage_types=ranks[0]["stage_types"], timeline=timeline,
     )  # fmt: skip
 
 
@@ -187,8 +251,13 @@ LABELS = {
     "even": "hetero, even split",
     "aware": "hetero, speed-aware split (profiled, `hetero_layers=None`)",
     "given": "hetero, speed-aware split (`hetero_device_speed`)",
+    "aware_rev": "hetero, speed-aware split (profiled), meshes slow then fast: LM head + loss on the fast mesh",
 }
-TYPES = ("fast", "slow")  # stage 0 is the fast mesh, stage 1 the slow one
+TYPES = ("fast", "slow")  # stage 0 is the fast mesh, stage 1 the slow one (unless the row names its stage types)
+
+
+def _types(row: dict[str, Any]) -> list[str]:
+    return row.get("stage_types") or list(TYPES)
 
 
 def _summary(values: list[float], fmt: str = ".3g") -> str:
@@ -220,9 +289,10 @@ def _bar_chart(rows: dict[str, list[dict]], png: Path) -> None:
     labels, values, colors = [], [], []
     for name in _hetero(rows):
         for s, frac in _busy_median(rows, name).items():
-            labels.append(f"{name} {rows[name][0]['layers']}: stage {s} ({TYPES[s]})")
+            kind = _types(rows[name][0])[s]
+            labels.append(f"{name} {rows[name][0]['layers']}: stage {s} ({kind})")
             values.append(100 * frac)
-            colors.append("tab:orange" if s == 0 else "tab:blue")
+            colors.append("tab:orange" if kind == "fast" else "tab:blue")
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.2))
     ax.barh(labels[::-1], values[::-1], color=colors[::-1])
     for y, v in enumerate(values[::-1]):
@@ -235,6 +305,80 @@ def _bar_chart(rows: dict[str, list[dict]], png: Path) -> None:
     plt.close(fig)
 
 
+PHASES = {"compute": ("F", "B"), "receive wait": ("R",), "send": ("S",)}
+"""Columns of the timeline table: the event kinds each one sums; idle is the rest of the step."""
+
+
+def _fractions(row: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Per stage, the share of the recorded step each phase takes (mean over the stage's ranks), idle the rest."""
+    per_stage: dict[int, list[dict[str, float]]] = {}
+    for lane in row.get("timeline", []):
+        span = lane["end"] - lane["start"]
+        share = {k: sum(e[2] - e[1] for e in lane["events"] if e[0] in kinds) / span for k, kinds in PHASES.items()}
+        share["idle"] = max(0.0, 1.0 - sum(share.values()))
+        per_stage.setdefault(lane["stage"], []).append(share)
+    return {s: {k: statistics.mean(x[k] for x in v) for k in v[0]} for s, v in sorted(per_stage.items())}
+
+
+def _timeline_table(rows: dict[str, list[dict]]) -> list[str]:
+    """Per configuration and stage: compute, receive wait, send and idle over one timed step, median over rounds."""
+    lines = [
+        "| configuration | stage (device type) | blocks | compute | receive wait | send | idle |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in _hetero(rows):
+        recorded = [_fractions(r) for r in rows[name] if r.get("timeline")]
+        for s in recorded[0] if recorded else ():
+            cells = [f"{100 * statistics.median(f[s][k] for f in recorded):.0f}%" for k in (*PHASES, "idle")]
+            kind, blocks = _types(rows[name][0])[s], rows[name][0]["layers"][s]
+            lines.append(f"| {name} | {s} ({kind}) | {blocks} | {' | '.join(cells)} |")
+    return lines
+
+
+def _median_round(runs: list[dict]) -> dict[str, Any]:
+    ordered = sorted((r for r in runs if r.get("timeline")), key=lambda r: r["samples_per_s"])
+    return ordered[len(ordered) // 2]
+
+
+def _timeline_png(rows: dict[str, list[dict]], png: Path) -> bool:
+    """One panel per hetero configuration (its median-throughput round): every rank's last timed step, on one time
+    scale, ranks grouped by stage (PNG; skipped without matplotlib)."""
+    names = [n for n in _hetero(rows) if any(r.get("timeline") for r in rows[n])]
+    if not names:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    picked = {n: _median_round(rows[n]) for n in names}
+    xmax = 1e3 * max(
+        max(x["end"] for x in r["timeline"]) - min(x["start"] for x in r["timeline"]) for r in picked.values()
+    )
+    fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.6 * len(names) + 0.8), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        row = picked[name]
+        lanes = sorted(row["timeline"], key=lambda x: (x["stage"], x["rank"]))
+        origin = min(x["start"] for x in lanes)
+        span = max(x["end"] for x in lanes) - origin
+        types = _types(row)
+        draw_lanes(
+            ax, [[(k, "", t0 - origin, t1 - origin) for k, t0, t1 in x["events"]] for x in lanes], span,
+            [f"rank {x['rank']}: stage {x['stage']} ({types[x['stage']]}, {row['layers'][x['stage']]} blocks)"
+             for x in lanes], {"F", "B"}, xmax,
+        )  # fmt: skip
+        busy = ", ".join(f"stage {s} {100 * f['compute']:.0f}%" for s, f in _fractions(row).items())
+        ax.set_title(f"{LABELS[name]}: step {span:.2f} s, compute {busy}", fontsize=8)
+    fig.legend(handles=legend(["F", "B", "S", "R"]), loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.suptitle("Hetero pipeline, one timed step per rank (F/B include the emulated delay); x in ms", fontsize=10)
+    fig.subplots_adjust(left=0.13, right=0.99, top=0.9, bottom=0.12, hspace=0.55)  # fixed: tight_layout costs ~0.2 s
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _busy_table(rows: dict[str, list[dict]]) -> list[str]:
     lines = [
         "| configuration | stage (device type) | blocks | busy / wall, median (min-max) | busy s per step, median |",
@@ -245,7 +389,8 @@ def _busy_table(rows: dict[str, list[dict]]) -> list[str]:
         for s in rows[name][0]["busy"]:
             blocks = sorted({r["layers"][s] for r in rows[name]})
             frac = _summary([100 * r["busy"][s] for r in rows[name]], ".0f")
-            lines.append(f"| {name} | {s} ({TYPES[s]}) | {', '.join(map(str, blocks))} | {frac}% | {per_step[s]:.2f} |")
+            kind = _types(rows[name][0])[s]
+            lines.append(f"| {name} | {s} ({kind}) | {', '.join(map(str, blocks))} | {frac}% | {per_step[s]:.2f} |")
     return lines
 
 
@@ -253,6 +398,8 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     _bar_chart(rows, png)
+    timeline = out.with_name(out.stem + "_timeline.png")
+    drawn = _timeline_png(rows, timeline)
     alone = rows["alone"]
     summary: dict[str, Any] = {}
     lines = [
@@ -281,7 +428,7 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         f" {args.base_slowdown}x, slow {args.base_slowdown * args.slowdown}x one core (sleep of (factor-1) x the CPU"
         f" time of each forward / backward), so the slow type is {args.slowdown}x slower than the fast one.",
         "",
-        "| configuration | blocks per stage (fast, slow) | samples/s | ratio to fast alone + slow alone |",
+        "| configuration | blocks per stage, pipeline order | samples/s | ratio to fast alone + slow alone |",
         "|---|---|---|---|",
         f"| fast alone (DP=2) | all | {_summary([a['per_type']['fast'] for a in alone])} | |",
         f"| slow alone (DP=2) | all | {_summary([a['per_type']['slow'] for a in alone])} | |",
@@ -319,6 +466,16 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         *_busy_table(rows),
         "",
     ]
+    if drawn:
+        lines += [
+            f"One timed step per stage from the timelines (`{timeline.name}`): compute (forward + backward, with the"
+            " emulated delay), waiting in a receive for the neighbour stage, posting and completing sends, and idle"
+            " (the rest: the pipeline's fill and drain, the loss, the optimizer and Lightning's loop); median over"
+            " rounds, mean over a stage's ranks:",
+            "",
+            *_timeline_table(rows),
+            "",
+        ]
     out.write_text("\n".join(lines))
     record = dict(args=vars(args), model=_model(args), rows=rows, summary=summary, loadavg=os.getloadavg())
     out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
@@ -340,7 +497,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank-batch", type=int, default=16, help="samples per data-parallel rank and step")
     parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")
-    parser.add_argument("--configs", default="even,aware", help="hetero configurations: even, aware, given")
+    parser.add_argument(
+        "--configs", default="even,aware", help="hetero configurations: even, aware, given, aware_rev (slow mesh first)"
+    )
     parser.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder blocks of the model")
     parser.add_argument("--note", help="how the machine was loaded (replaces the default 'measured under load')")
     parser.add_argument("--out", default="bench/results/hetero.md")

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import collect, context, free_port  # bench/ is on sys.path
+from _timeline import draw_lanes, legend
 
 P, LAYERS, HIDDEN = 4, 8, 16
 
@@ -332,16 +333,12 @@ def _table(rows: list[dict], opts: dict) -> list[str]:
     return lines
 
 
-COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452", "S": "#8172b2", "R": "#c44e52"}
-
-
 def _plot(rows: list[dict], out: Path, opts: dict) -> bool:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError:  # optional: pip install 'lightning-flagscale[bench]'
         print("matplotlib not installed; no timeline PNG")
         return False
@@ -352,30 +349,15 @@ def _plot(rows: list[dict], out: Path, opts: dict) -> bool:
             (ax_m, r["events"], r["span"], r["bubble"], "measured"),
             (ax_i, r["ideal"], r["ideal_span"], r["ideal_bubble"], "ideal (same order)"),
         ):
-            for rank, evs in enumerate(events):
-                y = P - 1 - rank
-                ax.barh(y, span * 1e3, left=0, height=0.8, color="#eeeeee")  # idle unless covered
-                for kind, _stage, mb, t0, t1, _ in evs:
-                    left, width = t0 * 1e3, (t1 - t0) * 1e3
-                    if kind in COMPUTE:
-                        ax.barh(y, width, left=left, height=0.8, color=COLORS[kind], edgecolor="black", linewidth=0.2)
-                        if width > xmax / 60:
-                            ax.text(left + width / 2, y, f"{kind}{mb}", ha="center", va="center", fontsize=4)
-                    else:  # communication: a thin bar at the bottom of the rank's lane
-                        ax.barh(y - 0.3, max(width, xmax / 2000), left=left, height=0.2, color=COLORS[kind])
-            ax.set_xlim(0, xmax)
-            ax.set_yticks(range(P), [f"rank {P - 1 - i}" for i in range(P)], fontsize=7)
-            ax.tick_params(axis="x", labelsize=7)
+            lanes = [[(kind, f"{kind}{mb}", t0, t1) for kind, _stage, mb, t0, t1, _ in evs] for evs in events]
+            draw_lanes(ax, lanes, span, [f"rank {rank}" for rank in range(P)], set(COMPUTE), xmax)
             ax.set_title(
                 f"{r['name']} (v={r['v']}) {what}: {span * 1e3:.0f} ms, bubble {bubble * 100:.1f}%"
                 f" (theory {r['theory'] * 100:.1f}%)",
                 fontsize=8,
             )
-    legend = [Patch(color=COLORS[k], label=label) for k, label in (
-        ("F", "F forward"), ("B", "B full backward"), ("I", "I input grad"), ("W", "W weight grad"),
-        ("S", "send (post + wait)"), ("R", "receive (post + wait)"))]  # fmt: skip
-    legend.append(Patch(color="#eeeeee", label="idle"))
-    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    handles = legend(["F", "B", "I", "W", "S", "R"])
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(
         f"Pipeline timelines, p={P} m={opts['m']}, F=I=W={opts['ms']:g} ms/layer: measured (left), the same action"
         " order replayed with free host and P2P (right); x in ms",
