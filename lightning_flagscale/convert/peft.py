@@ -34,6 +34,7 @@ from lightning_flagscale.convert.hf_import import _local_box, unwrap_causal_lm
 from lightning_flagscale.convert.registry import HFConversionError
 from lightning_flagscale.convert.safetensors_io import atomic_output_dir
 from lightning_flagscale.convert.specs import Direct
+from lightning_flagscale.distributed.dtensor import copy_global_into
 from lightning_flagscale.models.lora import (
     ADAPTER_KEYS,
     MAGNITUDE_KEY,
@@ -136,14 +137,10 @@ def _expert_to_peft(kind: str, t: Tensor) -> Tensor:
     return t.permute(1, 2, 0).reshape(t.shape[1], -1).contiguous()  # [E, out, r] -> [out, r E] (expert fastest)
 
 
-def _refuse_expert_adapters(module: nn.Module) -> None:
-    experts = sorted(expert_adapter_modules(unwrap_causal_lm(module)))
-    if experts:
-        raise HFConversionError(
-            f"The module has per-expert LoRA adapters ({', '.join(experts[:3])}, ...): save_peft_adapter writes them "
-            "in peft's target_parameters format, but reading such a folder back is not built; start from the merged "
-            "model (export_hf) or leave `experts` out of target_modules."
-        )
+def _expert_from_peft(kind: str, t: Tensor, experts: int) -> Tensor:
+    if kind == "lora_A":  # [E r, in] -> [E, r, in]
+        return t.reshape(experts, -1, t.shape[-1])
+    return t.reshape(t.shape[0], -1, experts).permute(2, 0, 1).contiguous()  # [out, r E] -> [E, out, r]
 
 
 def _peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None, *, experts: bool = False) -> dict[str, Any]:
@@ -181,10 +178,11 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike, **overrides: Any) -> L
             raise HFConversionError(
                 f"{root / ADAPTER_CONFIG_FILE}: {key}={value!r} is not supported (only {default!r})."
             )
-    if peft.get("target_parameters"):
+    parameters = peft.get("target_parameters") or []
+    if parameters and parameters != EXPERT_TARGET_PARAMETERS:
         raise HFConversionError(
-            f"{root / ADAPTER_CONFIG_FILE}: target_parameters={peft['target_parameters']!r} (per-expert adapters): "
-            "reading them back is not built; merge the adapter into the base with peft and start from that."
+            f"{root / ADAPTER_CONFIG_FILE}: target_parameters={parameters!r}; only the grouped experts' "
+            f"{EXPERT_TARGET_PARAMETERS} (in that order) map onto our per-expert adapters."
         )
     targets = peft.get("target_modules")
     if isinstance(targets, str):
@@ -194,7 +192,8 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike, **overrides: Any) -> L
         )
     fields = dict(
         rank=int(peft["r"]), alpha=float(peft.get("lora_alpha", 8)), dropout=float(peft.get("lora_dropout", 0.0)),
-        target_modules=[t.removeprefix("model.") for t in targets or []], use_rslora=bool(peft.get("use_rslora")),
+        target_modules=[t.removeprefix("model.") for t in targets or []] + (["experts"] if parameters else []),
+        use_rslora=bool(peft.get("use_rslora")),
         use_dora=bool(peft.get("use_dora")), adapter_dir=str(root),
     )  # fmt: skip
     return LoRAConfig(**{**fields, **overrides})
@@ -216,7 +215,6 @@ def load_peft_adapter(module: nn.Module, adapter_dir: str | os.PathLike) -> None
     must be in the file, and every tensor of the file must be an adapter of the model (checked on the whole file)."""
     root = Path(adapter_dir)
     peft = _read_peft_config(root)
-    _refuse_expert_adapters(module)
     model = unwrap_causal_lm(module)
     layers = adapter_modules(model)
     hf_config = getattr(module, "hf_config", None) or getattr(model, "hf_config", None)
@@ -238,6 +236,20 @@ def load_peft_adapter(module: nn.Module, adapter_dir: str | os.PathLike) -> None
                 if name not in keys:
                     raise HFConversionError(f"{file}: no tensor {name!r} for the DoRA magnitude of {layer!r}.")
                 _copy_slice(reader, name, adapted.lora_magnitude_vector, file)
+        for layer, experts in expert_adapter_modules(model).items():  # peft's target_parameters layout
+            for weight, slot in _EXPERT_SLOT.items():
+                for kind in ADAPTER_KEYS:
+                    name = f"{_PEFT_PREFIX}model.{layer}.{slot}{kind}.weight"
+                    if name not in keys:
+                        raise HFConversionError(f"{file}: no tensor {name!r} for the expert adapters of {layer!r}.")
+                    target = getattr(getattr(experts, kind), weight)
+                    full = _expert_from_peft(kind, reader.get_tensor(name), experts.num_experts)
+                    if tuple(full.shape) != tuple(target.shape):
+                        raise HFConversionError(
+                            f"{file}: {name} gives {kind} of {weight} the shape {list(full.shape)}, the module's is "
+                            f"{list(target.shape)}."
+                        )
+                    copy_global_into(target, full.to(target.dtype))
     rank = int(peft["r"])
     if any(m.lora_A.weight.shape[0] != rank for m in layers.values()):
         raise HFConversionError(f"{root / ADAPTER_CONFIG_FILE}: r={rank} differs from the module's adapters.")

@@ -101,10 +101,10 @@ def test_peft_errors(hf_dir, tmp_path):
         _ours(hf_dir, lora_config_from_peft(tmp_path / "a"))  # a LoRA folder claiming DoRA lacks the magnitudes
 
 
-def test_per_expert_adapters_merge_into_the_hf_export_and_load_in_peft(tmp_path):
+def test_per_expert_adapters_merge_into_the_hf_export_and_round_trip_through_peft(tmp_path):
     """Item 2: an HF Mixtral with per-expert adapters (random B) exports merged (each expert's W + s B A), and
-    transformers on that folder gives our logits; saved in peft's target_parameters format, peft gives them too;
-    reading such a folder back here is refused by name (not built)."""
+    transformers on that folder gives our logits; saved in peft's target_parameters format, peft gives them too, and
+    the folder read back here gives them exactly; other target_parameters are refused by name."""
     hf_dir = save(make_hf_model("mixtral"), tmp_path / "hf")
     lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "experts"], init_lora_weights=False)
     ours = _ours(hf_dir, lora)
@@ -121,7 +121,12 @@ def test_per_expert_adapters_merge_into_the_hf_export_and_load_in_peft(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     torch.testing.assert_close(hf_logits(adapted, IDS), _logits(ours), rtol=0, atol=1e-5)
-    with pytest.raises(HFConversionError, match=r"target_parameters=.*reading them back is not built"):
+    again = _ours(tmp_path / "hf", lora_config_from_peft(tmp_path / "adapter"))  # and back here
+    assert again.lora.target_modules == ["q_proj", "experts"]
+    torch.testing.assert_close(_logits(again), _logits(ours), rtol=0, atol=0)
+    config["target_parameters"] = ["mlp.experts.down_proj"]
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConversionError, match=r"only the grouped experts' .* map onto our per-expert adapters"):
         lora_config_from_peft(tmp_path / "adapter")
 
 
