@@ -6,7 +6,8 @@ with the clock of the emulation hooks (CPU: the thread's CPU time, immune to oth
 ``min(max_seq_len, 256)`` tokens, identical on every rank so that the times compare devices, not layouts). Each rank
 takes the median of a few repetitions after a warm-up; one ``all_gather_object`` gives every rank every median, and
 each device type's time is the median over its ranks, so all ranks agree on the speeds ``1 / time`` bit for bit.
-``speed_aware_layers`` then splits the blocks in proportion to speed x ranks per stage. The emulated slowdown of
+``speed_aware_layers`` then splits the blocks in proportion to speed x ranks per stage, counting the embedding and
+the LM head (in blocks' worth of FLOPs, ``edge_extra_blocks``) on the stages that hold them. The emulated slowdown of
 ``parallel/hetero_mesh/ranks.py`` is applied to the profiled block as to the training step, so the pass sees it.
 
 Micro-batch shares: a heterogeneous-mesh micro-batch is one set of samples that every stage group splits over its
@@ -26,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
-from lightning_flagscale.config.layer_split import speed_aware_layers, split_into_chunks
+from lightning_flagscale.config.layer_split import edge_extra_blocks, speed_aware_layers, split_into_chunks
 from lightning_flagscale.models.protocol import PipelineInputs, WeightInit, model_config
 from lightning_flagscale.parallel.hetero_mesh.ranks import (
     BusyTimer,
@@ -114,7 +116,13 @@ def apply_profiled_split(
     speed = gather_device_speed(seconds, kind)
     meshes = parse_hetero_meshes(hetero.hetero_meshes)
     virtual = len(groups[0].chunk_layers)  # model chunks per stage group (interleaved / V schedules: 2 or more)
-    layers = speed_aware_layers(meshes, sum(g.num_layers for g in groups), speed, min_layers=virtual)
+    # the embedding and LM head in blocks, on the stage groups that hold them (FLOPs from the config; issue 42 item 5)
+    extra = None
+    if isinstance(config, TransformerConfig):
+        extra = edge_extra_blocks(config, seq_len, len(groups), virtual=virtual, schedule=hetero.pipeline_schedule)
+    layers = speed_aware_layers(
+        meshes, sum(g.num_layers for g in groups), speed, min_layers=virtual, extra_blocks=extra
+    )
     chunks = split_into_chunks(layers, len(groups), virtual, hetero.pipeline_schedule)
     if dist.get_rank() == 0:
         fastest = max(speed.values())
