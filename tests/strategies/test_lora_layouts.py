@@ -40,7 +40,11 @@ HETERO = dict(
 # every expert's gate_up_proj and down_proj (item 2): under EP each rank holds its experts' adapters, and the experts'
 # base weights, EP-sharded, stay frozen.
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
-MOE_LAYOUTS = {"ep2": dict(expert_parallel_size=2), "ep2-zero1": dict(expert_parallel_size=2, zero_stage=1)}
+MOE_LAYOUTS = {
+    "ep2": dict(expert_parallel_size=2),
+    "ep2-zero1": dict(expert_parallel_size=2, zero_stage=1),
+    "ep2-zero3": dict(expert_parallel_size=2, zero_stage=3),
+}
 
 
 @pytest.fixture(scope="module")
