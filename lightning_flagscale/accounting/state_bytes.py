@@ -256,9 +256,7 @@ def expected_state_bytes(
         )
     if stage == 0:
         master = 4 * psi if model != 4 else 0  # mixed precision: fp32 master weights (whole, unsharded)
-        return StateBytes(
-            params=model * (psi + frozen), grads=4 * psi, master_params=master, optimizer_states=8 * psi
-        )
+        return StateBytes(params=model * (psi + frozen), grads=4 * psi, master_params=master, optimizer_states=8 * psi)
     if stage == 1:
         grads = 4 * psi
     else:
