@@ -539,7 +539,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
 
     def validate_model(self, config: TransformerConfig) -> None:
         """Check that ``config`` can be split the way this layout asks."""
-        self._check_mtp_schedule(config)
         if self.hetero_meshes is not None:
             for group in self.stage_group_configs(config.num_layers):
                 group.validate_model(config)
@@ -594,20 +593,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                     f"num_experts={config.num_experts} is not divisible by expert_parallel_size="
                     f"{self.expert_parallel_size}."
                 )
-
-    def _check_mtp_schedule(self, config: TransformerConfig) -> None:
-        """Split-backward schedules run one MTP module (DeepSeek-V3's depth) but not a chain of them: torch's
-        weight-gradient pass (``pipelining/_backward.py`` ``get_param_groups``) leaves two overlapping parameter
-        groups when module k + 1 reuses module k's output and the shared embedding, and backpropagates a freed graph."""
-        depth = config.num_nextn_predict_layers
-        pipelined = self.pp_enabled or self.hetero_meshes is not None
-        if depth > 1 and pipelined and SCHEDULE_SPECS[self.pipeline_schedule].split_backward:
-            raise ValueError(
-                f"num_nextn_predict_layers={depth} is not supported with pipeline_schedule="
-                f"'{self.pipeline_schedule}' (a split-backward schedule runs one MTP module, not a chain of them); use"
-                " num_nextn_predict_layers=1 (DeepSeek-V3's) or a schedule without split backward (gpipe, 1f1b,"
-                " interleaved_1f1b)."
-            )
 
     def _check_expert_split(self, config: TransformerConfig) -> None:
         """Each expert's FFN must split evenly over ETP; hot-expert replicas are whole experts (not ETP shards)."""

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.decoder import CausalLM, mtp_labels
 from lightning_flagscale.parallel.context_parallel.attention import load_balanced_indices, shard_batch_for_cp
+from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups
 from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run
 from tests.strategies.test_deepseek_v3_loop import mla_config
 
@@ -66,10 +67,11 @@ def test_mtp_under_hetero_meshes(launcher, mtp_ref):
 
 
 def test_mtp_under_dualpipev(launcher):
-    # DeepSeek-V3's own schedule with its MTP depth (1): the V puts the first and the last stage (embedding, and head
-    # with MTP) on rank 0, whose two embedding copies sum their gradients locally. Four micro-batches of one row:
-    # the oracle runs the same micro-batches (routing statistics are per micro-batch).
-    config = mtp_config(num_nextn_predict_layers=1, num_layers=4)
+    # DeepSeek-V3's own schedule: the V puts the first and the last stage (embedding, and head with the MTP modules)
+    # on rank 0, whose two embedding copies sum their gradients locally; two chained modules through the split
+    # (input / weight) backward. Four micro-batches of one row: the oracle runs the same micro-batches (routing
+    # statistics are per micro-batch).
+    config = mtp_config(num_layers=4)
     kwargs = dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", micro_batch_size=1)
     results = launcher(2, sgd_trainer_run, kwargs, config, STEPS)
     assert "mtp.embed_tokens.weight" in results[0]["params"] and "embed_tokens.weight" in results[0]["params"]
@@ -77,13 +79,31 @@ def test_mtp_under_dualpipev(launcher):
     assert_sgd_parity(results, _with_last_stage_copy(ref), "deepseek-v3 mtp dualpipev", pipeline=True)
 
 
-def test_chained_mtp_refused_before_launch_under_split_backward_schedules():
-    # torch's weight-gradient pass splits a chain of MTP modules into overlapping parameter groups (a freed graph).
-    zbv = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="zbv")
-    with pytest.raises(ValueError, match="num_nextn_predict_layers=2 is not supported with pipeline_schedule='zbv'"):
-        zbv.validate_model(mtp_config(num_layers=4))
-    zbv.validate_model(mtp_config(num_nextn_predict_layers=1, num_layers=4))
-    ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="1f1b").validate_model(mtp_config())
+def test_split_backward_of_chained_mtp_modules_equals_one_backward():
+    # A last stage with three chained MTP modules: torch's per-group weight passes walk common nodes (the second one
+    # hit a freed graph); merged into one pass, input and weight gradients equal a plain backward.
+    torch.manual_seed(0)
+    stage = CausalLM(mtp_config(num_nextn_predict_layers=3, num_layers=1))
+    stage.init_weights(0)
+    stage.embed_tokens = None
+    ids, labels = torch.randint(0, stage.vocab_size, (2, 2, 16)).unbind(0)
+    hidden = torch.randn(2, 16, stage.config.hidden_size)
+
+    def grads(split: bool) -> dict[str, torch.Tensor]:
+        stage.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_(True)
+        loss = stage.loss_fn(stage(x, mtp_input_ids=ids), labels)
+        if split:
+            _, groups = stage_backward_input([loss], None, [x], stage.parameters())
+            stage_backward_weight(stage.parameters(), merge_param_groups(groups))
+        else:
+            loss.backward()
+        return {"input": x.grad, **{n: p.grad for n, p in stage.named_parameters() if p.grad is not None}}
+
+    plain, split = grads(False), grads(True)
+    assert plain.keys() == split.keys() and "mtp.embed_tokens.weight" in plain
+    for name, grad in plain.items():
+        assert torch.allclose(split[name], grad, rtol=1e-6, atol=1e-9), name
 
 
 def test_mtp_inputs_shifted_before_context_parallel_sharding():

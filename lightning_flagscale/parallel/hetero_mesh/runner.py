@@ -47,6 +47,7 @@ from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatche
 from lightning_flagscale.parallel.hetero_mesh.boundary import BoundaryComm, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.tied import TiedAcrossMeshes
 from lightning_flagscale.parallel.pipeline_parallel.plan import StagePlan
+from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups
 
 __all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
 
@@ -322,9 +323,8 @@ class HeteroPipelineRunner:
             grad = self._comm.recv(transfers, self._tag(s, m, True)).to(out.dtype)
         if split:
             assert x is not None
-            _, self._weight_work[(s, m)] = stage_backward_input(
-                [out], None if grad is None else [grad], [x], self._module(s).parameters()
-            )
+            _, groups = stage_backward_input([out], None if grad is None else [grad], [x], self._module(s).parameters())
+            self._weight_work[(s, m)] = merge_param_groups(groups)  # one weight pass (chained MTP modules)
         else:
             torch.autograd.backward(out, grad)
         if x is not None and self._local_turn(s - 1):

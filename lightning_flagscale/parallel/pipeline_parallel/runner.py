@@ -67,6 +67,7 @@ __all__ = [
     "build_stage_module",
     "check_units_cover_parameters",
     "is_layer_unit",
+    "merge_param_groups",
     "min_microbatches",
     "pipeline_unit_costs",
     "plan_stages",
@@ -118,6 +119,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def merge_param_groups(groups: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """torch's ``stage_backward_input`` parameter groups as one group, so that the weight pass is one autograd pass.
+
+    torch (``pipelining/_backward.py``) runs one pass per group, each freeing the graph it walked. The groups of a
+    chain of DeepSeek-V3 MTP modules (module k + 1 takes module k's output and all share the embedding; issue 39)
+    walk common nodes, and the second pass backpropagates through a graph the first one freed. One group walks each
+    node once; torch's own hooks for a group of several intermediates keep a gradient from counting twice through an
+    intermediate that descends from another. Each intermediate keeps the gradient its hook captured."""
+    if not groups or len(groups) == 1:
+        return groups
+    params: set[Any] = set()
+    captured: dict[Any, Any] = {}
+    for group in groups:
+        grads = group.get("grads")
+        if grads is None:  # no gradient reached this group's intermediates: torch's pass would skip it too
+            continue
+        params |= group["params"]
+        for node, node_grads in zip(group["intermediates"], grads):
+            captured.setdefault(node, node_grads)
+    return [{"params": params, "intermediates": list(captured), "grads": list(captured.values())}]
+
+
 class StatelessInferenceStage(PipelineStage):
     """``PipelineStage`` whose first-step metadata inference leaves the stage module's buffers as they were.
 
@@ -141,6 +164,12 @@ class StatelessInferenceStage(PipelineStage):
         super()._post_metadata_inference_cleanup()
         for part in find_flat_zero3(self.submod):  # that backward is not training: drop its (summed) gradients
             part.discard_grads()
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        grads, groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return grads, merge_param_groups(groups) if backward_type == "input" else groups
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         for part in find_flat_zero3(self.submod):  # flat ZeRO-3: one reduce-scatter per unit after the last backward
