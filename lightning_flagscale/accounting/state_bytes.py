@@ -10,6 +10,7 @@ import them.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -30,6 +31,7 @@ __all__ = [
     "ZeroTheory",
     "comm_theory_bytes",
     "current_rss_bytes",
+    "expected_flat_zero3_state_bytes",
     "expected_state_bytes",
     "model_parallel_numel",
     "peak_rss_bytes",
@@ -265,6 +267,40 @@ def expected_state_bytes(
     return StateBytes(
         params=model * (psi + frozen), grads=grads, master_params=4 * psi / n, optimizer_states=8 * psi / n
     )
+
+
+def expected_flat_zero3_state_bytes(
+    units: Sequence[Sequence[tuple[Sequence[int], bool]]], dp: int, rank: int
+) -> StateBytes:
+    """Model-state bytes of ``rank`` under flat ZeRO-3 (``zero3_impl="flat"``, fp32 shards, Adam), padding included.
+
+    ``units``: each flat unit's parameters as (local shape, trainable) in registration order. The layout of
+    ``zero3_flat_unit.py``: a unit's trainable parameters, then its frozen ones (two regions when it has both), each
+    parameter starting at a multiple of its row length (elements per dim-0 row); a region of ``L`` elements whose rows
+    have least common multiple ``l`` gives every rank ``S = max(1, ceil(L / N / l)) * l`` elements, rank ``r`` the
+    range ``[r S, (r + 1) S)``. Parameters: 4 bytes per shard element of every region; gradients: 4 per element of
+    the trainable region's shard; Adam: 8 per trainable element in this rank's range (Adam's step counters left
+    out). :func:`expected_state_bytes` is this without the padding: ``4 (Ψ + frozen) / N``, ``4 Ψ / N``, ``8 Ψ / N``.
+    """
+    params = grads = held = 0
+    for unit in units:
+        regions = [[p for p in unit if p[1]], [p for p in unit if not p[1]]]
+        regions = [r for r in regions if r] if all(regions) else [list(unit)]
+        for region in regions:
+            offset, lcm, spans = 0, 1, []
+            for shape, _ in region:
+                row = math.prod(shape[1:]) if len(shape) > 1 else 1
+                offset = math.ceil(offset / row) * row
+                lcm = math.lcm(lcm, row)
+                spans.append((offset, offset + math.prod(shape)))
+                offset = spans[-1][1]
+            size = max(1, math.ceil(offset / dp / lcm)) * lcm
+            params += size
+            if region[0][1]:
+                grads += size
+                lo, hi = rank * size, (rank + 1) * size
+                held += sum(max(0, min(b, hi) - max(a, lo)) for a, b in spans)
+    return StateBytes(params=4 * params, grads=4 * grads, master_params=0, optimizer_states=8 * held)
 
 
 @dataclass(frozen=True)

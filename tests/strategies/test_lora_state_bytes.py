@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_flagscale.accounting.state_bytes import expected_state_bytes
+from lightning_flagscale.accounting.state_bytes import expected_flat_zero3_state_bytes, expected_state_bytes
+from lightning_flagscale.checkpoint.sharded import checkpoint_keys
 from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.models.lora import is_adapter_name
 from lightning_flagscale.tune.memory_model import memory_breakdown
 from tests.moe._trainer import shrink
 from tests.strategies._lm import SEQ, tiny_config
 from tests.strategies._lora import lora_config, lora_trainer_run
 
 RANKS = (8, 16, 64)
-LAYOUTS = {0: dict(zero_stage=0), 3: dict(zero_stage=3, zero3_impl="fsdp2")}
+LAYOUTS = {
+    "ddp": dict(zero_stage=0),
+    "fsdp2": dict(zero_stage=3, zero3_impl="fsdp2"),
+    "flat": dict(zero_stage=3, zero3_impl="flat"),
+}
 
 
-def _measure() -> dict:
+def _measure(tmp: str) -> dict:
     import lightning as L
     from torch.distributed.tensor import DTensor
 
@@ -28,53 +34,80 @@ def _measure() -> dict:
     from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3, summon_full_params
 
     class Measure(L.Callback):
-        def __init__(self) -> None:
+        def __init__(self, step: int = 1) -> None:
             self.measured: dict = {}
+            self.step = step
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 1:  # Adam states exist from the second step on
+            if trainer.global_step == self.step:  # Adam states exist from the second step on
                 self.measured.update(vars(state_bytes(pl_module, [optimizer])))
                 with summon_full_params(pl_module.model):
                     named = {id(p): (n, p) for n, p in pl_module.model.named_parameters()}.values()
                     numel = {n: p.shape.numel() if isinstance(p, DTensor) else p.numel() for n, p in named}
                 self.measured["adapters"] = sum(v for n, v in numel.items() if is_adapter_name(n))
                 self.measured["frozen"] = sum(v for n, v in numel.items() if not is_adapter_name(n))
+                # flat ZeRO-3: each unit's parameters (shape, trainable), the input of its layout formula
                 parts = find_flat_zero3(pl_module.model)
-                held = sum(s.hi - s.lo for part in parts for u in part.units for s in u.slots)
-                total = self.measured["adapters"] + self.measured["frozen"]
-                self.measured["row_slack"] = abs(held - total / trainer.world_size) if parts else 0.0
+                units = [[(tuple(s.shape), s.shard.requires_grad) for s in u.slots] for p in parts for u in p.units]
+                self.measured["units"], self.measured["rank"] = units, trainer.global_rank
 
     out = {}
-    for stage, layout in LAYOUTS.items():
+    for name, layout in LAYOUTS.items():
         for rank in RANKS:
             measure = Measure()
             lora_trainer_run(layout, tiny_config(), lora_config(rank=rank, alpha=2.0 * rank), 2,
                              module_kwargs={"optimizer": "adamw"}, callbacks=[measure])  # fmt: skip
-            out[stage, rank] = measure.measured
+            out[name, rank] = measure.measured
+    # flat ZeRO-3's checkpoint of a LoRA run: saved (adapters and their moments only) and resumed under flat, the
+    # loaded state measured again at the resumed run's first step
+    saved = f"{tmp}/flat.ckpt"
+    lora = lora_config(rank=RANKS[0], alpha=2.0 * RANKS[0])
+    lora_trainer_run(LAYOUTS["flat"], tiny_config(), lora, 2, save_path=saved, module_kwargs={"optimizer": "adamw"})
+    measure = Measure(step=2)
+    lora_trainer_run(LAYOUTS["flat"], tiny_config(), lora, 3, ckpt_path=saved, module_kwargs={"optimizer": "adamw"},
+                     callbacks=[measure])  # fmt: skip
+    out["flat-resumed", RANKS[0]] = measure.measured
     return out
 
 
-def test_lora_state_bytes_match_the_formula(launcher):
+def test_lora_state_bytes_match_the_formula(launcher, tmp_path):
     """Byte-exact: parameters (adapters + frozen base), gradients (adapters only) and Adam states (adapters only,
-    plus Adam's 4-byte step counter per adapter tensor, which the formula leaves out). ZeRO-3 under FSDP2; flat
-    ZeRO-3 is not held to it (it keeps gradient buffers for the frozen weights of a unit holding adapters, and
-    splits the adapter elements of a unit unevenly over ranks; see docs/lora.md)."""
+    plus Adam's 4-byte step counter per adapter tensor, which the formula leaves out). ZeRO-3 under FSDP2, and flat
+    ZeRO-3 with its padding (``expected_flat_zero3_state_bytes``: a unit's adapters and its frozen base sharded as
+    two regions, so the frozen base has no gradient shard and the adapters split evenly), within that padding of
+    the formula."""
     adapter_tensors = 2 * 7 * tiny_config().num_layers
-    for rank_results in launcher(2, _measure):
-        for (stage, rank), m in rank_results.items():
+    for rank_results in launcher(2, _measure, str(tmp_path)):
+        for (name, rank), m in rank_results.items():
+            name = name.removesuffix("-resumed")
+            stage = LAYOUTS[name]["zero_stage"]
             want = expected_state_bytes(m["adapters"], 2, stage, "32-true", frozen_params=m["frozen"])
             full = expected_state_bytes(m["adapters"] + m["frozen"], 2, stage, "32-true")
+            if name == "flat":
+                flat = expected_flat_zero3_state_bytes(m["units"], 2, m["rank"])
+                got = (m["params"], m["grads"], m["master_params"], m["optimizer_states"] - 4 * adapter_tensors)
+                assert got == (flat.params, flat.grads, flat.master_params, flat.optimizer_states), (rank, m, flat)
+                # The adapters split evenly (no padding at these shapes): gradients and Adam states are the formula's;
+                # the parameters carry the frozen region's padding (below one row per parameter plus N x lcm).
+                assert (flat.grads, flat.optimizer_states) == (want.grads, want.optimizer_states), (rank, flat, want)
+                assert 0 <= flat.params - want.params <= 0.01 * want.params, (rank, flat, want)
+                want = flat
             assert (m["params"], m["grads"], m["master_params"]) == (want.params, want.grads, want.master_params), (
-                stage, rank, m, want,
+                name, rank, m, want,
             )  # fmt: skip
-            assert m["optimizer_states"] == want.optimizer_states + 4 * adapter_tensors, (stage, rank, m, want)
+            assert m["optimizer_states"] == want.optimizer_states + 4 * adapter_tensors, (name, rank, m, want)
             assert want.total < full.total or rank == 64  # the tiny model's rank-64 adapters outgrow its base
             # the tuner's memory model, from the configs alone: the same bytes (its adapter count from the layer shapes)
-            c = ParallelConfig(**LAYOUTS[stage]).resolve(2)
+            if name == "flat":
+                continue  # the memory model prices ZeRO-3 without flat's padding
+            c = ParallelConfig(**LAYOUTS[name]).resolve(2)
             lora = lora_config(rank=rank, alpha=2.0 * rank)
             planned = memory_breakdown(tiny_config(), c, SEQ, 1, precision="32-true", lora=lora).ranks[0]
             got = (planned.params, planned.grads, planned.master_params, planned.optimizer_states)
-            assert got == (want.params, want.grads, want.master_params, want.optimizer_states), (stage, rank, got)
+            assert got == (want.params, want.grads, want.master_params, want.optimizer_states), (name, rank, got)
+    keys = checkpoint_keys(str(tmp_path / "flat.ckpt"))
+    moments = {k.removeprefix("optimizer_0.state.").rsplit(".", 1)[0] for k in keys if k.endswith(".exp_avg")}
+    assert len(moments) == adapter_tensors and all(is_adapter_name(k) for k in moments), sorted(moments)
 
 
 def test_the_memory_model_refuses_lora_where_it_does_not_price_it():

@@ -11,6 +11,10 @@ every unit and step ("per-parameter packing"). Here, as in FSDP1 / Megatron-FSDP
   view of the shard). Every parameter starts at a multiple of its row length and ``S`` is a multiple of every row
   length, so each rank holds whole rows and the optimizer's parameters keep their number of dimensions (weight
   decay grouping by ``ndim`` keeps working); the padding this costs is below one row per parameter plus ``N x lcm``.
+  A unit with both trainable and frozen parameters (LoRA's adapters and base, issue 40) lays them out as two such
+  regions, trainable first, and a rank's shard is its part of each: only region 0 is reduce-scattered, so the frozen
+  base gets no gradient shard or optimizer state and the trainable elements split evenly
+  (``accounting.state_bytes.expected_flat_zero3_state_bytes``).
 - **Forward**: the unit's pre-forward hook all-gathers the shards (cast to ``param_dtype``) straight into the full
   flat buffer; the module's parameters are replaced, for the forward only, by views of it (DTensor views under TP,
   so TP's collectives keep their semantics). All views come from one autograd leaf, so backward yields one flat
@@ -169,8 +173,9 @@ class FlatZero3:
             unit.grad_acc = grad if unit.grad_acc is None else unit.grad_acc.add_(grad)
             unit.reshard()
             return
-        out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
-        work = reduce_scatter(out, grad, group=unit.group, async_op=True)
+        # Region 0 only: a unit's trainable parameters (its frozen ones, in region 1, get no gradient shard).
+        out = torch.empty(unit.grad_numel, dtype=unit.reduce_dtype, device=grad.device)
+        work = reduce_scatter(out, grad[: unit.grad_numel * unit.world], group=unit.group, async_op=True)
         if self.trace is not None:
             self.trace.append(("reduce_scatter", unit.index))
         self._pending.append((unit, out, work, grad))
@@ -210,7 +215,7 @@ class FlatZero3:
         for s in unit.slots:
             if not s.shard.requires_grad:
                 continue
-            g = out[s.lo - unit.start : s.hi - unit.start].view(s.shard.shape)
+            g = out[s.pos : s.pos + s.hi - s.lo].view(s.shard.shape)
             if s.shard.grad is None:
                 s.shard.grad = g
             else:

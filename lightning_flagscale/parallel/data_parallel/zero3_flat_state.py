@@ -75,8 +75,7 @@ class _Converter:
 
     def to_params(self, unit: FlatUnit, shard: Tensor) -> Iterator[tuple[_Slot, Tensor]]:
         """Collectively: each parameter's ``Shard(0)`` DTensor from the unit's flat shard vector ``shard``."""
-        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-        all_gather(full, shard.contiguous(), group=unit.group)
+        full = unit.gather(shard)
         for s in unit.slots:
             value = full[s.offset : s.offset + s.numel].view(_rows(s), -1)
             lo, hi = _chunk(_rows(s), unit.world, unit.rank)
@@ -105,7 +104,7 @@ class _Converter:
                 pieces.append(gathered[r * width + starts[r] : r * width + starts[r] + n])
                 starts[r] += n
             full[s.offset : s.offset + s.numel] = torch.cat(pieces)
-        return full[unit.start : unit.start + unit.shard_numel].clone()
+        return unit.local_part(full).clone()
 
 
 class FlatZero3Optimizer:
@@ -183,7 +182,7 @@ class FlatZero3Optimizer:
         for s in unit.slots:
             value = self.optimizer.state.get(s.shard, {}).get(key)
             if isinstance(value, Tensor) and value.numel() == s.shard.numel() and value.dim() > 0:
-                flat[s.lo - unit.start : s.hi - unit.start] = value.reshape(-1)
+                flat[s.pos : s.pos + s.hi - s.lo] = value.reshape(-1)
         return flat
 
     def state_dict(self) -> dict:
@@ -195,7 +194,8 @@ class FlatZero3Optimizer:
         for conv, unit in self._units():
             for key in keys:
                 for s, value in conv.to_params(unit, self._flat_state(unit, key)):
-                    state[self.names[s.shard]][key] = value
+                    if s.shard.requires_grad:  # frozen parameters (LoRA's base) have no optimizer state
+                        state[self.names[s.shard]][key] = value
             for s in unit.slots:
                 for key, value in opt.state.get(s.shard, {}).items():
                     if not (isinstance(value, Tensor) and value.dim() > 0):
@@ -212,9 +212,11 @@ class FlatZero3Optimizer:
             zeros = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
             for key in keys:
                 for s, value in conv.to_params(unit, zeros):
-                    template[self.names[s.shard]][key] = value
+                    if s.shard.requires_grad:
+                        template[self.names[s.shard]][key] = value
             for s in unit.slots:
-                template[self.names[s.shard]]["step"] = torch.zeros((), dtype=torch.float32)
+                if s.shard.requires_grad:
+                    template[self.names[s.shard]]["step"] = torch.zeros((), dtype=torch.float32)
         return {"state": dict(template)}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -229,7 +231,7 @@ class FlatZero3Optimizer:
                 flat = conv.from_params(unit, values, torch.float32)
                 for s in unit.slots:
                     if key in state.get(self.names[s.shard], {}):
-                        view = flat[s.lo - unit.start : s.hi - unit.start].view(s.shard.shape)
+                        view = flat[s.pos : s.pos + s.hi - s.lo].view(s.shard.shape)
                         self.optimizer.state[s.shard][key] = view.to(s.shard.dtype).clone()
             for s in unit.slots:
                 for key, value in state.get(self.names[s.shard], {}).items():

@@ -34,13 +34,19 @@ class _Slot:
     offset: int  # start in the full flat buffer
     row: int  # elements per dim-0 row
     dtensor: DTensor | None  # the original TP DTensor (mesh, placements, global shape), None for plain tensors
+    region: int = 0  # the unit's region holding it (0: trainable, 1: frozen, when a unit has both)
     shard: nn.Parameter | None = None  # this rank's rows, a view of the flat shard: what the optimizer steps
     lo: int = 0  # this rank's part of the parameter in the flat buffer: [lo, hi)
     hi: int = 0
+    pos: int = 0  # where ``lo`` sits in this rank's flat shard
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def _param(uses: list[tuple[str, nn.Module, str]]) -> nn.Parameter:
+    return uses[0][1]._parameters[uses[0][2]]
 
 
 def _row(shape: torch.Size) -> int:
@@ -60,18 +66,31 @@ class FlatUnit:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slots: list[_Slot] = []
-        offset, lcm = 0, 1
-        for uses in params.values():
-            name, owner, attr = uses[0]
-            p = owner._parameters[attr]
-            local = p.to_local() if isinstance(p, DTensor) else p
-            row = _row(local.shape)
-            offset = math.ceil(offset / row) * row  # whole rows on every rank (module docstring)
-            lcm = math.lcm(lcm, row)
-            self.slots.append(_Slot(name=name, aliases=[(m, a) for _, m, a in uses], shape=local.shape, offset=offset,
-                                    row=row, dtensor=p if isinstance(p, DTensor) else None))  # fmt: skip
-            offset += local.numel()
-        self.numel = offset
+        # Trainable parameters first, frozen ones (LoRA's base, issue 40) after, each group a region of its own
+        # sharded evenly over the ranks: a rank's shard is its part of each region, back to back, so the gradient
+        # (region 0 only) and the optimizer state cover the trainable elements alone.
+        uses_of = list(params.values())
+        groups = [[u for u in uses_of if _param(u).requires_grad], [u for u in uses_of if not _param(u).requires_grad]]
+        groups = [g for g in groups if g] if all(groups) else [uses_of]
+        self.regions: list[tuple[int, int, int]] = []  # (start in the full buffer, shard elements, start in shard)
+        base = shard_base = 0
+        for region, group in enumerate(groups):
+            offset, lcm = 0, 1
+            for name, owner, attr in (g[0] for g in group):
+                p = owner._parameters[attr]
+                local = p.to_local() if isinstance(p, DTensor) else p
+                row = _row(local.shape)
+                offset = math.ceil(offset / row) * row  # whole rows on every rank (module docstring)
+                lcm = math.lcm(lcm, row)
+                uses = params[id(p)]
+                self.slots.append(_Slot(name=name, aliases=[(m, a) for _, m, a in uses], shape=local.shape,
+                                        offset=base + offset, row=row, region=region,
+                                        dtensor=p if isinstance(p, DTensor) else None))  # fmt: skip
+                offset += local.numel()
+            shard = max(1, math.ceil(offset / self.world / lcm)) * lcm
+            self.regions.append((base, shard, shard_base))
+            base, shard_base = base + shard * self.world, shard_base + shard
+        self.numel = sum(s.numel for s in self.slots)
         self._split_sizes: list[int] = []  # padding gap, parameter, gap, parameter, ..., tail
         self._split_index: list[int] = []
         end = 0
@@ -79,9 +98,9 @@ class FlatUnit:
             self._split_sizes += [slot.offset - end, slot.numel]
             self._split_index.append(len(self._split_sizes) - 1)
             end = slot.offset + slot.numel
-        self.shard_numel = max(1, math.ceil(offset / self.world / lcm)) * lcm
+        self.shard_numel = shard_base
         self.padded = self.shard_numel * self.world
-        self.start = self.rank * self.shard_numel
+        self.grad_numel = self.regions[0][1]  # the reduce-scatter's output: region 0 (the trainable one when split)
         self._split_sizes.append(self.padded - end)
         first = params[next(iter(params))][0]
         p0 = first[1]._parameters[first[2]]
@@ -94,7 +113,7 @@ class FlatUnit:
         self.full = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
         self._free_storage()
         self.gathered = False
-        self._work: dist.Work | None = None
+        self._work: list[dist.Work] | None = None
         self._src: Tensor | None = None
         self.leaf: Tensor | None = None
         self.backward_started = False
@@ -107,12 +126,14 @@ class FlatUnit:
     # ---- layout ----------------------------------------------------------------------------------------------
     def _fill_shard_from_params(self) -> None:
         """Copy this rank's rows of the original parameters into the shard and register the shard parameters."""
-        end = self.start + self.shard_numel
         for s in self.slots:
             p = s.aliases[0][0]._parameters[s.aliases[0][1]]
             local = (p.to_local() if isinstance(p, DTensor) else p).detach()
-            s.lo, s.hi = max(s.offset, self.start), min(s.offset + s.numel, end)
+            base, size, shard_base = self.regions[s.region]
+            start = base + self.rank * size
+            s.lo, s.hi = max(s.offset, start), min(s.offset + s.numel, start + size)
             s.hi = max(s.hi, s.lo)
+            s.pos = shard_base + s.lo - start
             rows = slice((s.lo - s.offset) // s.row, (s.hi - s.offset) // s.row)
             view = self._shard_view(s)
             with torch.no_grad():
@@ -125,7 +146,7 @@ class FlatUnit:
                 module._parameters[attr] = s.shard
 
     def _shard_view(self, s: _Slot) -> Tensor:
-        flat = self.flat_shard[s.lo - self.start : s.hi - self.start]
+        flat = self.flat_shard[s.pos : s.pos + s.hi - s.lo]
         rows = (s.hi - s.lo) // s.row
         return flat.view(rows, *s.shape[1:]) if s.shape else flat.view(rows)
 
@@ -142,6 +163,22 @@ class FlatUnit:
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
 
+    def _regions(self, shard: Tensor, full: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
+        """(full-buffer range, shard range) of each region."""
+        full = self.full if full is None else full
+        return [(full[b : b + n * self.world], shard[sb : sb + n]) for b, n, sb in self.regions]
+
+    def gather(self, shard: Tensor) -> Tensor:
+        """Collectively: the full flat buffer (padded layout) of a shard vector laid out like ``flat_shard``."""
+        full = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
+        for dst, src in self._regions(shard.contiguous(), full):
+            all_gather(dst, src.contiguous(), group=self.group)
+        return full
+
+    def local_part(self, full: Tensor) -> Tensor:
+        """This rank's shard vector of a full flat buffer (the inverse of :meth:`gather`)."""
+        return torch.cat([full[b + self.rank * n : b + (self.rank + 1) * n] for b, n, _ in self.regions])
+
     def unshard_async(self, trace: list | None = None) -> None:
         """Launch the all-gather of the shards into the full buffer (no-op when gathered or in flight)."""
         if self.gathered or self._work is not None:
@@ -149,13 +186,14 @@ class FlatUnit:
         self._repack()
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         self._src = self.flat_shard.detach().to(self.param_dtype)
-        self._work = all_gather(self.full, self._src, group=self.group, async_op=True)
+        self._work = [all_gather(dst, src, group=self.group, async_op=True) for dst, src in self._regions(self._src)]
         if trace is not None:
             trace.append(("all_gather", self.index))
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            for work in self._work:
+                work.wait()
             self._work, self._src = None, None
             self.gathered = True
 
