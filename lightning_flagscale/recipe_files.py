@@ -76,6 +76,9 @@ def describe_recipe(path: str | os.PathLike) -> str:
         sections[name] = (section.get("class_path", "").rpartition(".")[2], args)
     model_class, model_args = sections["model"]
     model = model_args.get("config") or f"model from --model.hf_dir {model_args.get('hf_dir') or 'DIR'}"
+    if isinstance(model, dict):  # a preset with overrides: `config: {preset: NAME, FIELD: VALUE, ...}`
+        overrides = [f"{k}={v}" for k, v in model.items() if k != "preset"]
+        model = f"{model.get('preset', 'custom config')}" + (f" ({', '.join(overrides)})" if overrides else "")
     parts.append(f"{model_class} {model}" if model_class else str(model))
     data_args = sections["data"][1]
     source = data_args.get("source", "synthetic")

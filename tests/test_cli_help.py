@@ -200,6 +200,9 @@ def test_recipe_lines_are_generated_from_what_the_recipe_sets():
         assert f"{trainer['max_steps']} steps" in line
     assert describe_recipe(RECIPES_DIR / "llama_tiny.yaml").startswith("4 cpu processes, DP=2, TP=2, ZeRO-1")
     assert "FSDP2" not in describe_recipe(RECIPES_DIR / "zero3.yaml")  # the engine is zero3_impl's choice
+    # A preset with overrides reads as the preset and its settings, not as a Python dict.
+    deepseek = describe_recipe(RECIPES_DIR / "deepseek_v3_tiny.yaml")
+    assert "deepseek-v3-tiny (num_nextn_predict_layers=1, mtp_loss_weight=0.3)" in deepseek and "{" not in deepseek
 
 
 def test_recipes_help_is_help(capsys):
