@@ -69,6 +69,11 @@ class ParallelMeshes:
             return self.dp_cp
         if names == (MeshDim.STAGE.value,):
             return self.stage
+        if MeshDim.DP_CP.value in names and len(names) > 1 and all(n in world_names for n in names if n != "dp_cp"):
+            # The flattened axis beside world axes (e.g. ("dp_cp", "tp") for flat ZeRO-3's 2-D sharding): joined from
+            # the kept meshes and their existing groups. Slicing the flattened axis from the root mesh is deprecated
+            # by torch ("users need to bookkeep the flattened mesh"); it warned on every TP x ZeRO-3 run.
+            return DeviceMesh._concatenate([self.dp_cp if n == MeshDim.DP_CP.value else self.world[n] for n in names])
         if all(n in world_names for n in names):
             return self.world[names if len(names) > 1 else names[0]]
         if self.expert is not None and all(n in (self.expert.mesh_dim_names or ()) for n in names):

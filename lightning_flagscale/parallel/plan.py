@@ -293,7 +293,7 @@ def _use_flat_zero3(result: Parallelized, p: ParallelConfig) -> bool:
 def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
     """Step 8: flat ZeRO-3 on each materialised model part (a protocol model: its blocks are the units)."""
     p, meshes = layout.config, layout.meshes
-    spmd = meshes.world[("dp_cp", "tp")] if p.tp_enabled else None
+    spmd = meshes[("dp_cp", "tp")] if p.tp_enabled else None
     tied = result.pipeline.runner.tied if result.pipeline is not None else None
     for part in result.parts:
         blocks = _blocks(part)
