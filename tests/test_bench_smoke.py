@@ -64,7 +64,8 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
 # helpers imported by the scripts above, not scripts
 HELPERS = {"_procs.py": "launcher helpers", "_tune_report.py": "tune_validation's report",
            "compare_report.py": "compare_strategies' report", "profile_comm.py": "compare_strategies' profiler",
-           "compare_options.py": "compare_strategies' options and runs (`bench --help`)"}  # fmt: skip
+           "compare_options.py": "compare_strategies' options and runs (`bench --help`)",
+           "_timeline.py": "pipeline's and hetero's timeline drawing"}  # fmt: skip
 # script -> why it has no smoke run here (each with its smallest setting, for a manual run)
 SKIPPED: dict[str, str] = {
     "convert.py": "its smallest checkpoint (--size-gb 0.002: one layer and two 128 MB embeddings of the fixed Llama"
