@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
+from lightning_flagscale.config.layer_split import edge_extra_blocks
 from lightning_flagscale.config.schedules import SCHEDULE_NAMES
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.tune import (
@@ -26,7 +27,7 @@ from lightning_flagscale.tune import (
 )
 from lightning_flagscale.tune.cost import estimate_step
 from lightning_flagscale.tune.hardware import builtin_profile
-from lightning_flagscale.tune.hetero import DeviceGroup, balance_layers, plan_hetero, plan_hetero_dp
+from lightning_flagscale.tune.hetero import DeviceGroup, _stage_cost, balance_layers, plan_hetero, plan_hetero_dp
 from lightning_flagscale.tune.runner import HistoryPruner, _strategy_args
 from lightning_flagscale.tune.search import enumerate_layouts
 
@@ -494,6 +495,41 @@ def test_hetero_mesh_plans_pay_the_activation_hops_across_device_types():
     assert _boundaries(3, 2, False) == [(0, 1), (1, 2), (2, 0)]
 
 
+def _assert_balanced_with_head(model, groups, plan, *, seq_len):
+    """``plan``'s stage times are each stage's blocks at its mesh's block time plus the LM head on the stage group
+    of the last global stage (the last group; the first under a V placement, where the V turns back), and its split
+    has the fastest slowest stage of every split into at least one block a stage (brute force). Returns the head's
+    seconds on each stage as the plan priced it (its stage time less its blocks')."""
+    par = plan.parallel
+    layouts = [(m["tensor_parallel_size"], m["data_parallel_size"], m["pipeline_parallel_size"])
+               for m in par["hetero_meshes"]]  # fmt: skip
+    samples = par["micro_batch_size"] * layouts[0][1]
+    block, head = [], []
+    for g, layout in zip(groups, layouts, strict=True):
+        one, lm, _ = _stage_cost(model, layout, g, samples, seq_len, par["zero_stage"], par["recompute"])
+        block += [one.f + one.b] * layout[2]
+        head += [lm] * layout[2]
+    stages = len(block)
+    v_shaped = par["pipeline_schedule"] in ("zbv", "dualpipev")
+    at = 0 if v_shaped else stages - 1
+    extra = [head[s] if s == at else 0.0 for s in range(stages)]
+    layers = par["hetero_layers"]
+    assert plan.stage_seconds == pytest.approx([n * t + e for n, t, e in zip(layers, block, extra)], rel=1e-12)
+    priced = [t - n * b for t, n, b in zip(plan.stage_seconds, layers, block)]  # the head as the planner priced it
+
+    def splits(left, parts):
+        if parts == 1:
+            yield (left,)
+            return
+        for n in range(1, left - parts + 2):
+            for rest in splits(left - n, parts - 1):
+                yield (n, *rest)
+
+    best = min(max(n * t + e for n, t, e in zip(split, block, extra)) for split in splits(model.num_layers, stages))
+    assert max(plan.stage_seconds) == pytest.approx(best, rel=1e-12)
+    return [e if e > 1e-9 * max(plan.stage_seconds) else 0.0 for e in priced]
+
+
 def test_hetero_mesh_planner_tries_every_schedule():
     # With v model chunks per stage group the fill and drain shrink: with free links and the same layers, the
     # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/v) slowest-stage slots (v = 2 and 4), zero-bubble
@@ -527,18 +563,22 @@ def test_hetero_mesh_planner_tries_every_schedule():
         return json.dumps(p.parallel["hetero_meshes"]), p.parallel["micro_batch_size"]
 
     by = {k: {key(p): p for p in plans if kind(p) == k} for k in kinds}
+    for p in plans:  # each split balances its stage times, the LM head on the group of the last model chunk
+        _assert_balanced_with_head(model, groups, p, seq_len=4096)
     checked = 0
     for k, one in by[("1f1b", 1)].items():
         il2, il4, zb2, zb4, zbv, dpv = (by[name].get(k) for name in kinds[1:])
-        same = (il2, il4, zb2, zb4, zbv, dpv)
-        if any(p is None or p.parallel["hetero_layers"] != one.parallel["hetero_layers"] for p in same):
+        if any(p is None for p in (il2, il4, zb2, zb4, zbv, dpv)):
             continue
+        # the looped placements end on the last group, as 1F1B does: the same split; the V placements end on the
+        # first (H100, faster here), so they split differently, both the same way
+        assert all(p.parallel["hetero_layers"] == one.parallel["hetero_layers"] for p in (il2, il4, zb2, zb4))
+        assert zbv.parallel["hetero_layers"] == dpv.parallel["hetero_layers"] != one.parallel["hetero_layers"]
         stages, slowest = len(one.stage_seconds), max(one.stage_seconds)
         for v, il in ((2, il2), (4, il4)):
             assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest * (1 - 1 / v), rel=1e-9)
         assert zb2.step_seconds < il2.step_seconds and zb4.step_seconds < il4.step_seconds
-        assert zbv.step_seconds == pytest.approx(zb2.step_seconds, rel=1e-12)
-        assert zb2.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
+        assert zbv.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
         checked += 1
     assert checked > 0
     # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B
@@ -616,6 +656,29 @@ def test_the_hetero_command_honours_or_refuses_every_flag(tmp_path, capsys):
     first_dp = best["hetero_meshes"][0]["data_parallel_size"] if "hetero_meshes" in best else 1
     assert recipe["data"]["batch_size"] == 64 // first_dp and recipe["data"]["seq_len"] == 4096
     assert "predicted step" in recipe_path.read_text().splitlines()[0]
+
+
+def test_hetero_mesh_planner_puts_the_head_where_the_v_turns_back():
+    # A100 first, H100 second, one stage each, a 128k vocabulary (the head about two blocks): 1F1B runs the head on
+    # the H100 group, ZBV and DualPipeV on the A100 group (the last model chunk comes back to the first group), so
+    # there the slower A100 group takes fewer blocks than under 1F1B, and each split balances its own stage times.
+    # The pre-launch stage planner (config/layer_split.py edge_extra_blocks) puts the head on the same group.
+    model = TransformerConfig.from_preset("llama3-8b")
+    groups = list(reversed(_h100_a100()))
+    kw = dict(seq_len=4096, global_batch=16, micro_batch_size=1, zero_stage=1, recompute="none", max_pp_per_mesh=1)
+    one = {json.dumps(p.parallel["hetero_meshes"]): p for p in plan_hetero(model, groups, **kw, schedule="1f1b")}
+    checked = 0
+    for schedule in ("zbv", "dualpipev"):
+        for p in plan_hetero(model, groups, **kw, schedule=schedule):
+            base = one[json.dumps(p.parallel["hetero_meshes"])]
+            assert p.parallel["hetero_layers"][0] < base.parallel["hetero_layers"][0]
+            for q, at in ((p, 0), (base, 1)):
+                head = _assert_balanced_with_head(model, groups, q, seq_len=4096)
+                v = q.parallel.get("virtual_pipeline_parallel_size", 1)
+                edges = edge_extra_blocks(model, 4096, 2, virtual=v, schedule=q.parallel["pipeline_schedule"])
+                assert [h > 0 for h in head] == [e > 0 for e in edges] == [s == at for s in range(2)]
+            checked += 1
+    assert checked > 0
 
 
 def test_hetero_mesh_plans_are_runnable_by_the_hetero_pipeline_runner():

@@ -6,7 +6,8 @@ Given device groups in rank order (a device type, a count and its :class:`Hardwa
 - **meshes** (FlagScale's heterogeneous pipeline, ``config/hetero.py``): each group becomes one mesh with its own
   TP x DP (x PP) layout; the decoder blocks are split over the stages so that the slowest stage is as fast as it
   can be. A stage's time per micro-batch is ``layers x block time on its mesh`` (the cost model's block pass at that
-  mesh's TP, DP, micro-batch and profile) plus the LM head on the last stage; the split minimises the maximum by
+  mesh's TP, DP, micro-batch and profile) plus the LM head on the stage of the last model chunk (the last stage,
+  or the first under a V placement); the split minimises the maximum by
   bisection on the stage time. The step is the schedule's run paced by the slowest stage (1F1B: ``m + S - 1``
   slots over S stages and m micro-batches; interleaved 1F1B and zero-bubble with v = 2 or 4 model chunks per stage
   group (``VIRTUAL_SIZES``), ZBV and DualPipeV with two: ``(S - 1) / v`` fill-and-drain slots, the zero-bubble
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, stage_placement, validate_schedule
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
 from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order
@@ -236,7 +237,11 @@ def _plan_meshes(
             extra.append(0.0)
             configs.append(c)
             stage_groups.append(g)
-    extra[-1] = _stage_cost(model, layouts[-1], groups[-1], samples, seq_len, zero, recompute)[1]
+    # the LM head runs with the last global stage: on the last stage group, or under a V placement (ZBV, DualPipeV)
+    # on the first, where the V turns back; it costs that group's device (issue 42 item 5)
+    head = stage_placement(len(extra) * v - 1, len(extra), schedule)[0]
+    mesh = next(i for i, n in enumerate(itertools.accumulate(pp for _, _, pp in layouts)) if head < n)
+    extra[head] = _stage_cost(model, layouts[mesh], groups[mesh], samples, seq_len, zero, recompute)[1]
     try:
         layers = balance_layers(per_layer, extra, model.num_layers)
     except ValueError:
