@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -240,7 +239,6 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
     Kaiming-uniform(a=sqrt 5), i.e. U(-1/sqrt(in), 1/sqrt(in)); ``"gaussian"`` A ~ N(0, 1/r); B zero unless ``False``
     (then B ~ U(-1/sqrt(r), 1/sqrt(r)) so that the adapter changes the model from the start). With ``adapter_dir``
     the adapters are read from that peft folder instead."""
-    _check_dora_layout(model)
     if config.adapter_dir:  # continued training: the weights of a peft folder (convert/peft.py registers "peft")
         weight_source("peft").load_weights(model, config.adapter_dir)
         return
@@ -269,23 +267,6 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
             full = torch.rand(shape, generator=gen, device=cpu) * (2 * bound) - bound
         copy_global_into(param, full)
     init_magnitudes(model)
-
-
-def _check_dora_layout(model: nn.Module) -> None:
-    """DoRA is tested on one process and under tensor parallelism alone (every process in one TP group); raise on
-    every rank, before any step, for the other layouts (data parallel, ZeRO, PP, CP, EP, hetero meshes)."""
-    dora = [m for m in adapter_modules(model).values() if m.lora_magnitude_vector is not None]
-    if not dora:
-        return
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = dora[0].weight.device_mesh if isinstance(dora[0].weight, DTensor) else None
-    tp = mesh.size() if mesh is not None and mesh.mesh_dim_names == ("tp",) else 1
-    if world != tp:
-        raise ValueError(
-            f"LoRA use_dora=True runs on one process or under tensor parallelism alone (tensor_parallel_size = the "
-            f"number of processes), the layouts it is tested on; this run has {world} processes and TP {tp}. Use "
-            "plain LoRA (use_dora=False) with data, pipeline, context or expert parallelism and ZeRO."
-        )
 
 
 @torch.no_grad()

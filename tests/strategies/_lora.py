@@ -176,3 +176,9 @@ def vlm_lora_run(strategy_kwargs: dict[str, Any], lora: LoRAConfig, steps: int, 
     )  # fmt: skip
     trainer.fit(module, DataLoader(RaggedShapes(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE))
     return full_params(module.model)
+
+
+def lora_trainer_runs(runs: list[tuple[tuple, dict[str, Any]]]) -> list[tuple[list[float], dict, dict[str, Any]]]:
+    """Several :func:`lora_trainer_run` calls ``(args, kwargs)`` in one launch, one after the other (a layout's plain
+    LoRA and DoRA runs share the launch's round trip)."""
+    return [lora_trainer_run(*args, **kwargs) for args, kwargs in runs]

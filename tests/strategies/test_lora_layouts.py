@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from lightning_flagscale.models.lora import is_adapter_name
+from lightning_flagscale.parallel.plan import check_dora_layout
 from tests._launcher import WorkerError
 from tests.moe._trainer import shrink
 from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
 from tests.strategies._lora import (
     lora_config,
+    lora_module,
     lora_reference_run,
     lora_trainer_run,
+    lora_trainer_runs,
     vlm_lora_reference,
     vlm_lora_run,
 )
@@ -58,10 +61,28 @@ def reference():
 EXPORTED = {"tp2-sp": True, "pp2": False}  # layout -> use_dora
 
 
+@pytest.fixture(scope="module")
+def dora_reference():
+    reference = lora_reference_run(tiny_config(), lora_config(use_dora=True), STEPS)
+    assert any(n.endswith("lora_magnitude_vector") for n in reference[1])
+    return reference
+
+
+def _with_dora(launcher, layout, lora, **kwargs):
+    """One launch: the layout's run with ``lora`` (``kwargs`` its extras), then the same layout with DoRA (item 1:
+    DDP, ZeRO-1/2/3 flat and FSDP2, PP and CP; a magnitude per output row, replicated and reduced like any
+    parameter, its row norm over the whole row, which ZeRO-3 gathers for the forward). Both runs' results by rank."""
+    args = (LAYOUTS[layout], tiny_config())
+    runs = [((*args, lora, STEPS), kwargs), ((*args, lora_config(use_dora=True), STEPS), {})]
+    both = launcher(2, lora_trainer_runs, runs)
+    return [r[0] for r in both], [r[1] for r in both]
+
+
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in EXPORTED])
-def test_lora_layout_matches_single_process(launcher, reference, layout):
-    results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora_config(), STEPS)
+def test_lora_layout_matches_single_process(launcher, reference, dora_reference, layout):
+    results, dora = _with_dora(launcher, layout, lora_config())
     _assert_matches(results, reference, layout)
+    _assert_matches(dora, dora_reference, f"dora {layout}")
 
 
 def test_lora_on_hetero_meshes_matches_single_process(launcher, reference):
@@ -107,8 +128,16 @@ def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher
 
 
 def test_dora_is_refused_on_the_layouts_it_is_not_tested_on(launcher):
-    with pytest.raises(WorkerError, match=r"use_dora=True runs on one process or under tensor parallelism alone"):
-        launcher(2, lora_trainer_run, dict(zero_stage=1), tiny_config(), lora_config(use_dora=True), 1)
+    # expert parallelism (DoRA on the attention of an MoE model), refused on every rank before any step
+    dora = lora_config(use_dora=True, target_modules=["q_proj", "o_proj"])
+    with pytest.raises(WorkerError, match=r"use_dora=True is not supported with expert parallelism"):
+        launcher(2, lora_trainer_run, MOE_LAYOUTS["ep2"], shrink("mixtral-tiny"), dora, 1)
+    # heterogeneous meshes: the plan's check, on the model it is given
+    model = lora_module(tiny_config(), dora)
+    model.configure_model()
+    with pytest.raises(ValueError, match=r"use_dora=True is not supported with heterogeneous meshes"):
+        check_dora_layout(model.model, expert_parallel=False, hetero=True)
+    check_dora_layout(model.model, expert_parallel=False, hetero=False)  # the other layouts run (tests above)
 
 
 # The VLM (item 3): adapters on the decoder's attention and on the vision tower's attention projections; the rest of
@@ -151,6 +180,8 @@ def _assert_matches(results, reference, layout):
             else:
                 assert torch.equal(value, ref_before[name]), f"{layout} rank {rank}: base weight {name} changed"
         assert all(is_adapter_name(n) for n in info["trainable"]), f"{layout} rank {rank}: {info['trainable']}"
+        magnitudes = {n for n in params if n.endswith("lora_magnitude_vector")}
+        assert magnitudes <= set(info["trainable"]), f"{layout} rank {rank}: a DoRA magnitude is not trainable"
         adapters = sum(v.numel() for n, v in params.items() if is_adapter_name(n))
         # the optimizer holds adapter parameters (or this rank's shard of them) only
         assert 0 < info["optimizer_numel"] <= adapters, f"{layout} rank {rank}: {info['optimizer_numel']} > {adapters}"
@@ -159,7 +190,7 @@ def _assert_matches(results, reference, layout):
 
 
 @pytest.mark.parametrize("layout", list(EXPORTED))
-def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout, tmp_path):
+def test_peft_adapter_and_merged_export_from_layout(launcher, reference, dora_reference, layout, tmp_path):
     """The run matches one process as the other layouts do (TP 2+SP with DoRA: its magnitudes placed like the output
     rows, ``Shard(0)`` on column-parallel layers whose row norms are local, replicated on row-parallel ones whose
     squared norms DTensor sums over TP); item 3 from parallel layouts: the gathered adapters hold the trained values
@@ -170,14 +201,15 @@ def test_peft_adapter_and_merged_export_from_layout(launcher, reference, layout,
     from safetensors.torch import load_file
 
     from lightning_flagscale.convert import export_hf
-    from tests.strategies._lora import lora_module
 
     lora = lora_config(use_dora=EXPORTED[layout])
     if lora.use_dora:
-        reference = lora_reference_run(tiny_config(), lora, STEPS)
-        assert any(n.endswith("lora_magnitude_vector") for n in reference[1])
+        reference = dora_reference
+        results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora, STEPS, export_dir=str(tmp_path))
+    else:  # and DoRA on this layout in the same launch
+        results, dora = _with_dora(launcher, layout, lora, export_dir=str(tmp_path))
+        _assert_matches(dora, dora_reference, f"dora {layout}")
     _, ref_after, _ = reference
-    results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora, STEPS, export_dir=str(tmp_path))
     _assert_matches(results, reference, layout)
     if lora.use_dora:
         placed = results[0][2]["magnitudes"]
