@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -316,13 +317,20 @@ class CausalLM(nn.Module):
             raise RuntimeError("No MTP output: the model has no MTP modules or ran no forward since the last loss.")
         return [self.logits(out) for out in self._mtp_pending[0]]
 
-    def pop_mtp_loss(self) -> Tensor | None:
-        """This rank's MTP cross-entropy since the last call (token mean per module, averaged over the modules,
-        without the weight; for logging), or None when no MTP loss was computed."""
+    def pop_mtp_loss(self, group: dist.ProcessGroup | None = None) -> Tensor | None:
+        """The MTP cross-entropy since the last call, for logging (token mean per module, averaged over the modules,
+        without the weight), or None when no MTP loss was computed (then no collective runs).
+
+        Without ``group``, this rank's token mean. With ``group``, the ranks that hold disjoint tokens of this stage
+        (data x context parallel), each module's loss sum and label count are all-reduced first: the global token
+        mean one process would log. Only ranks that ran the MTP modules may pass it (all of the group's do)."""
         log, self._mtp_log = self._mtp_log, None
         if log is None:
             return None
-        return torch.stack([s / c.clamp(min=1) for s, c in log]).mean()
+        parts = torch.stack(log).double()  # [D, 2]: per module, loss sum and label count
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(parts, group=group)
+        return (parts[:, 0] / parts[:, 1].clamp(min=1)).mean().float()
 
     @staticmethod
     def _compute_dtype(h: Tensor) -> torch.dtype:

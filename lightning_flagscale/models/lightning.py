@@ -273,8 +273,8 @@ class CausalLMModule(L.LightningModule):
         for name, value in self.model.moe_aux_losses().items():
             self.log(f"train_moe_{name}", value)
         # Multi-token prediction (DeepSeek-V3): trained through the loss's backward, not part of train_loss, logged
-        # apart as this rank's token mean (absent on pipeline ranks without the last stage).
-        mtp = self._pop_mtp_loss()
+        # apart as the global token mean (absent on pipeline ranks without the last stage): see _mtp_group.
+        mtp = self._pop_mtp_loss(self._mtp_group())
         if mtp is not None:
             self.log("mtp_loss", mtp, prog_bar=True)
         now = time.perf_counter()
@@ -309,9 +309,19 @@ class CausalLMModule(L.LightningModule):
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return local_tokens * int(kwargs.get("num_replicas", 1))
 
-    def _pop_mtp_loss(self) -> Tensor | None:
+    def _mtp_group(self) -> Any:
+        """The ranks whose MTP loss sums and label counts make the logged ``mtp_loss`` the global token mean: under
+        FlagScaleStrategy the data x context group of this rank's stage (its ranks hold disjoint tokens of the same
+        stages, so under PP only the last stage's ranks, which compute MTP, meet in it; on hetero meshes the stage
+        group's). Under other strategies None: the logged value is this rank's own token mean."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not hasattr(strategy, "global_tokens"):  # not FlagScaleStrategy (see _global_tokens)
+            return None
+        return strategy.meshes.group("dp_cp")
+
+    def _pop_mtp_loss(self, group: Any = None) -> Tensor | None:
         pop = getattr(self.model, "pop_mtp_loss", None)
-        return pop() if pop is not None else None
+        return pop(group) if pop is not None else None
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)

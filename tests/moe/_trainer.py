@@ -58,7 +58,7 @@ def sgd_reference(
     opt = module.configure_optimizers()
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
     set_moe_aux_loss_scale(module.model, 1.0 / micro_batches)
-    losses, norms = [], []
+    losses, norms, mtp_losses = [], [], []
     for step in range(steps):
         indices = global_batch_indices(len(data), GLOBAL_BATCH, step)
         items = {"num_items_in_batch": (data.batch(indices)["labels"] != -100).sum()} if micro_batches > 1 else {}
@@ -68,6 +68,8 @@ def sgd_reference(
             part_loss.backward()
             loss = loss + part_loss.detach()
         losses.append(loss.item())
+        if (mtp := module._pop_mtp_loss()) is not None:  # what one process's training_step logs as mtp_loss
+            mtp_losses.append(mtp.item())
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item())
         opt.step()
@@ -75,7 +77,9 @@ def sgd_reference(
         opt.zero_grad()
     params = {k: v.detach().clone() for k, v in module.model.named_parameters()}
     buffers = _buffers(module.model)
-    return {"losses": losses, "init": init, "params": params, "buffers": buffers, "norms": norms}
+    return {
+        "losses": losses, "init": init, "params": params, "buffers": buffers, "norms": norms, "mtp_losses": mtp_losses,
+    }  # fmt: skip
 
 
 def sgd_trainer_run(
@@ -100,12 +104,15 @@ def sgd_trainer_run(
     replicated: list[tuple[int, ...]] = []
     replica_bytes: list[int] = []
     norms: list[float] = []
+    mtp_losses: list[float] = []  # the logged mtp_loss of each step (ranks that hold the MTP modules)
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs["loss"].detach().clone() if isinstance(outputs, dict) else outputs.detach().clone()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
+            if "mtp_loss" in trainer.callback_metrics:
+                mtp_losses.append(trainer.callback_metrics["mtp_loss"].item())
             if clip is not None:
                 norms.append(float(trainer.strategy.precision_plugin.last_grad_norm))
             for _, layer in moe_layers(pl_module):
@@ -134,6 +141,7 @@ def sgd_trainer_run(
         "replicated": replicated,
         "replica_bytes": replica_bytes,
         "norms": norms,
+        "mtp_losses": mtp_losses,
         "local_shapes": local_shapes,  # what this rank holds of each parameter (its shard)
     }
 

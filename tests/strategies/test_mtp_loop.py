@@ -1,7 +1,7 @@
 """DeepSeek-V3 multi-token prediction inside Trainer.fit matches the single-process fp32 SGD run (ragged labels,
-3 steps, weights, updates and router biases) under ZeRO-3 on FSDP2, EP 2 x PP 2, DualPipeV and a two-mesh hetero
-layout (TP 2 -> DP 2). Under pipelines the MTP modules run on the last stage with a synchronised copy of the first
-stage's embedding: on another rank (EP 2 x PP 2), on the same rank (DualPipeV's V puts the last stage on rank 0) or on
+3 steps, weights, updates, router biases and the logged mtp_loss) under ZeRO-3 on FSDP2, EP 2 x PP 2, DualPipeV and a
+two-mesh hetero layout (TP 2 -> DP 2). Under pipelines the MTP modules run on the last stage with a synchronised copy
+of the first stage's embedding: on another rank (EP 2 x PP 2), on the same rank (DualPipeV's V puts the last stage on rank 0) or on
 another mesh (hetero). TP 2 (+SP), flat ZeRO-3 and CP 2 (ring, Ulysses) with MTP: ``test_deepseek_v3_loop.py``
 (issue 39 items 2 and 5).
 """
@@ -40,9 +40,20 @@ def _with_last_stage_copy(ref: dict[str, Any]) -> dict[str, Any]:
     return ref
 
 
+def _assert_logged_mtp_loss(results: list[dict[str, Any]], ref: dict[str, Any], ranks: list[int], what: str) -> None:
+    """The logged mtp_loss is the global token mean one process logs (data ranks hold ragged label counts: a mean of
+    per-rank means differs), on exactly the ranks that hold the MTP modules (the last pipeline stage)."""
+    assert [rank for rank, r in enumerate(results) if r["mtp_losses"]] == ranks, what
+    assert len(ref["mtp_losses"]) == STEPS
+    for rank in ranks:
+        got, want = torch.tensor(results[rank]["mtp_losses"]), torch.tensor(ref["mtp_losses"])
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=0), f"{what} rank {rank}: {got}"
+
+
 def test_mtp_under_fsdp2_zero3(launcher, mtp_ref):
     results = launcher(2, sgd_trainer_run, dict(zero_stage=3, zero3_impl="fsdp2"), mtp_config(), STEPS)
     assert_sgd_parity(results, mtp_ref, "deepseek-v3 mtp zero3 fsdp2")
+    _assert_logged_mtp_loss(results, mtp_ref, [0, 1], "deepseek-v3 mtp zero3 fsdp2 (dp 2)")
     moved = mtp_ref["params"]["mtp.layers.1.eh_proj.weight"] - mtp_ref["init"]["mtp.layers.1.eh_proj.weight"]
     assert moved.abs().max() > 0  # the MTP modules really train
 
@@ -53,6 +64,7 @@ def test_mtp_under_expert_x_pipeline_parallel(launcher, mtp_ref):
     results = launcher(4, sgd_trainer_run, kwargs, mtp_config(), STEPS)
     assert any("mtp.embed_tokens.weight" in r["params"] for r in results)
     assert_sgd_parity(results, _with_last_stage_copy(mtp_ref), "deepseek-v3 mtp ep2 x pp2", pipeline=True)
+    _assert_logged_mtp_loss(results, mtp_ref, [2, 3], "deepseek-v3 mtp ep2 x pp2 (last stage dp 2)")
     assert any(b.abs().max() > 0 for b in mtp_ref["buffers"].values())  # the router biases really moved
 
 
@@ -64,6 +76,7 @@ def test_mtp_under_hetero_meshes(launcher, mtp_ref):
     results = launcher(4, sgd_trainer_run, kwargs, mtp_config(), STEPS, batch_size=4)
     assert [("mtp.embed_tokens.weight" in r["params"]) for r in results] == [False, False, True, True]
     assert_sgd_parity(results, _with_last_stage_copy(mtp_ref), "deepseek-v3 mtp hetero tp2 -> dp2", pipeline=True)
+    _assert_logged_mtp_loss(results, mtp_ref, [2, 3], "deepseek-v3 mtp hetero tp2 -> dp2 (last mesh dp 2)")
 
 
 def test_mtp_under_dualpipev(launcher):
@@ -77,6 +90,7 @@ def test_mtp_under_dualpipev(launcher):
     assert "mtp.embed_tokens.weight" in results[0]["params"] and "embed_tokens.weight" in results[0]["params"]
     ref = sgd_reference(config, STEPS, micro_batches=4)
     assert_sgd_parity(results, _with_last_stage_copy(ref), "deepseek-v3 mtp dualpipev", pipeline=True)
+    _assert_logged_mtp_loss(results, ref, [0], "deepseek-v3 mtp dualpipev (4 micro-batches)")
 
 
 def test_split_backward_of_chained_mtp_modules_equals_one_backward():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flagscale.config import ParallelConfig
@@ -111,10 +112,13 @@ class PipelinedModel(nn.Module):
                 out.update(stage.moe_aux_losses())
         return out
 
-    def pop_mtp_loss(self) -> Tensor | None:
-        """The last stage's MTP loss for logging (see ``CausalLM.pop_mtp_loss``); None on other pipeline ranks."""
+    def pop_mtp_loss(self, group: dist.ProcessGroup | None = None) -> Tensor | None:
+        """The last stage's MTP loss for logging, over ``group`` (see ``CausalLM.pop_mtp_loss``); None on other
+        pipeline ranks, which run no collective."""
         values = [
-            v for stage in self.stage_modules if (v := getattr(stage, "pop_mtp_loss", lambda: None)()) is not None
+            v
+            for stage in self.stage_modules
+            if (pop := getattr(stage, "pop_mtp_loss", None)) is not None and (v := pop(group)) is not None
         ]
         return values[0] if values else None
 

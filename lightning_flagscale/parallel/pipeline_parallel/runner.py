@@ -164,6 +164,9 @@ class StatelessInferenceStage(PipelineStage):
         super()._post_metadata_inference_cleanup()
         for part in find_flat_zero3(self.submod):  # that backward is not training: drop its (summed) gradients
             part.discard_grads()
+        # and its loss on uninitialised tensors is no training statistic: drop the MTP log (no collective without a group)
+        if (pop := getattr(self.submod, "pop_mtp_loss", None)) is not None:
+            pop()
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
