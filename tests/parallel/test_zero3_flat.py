@@ -148,9 +148,10 @@ def test_flat_zero3_prefetches_next_unit_in_forward_and_backward(launcher, tmp_p
     assert trace.count(("all_gather", 0)) == 1 and trace.count(("reduce_scatter", 0)) == 1, trace
 
 
-def _full_gradients_after_backward(num_layers: int) -> list[int]:
+def _full_gradients_after_backward(num_layers: int) -> tuple[list[int], str]:
     """Two forward + backward passes on dp=2 (the second with the shard gradients already allocated): the byte sizes
-    of every full gradient the reductions read, after backward."""
+    of every full gradient the reductions read, after backward. Then a block flattened with one weight frozen and
+    that weight unfrozen: what a training forward raises ("" when nothing)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -176,7 +177,19 @@ def _full_gradients_after_backward(num_layers: int) -> list[int]:
             model(tokens).float().pow(2).mean().backward()
     finally:
         FlatZero3._complete = complete
-    return [g.untyped_storage().nbytes() for g in read]
+    # Issue 40: the block's unit lays up_proj out in its frozen region (no gradient shard, no optimizer state).
+    model = CausalLM(tiny_config(num_layers=1))
+    model.init_weights(seed=0)
+    model.get_parameter("layers.0.mlp.up_proj.weight").requires_grad_(False)
+    apply_flat_zero3(model, init_device_mesh("cpu", (2,)), blocks=[model.layers["0"]], param_dtype=None,
+                     reduce_dtype=None)  # fmt: skip
+    model.get_parameter("layers.0.mlp.up_proj.weight").requires_grad_(True)  # a shard parameter: what users see
+    try:
+        model(tokens).float().pow(2).mean().backward()
+        unfrozen = ""
+    except RuntimeError as error:
+        unfrozen = str(error)
+    return [g.untyped_storage().nbytes() for g in read], unfrozen
 
 
 def test_flat_zero3_frees_each_full_gradient_when_its_reduction_completes(launcher):
@@ -185,5 +198,7 @@ def test_flat_zero3_frees_each_full_gradient_when_its_reduction_completes(launch
     # it freed: 25-57 MiB of a 26M model's validation step). Its storage is freed at the wait instead, although the
     # test still holds a reference to every one. (An allocator balance over the pass is not asserted: gloo's own
     # copies of the input, inside its reduce-scatter, are still freed by its worker thread at a varying time.)
-    for nbytes in launcher(2, _full_gradients_after_backward, 2):
+    for nbytes, unfrozen in launcher(2, _full_gradients_after_backward, 2):
         assert len(nbytes) == 2 * 3 and not any(nbytes), nbytes  # root + 2 blocks, two passes
+        # A weight frozen when flattened and unfrozen later is refused by name, with the fix (issue 40).
+        assert "'layers.0.mlp.up_proj.weight' was frozen" in unfrozen and "zero3_impl='fsdp2'" in unfrozen, unfrozen

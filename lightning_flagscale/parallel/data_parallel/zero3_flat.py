@@ -318,6 +318,9 @@ def apply_flat_zero3(
     if len(ends) + bool(root_params) != len(units):
         raise ValueError("flat ZeRO-3: every expert module must sit inside one of the blocks.")
     ends += units[:1] if root_params else []
+    names = {id(m): name for name, m in model.named_modules()}
+    for unit in units:  # for the error naming a parameter unfrozen after flattening (FlatUnit._check_frozen_slots)
+        unit.prefix = names.get(id(unit.module), "")
     flat = FlatZero3(units, dp_mesh, spmd_mesh, has_root=bool(root_params), backward_order=ends[::-1],
                      defer_reduce=defer_reduce)  # fmt: skip
     setattr(model, _ATTR, flat)

@@ -91,6 +91,9 @@ class FlatUnit:
             self.regions.append((base, shard, shard_base))
             base, shard_base = base + shard * self.world, shard_base + shard
         self.numel = sum(s.numel for s in self.slots)
+        self.prefix = ""  # the unit module's FQN in the model (``apply_flat_zero3``), for error messages
+        # Frozen when flattened, in a unit that also trains: laid out with no gradient shard or optimizer state.
+        self._frozen_slots = [s for s in self.slots if s.region == 1]
         self._split_sizes: list[int] = []  # padding gap, parameter, gap, parameter, ..., tail
         self._split_index: list[int] = []
         end = 0
@@ -213,6 +216,7 @@ class FlatUnit:
         elif detached:  # requires grad as in forward, so autograd saves the same tensors (checkpoint checks that)
             base = self.full.detach().requires_grad_(True)
         elif torch.is_grad_enabled() and any(s.shard.requires_grad for s in self.slots):
+            self._check_frozen_slots()
             # A new TensorImpl over the same storage (``.data``: own version counter, so re-gathering into
             # ``self.full`` for backward does not invalidate the views autograd saved).
             self.leaf = base = self.full.data.requires_grad_(True)
@@ -231,6 +235,20 @@ class FlatUnit:
                 t = nn.Parameter(t, requires_grad=False)
             for module, attr in s.aliases:
                 module._parameters[attr] = t
+
+    def _check_frozen_slots(self) -> None:
+        """Refuse a parameter unfrozen after flattening (issue 40): its unit laid it out in the frozen region, whose
+        gradient is never reduced, so it would not train (or fail obscurely when its gradient is read)."""
+        for s in self._frozen_slots:
+            if s.shard.requires_grad:
+                name = f"{self.prefix}.{s.name}" if self.prefix else s.name
+                raise RuntimeError(
+                    f"flat ZeRO-3: parameter '{name}' was frozen (requires_grad=False) when the strategy flattened"
+                    " the model and requires grad now; its unit holds it in the frozen region, which gets no"
+                    " gradient or optimizer state, so it would not train. Freeze and unfreeze parameters before the"
+                    " strategy's setup (a module flattened once keeps its layout across fits), or use"
+                    " zero3_impl='fsdp2'."
+                )
 
     def use_shards(self) -> None:
         for s in self.slots:
