@@ -8,8 +8,11 @@ step + zero_grad on the same batch. Rounds interleave the variants (the order re
 round timing ``--steps`` steps of each after one warm-up step; the table gives each variant's median step time over
 the rounds, and the LoRA/full ratio's median and min-max over the rounds. State bytes: measured on the module and its
 optimizer after the steps (``accounting.state_bytes.state_bytes``) beside the formula (``expected_state_bytes`` with
-the frozen base as ``frozen_params``, as ``tune`` prices it). The machine is shared: the load average (``uptime``) is
-recorded before and after.
+the frozen base as ``frozen_params``, as ``tune`` prices it). Peak memory: one more step under ``torch.profiler``
+with ``profile_memory=True``; the running sum of its allocation events (frees negative), in time order, peaks at the
+bytes allocated above the step's start (activations, gradients, Adam's temporaries); added to the state held at the
+start (parameters and Adam states, no gradients) it gives the step's peak. The machine is shared: the load average
+(``uptime``) is recorded before and after.
 """
 
 from __future__ import annotations
@@ -71,6 +74,27 @@ class Variant:
         assert self.name == "full" or all(is_adapter_name(n) for n, p in named if p.requires_grad)
         return measured, expected_state_bytes(trained, 1, 0, "32-true", frozen_params=frozen).total
 
+    def peak_bytes(self) -> tuple[float, float]:
+        """(state bytes at the step's start, peak allocated bytes above it over one step) on the CPU allocator, from
+        torch.profiler's memory events."""
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+
+        start = state_bytes(self.module.model, [self.optimizer]).total  # gradients are None here (zero_grad)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            self.step()
+        allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            stack.extend(event.children)
+            if event.typed[0] == _EventType.Allocation:
+                allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+        running = peak = 0
+        for _, delta in sorted(allocations):
+            running += delta
+            peak = max(peak, running)
+        return start, peak
+
 
 def _load() -> str:
     return "load average {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
@@ -104,22 +128,28 @@ def run(args: argparse.Namespace) -> str:
         f"({os.cpu_count()} CPUs, shared).",
         "",
         "| variant | trainable params | median step (ms) | vs full: median (min-max) | state bytes measured | "
-        "formula |",
-        "|---|---:|---:|---:|---:|---:|",
+        "formula | step peak above start (profiler) | gradients (formula, 4 B/trained param) | peak (start + step) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
         ratios = [t / f for t, f in zip(times[v.name], full, strict=True)]
         trainable = sum(p.numel() for p in v.module.model.parameters() if p.requires_grad)
         measured, formula = v.bytes()
+        start, peak = v.peak_bytes()
         lines.append(
             f"| {v.name} | {trainable:,} | {1e3 * statistics.median(times[v.name]):.1f} | "
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {measured:,.0f} | "
-            f"{formula:,.0f} |"
+            f"{formula:,.0f} | {peak:,.0f} | {4 * trainable:,} | {start + peak:,.0f} |"
         )
     lines += [
         "",
         "State bytes: parameters + gradients + Adam states (+ Adam's 4-byte step counter per trained tensor, which "
-        "the formula leaves out); LoRA keeps the base as parameters only.",
+        "the formula leaves out); LoRA keeps the base as parameters only. Step peak: the most bytes allocated above "
+        "the step's start during one step (forward, backward, AdamW step, zero_grad), the running sum of "
+        "torch.profiler's allocation events in time order: activations, gradients and the optimizer's temporaries "
+        "as far as they are live at once (the gradient column is the formula's, not a split of the peak: backward "
+        "frees activations as gradients appear). Peak: that plus the state held at the start (parameters and Adam "
+        "states, no gradients); the same batch for every variant.",
     ]
     return "\n".join(lines) + "\n"
 
