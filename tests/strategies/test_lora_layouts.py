@@ -57,7 +57,7 @@ def reference():
 
 # TP 2+SP and PP 2 are checked against one process by the peft export test's launch (one launch each); TP 2+SP runs
 # DoRA there (item 4), plain LoRA under TP 2+SP is the saved run of test_lora_checkpoint.py, whose resumes match an
-# uninterrupted one-process run.
+# uninterrupted one-process run. Every other layout's launch (PP 2's included) runs DoRA after plain LoRA.
 EXPORTED = {"tp2-sp": True, "pp2": False}  # layout -> use_dora
 
 
