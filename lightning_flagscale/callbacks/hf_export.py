@@ -20,6 +20,12 @@ from lightning_flagscale.convert.hf_export import export_hf
 __all__ = ["HFExportCallback"]
 
 
+def format_out_dir(template: str, trainer: L.Trainer) -> Path:
+    """An export folder template filled from the trainer: ``{step}``, ``{epoch}`` and ``{log_dir}``."""
+    log_dir = trainer.log_dir if "{log_dir}" in template else None
+    return Path(template.format(step=trainer.global_step, epoch=trainer.current_epoch, log_dir=log_dir))
+
+
 class HFExportCallback(L.Callback):
     """Export ``pl_module`` (a ``CausalLMModule``) with ``export_hf`` when ``fit`` ends.
 
@@ -49,8 +55,7 @@ class HFExportCallback(L.Callback):
         self.last_export: Path | None = None
 
     def resolve_out_dir(self, trainer: L.Trainer) -> Path:
-        log_dir = trainer.log_dir if "{log_dir}" in self.out_dir else None
-        return Path(self.out_dir.format(step=trainer.global_step, epoch=trainer.current_epoch, log_dir=log_dir))
+        return format_out_dir(self.out_dir, trainer)
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

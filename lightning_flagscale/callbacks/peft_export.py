@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_flagscale.callbacks.hf_export import format_out_dir
 from lightning_flagscale.convert.peft import save_peft_adapter
 
 __all__ = ["PeftExportCallback"]
@@ -32,8 +33,7 @@ class PeftExportCallback(L.Callback):
         self.last_export: Path | None = None
 
     def resolve_out_dir(self, trainer: L.Trainer) -> Path:
-        log_dir = trainer.log_dir if "{log_dir}" in self.out_dir else None
-        return Path(self.out_dir.format(step=trainer.global_step, epoch=trainer.current_epoch, log_dir=log_dir))
+        return format_out_dir(self.out_dir, trainer)
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
