@@ -10,12 +10,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_flagscale.config.hetero import (
+    StageGroup,
     check_hetero_batch_sizes,
     check_hetero_layout,
     hetero_virtual_size,
     parse_hetero_meshes,
 )
-from lightning_flagscale.config.layer_split import even_layer_counts, plan_stage_groups
+from lightning_flagscale.config.layer_split import edge_extra_blocks, even_layer_counts, plan_stage_groups
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, ScheduleName, default_virtual_size, validate_schedule
 
 if TYPE_CHECKING:
@@ -373,13 +374,37 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
     def hetero_enabled(self) -> bool:
         return self.hetero_meshes is not None
 
-    def stage_group_configs(self, num_layers: int) -> list[ParallelConfig]:
-        """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group."""
-        groups = plan_stage_groups(
-            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
-            virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
+    def hetero_extra_blocks(self, model: TransformerConfig | None) -> list[float] | None:
+        """Per stage group, the embedding and LM head in blocks (:func:`edge_extra_blocks`, at ``model.max_seq_len``)
+        when ``hetero_device_speed`` chooses the split; ``None`` otherwise (``hetero_layers`` fixes it, and the
+        profiling pass counts them itself) or without a decoder config."""
+        from lightning_flagscale.config.transformer import TransformerConfig
+
+        if self.hetero_meshes is None or self.hetero_layers is not None or self.hetero_device_speed is None:
+            return None
+        if not isinstance(model, TransformerConfig):
+            return None
+        return edge_extra_blocks(
+            model, model.max_seq_len, self._hetero_stage_count(), virtual=self.virtual_pipeline_parallel_size,
             schedule=self.pipeline_schedule,
         )  # fmt: skip
+
+    def stage_groups(
+        self, num_layers: int, model: TransformerConfig | None = None, rank_order: list[int] | None = None
+    ) -> list[StageGroup]:
+        """With ``hetero_meshes``: the stage groups in pipeline order, as the runtime builds them (before a profiling
+        pass replaces an open split). ``model``: the decoder whose embedding and LM head a ``hetero_device_speed``
+        split counts (:meth:`hetero_extra_blocks`); ``rank_order``: see :func:`plan_stage_groups`."""
+        return plan_stage_groups(
+            parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
+            rank_order, virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
+            schedule=self.pipeline_schedule, extra_blocks=self.hetero_extra_blocks(model),
+        )  # fmt: skip
+
+    def stage_group_configs(self, num_layers: int, model: TransformerConfig | None = None) -> list[ParallelConfig]:
+        """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group
+        (:meth:`stage_groups`)."""
+        groups = self.stage_groups(num_layers, model)
         samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
         configs = []
         for g in groups:
@@ -540,7 +565,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
     def validate_model(self, config: TransformerConfig) -> None:
         """Check that ``config`` can be split the way this layout asks."""
         if self.hetero_meshes is not None:
-            for group in self.stage_group_configs(config.num_layers):
+            for group in self.stage_group_configs(config.num_layers, config):
                 group.validate_model(config)
             return
         tp = self.tensor_parallel_size

@@ -135,7 +135,7 @@ def build_rank_meshes(
     if config is None:
         raise ValueError("hetero_meshes needs the module's `config.num_layers` to split the blocks over meshes.")
     order = gather_rank_order(parallel.hetero_meshes, device)  # ranks by device type
-    groups, meshes, rank_config = build_hetero_layout(parallel, config.num_layers, device.type, order)
+    groups, meshes, rank_config = build_hetero_layout(parallel, config.num_layers, device.type, order, config)
     return rank_config, meshes, groups
 
 

@@ -79,3 +79,23 @@ def test_no_extra_keeps_the_speed_split_and_bad_extra_is_refused():
     assert speed_aware_layers(meshes, 8, {"fast": 3.0, "slow": 1.0}, extra_blocks=[0.0, 0.0]) == [6, 2]
     with pytest.raises(ValueError, match="one value >= 0 per pipeline stage"):
         speed_aware_layers(meshes, 6, SPEED, extra_blocks=[1.0])
+
+
+def test_device_speed_split_counts_the_head():
+    """``hetero_device_speed`` splits count the embedding and LM head too (the profiled split already did): the
+    config plans the groups the runtime builds (``build_hetero_layout`` calls ``ParallelConfig.stage_groups`` with the
+    module's config), so the 6-block case with a 1.45-block head on the slow mesh is 5 + 1 and validates as such;
+    without a decoder config, or with ``hetero_layers``, nothing moves."""
+    from lightning_flagscale.config import ParallelConfig
+
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, vocab_size=2048, max_seq_len=SEQ)
+    parallel = ParallelConfig(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, micro_batch_size=1)
+    assert parallel.hetero_extra_blocks(model) == edge_extra_blocks(model, SEQ, 2)
+    assert [g.num_layers for g in parallel.stage_groups(6, model)] == [5, 1]
+    assert [g.num_layers for g in parallel.stage_groups(6)] == [4, 2]  # no config: blocks by speed alone
+    zbv = ParallelConfig(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, micro_batch_size=1,
+                         pipeline_schedule="zbv")  # fmt: skip
+    assert zbv.hetero_extra_blocks(model)[0] > 1.0  # the V ends on the first (fast) group
+    fixed = ParallelConfig(hetero_meshes=FAST_SLOW, hetero_layers=[3, 3], micro_batch_size=1)
+    assert fixed.hetero_extra_blocks(model) is None and [g.num_layers for g in fixed.stage_groups(6, model)] == [3, 3]
+    parallel.validate_model(model)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_flagscale.config.hetero import StageGroup, parse_hetero_meshes
-from lightning_flagscale.config.layer_split import plan_stage_groups
+from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, stage_placement
 from lightning_flagscale.parallel.hetero_mesh.boundary import Transfer, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
@@ -113,22 +112,18 @@ def build_hetero_pipelined_model(
 
 
 def build_hetero_layout(
-    parallel: Any, num_layers: int, device_type: str, rank_order: list[int] | None = None
+    parallel: Any, num_layers: int, device_type: str, rank_order: list[int] | None = None, model: Any = None
 ) -> tuple[list[StageGroup], ParallelMeshes, Any]:
     """Plan the stage groups of a heterogeneous ``ParallelConfig``, build every group's meshes (collectively) and
-    return (groups, this rank's meshes, this rank's group layout); the chosen split is logged."""
-    meshes = parse_hetero_meshes(parallel.hetero_meshes)
-    groups = plan_stage_groups(
-        meshes, parallel.hetero_layers, num_layers, parallel.hetero_device_speed,
-        rank_order, virtual=parallel.virtual_pipeline_parallel_size, sequence_parallel=parallel.sequence_parallel,
-        schedule=parallel.pipeline_schedule,
-    )  # fmt: skip
+    return (groups, this rank's meshes, this rank's group layout); the chosen split is logged. ``model``: the
+    module's config, whose embedding and LM head a ``hetero_device_speed`` split counts."""
+    groups = parallel.stage_groups(num_layers, model, rank_order)
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(
             "Heterogeneous stages: "
             + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks "
                         f"{g.ranks}): {'+'.join(map(str, g.chunk_layers))} blocks" for g in groups)
         )  # fmt: skip
-    configs = parallel.stage_group_configs(num_layers)
+    configs = parallel.stage_group_configs(num_layers, model)
     mine = build_group_meshes(groups, configs, device_type)
     return groups, mine, configs[group_of_rank(groups, dist.get_rank()).index]
