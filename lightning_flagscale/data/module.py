@@ -266,6 +266,11 @@ class LMDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    def test_dataloader(self) -> DataLoader:
+        """``trainer.test`` / ``lightning-flagscale test``: the held-out split (this module keeps one: train and
+        validation), batched as for validation."""
+        return self.val_dataloader()
+
     # ---- resumption --------------------------------------------------------------------------------------------
     # The data position is (data epoch, samples consumed in it over all DP ranks); the per-epoch permutation is
     # global, so the position means the same thing under any DP size. On restore, ``train_dataloader`` maps

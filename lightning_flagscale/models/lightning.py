@@ -173,8 +173,9 @@ class CausalLMModule(L.LightningModule):
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={optimizer!r} is unknown; use 'adamw' or 'sgd'.")
         self.model: CausalLM | None = None
-        # Token-weighted mean of the validation loss; perplexity is exp of it at epoch end.
+        # Token-weighted means of the validation and test losses; perplexity is exp of them at epoch end.
         self.val_loss_mean = MeanMetric()
+        self.test_loss_mean = MeanMetric()
         self._last_step_time: float | None = None
         self._window_loss: Tensor | None = None
         self._peak_flops: float | None = None  # per device, for `mfu` (accounting/flops.py)
@@ -323,20 +324,46 @@ class CausalLMModule(L.LightningModule):
         pop = getattr(self.model, "pop_mtp_loss", None)
         return pop(group) if pop is not None else None
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def _eval_step(self, batch: dict[str, Tensor], metric: MeanMetric) -> Tensor:
         loss = self._loss(batch)
         self._pop_mtp_loss()  # not a training statistic
         tokens = (batch["labels"] != -100).sum()
-        self.val_loss_mean.update(loss.detach().float(), weight=tokens.float())
+        metric.update(loss.detach().float(), weight=tokens.float())
         return loss
 
-    def on_validation_epoch_end(self) -> None:
-        mean = self.val_loss_mean.compute()  # synchronised (token-weighted) over processes
-        self.val_loss_mean.reset()
+    def _log_eval_loss(self, stage: str, metric: MeanMetric) -> None:
+        mean = metric.compute()  # synchronised (token-weighted) over processes
+        metric.reset()
         # Already equal on every rank; sync_dist=True costs one scalar all-reduce and keeps Lightning from warning
         # that an epoch-level metric is not synchronised.
-        self.log("val_loss", mean, prog_bar=True, sync_dist=True)
-        self.log("val_ppl", torch.exp(mean), sync_dist=True)
+        self.log(f"{stage}_loss", mean, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}_ppl", torch.exp(mean), sync_dist=True)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, self.val_loss_mean)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_loss("val", self.val_loss_mean)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """``trainer.test``: ``test_loss`` (token mean over the whole set) and ``test_ppl``, as validation."""
+        return self._eval_step(batch, self.test_loss_mean)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_loss("test", self.test_loss_mean)
+
+    def predict_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        """``trainer.predict``: the full logits [B, S, vocab_size] of ``batch["input_ids"]`` (or a tensor of ids),
+        gathered over tensor parallel ranks. Under ``FlagScaleStrategy`` a layout whose ranks hold parts of the
+        sequence or of the model's depth (context or pipeline parallel, hetero meshes) is refused before the first
+        batch."""
+        model = self._require_model()
+        if isinstance(batch, Tensor):
+            batch = {"input_ids": batch}
+        out = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
+        if getattr(model, "_mtp_pending", None) is not None:
+            model._mtp_pending = None  # the MTP modules' outputs are for their loss only
+        return model.logits(out)
 
     # ---- optimisation --------------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

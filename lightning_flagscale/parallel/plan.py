@@ -124,6 +124,24 @@ class Parallelized:
             tag_expert_params(model)
 
 
+def check_predict_layout(parallel: ParallelConfig) -> None:
+    """``trainer.predict`` returns each rank's full output for its samples: refuse layouts where a rank holds only part
+    of the sequence or of the model's depth, before anything is parallelised."""
+    split = [
+        name for name, on in (
+            ("pipeline_parallel_size > 1", parallel.pipeline_parallel_size > 1),
+            ("context_parallel_size > 1", parallel.context_parallel_size > 1),
+            ("hetero_meshes", parallel.hetero_enabled),
+        ) if on
+    ]  # fmt: skip
+    if split:
+        raise ValueError(
+            f"trainer.predict with {', '.join(split)}: a rank holds only part of each sample's output there, and"
+            " predict returns whole logits per rank. Predict with a layout of data, tensor, expert parallelism and"
+            " ZeRO (the checkpoint reshards to it), or use trainer.validate / trainer.test for the loss."
+        )
+
+
 def build_rank_meshes(
     parallel: ParallelConfig, model: nn.Module, device: torch.device
 ) -> tuple[ParallelConfig, ParallelMeshes, list[StageGroup] | None]:

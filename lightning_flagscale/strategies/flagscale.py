@@ -38,7 +38,12 @@ from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim
 from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
-from lightning_flagscale.parallel.plan import RankLayout, check_parallelized_layout, parallelize_rank
+from lightning_flagscale.parallel.plan import (
+    RankLayout,
+    check_parallelized_layout,
+    check_predict_layout,
+    parallelize_rank,
+)
 from lightning_flagscale.parallel.step import (
     build_optimizers,
     grads_replicated,
@@ -180,6 +185,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     @override
     def setup(self, trainer) -> None:
         assert self.model is not None
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            check_predict_layout(self.hetero_parallel or self.parallel)
         self.accelerator.setup(trainer)
         self._offloaded = False  # `_place` moves the module to the device again (`validate` after `fit`)
         p = self.parallel
@@ -283,6 +290,12 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._mark("validation_step: forward (TP/SP, CP, EP, pipeline collectives)")
         args = self._shard_for_cp(args)
         return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any):
+        self._mark("test_step: forward (TP/SP, CP, EP, pipeline collectives)")
+        args = self._shard_for_cp(args)
+        return super().test_step(*args, **kwargs)
 
     def _shard_for_cp(self, args: tuple) -> tuple:
         return shard_for_cp(args, self._batch_model, self.meshes["cp"]) if self.parallel.cp_enabled else args

@@ -176,3 +176,10 @@ def test_trainer_resume_continues_the_data_where_it_stopped(tmp_path):
     trainer.save_checkpoint(tmp_path / "manual.ckpt")
     rest, _ = _fit(tmp_path / "d", max_steps=24, ckpt_path=str(tmp_path / "manual.ckpt"))
     assert part + rest == full
+
+
+def test_test_split_is_the_held_out_split():
+    """``trainer.test`` / ``lightning-flagscale test`` read the held-out split, batched as validation."""
+    dm = _dm()
+    for got, want in zip(dm.test_dataloader(), dm.val_dataloader(), strict=True):
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])

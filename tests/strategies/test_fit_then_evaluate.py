@@ -1,10 +1,11 @@
-"""Lightning's usual sequence on one module: ``fit``, then ``validate`` (twice: ``CausalLMModule`` has no
-``test_step`` or ``predict_step``), then ``fit`` again by a new Trainer with the same layout and once more by that
-Trainer, under every layout.
+"""Lightning's usual sequence on one module: ``fit``, then ``validate``, ``test`` and ``predict``, then ``fit`` again
+by a new Trainer with the same layout and once more by that Trainer, under every layout.
 
 The module is parallelised once, by the first stage; a later stage brings it back from the CPU where ``teardown``
 left it and reuses it (issue 37 item 1: the second stage used to apply TP again and fail). Each validation loss is
-the one-process model's after the same SGD steps on the same batches; a module parallelised with one layout is
+the one-process model's after the same SGD steps on the same batches, and so is ``test_loss``; ``predict`` returns the
+one-process logits of each rank's samples (gathered over TP), and is refused under a layout whose ranks hold part of
+a sample's output (PP, CP, hetero meshes) before anything runs; a module parallelised with one layout is
 refused, naming both layouts, by a stage with another (a ZeRO-3 one by a stage with other FSDP dtypes). All layouts
 run one after the other in one launch.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_flagscale.config import ParallelConfig
 from tests._oracle import global_batch_indices
 from tests.strategies._lm import GLOBAL_BATCH, TokenDataset, make_module, tiny_config
 
@@ -46,14 +48,15 @@ def _config(name: str):
 ROUNDS = ((0, 1), (0, 1), (8, 9))
 
 
-def _oracle(config) -> list[float]:
-    """One process: the validation loss (token mean over the whole set) after each round of SGD steps."""
+def _oracle(config) -> tuple[list[float], torch.Tensor]:
+    """One process: the validation loss (token mean over the whole set) after each round of SGD steps, and the
+    validation set's logits after the first round."""
     torch.manual_seed(0)
     module = make_module(config)
     module.configure_model()
     opt = module.configure_optimizers()["optimizer"]
     data, val = TokenDataset(config.vocab_size), TokenDataset(config.vocab_size, VAL_SAMPLES)
-    losses = []
+    losses, logits = [], None
     for steps in ROUNDS:
         for step in steps:
             module._loss(data.batch(global_batch_indices(len(data), GLOBAL_BATCH, step))).backward()
@@ -61,7 +64,9 @@ def _oracle(config) -> list[float]:
             opt.zero_grad()
         with torch.no_grad():
             losses.append(module._loss(val.batch(torch.arange(VAL_SAMPLES))).item())
-    return losses
+            if logits is None:
+                logits = module.predict_step(val.batch(torch.arange(VAL_SAMPLES)), 0)
+    return losses, logits
 
 
 def _trainer(kwargs: dict[str, Any], precision: str = "32-true"):
@@ -97,7 +102,10 @@ def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         train = DataLoader(TokenDataset(config.vocab_size), batch_size=GLOBAL_BATCH // dp)
         val = DataLoader(TokenDataset(config.vocab_size, VAL_SAMPLES), batch_size=VAL_SAMPLES // dp)
         trainer.fit(module, train)
-        losses = [trainer.validate(module, val, verbose=False)[0]["val_loss"] for _ in range(2)]
+        losses = [trainer.validate(module, val, verbose=False)[0]["val_loss"]]
+        losses.append(trainer.test(module, val, verbose=False)[0]["test_loss"])
+        if parallel.pipeline_parallel_size == parallel.context_parallel_size == 1 and not parallel.hetero_enabled:
+            results[f"{name} logits"] = torch.cat(trainer.predict(module, val))
         again = _trainer(kwargs)
         again.fit(module, train)
         losses.append(again.validate(module, val, verbose=False)[0]["val_loss"])
@@ -108,24 +116,39 @@ def _stages(layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for what, kwargs, module, precision in (
         ("refusal", dict(tensor_parallel_size=2), modules["ep2"], "32-true"),  # another layout
         ("dtype refusal", layouts["zero3-fsdp2"], modules["zero3-fsdp2"], "bf16-true"),  # FSDP2 keeps fp32 compute
+        ("predict refusal", layouts["pp2"], modules["pp2"], "32-true"),  # predict: whole logits per rank
     ):
         try:
-            _trainer(kwargs, precision).validate(module, val, verbose=False)
+            trainer = _trainer(kwargs, precision)
+            if what == "predict refusal":
+                trainer.predict(module, val)
+            else:
+                trainer.validate(module, val, verbose=False)
         except ValueError as err:
             results[what] = str(err)
     return results
 
 
 def test_fit_validate_fit_again_under_every_layout(launcher):
-    stages = ("after fit", "validated again", "after a new Trainer's fit", "after the same Trainer's next fit")
+    stages = ("after fit", "tested", "after a new Trainer's fit", "after the same Trainer's next fit")
     oracles = {name: _oracle(_config(name)) for name in LAYOUTS}
+    predicted = 0
     for rank, results in enumerate(launcher(2, _stages, LAYOUTS, timeout=600.0)):
         for name in LAYOUTS:
-            first, second, third = oracles[name]
+            (first, second, third), logits = oracles[name]
             for got, want, what in zip(results[name], (first, first, second, third), stages, strict=True):
                 assert abs(got - want) <= 1e-5 * want, f"{name} rank {rank} {what}: val_loss {got} != {want}"
+            got = results.get(f"{name} logits")
+            if got is not None:  # each data-parallel rank predicts its samples (DistributedSampler: every dp-th)
+                dp = 2 // ParallelConfig(**LAYOUTS[name]).model_parallel_size
+                want = logits[rank % dp :: dp] if dp > 1 else logits
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name} rank {rank} predict")
+                predicted += 1
+        refusal = results.get("predict refusal", "")
+        assert "trainer.predict with pipeline_parallel_size > 1" in refusal, refusal
         refusal = results.get("refusal", "")
         assert "already parallelised" in refusal, refusal
         assert "expert_parallel_size=2" in refusal and "tensor_parallel_size=2" in refusal, refusal
         refusal = results.get("dtype refusal", "")
         assert "already parallelised" in refusal and "torch.bfloat16" in refusal, refusal
+    assert predicted == 2 * 6  # ddp, zero1, both ZeRO-3s, tp2-sp and ep2, on both ranks
