@@ -167,6 +167,10 @@ class PipelineConfig:
     recompute: RecomputeMode | list[RecomputeMode] = "none"
     """Activation recompute per block: ``none``, ``selective`` (norms, activations), ``selective_mm`` (that and every
     second matmul, torchtitan's op-level policy; dense blocks) or ``full``; or one per stage."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
+    time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
+    Needs ``pipeline_schedule="dualpipev"``, ``expert_parallel_size > 1``, and no TP, CP, ZeRO-3 or hetero meshes."""
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -254,6 +258,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             self.virtual_pipeline_parallel_size = auto_vpp
         self._check_zero3_impl()
         self._check_expert_tensor_parallel()
+        self._check_moe_comm_overlap()
         if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
@@ -280,6 +285,31 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             raise ValueError(
                 f"pipeline_layers has {len(self.pipeline_layers)} entries but there are {self.num_stages} stages"
                 f" (pipeline_parallel_size x virtual_pipeline_parallel_size); give one layer count per stage."
+            )
+
+    def _check_moe_comm_overlap(self) -> None:
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        # Two threads run a forward and a backward at once; only the MoE layers get a process group per model chunk,
+        # so every other collective inside a stage's forward or backward must be absent.
+        clash = [
+            name for name, on in (
+                (f"pipeline_schedule={self.pipeline_schedule!r} (only 'dualpipev' pairs a forward with a backward)",
+                 self.pipeline_schedule != "dualpipev"),
+                ("pipeline_parallel_size=1", self.pipeline_parallel_size == 1 and not self.hetero_enabled),
+                ("expert_parallel_size=1 (no expert all-to-all to overlap)", self.expert_parallel_size == 1),
+                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                ("expert_tensor_parallel_size > 1", self.expert_tensor_parallel_size > 1),
+                ("context_parallel_size > 1", self.context_parallel_size > 1),
+                ("zero_stage=3 (its all-gathers run inside forward and backward)", self.zero_stage == 3),
+                ("hetero_meshes", self.hetero_enabled),
+            ) if on
+        ]  # fmt: skip
+        if clash:
+            raise ValueError(
+                f"overlap_moe_expert_parallel_comm=True does not run with {'; '.join(clash)}: it overlaps DualPipeV's"
+                " paired forward and backward on expert-parallel layouts whose only collectives inside a stage are the"
+                " MoE layers'. Change those settings or set overlap_moe_expert_parallel_comm=False."
             )
 
     def _flat_zero3_refusals(self) -> list[str]:

@@ -67,6 +67,7 @@ from lightning_flagscale.parallel.pipeline_parallel.model import (
     build_pipelined_model,
     exclude_tied_copy_from_norm,
 )
+from lightning_flagscale.parallel.pipeline_parallel.overlap import separate_chunk_groups
 from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
 from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
@@ -261,6 +262,9 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
         result.parts = list(result.pipeline.stage_modules)
     for part in result.parts:
         _apply_model_parallelisms(part, layout)
+    if p.overlap_moe_expert_parallel_comm and result.pipeline is not None:
+        # DualPipeV's paired forward and backward run at once: each model chunk's MoE layers get their own groups
+        separate_chunk_groups(result.pipeline.stage_modules)
     flat = p.zero_stage == 3 and _use_flat_zero3(result, p)
     if p.zero_stage == 3 and not flat:
         targets = result.parts or [module]
@@ -381,7 +385,9 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
             part, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,
             tp_size=p.tensor_parallel_size,
         )  # fmt: skip
-    if p.ep_enabled:  # EP and/or ETP, over the (ep, etp) dims of the expert mesh
+    # EP and/or ETP, over the (ep, etp) dims of the expert mesh; a pipeline chunk of dense blocks only (DeepSeek-V3's
+    # first_k_dense_replace layers on the first stage) has no experts to shard
+    if p.ep_enabled and moe_layers(part):
         apply_ep(part, meshes[("ep", "etp")], etp_tokens_replicated=p.etp_tokens_replicated)
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
         # A hetero stage group (pp = 1 inside its group) runs its pipeline schedule: split-backward ones backpropagate

@@ -63,13 +63,20 @@ HETERO_SPEED = dict(
     hetero_device_speed={"a": 2.0, "b": 1.0},
 )
 
+# DualPipeV's overlap needs EP without TP or CP (ParallelConfig._check_moe_comm_overlap).
+OVERLAP = dict(
+    pipeline_parallel_size=2, expert_parallel_size=2, pipeline_schedule="dualpipev",
+    overlap_moe_expert_parallel_comm=True,
+)  # fmt: skip
+
 
 def test_every_kwarg_reaches_the_config():
-    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED)
+    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | set(OVERLAP)
     assert covered == set(_fields()), "give every ParallelConfig field a non-default value here"
     for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS}.items():
         assert value != _default(_fields()[name]), name
     assert FlagScaleStrategy(**NON_DEFAULTS).parallel == ParallelConfig(**NON_DEFAULTS)
     assert FlagScaleStrategy(**HETERO_NON_DEFAULTS).parallel == ParallelConfig(**HETERO_NON_DEFAULTS)
     assert FlagScaleStrategy(**HETERO_SPEED).parallel == ParallelConfig(**HETERO_SPEED)
+    assert FlagScaleStrategy(**OVERLAP).parallel == ParallelConfig(**OVERLAP)
     assert FlagScaleStrategy().parallel == ParallelConfig()

@@ -56,6 +56,7 @@ from lightning_flagscale.parallel.pipeline_parallel.plan import (
     tied_parameters,
     unit_param_costs,
 )
+from lightning_flagscale.parallel.pipeline_parallel.overlap import check_pairs_cross_chunks, overlapped_forward_backward
 from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
 
 __all__ = [
@@ -192,6 +193,8 @@ class PipelineRunner:
 
     stage_cls: type[PipelineStage] = StatelessInferenceStage
     """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
+    overlap_moe_comm: bool = False
+    """``ParallelConfig.overlap_moe_expert_parallel_comm``: DualPipeV's paired forward and backward run at once."""
 
     def __init__(
         self,
@@ -272,6 +275,9 @@ class PipelineRunner:
                 sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
             if not train and isinstance(sched, PipelineScheduleMulti):
                 _make_forward_only(sched)
+            elif self.overlap_moe_comm:  # DualPipeV's pairs run their forward and backward at once (overlap.py)
+                check_pairs_cross_chunks(sched.pipeline_order, self._stage_to_rank)
+                sched.register_custom_function(_ComputationType.OVERLAP_F_B, overlapped_forward_backward(sched))
             self._schedules[key] = sched
         return self._schedules[key]
 
@@ -465,7 +471,7 @@ def build_pipeline(
     tied = tied_across_stages(model, plan)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    return PipelineRunner(
+    runner = PipelineRunner(
         plan=plan,
         stage_ids=stage_ids,
         stage_modules=modules,
@@ -477,3 +483,5 @@ def build_pipeline(
         device=torch.device(device),
         num_microbatches=num_microbatches,
     )
+    runner.overlap_moe_comm = config.overlap_moe_expert_parallel_comm
+    return runner

@@ -1,0 +1,98 @@
+"""DualPipeV with ``overlap_moe_expert_parallel_comm``: each paired forward and backward run at once (the forward on a
+helper thread), each model chunk's MoE layers on their own process groups, and training stays the single-process
+fp32 SGD run (ragged labels, 3 steps; weights, updates, router biases and the logged MTP loss) under EP 2 x PP 2 x
+ZeRO-1 with DeepSeek-V3's MLA, MTP and routing (issue 42 item 3). The exposed all-to-all it saves is measured in
+``bench/dualpipe_overlap.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from lightning_flagscale.config import ParallelConfig
+from tests.moe import _trainer
+from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run
+from tests.strategies.test_mtp_loop import STEPS, _with_last_stage_copy, mtp_config
+
+BATCH = 8  # global batch
+OVERLAP = dict(
+    pipeline_parallel_size=2, expert_parallel_size=2, pipeline_schedule="dualpipev", micro_batch_size=1, zero_stage=1,
+    overlap_moe_expert_parallel_comm=True,
+)  # fmt: skip
+
+
+def _overlap_run(kwargs: dict[str, Any], config: Any, steps: int) -> dict[str, Any]:
+    """``sgd_trainer_run``, recording the thread of every paired forward and the groups of each chunk's MoE layers."""
+    import torch.distributed as dist
+
+    from lightning_flagscale.moe import moe_layers
+    from lightning_flagscale.parallel.pipeline_parallel import overlap
+
+    threads: list[str] = []
+    original = overlap._forward
+
+    def recording(schedule: Any, action: Any, ctx: Any) -> None:
+        threads.append(threading.current_thread().name)
+        original(schedule, action, ctx)
+
+    overlap._forward = recording
+    groups: list[list[tuple[int, ...]]] = []
+    original_separate = overlap.separate_chunk_groups
+
+    def separate(stage_modules: list[Any]) -> list[Any]:
+        created = original_separate(stage_modules)
+        for chunk in stage_modules:  # per chunk: the EP group's name and ranks of its MoE layers
+            groups.append(sorted({(layer.dispatcher.group.group_name, *dist.get_process_group_ranks(
+                layer.dispatcher.group)) for _, layer in moe_layers(chunk)}))  # fmt: skip
+        return created
+
+    from lightning_flagscale.parallel import plan
+
+    plan.separate_chunk_groups = separate
+    try:
+        result = sgd_trainer_run(kwargs, config, steps, batch_size=BATCH // 2)  # data-parallel size 2
+    finally:
+        overlap._forward = original
+        plan.separate_chunk_groups = original_separate
+    return {**result, "threads": threads, "groups": groups}
+
+
+def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
+    config = mtp_config(num_layers=4)
+    results = launcher(4, _overlap_run, OVERLAP, config, STEPS)
+    # DualPipeV needs 2 x PP micro-batches: four of one row on each of the two data-parallel ranks, so global batches
+    # of 8 in the oracle too, split into the same four micro-batches (micro-batch i = rows 2i and 2i + 1 of the
+    # global batch: Lightning's sampler deals the batch's rows out to the ranks in turn)
+    monkeypatch.setattr(_trainer, "GLOBAL_BATCH", BATCH)
+    ref = sgd_reference(config, STEPS, micro_batches=4)
+    assert_sgd_parity(results, _with_last_stage_copy(ref), "dualpipev ep2 x pp2 x zero1, overlapped", pipeline=True)
+    for rank, res in enumerate(results):
+        # the paired forwards really ran on the helper thread (DualPipeV's steady state has some on every rank)
+        assert res["threads"] and set(res["threads"]) == {"flagscale-overlap-forward"}, (rank, res["threads"])
+        # chunks (V placement): pipeline rank 0 holds stages 0 (the dense first_k_dense_replace block: no experts)
+        # and 3, rank 1 stages 1 and 2; the second chunk's EP group is a twin of the first's: same ranks, own group
+        first, second = res["groups"]
+        if rank < 2:
+            assert first == [] and len(second) == 1, (rank, res["groups"])
+        else:
+            assert len(first) == len(second) == 1, (rank, res["groups"])
+            assert first[0][1:] == second[0][1:] and first[0][0] != second[0][0], (rank, res["groups"])
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (dict(pipeline_schedule="zbv"), "pipeline_schedule='zbv'"),
+        (dict(expert_parallel_size=1), "expert_parallel_size=1"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),
+        (dict(context_parallel_size=2), "context_parallel_size > 1"),
+        (dict(zero_stage=3), "zero_stage=3"),
+    ],
+)
+def test_layouts_it_cannot_overlap_are_refused(change, named):
+    with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm=True does not run with") as err:
+        ParallelConfig(**{**OVERLAP, **change})
+    assert named in str(err.value)
