@@ -40,8 +40,8 @@ class LoRAConfig:
     """Rank-stabilised LoRA (Kalajdzievski 2023, arXiv:2312.03732): scale by ``alpha / sqrt(rank)``."""
     use_dora: bool = False
     """DoRA (weight-decomposed LoRA, Liu et al. 2024, arXiv:2402.09353): a trainable magnitude per output row,
-    ``W' = m * (W + s B A) / ||W + s B A||`` with the norm detached (peft's); tested on one process and TP 2, the
-    other layouts refuse it before launch."""
+    ``W' = m * (W + s B A) / ||W + s B A||`` with the norm detached (peft's), under every layout; on the grouped
+    experts per expert and weight (m [E, out]: peft has no DoRA for target_parameters, see docs/lora.md)."""
     init_lora_weights: bool | Literal["gaussian"] = True
     """``True``: ``A`` Kaiming-uniform, ``B`` zero (the adapted model starts equal to the base, peft's default);
     ``"gaussian"``: ``A ~ N(0, 1/rank)``, ``B`` zero; ``False``: ``B`` random too (tests only: not a no-op)."""

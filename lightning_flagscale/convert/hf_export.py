@@ -254,6 +254,8 @@ class _ModuleSource:
                 magnitude = self._get(f"{layer}.lora_magnitude_vector")
         elif self.scaling is not None and f"{parent}.lora_A.{leaf}" in self.names:
             lora_a, lora_b = self._get(f"{parent}.lora_A.{leaf}"), self._get(f"{parent}.lora_B.{leaf}")
+            if f"{parent}.lora_magnitude_vector.{leaf}" in self.names:  # per-expert DoRA: each expert's rows
+                magnitude = self._get(f"{parent}.lora_magnitude_vector.{leaf}")
         else:
             return full
         return full if full is None else merged_weight(full, lora_a, lora_b, self.scaling, magnitude)

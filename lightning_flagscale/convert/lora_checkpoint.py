@@ -15,6 +15,7 @@ import dataclasses
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,8 +42,19 @@ def holds_lora_adapters(path: str | os.PathLike) -> bool:
     return (path / ".metadata").is_file() and any(is_adapter_name(k) for k in _tensor_keys(path))
 
 
-def module_from_lora_checkpoint(path: str | os.PathLike) -> CausalLMModule:
-    """The adapted ``CausalLMModule`` a LoRA checkpoint folder was saved from, on this process's CPU (module docs)."""
+def _module_class(config: Any) -> type:
+    """``VLMModule`` for a VLM's config (the object, or a preset name or dict ``VLMConfig.owns``), else
+    ``CausalLMModule``."""
+    from lightning_flagscale.multimodal import VLMConfig, VLMModule
+
+    if isinstance(config, VLMConfig) or (isinstance(config, (str, dict)) and VLMConfig.owns(config)):
+        return VLMModule
+    return CausalLMModule
+
+
+def module_from_lora_checkpoint(path: str | os.PathLike) -> Any:
+    """The adapted ``CausalLMModule`` (or ``VLMModule``) a LoRA checkpoint folder was saved from, on this process's
+    CPU (module docs)."""
     path = Path(path)
     meta_file = path / "meta.pt"
     if not meta_file.is_file():
@@ -57,7 +69,7 @@ def module_from_lora_checkpoint(path: str | os.PathLike) -> CausalLMModule:
     if lora is None or "config" not in hparams:
         raise HFConversionError(f"{path}: meta.pt's hyper_parameters hold no LoRA config and model config to merge.")
     hparams["lora"] = dataclasses.replace(lora, adapter_dir=None)  # the checkpoint's adapters replace the start
-    module = CausalLMModule(**hparams)
+    module = _module_class(hparams["config"])(**hparams)
     module.configure_model()  # base from hf_dir or the seeded init, adapters initialised (then overwritten)
     saved_base = meta.get("base_weights")
     if saved_base is not None:

@@ -86,6 +86,12 @@ def save_peft_adapter(module: nn.Module, out_dir: str | os.PathLike, *, lora: Lo
     if not adapters:
         raise HFConversionError("The module has no LoRA adapters to save (build it with lora=LoRAConfig(...)).")
     experts = [n for n in adapters if _is_expert_adapter(n)]
+    if any(n.rsplit(".", 2)[-2] == MAGNITUDE_KEY and n.rsplit(".", 1)[-1] in _EXPERT_SLOT for n in adapters):
+        raise HFConversionError(
+            "The module has per-expert DoRA adapters (use_dora with `experts` in target_modules), which peft's "
+            "format cannot hold: peft's target_parameters wrapper refuses use_dora. Export the merged model "
+            "(export_hf) instead, or train the experts' adapters without DoRA."
+        )
     adapters = [n for n in adapters if not _is_expert_adapter(n)]
     layers = sorted({n.rsplit(".", 1)[0] if n.endswith("." + MAGNITUDE_KEY) else n.rsplit(".", 2)[0] for n in adapters})
     hf_names = _peft_module_names(source.config, source.hf_config, layers)
@@ -183,6 +189,11 @@ def lora_config_from_peft(adapter_dir: str | os.PathLike, **overrides: Any) -> L
         raise HFConversionError(
             f"{root / ADAPTER_CONFIG_FILE}: target_parameters={parameters!r}; only the grouped experts' "
             f"{EXPERT_TARGET_PARAMETERS} (in that order) map onto our per-expert adapters."
+        )
+    if parameters and peft.get("use_dora"):
+        raise HFConversionError(
+            f"{root / ADAPTER_CONFIG_FILE}: use_dora with target_parameters; peft defines no DoRA for "
+            "target_parameters (its ParamWrapper refuses it), so the folder cannot hold per-expert magnitudes."
         )
     targets = peft.get("target_modules")
     if isinstance(targets, str):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +136,14 @@ class LoRAGroupedExperts(GroupedExperts):
     The adapted weights are formed per step from this rank's experts (``local_weights``), as peft's ``ParamWrapper``
     does for ``target_parameters``: the token-sorted grouped GEMMs, the capacity path and expert parallelism run
     unchanged, and EP shards the adapters on dim 0 with their experts (``stacked_parameters``). No adapter dropout
-    (peft refuses it for stacked experts too: ``x`` cannot be factored out of ``B A dropout(x)`` per weight)."""
+    (peft refuses it for stacked experts too: ``x`` cannot be factored out of ``B A dropout(x)`` per weight).
 
-    def __init__(self, base: GroupedExperts, *, rank: int, scaling: float) -> None:
+    With ``use_dora`` also a magnitude ``lora_magnitude_vector.<w>`` [E, out]: each expert's weight is the dense
+    DoRA of :class:`LoRALinear` on its own, ``m[e] * V[e] / ||V[e]||`` with ``V[e] = W[e] + s B[e] A[e]`` and one
+    detached L2 norm per output row of ``V[e]`` (the DoRA paper's column norm). peft has no DoRA for
+    ``target_parameters`` (its ``ParamWrapper`` refuses ``use_dora``): this is the dense definition per expert."""
+
+    def __init__(self, base: GroupedExperts, *, rank: int, scaling: float, use_dora: bool = False) -> None:
         nn.Module.__init__(self)  # not GroupedExperts.__init__: the base's Parameters are reused
         self.num_experts, self.hidden_size = base.num_experts, base.hidden_size
         self.intermediate_size, self.use_grouped_mm = base.intermediate_size, base.use_grouped_mm
@@ -147,26 +152,72 @@ class LoRAGroupedExperts(GroupedExperts):
         shapes = {w: tuple(getattr(base, w).shape) for w in EXPERT_WEIGHTS}
         self.lora_A = _ExpertFactors({w: (e, rank, s[2]) for w, s in shapes.items()}, **kw)
         self.lora_B = _ExpertFactors({w: (e, s[1], rank) for w, s in shapes.items()}, **kw)
+        magnitude = _ExpertFactors({w: (e, s[1]) for w, s in shapes.items()}, **kw) if use_dora else None
+        self.add_module(MAGNITUDE_KEY, magnitude)
         self.scaling = float(scaling)
 
     def stacked_parameters(self) -> list[tuple[nn.Module, str]]:
-        return [*super().stacked_parameters(), *((f, w) for f in (self.lora_A, self.lora_B) for w in EXPERT_WEIGHTS)]
+        factors = [self.lora_A, self.lora_B] + (
+            [] if self.lora_magnitude_vector is None else [self.lora_magnitude_vector]
+        )
+        return [*super().stacked_parameters(), *((f, w) for f in factors for w in EXPERT_WEIGHTS)]
 
     def local_weights(self) -> tuple[Tensor, Tensor]:
-        """This rank's experts' ``W + scaling * B @ A`` (one batched matmul per weight; gradients reach A and B)."""
+        """This rank's experts' ``W + scaling * B @ A`` (one batched matmul per weight; gradients reach A and B),
+        with DoRA each row rescaled to ``m / ||W + scaling * B @ A||`` (the norm detached)."""
         base = super().local_weights()
-        return tuple(
-            w + self.scaling * torch.bmm(local_tensor(getattr(self.lora_B, n)), local_tensor(getattr(self.lora_A, n)))
-            for w, n in zip(base, EXPERT_WEIGHTS, strict=True)
-        )  # type: ignore[return-value]
+        adapted = []
+        for w, n in zip(base, EXPERT_WEIGHTS, strict=True):
+            v = w + self.scaling * torch.bmm(
+                local_tensor(getattr(self.lora_B, n)), local_tensor(getattr(self.lora_A, n))
+            )
+            if self.lora_magnitude_vector is not None:
+                norm = torch.linalg.vector_norm(v.detach(), dim=-1)  # [E, out], a constant in backward (peft's)
+                v = v * (local_tensor(getattr(self.lora_magnitude_vector, n)) / norm).unsqueeze(-1)
+            adapted.append(v)
+        return tuple(adapted)  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def weight_norms(self) -> dict[str, Tensor]:
+        """``||W[e] + s B[e] A[e]||`` per expert and output row [E, out] of each weight, for this rank's part of the
+        magnitudes: computed on the local shards, which hold the same experts when the weight, its factors and its
+        magnitude are sharded alike on dim 0 (EP, ZeRO-3); else on the full tensors (collective)."""
+        norms = {}
+        for n in EXPERT_WEIGHTS:
+            tensors = [getattr(self, n), getattr(self.lora_A, n), getattr(self.lora_B, n)]
+            target = getattr(self.lora_magnitude_vector, n)
+            alike = all(_same_dim0_layout(t, target) for t in tensors)
+            w, a, b = (local_tensor(t) if alike else _full(t) for t in tensors)
+            norms[n] = torch.linalg.vector_norm(w + self.scaling * torch.bmm(b, a), dim=-1)
+        return norms
 
     def extra_repr(self) -> str:
-        return f"rank={self.lora_A.gate_up_proj.shape[1]}, scaling={self.scaling:g}"
+        dora = ", dora" if self.lora_magnitude_vector is not None else ""
+        return f"rank={self.lora_A.gate_up_proj.shape[1]}, scaling={self.scaling:g}{dora}"
+
+
+def _same_dim0_layout(t: Tensor, target: Tensor) -> bool:
+    """Whether the local shard of ``t`` holds the same dim-0 rows as ``target``'s (both plain, or both DTensors on
+    one mesh with one placement list that shards dim 0 only)."""
+    if not isinstance(t, DTensor) and not isinstance(target, DTensor):
+        return True
+    if not (isinstance(t, DTensor) and isinstance(target, DTensor)):
+        return False
+    return (
+        t.device_mesh == target.device_mesh
+        and t.placements == target.placements
+        and t.shape[0] == target.shape[0]
+        and all(p.is_replicate() or getattr(p, "dim", None) == 0 for p in t.placements)
+    )
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _adapted(module: nn.Module, config: LoRAConfig) -> nn.Module:
     if isinstance(module, GroupedExperts):
-        return LoRAGroupedExperts(module, rank=config.rank, scaling=config.scaling)
+        return LoRAGroupedExperts(module, rank=config.rank, scaling=config.scaling, use_dora=config.use_dora)
     return LoRALinear(
         module, rank=config.rank, scaling=config.scaling, dropout=config.dropout, use_dora=config.use_dora
     )
@@ -190,11 +241,6 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"LoRA target_modules={config.target_modules!r} match modules that are neither nn.Linear layers nor "
             f"grouped MoE experts: {', '.join(wrong[:5])}. Adapters go on linear layers (q/k/v/o_proj, "
             "gate/up/down_proj, lm_head) and on `experts` (per-expert adapters of gate_up_proj and down_proj)."
-        )
-    if config.use_dora and any(isinstance(m, GroupedExperts) for _, m in targets):
-        raise ValueError(
-            "LoRA use_dora=True with the grouped MoE experts as a target: DoRA is built for linear layers only (peft "
-            "refuses it on stacked experts too); leave `experts` out of target_modules or set use_dora=False."
         )
     if config.dropout > 0 and any(isinstance(m, GroupedExperts) for _, m in targets):
         raise ValueError(
@@ -272,22 +318,33 @@ def init_adapters(model: nn.Module, config: LoRAConfig, seed: int) -> None:
 @torch.no_grad()
 def init_magnitudes(model: nn.Module) -> None:
     """DoRA: ``m = ||W + s B A||`` per output row of every DoRA layer (peft's init: the adapted model starts as
-    ``W + s B A``), from this layer's current weights; under TP each rank keeps its rows of the (global) norm."""
+    ``W + s B A``), from this layer's current weights; under TP each rank keeps its rows of the (global) norm. Per-expert
+    magnitudes likewise per expert and row (``LoRAGroupedExperts.weight_norms``), each rank its experts'."""
     for module in adapter_modules(model).values():
         if module.lora_magnitude_vector is None:
             continue
         norm = module.weight_norm()
         copy_global_into(module.lora_magnitude_vector, norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    for experts in expert_adapter_modules(model).values():
+        if experts.lora_magnitude_vector is None:
+            continue
+        for n, norm in experts.weight_norms().items():
+            target = getattr(experts.lora_magnitude_vector, n)
+            if tuple(norm.shape) == tuple(target.shape):  # the full norms (plain, or computed on full tensors)
+                copy_global_into(target, norm)
+            else:  # this rank's experts' norms into its shard
+                local_tensor(target).copy_(norm)
 
 
 def merged_weight(
     weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, magnitude: Tensor | None = None
 ) -> Tensor:
     """``W + scaling * B @ A`` (full tensors; per expert for stacked [E, ...] ones), computed in fp32 and returned in
-    ``weight``'s dtype; with a DoRA ``magnitude`` [out], each row rescaled to it: ``m * V / ||V||``."""
+    ``weight``'s dtype; with a DoRA ``magnitude`` [out] ([E, out] per expert), each row rescaled to it:
+    ``m * V / ||V||``."""
     merged = weight.float() + scaling * (lora_b.float() @ lora_a.float())
     if magnitude is not None:
-        merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+        merged = merged * (magnitude.float() / torch.linalg.vector_norm(merged, dim=-1)).unsqueeze(-1)
     return merged.to(weight.dtype)
 
 
@@ -323,16 +380,22 @@ def tensors_sha256(named: Iterable[tuple[str, Tensor]]) -> str:
 
 
 def base_weights_reference(
-    config: TransformerConfig, hf_dir: str | None, init_seed: int, vocab_multiple: int
+    config: TransformerConfig,
+    hf_dir: str | None,
+    init_seed: int,
+    vocab_multiple: int,
+    *,
+    build: Callable[[], nn.Module] | None = None,
 ) -> dict[str, Any]:
     """Where a module's base weights come from and their SHA-256: the HF folder's safetensors bytes, or, for a
     seeded init, the fp32 parameters of the model built and initialised once on this process's CPU (the init is
-    layout-independent, so this is the base every layout starts from). Computed once per module (the module caches
+    layout-independent, so this is the base every layout starts from). ``build`` makes that model without adapters
+    (default: a ``CausalLM`` of ``config``; the VLM passes its own). Computed once per module (the module caches
     it); on one rank, whose answer the strategy broadcasts."""
     if hf_dir:
         return {"source": "hf", "hf_dir": str(Path(hf_dir).resolve()), "sha256": hf_weights_sha256(hf_dir)}
     with torch.device("cpu"):
-        model = CausalLM(config, vocab_multiple=vocab_multiple)
+        model = build() if build is not None else CausalLM(config, vocab_multiple=vocab_multiple)
     model.init_weights(init_seed)
     return {
         "source": "init", "model": config.name, "init_seed": int(init_seed),

@@ -76,7 +76,6 @@ __all__ = [
     "Parallelized",
     "RankLayout",
     "build_rank_meshes",
-    "check_dora_layout",
     "check_parallelized_layout",
     "parallelize",
     "parallelize_rank",
@@ -249,8 +248,6 @@ def _describe(layout: ParallelConfig) -> str:
 def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) -> Parallelized:
     """Apply the plan (module docstring) to ``model`` (the protocol model of ``module``, or None for DP-only)."""
     p = layout.config
-    if model is not None:  # before any collective or allocation: DoRA's untested layouts, refused on every rank
-        check_dora_layout(model, expert_parallel=p.ep_enabled, hetero=layout.hetero_groups is not None)
     result = Parallelized(parts=[] if model is None else [model])
     if model is not None and layout.hetero_groups is not None:
         result.pipeline = build_hetero_pipelined_model(model, layout.hetero_groups, layout.meshes, p, layout.device)
@@ -285,23 +282,6 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
     if flat:
         _apply_flat_zero3(result, layout)
     return result
-
-
-def check_dora_layout(model: nn.Module, *, expert_parallel: bool, hetero: bool) -> None:
-    """DoRA (LoRA's ``use_dora``) runs on one process and under TP (+SP), PP, CP, DDP and ZeRO-1/2/3 (flat and
-    FSDP2), the layouts it is tested on: its magnitude ``m`` is a trainable parameter per output row, replicated and
-    reduced like any other, and the row norm is taken where the weight is whole (TP sums a row-parallel layer's
-    squares, ZeRO-3 gathers the weight for the forward). Raise under expert parallelism and heterogeneous meshes,
-    where it is not tested. (Duck-typed on ``lora_magnitude_vector``: the plan does not import the models.)"""
-    if not expert_parallel and not hetero:
-        return
-    if all(getattr(m, "lora_magnitude_vector", None) is None for m in model.modules()):
-        return
-    where = "expert parallelism (expert_parallel_size > 1)" if expert_parallel else "heterogeneous meshes"
-    raise ValueError(
-        f"LoRA use_dora=True is not supported with {where}: DoRA is tested on one process and under TP, PP, CP, "
-        "DDP and ZeRO-1/2/3. Use plain LoRA (use_dora=False) on this layout."
-    )
 
 
 def _flat_zero3_refusal(result: Parallelized, p: ParallelConfig) -> str | None:

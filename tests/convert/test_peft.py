@@ -128,6 +128,23 @@ def test_per_expert_adapters_merge_into_the_hf_export_and_round_trip_through_pef
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(HFConversionError, match=r"only the grouped experts' .* map onto our per-expert adapters"):
         lora_config_from_peft(tmp_path / "adapter")
+    # per-expert DoRA (item 1; peft has none for target_parameters): the merged export rescales each expert's rows,
+    # transformers gives our logits; peft's format cannot hold it, both ways
+    dora = _ours(hf_dir, LoRAConfig(**{**lora.to_dict(), "use_dora": True}))
+    with torch.no_grad():  # m != ||W + s B A||: DoRA differs from LoRA
+        for name, p in dora.model.named_parameters():
+            if ".lora_magnitude_vector." in name:
+                p.mul_(1 + 0.3 * torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    assert (_logits(dora) - _logits(ours)).abs().max() > 1e-3
+    export_hf(dora, tmp_path / "merged-dora")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged-dora")
+    torch.testing.assert_close(hf_logits(merged, IDS), _logits(dora), rtol=0, atol=1e-5)
+    with pytest.raises(HFConversionError, match=r"per-expert DoRA adapters .* peft's target_parameters wrapper"):
+        save_peft_adapter(dora, tmp_path / "adapter-dora")
+    config["target_parameters"], config["use_dora"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], True
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConversionError, match=r"use_dora with target_parameters; peft defines no DoRA"):
+        lora_config_from_peft(tmp_path / "adapter")
 
 
 def test_dora_matches_peft_logits_gradients_and_round_trips(hf_dir, tmp_path):

@@ -163,6 +163,70 @@ def test_per_expert_adapters_compute_each_experts_own_update_and_only_they_train
         ).configure_model()
 
 
+def test_per_expert_dora_is_the_dense_dora_of_each_expert():
+    """Item 1: per-expert DoRA (peft has none for target_parameters) is defined as dense DoRA per expert: expert ``e``
+    computes with ``m[e] V[e] / ||V[e]||``, ``V[e] = W[e] + s B[e] A[e]``, one detached norm per output row. The
+    grouped layer's output and the gradients of A, B and m equal a loop of dense DoRA ``LoRALinear`` layers (peft's
+    DoRA, ``tests/convert/test_peft.py``), one per expert and weight; m starts at the norms (the adapted layer starts
+    as plain LoRA); the merged weight is each expert's rescaled rows."""
+    from lightning_flagscale.models.lora import expert_adapter_modules, merged_weight
+    from lightning_flagscale.moe.experts import _swiglu
+    from tests.moe._trainer import shrink
+
+    lora = LoRAConfig(rank=2, alpha=4.0, target_modules=["experts"], init_lora_weights=False, use_dora=True)
+    module = CausalLMModule(shrink("mixtral-tiny"), lora=lora, optimizer="sgd")
+    module.configure_model()
+    layer = next(iter(expert_adapter_modules(module.model).values()))
+    e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    mags = layer.lora_magnitude_vector
+    assert mags.gate_up_proj.shape == (e, 2 * i) and mags.down_proj.shape == (e, h)
+    assert {n for n, p in module.model.named_parameters() if p.requires_grad} >= {
+        "layers.0.mlp.experts.lora_magnitude_vector.gate_up_proj", "layers.0.mlp.experts.lora_magnitude_vector.down_proj"
+    }  # fmt: skip
+    for w in ("gate_up_proj", "down_proj"):  # peft's init: m = ||W + s B A|| per expert and row
+        v = getattr(layer, w) + 2.0 * torch.bmm(getattr(layer.lora_B, w), getattr(layer.lora_A, w))
+        torch.testing.assert_close(getattr(mags, w), torch.linalg.vector_norm(v, dim=-1))
+    with torch.no_grad():  # m != the norms: DoRA differs from LoRA
+        for w in ("gate_up_proj", "down_proj"):
+            getattr(mags, w).mul_(
+                1 + 0.3 * torch.rand(getattr(mags, w).shape, generator=torch.Generator().manual_seed(1))
+            )
+    dense = {}
+    for w in ("gate_up_proj", "down_proj"):
+        for k in range(e):
+            out_f, in_f = getattr(layer, w).shape[1:]
+            lin = LoRALinear(torch.nn.Linear(in_f, out_f, bias=False), rank=2, scaling=2.0, use_dora=True)
+            with torch.no_grad():
+                lin.weight.copy_(getattr(layer, w)[k])
+                lin.lora_A.weight.copy_(getattr(layer.lora_A, w)[k])
+                lin.lora_B.weight.copy_(getattr(layer.lora_B, w)[k])
+                lin.lora_magnitude_vector.copy_(getattr(mags, w)[k])
+            dense[w, k] = lin
+    counts = [3, 0, 2, 1][:e] + [1] * max(0, e - 4)
+    x = torch.randn(sum(counts), h, generator=torch.Generator().manual_seed(0))
+    want = torch.cat(
+        [dense["down_proj", k](_swiglu(dense["gate_up_proj", k](seg))) for k, seg in enumerate(x.split(counts))]
+    )
+    got = layer(x, counts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for w in ("gate_up_proj", "down_proj"):
+        for k in range(e):
+            lin = dense[w, k]
+            for ours, theirs in [(layer.lora_A, lin.lora_A.weight), (layer.lora_B, lin.lora_B.weight),
+                                 (mags, lin.lora_magnitude_vector)]:  # fmt: skip
+                torch.testing.assert_close(getattr(ours, w).grad[k], theirs.grad, rtol=1e-4, atol=1e-6, msg=f"{w} {k}")
+        merged = merged_weight(
+            getattr(layer, w), getattr(layer.lora_A, w), getattr(layer.lora_B, w), 2.0, getattr(mags, w)
+        )
+        for k in range(e):
+            lin = dense[w, k]
+            row = merged_weight(lin.weight, lin.lora_A.weight, lin.lora_B.weight, 2.0, lin.lora_magnitude_vector)
+            torch.testing.assert_close(merged[k], row, rtol=1e-6, atol=1e-6)
+    assert layer.gate_up_proj.grad is None and layer.down_proj.grad is None  # the base stays frozen
+
+
 def test_vlm_lora_refuses_the_freeze_options():
     from lightning_flagscale.multimodal import VLMModule
 

@@ -126,7 +126,8 @@ def lora_trainer_run(
     experts = [  # how many experts' adapters this rank holds, per adapter tensor (EP shards them on dim 0)
         local_tensor(getattr(getattr(m, key), w)).shape[0]
         for m in expert_adapter_modules(module.model).values()
-        for key in ("lora_A", "lora_B")
+        for key in ("lora_A", "lora_B", "lora_magnitude_vector")
+        if getattr(m, key) is not None
         for w in EXPERT_WEIGHTS
     ]
     from torch.distributed.tensor import DTensor
@@ -141,10 +142,23 @@ def lora_trainer_run(
     }  # fmt: skip
 
 
+VLM_SAMPLES = 12
+"""The VLM LoRA runs read the first 12 ragged samples: 3 steps of the global batch 4 make one epoch, so the
+checkpoint at the end of it resumes on an epoch boundary (the sampler's next permutation, no skipped batches)."""
+
+
+def _vlm_data():
+    from torch.utils.data import Subset
+
+    from tests.multimodal.test_parallel import RaggedShapes
+
+    return Subset(RaggedShapes(), range(VLM_SAMPLES))
+
+
 def vlm_lora_reference(lora: LoRAConfig, steps: int) -> tuple[dict, dict]:
     """Single-process fp32 LoRA on the tiny Qwen2.5-VL (SGD, ragged text-only and two-image rows): (parameters
     after ``steps``, before)."""
-    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, RaggedShapes, _module
+    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, _module
 
     module = _module(lora=lora)
     module.configure_model()
@@ -152,7 +166,7 @@ def vlm_lora_reference(lora: LoRAConfig, steps: int) -> tuple[dict, dict]:
     opt = module.configure_optimizers()["optimizer"]
     trained = {id(p) for g in opt.param_groups for p in g["params"]}
     assert trained == {id(p) for n, p in module.model.named_parameters() if is_adapter_name(n)}, "optimizer params"
-    data = RaggedShapes()
+    data = _vlm_data()
     for step in range(steps):
         batch = COLLATE([data[int(i)] for i in global_batch_indices(len(data), GLOBAL_BATCH, step)])
         module._loss(batch).backward()
@@ -161,21 +175,51 @@ def vlm_lora_reference(lora: LoRAConfig, steps: int) -> tuple[dict, dict]:
     return {k: v.detach().clone() for k, v in module.model.named_parameters()}, before
 
 
-def vlm_lora_run(strategy_kwargs: dict[str, Any], lora: LoRAConfig, steps: int, dp: int) -> dict[str, torch.Tensor]:
-    """``Trainer.fit`` of the tiny Qwen2.5-VL with LoRA on every worker: the full parameters after ``steps``."""
+def _vlm_fit(strategy_kwargs: dict[str, Any], lora: LoRAConfig, dp: int, epochs: int, ckpt_path: str | None = None,
+             callbacks: list | None = None, **module_kwargs: Any) -> Any:  # fmt: skip
     import lightning as L
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
-    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, RaggedShapes, _module
+    from tests.multimodal.test_parallel import COLLATE, GLOBAL_BATCH, _module
 
-    module = _module(lora=lora)
+    module = _module(lora=lora, **module_kwargs)
+    strategy = FlagScaleStrategy(**strategy_kwargs)
     trainer = L.Trainer(
-        accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=FlagScaleStrategy(**strategy_kwargs),
-        plugins=[FlagScalePrecision("32-true")], max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=strategy,
+        plugins=[FlagScalePrecision("32-true")], max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks or [],
     )  # fmt: skip
-    trainer.fit(module, DataLoader(RaggedShapes(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE))
-    return full_params(module.model)
+    trainer.fit(module, DataLoader(_vlm_data(), batch_size=GLOBAL_BATCH // dp, collate_fn=COLLATE), ckpt_path=ckpt_path)
+    strategy.wait_for_checkpoint()
+    return module
+
+
+def vlm_lora_run(strategy_kwargs: dict[str, Any], lora: LoRAConfig, dp: int, ckpt: str) -> dict[str, Any]:
+    """One launch, three ``Trainer.fit`` of the tiny Qwen2.5-VL with LoRA on every worker (item 4 for the VLM):
+
+    - two epochs (6 steps) uninterrupted, saving a checkpoint at the end of the first (step 3) to ``ckpt``;
+    - resumed from ``ckpt`` for the second epoch;
+    - resumed from ``ckpt`` on another base (``init_seed=1``), which must be refused before any shard is read.
+
+    Returns the full parameters at step 3 (``"epoch1"``) and at the end of both runs (``"uninterrupted"``,
+    ``"resumed"``), and the refusal's message (``"refused"``)."""
+    import lightning as L
+
+    out: dict[str, Any] = {}
+
+    class SaveAtFirstEpochEnd(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                out["epoch1"] = full_params(pl_module.model)
+                trainer.save_checkpoint(ckpt)
+
+    out["uninterrupted"] = full_params(_vlm_fit(strategy_kwargs, lora, dp, 2, callbacks=[SaveAtFirstEpochEnd()]).model)
+    out["resumed"] = full_params(_vlm_fit(strategy_kwargs, lora, dp, 2, ckpt_path=ckpt).model)
+    try:
+        _vlm_fit(strategy_kwargs, lora, dp, 2, ckpt_path=ckpt, init_seed=1)
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
 
 
 def lora_trainer_runs(runs: list[tuple[tuple, dict[str, Any]]]) -> list[tuple[list[float], dict, dict[str, Any]]]:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lightning_flagscale.models.lora import is_adapter_name
-from lightning_flagscale.parallel.plan import check_dora_layout
 from tests._launcher import WorkerError
 from tests.moe._trainer import shrink
 from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
@@ -85,10 +84,16 @@ def test_lora_layout_matches_single_process(launcher, reference, dora_reference,
     _assert_matches(dora, dora_reference, f"dora {layout}")
 
 
-def test_lora_on_hetero_meshes_matches_single_process(launcher, reference):
-    # the first mesh (DP 1) reads the whole global batch, the second slices it
-    results = launcher(4, lora_trainer_run, HETERO, tiny_config(), lora_config(), STEPS, batch_size=GLOBAL_BATCH)
-    _assert_matches(results, reference, "hetero tp2|dp2")
+def test_lora_on_hetero_meshes_matches_single_process(launcher, reference, dora_reference):
+    # the first mesh (DP 1) reads the whole global batch, the second slices it; then DoRA in the same launch (item 1:
+    # the TP 2 mesh places m like its layers' output rows, the DP 2 mesh reduces it like any parameter)
+    runs = [((HETERO, tiny_config(), lora, STEPS), dict(batch_size=GLOBAL_BATCH))
+            for lora in (lora_config(), lora_config(use_dora=True))]  # fmt: skip
+    both = launcher(4, lora_trainer_runs, runs)
+    _assert_matches([r[0] for r in both], reference, "hetero tp2|dp2")
+    _assert_matches([r[1] for r in both], dora_reference, "dora hetero tp2|dp2")
+    placed = both[0][1][2]["magnitudes"]  # rank 0 is on the TP 2 mesh (layer 0)
+    assert placed["layers.0.self_attn.q_proj.lora_magnitude_vector"] == "(Shard(dim=0),)", placed
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +101,36 @@ def moe_reference():
     return lora_reference_run(shrink("mixtral-tiny"), lora_config(target_modules=MOE_TARGETS), STEPS)
 
 
+@pytest.fixture(scope="module")
+def moe_dora_reference():
+    reference = lora_reference_run(
+        shrink("mixtral-tiny"), lora_config(target_modules=MOE_TARGETS, use_dora=True), STEPS
+    )
+    assert any(".experts.lora_magnitude_vector." in n for n in reference[1])
+    return reference
+
+
+# Each EP launch runs DoRA after plain LoRA (item 1): DoRA on the attention and per-expert DoRA on every expert
+# (m [E, out] per weight, EP-sharded with its experts); under ZeRO-3 the DoRA run takes the other engine (FSDP2).
+MOE_DORA = {"ep2": {}, "ep2-zero1": {}, "ep2-zero3": dict(zero3_impl="fsdp2")}
+
+
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_lora_with_per_expert_adapters_matches_single_process(launcher, moe_reference, layout, tmp_path):
+def test_lora_with_per_expert_adapters_matches_single_process(
+    launcher, moe_reference, moe_dora_reference, layout, tmp_path
+):
     lora = lora_config(target_modules=MOE_TARGETS)
     export = str(tmp_path) if layout == "ep2" else None  # the peft folder, gathered from the EP shards
-    results = launcher(2, lora_trainer_run, MOE_LAYOUTS[layout], shrink("mixtral-tiny"), lora, STEPS, export_dir=export)
+    config = shrink("mixtral-tiny")
+    runs = [
+        ((MOE_LAYOUTS[layout], config, lora, STEPS), dict(export_dir=export)),
+        (({**MOE_LAYOUTS[layout], **MOE_DORA[layout]}, config, lora_config(target_modules=MOE_TARGETS, use_dora=True),
+          STEPS), {}),
+    ]  # fmt: skip
+    both = launcher(2, lora_trainer_runs, runs)
+    results, dora = [r[0] for r in both], [r[1] for r in both]
     _assert_matches(results, moe_reference, layout)
+    _assert_matches(dora, moe_dora_reference, f"dora {layout}")
     if export is not None:
         from safetensors.torch import load_file
 
@@ -114,11 +143,13 @@ def test_lora_with_per_expert_adapters_matches_single_process(launcher, moe_refe
                 parent, kind, weight = name.rsplit(".", 2)
                 key = f"base_model.model.model.{parent.removesuffix('.' + kind)}.{slot[weight]}{kind}.weight"
                 assert_rel_close(saved[key], _expert_to_peft(kind, value), 1e-5, f"{layout} {key}")
-    config = shrink("mixtral-tiny")
     for rank, (_, _, info) in enumerate(
         results
     ):  # each rank holds (and trains) the adapters of its half of the experts
         assert info["expert_adapter_experts"] == [config.num_experts // 2] * 4 * config.num_layers, (rank, info)
+    for rank, (_, _, info) in enumerate(dora):  # and the magnitudes of its experts (DTensors on the EP mesh)
+        assert info["expert_adapter_experts"] == [config.num_experts // 2] * 6 * config.num_layers, (rank, info)
+        assert "layers.0.mlp.experts.lora_magnitude_vector.down_proj" in info["trainable"], info["trainable"]
 
 
 def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher):
@@ -127,32 +158,32 @@ def test_per_expert_adapters_are_refused_with_expert_tensor_parallelism(launcher
                  lora_config(target_modules=MOE_TARGETS), 1)  # fmt: skip
 
 
-def test_dora_is_refused_on_the_layouts_it_is_not_tested_on(launcher):
-    # expert parallelism (DoRA on the attention of an MoE model), refused on every rank before any step
-    dora = lora_config(use_dora=True, target_modules=["q_proj", "o_proj"])
-    with pytest.raises(WorkerError, match=r"use_dora=True is not supported with expert parallelism"):
-        launcher(2, lora_trainer_run, MOE_LAYOUTS["ep2"], shrink("mixtral-tiny"), dora, 1)
-    # heterogeneous meshes: the plan's check, on the model it is given
-    model = lora_module(tiny_config(), dora)
-    model.configure_model()
-    with pytest.raises(ValueError, match=r"use_dora=True is not supported with heterogeneous meshes"):
-        check_dora_layout(model.model, expert_parallel=False, hetero=True)
-    check_dora_layout(model.model, expert_parallel=False, hetero=False)  # the other layouts run (tests above)
-
-
 # The VLM (item 3): adapters on the decoder's attention and on the vision tower's attention projections; the rest of
 # the tower (patch embedding, MLPs, merger) and of the decoder frozen. TP 2+SP: the decoder Megatron-sharded, the
 # tower replicated with its adapters.
 VLM_TARGETS = r"layers\.\d+\.self_attn\.(q|k|v|o)_proj|visual\.blocks\.\d+\.attn\.(qkv|proj)"
 
 
-def test_lora_on_the_vlm_matches_single_process(launcher):
+def test_lora_on_the_vlm_matches_single_process_and_resumes_from_its_checkpoint(launcher, tmp_path):
+    """Item 2 on the VLM under TP 2+SP, and item 4 in the same launch: the checkpoint of the first epoch holds the
+    adapters only (no optimizer state under SGD) and the base reference (the whole VLM's seeded init and its
+    SHA-256); resumed, the second epoch gives the uninterrupted run's parameters bit for bit; another base is
+    refused naming both hashes; the checkpoint rebuilds the adapted VLMModule on one process (``convert
+    ckpt-to-hf``'s reader)."""
+    from lightning_flagscale.checkpoint import read_meta
+    from lightning_flagscale.checkpoint.sharded import checkpoint_keys
+    from lightning_flagscale.convert.lora_checkpoint import module_from_lora_checkpoint
+    from tests.multimodal.test_parallel import _module
+
     lora = lora_config(target_modules=VLM_TARGETS)
     ref_after, ref_before = vlm_lora_reference(lora, STEPS)
     adapted = {n.split(".lora_")[0] for n in ref_after if is_adapter_name(n)}
     assert {n for n in adapted if n.startswith("visual.")} and {n for n in adapted if not n.startswith("visual.")}
     tp2 = dict(tensor_parallel_size=2, sequence_parallel=True)
-    for rank, params in enumerate(launcher(2, vlm_lora_run, tp2, lora, STEPS, 1)):
+    ckpt = str(tmp_path / "vlm-lora.ckpt")
+    runs = launcher(2, vlm_lora_run, tp2, lora, 1, ckpt)
+    for rank, run in enumerate(runs):
+        params = run["epoch1"]
         assert set(params) == set(ref_after), f"rank {rank}: parameter names"
         for name, value in params.items():
             want = ref_after[name]
@@ -164,6 +195,39 @@ def test_lora_on_the_vlm_matches_single_process(launcher):
                 assert not torch.equal(value, ref_before[name]), f"vlm rank {rank}: {name} did not train"
             else:
                 assert torch.equal(value, ref_before[name]), f"vlm rank {rank}: base weight {name} changed"
+        resumed, uninterrupted = run["resumed"], run["uninterrupted"]
+        assert set(resumed) == set(uninterrupted)
+        for name, value in resumed.items():
+            assert torch.equal(value, uninterrupted[name]), f"vlm rank {rank}: {name} differs after the resume"
+            if is_adapter_name(name):
+                assert not torch.equal(value, params[name]), f"vlm rank {rank}: {name} did not train after step 3"
+    keys = checkpoint_keys(ckpt)
+    weights = sorted(k.removeprefix("state_dict.model.") for k in keys if k.startswith("state_dict."))
+    assert set(weights) == {n for n in ref_after if is_adapter_name(n)}, weights
+    assert not any(k.startswith("optimizer_0.state.") for k in keys)  # SGD keeps no state
+    saved_base = read_meta(ckpt)["base_weights"]
+    assert saved_base == _module().base_weights_reference() and saved_base["source"] == "init"
+    other = _module(init_seed=1).base_weights_reference()["sha256"]
+    for run in runs:
+        assert f"init_seed=0 (sha256 {saved_base['sha256']})" in run["refused"], run["refused"]
+        assert f"init_seed=1 (sha256 {other})" in run["refused"], run["refused"]
+    module = module_from_lora_checkpoint(ckpt)
+    for name, value in module.model.named_parameters():
+        want = runs[0]["epoch1"][name]
+        assert torch.equal(value, want[: value.shape[0]] if not is_adapter_name(name) else want), name
+    # ... and exports merged (W + s B A in the decoder and the tower): the plain HF folder gives the adapted outputs
+    from lightning_flagscale.convert import export_hf
+    from lightning_flagscale.multimodal import VLMModule
+    from tests.multimodal.test_parallel import COLLATE
+    from tests.strategies._lora import _vlm_data
+
+    export_hf(module, tmp_path / "merged")
+    merged = VLMModule.from_hf(str(tmp_path / "merged"))
+    merged.configure_model()
+    batch = COLLATE([_vlm_data()[i] for i in range(4)])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(batch), module(batch), rtol=0, atol=1e-5)
+        assert not any(is_adapter_name(n) for n, _ in merged.model.named_parameters())
 
 
 def _assert_matches(results, reference, layout):

@@ -35,7 +35,7 @@ from lightning_flagscale.models.lightning import (
     param_groups,
     warmup_cosine_lambda,
 )
-from lightning_flagscale.models.lora import apply_lora, freeze_base, init_adapters
+from lightning_flagscale.models.lora import apply_lora, base_weights_reference, freeze_base, init_adapters
 from lightning_flagscale.models.qwen2_5_vl.batching import batch_segment_ids
 from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
@@ -122,6 +122,7 @@ class VLMModule(L.LightningModule):
         # LoRA (issue 40): adapters on the targeted linear layers of the decoder and/or the vision tower (by name or
         # regex, e.g. ``visual.blocks.N.attn.qkv``), everything else frozen (models/lora.py); freeze_* do not apply.
         self.lora = LoRAConfig.from_value(lora)
+        self._base_reference: dict[str, Any] | None = None  # LoRA: the base's source and hash, once
         _check_options(self.hparams)
         self.model: VisionLanguageModel | None = None
         self.prealloc: PreallocState | None = None
@@ -146,13 +147,16 @@ class VLMModule(L.LightningModule):
         """Embedding / LM-head rows are padded to a multiple of this (see ``CausalLMModule.vocab_multiple``)."""
         return int(self.hparams.get("vocab_multiple", 64))
 
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        self.model = VisionLanguageModel(
+    def _build_model(self) -> VisionLanguageModel:
+        return VisionLanguageModel(
             self.config, vocab_multiple=self.vocab_multiple,
             image_token_share=float(self.hparams.get("image_token_share", 0.5)),
         )  # fmt: skip
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = self._build_model()
         if self.lora is not None:  # before recompute wrappers and the strategy's plan, which place the adapters too
             apply_lora(self.model, self.lora)
         hp = self.hparams
@@ -171,6 +175,22 @@ class VLMModule(L.LightningModule):
                 weight_source("hf").load_weights(part, self.hf_dir)
         for part in parts if self.lora is not None else ():
             init_adapters(part, self.lora, self.init_seed)
+
+    # ---- checkpoints (models/protocol.py's FrozenBaseModule, as CausalLMModule) -------------------------------
+    @property
+    def checkpoint_frozen_weights(self) -> bool:
+        """A LoRA run's checkpoints hold the adapters, their optimizer state and the buffers, not the frozen decoder
+        and tower, which a resume rebuilds from ``hf_dir`` or ``init_seed`` (and checks against the reference)."""
+        return self.lora is None
+
+    def base_weights_reference(self) -> dict[str, Any]:
+        """Where the base weights come from and their SHA-256 (``models/lora.py``): the HF folder's safetensors, or
+        the whole model (decoder and tower) initialised from ``init_seed`` on this process's CPU; computed once."""
+        if self._base_reference is None:
+            self._base_reference = base_weights_reference(
+                self.config, self.hf_dir, self.init_seed, self.vocab_multiple, build=self._build_model
+            )
+        return self._base_reference
 
     def _require_model(self) -> VisionLanguageModel:
         if self.model is None:
