@@ -2,11 +2,12 @@
 
 Runs every schedule of ``lightning_flagscale.parallel.pipeline_parallel.runner`` at p = 4 ranks and m micro-batches
 (default 8) through the same ``PipelineRunner`` the strategy uses, on a model whose per-layer cost is known exactly:
-each layer sleeps ``F`` ms in forward, ``I`` ms for its input gradient and ``W`` ms for its weight gradient (sleeping,
-not computing, so 4 processes on a 2-core machine do not distort each other's timings). Eight layers in total: 2 per
-stage for the one-stage-per-rank schedules, 1 per stage for the virtual / V ones, so every rank owns the same work
-(except the first stage, which has no input gradient to compute: one I fewer per micro-batch, as with a real
-embedding).
+each layer sleeps ``F`` ms in forward, ``I`` ms for its input gradient and ``W`` ms for its weight gradient, in the
+ratio ``--fbw`` (sleeping, not computing, so 4 processes on a 2-core machine do not distort each other's timings).
+Eight layers in total: 2 per stage for the one-stage-per-rank schedules, 1 per stage for the virtual / V ones, after a
+free stand-in embedding whose output requires grad, so the first layer computes its input gradient as in a real
+model and every rank owns the same work (issue 42 item 2: without it the first stage skipped one I per micro-batch,
+rank 0 carried 1/6 less work, and that alone made the ideal ZB-V and DualPipeV bubble 9.8% instead of 5.9%).
 
 Every action is timed on every rank: F, B (full backward) or I (input gradient) and W (weight gradient), and the
 point-to-point sends and receive waits of torch's schedule runner; the rest of a rank's time is idle (host work of the
@@ -15,15 +16,14 @@ runner between actions, the loss). Per schedule it reports
 * the measured bubble (time not in F/B/I/W over the makespan, averaged over ranks),
 * the ideal bubble of the same action order (each rank's measured order replayed with each action's sleep time and
   no communication or host cost: what this schedule would give with free host and network),
-* the textbook theory for F = I = W on every stage: GPipe / 1F1B (p-1)/(m+p-1); interleaved 1F1B the same with
-  per-chunk costs 1/v; ZB-H1 (p-1)(F+I-W); ZB-V 0; DualPipeV (p/2-1)(F&B+B-3W) (DeepSeek-V3 report, F&B = F+B
-  without overlap),
+* the theory for these costs with all ranks starting together (formulas in ``_theory`` and in the results file;
+  ZB-V and DualPipeV: torch's action order replayed with exact costs), and the least any V schedule can idle,
 * where the measured idle time goes: receive waits, send posting, host time between actions, host time inside
   actions (measured action time minus its sleeps),
 
 and draws each schedule's measured timeline next to its ideal one (PNG).
 
-    python bench/pipeline.py [--out bench/results] [--m 8] [--ms 30] [--iters 3]
+    python bench/pipeline.py [--out bench/results] [--m 8] [--fbw 1:1:1] [--ms 30] [--iters 5]
     python bench/pipeline.py --smoke --out /tmp/x     # 1 ms layers, one measured iteration (the test runs this)
 """
 
@@ -50,11 +50,16 @@ from _timeline import draw_lanes, legend
 P, LAYERS, HIDDEN = 4, 8, 16
 
 
+ZBV_4P = "zbv_4p"
+"""``zbv`` running the order generated for --fbw with 4p activations per rank (``PipelineRunner.zbv_costs``)."""
+
+
 def _schedules() -> list[tuple[str, int]]:
-    """Every schedule at its default virtual size, except interleaved 1F1B, shown with 2 chunks per rank."""
+    """Every schedule at its default virtual size (interleaved 1F1B with 2 chunks per rank), then ``zbv_4p``."""
     from lightning_flagscale.config.schedules import SCHEDULE_NAMES, default_virtual_size
 
-    return [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
+    out = [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
+    return [*out, (ZBV_4P, 2)]
 
 
 # ---- a model of known cost ------------------------------------------------------------------------------------------
@@ -86,26 +91,41 @@ class _Sleep(torch.autograd.Function):
 class _Layer(nn.Module):
     # y = sleep_F,I(x) * sleep_W(w): the input gradient and the weight gradient are separate autograd paths, so
     # zero-bubble schedules can run them at different times, as they do for a real linear layer.
-    def __init__(self, ms: float) -> None:
+    def __init__(self, ms: float, fbw: tuple[float, float, float]) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(HIDDEN))
-        self.s = ms / 1000
+        self.f, self.i, self.w = (ms * x / 1000 for x in fbw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.s, self.s) * _Sleep.apply(self.weight, 0.0, self.s)
+        return _Sleep.apply(x, self.f, self.i) * _Sleep.apply(self.weight, 0.0, self.w)
+
+
+class _Embed(nn.Module):
+    """Free stand-in for a token embedding: its output requires grad, so the first layer computes its input gradient
+    as in a real model (without it the first stage skipped one I per micro-batch and carried 1/6 less work)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
 
 
 class _SleepLM(nn.Module):
     """Implements the pipeline protocol (``layers`` ModuleDict, ``pipeline_units``, ``loss_fn``) with no head."""
 
-    def __init__(self, ms: float) -> None:
+    def __init__(self, ms: float, fbw: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): _Layer(ms) for i in range(LAYERS)})
+        self.embed: nn.Module | None = _Embed()
+        self.layers = nn.ModuleDict({str(i): _Layer(ms, fbw) for i in range(LAYERS)})
 
     def pipeline_units(self) -> list[str]:
-        return [f"layers.{i}" for i in self.layers]
+        return ["embed", *(f"layers.{i}" for i in self.layers)]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
         for layer in self.layers.values():
             x = layer(x)
         return x
@@ -188,9 +208,12 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
     x, target = torch.randn(m, HIDDEN, generator=gen), torch.randn(m, HIDDEN, generator=gen)
     out = {}
     for name, v in opts["schedules"]:
-        cfg = ParallelConfig(pipeline_parallel_size=P, virtual_pipeline_parallel_size=v, pipeline_schedule=name)
-        runner = build_pipeline(_SleepLM(opts["ms"]), mesh, cfg, device="cpu")
+        schedule = "zbv" if name == ZBV_4P else name
+        cfg = ParallelConfig(pipeline_parallel_size=P, virtual_pipeline_parallel_size=v, pipeline_schedule=schedule)
+        runner = build_pipeline(_SleepLM(opts["ms"], opts["fbw"]), mesh, cfg, device="cpu")
         runner.stage_cls = _stage_cls()
+        if name == ZBV_4P:
+            runner.zbv_costs, runner.zbv_max_activations = opts["fbw"], 4 * P
         runs = []
         for it in range(opts["iters"] + 1):  # the first iteration warms up communicators and shape metadata
             dist.barrier()
@@ -214,19 +237,35 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
 COMPUTE = ("F", "B", "I", "W")
 
 
-def _theory(name: str, v: int, m: int) -> float:
-    """Textbook bubble fraction of one rank's makespan for F = I = W on every stage (units of one layer)."""
-    f = i = w = LAYERS // (P * v)
+def _chunk_costs(v: int, fbw: tuple[float, float, float]) -> tuple[float, float, float]:
+    """F, I, W of one stage (chunk) for one micro-batch, in layer units: LAYERS / (P v) layers per stage."""
+    k = LAYERS // (P * v)
+    return (k * fbw[0], k * fbw[1], k * fbw[2])
+
+
+def _theory(name: str, v: int, m: int, fbw: tuple[float, float, float]) -> float:
+    """Bubble of ``name`` with every stage costing ``fbw`` per layer, all ranks starting together (module docstring).
+
+    GPipe / 1F1B: (p-1)(F+I+W) idle per rank; interleaved 1F1B the same with chunk costs; ZB-H1 (p-1)(F+I-W);
+    ZB-V and DualPipeV: torch's own action order replayed with these chunk costs and free host and P2P
+    (``orders.simulate``): ZB-V's is (p-1)F when I = W (the least any V order can idle), DualPipeV's has no closed form
+    without F&B overlap; ``zbv_4p``: the order ``orders.zbv_order`` generates for these costs with 4p activations."""
+    from lightning_flagscale.parallel.pipeline_parallel.orders import simulate, torch_v_order, zbv_order
+
+    f, i, w = _chunk_costs(v, fbw)
+    if name == ZBV_4P:
+        return simulate(zbv_order(P, m, (f, i, w), 4 * P), P * v, (f, i, w)).bubble
+    if name in ("zbv", "dualpipev"):
+        return simulate(torch_v_order(name, P, m), P * v, (f, i, w)).bubble
     busy = m * v * (f + i + w)
-    if name in ("gpipe", "1f1b", "interleaved_1f1b"):  # interleaved: per-chunk costs are already 1/v of 1F1B's
-        idle = (P - 1) * (f + i + w)
-    elif name == "zero_bubble":
-        idle = (P - 1) * (f + i - w)
-    elif name == "zbv":
-        idle = 0.0
-    else:  # DualPipeV, DeepSeek-V3 report: (PP/2 - 1)(F&B + B - 3W), F&B = F + B without overlap on CPU
-        idle = max(0.0, (P / 2 - 1) * ((f + i + w) + (i + w) - 3 * w))
+    idle = (P - 1) * ((f + i + w) if name in ("gpipe", "1f1b", "interleaved_1f1b") else max(0.0, f + i - w))
     return idle / (busy + idle)
+
+
+def _v_bound(m: int, fbw: tuple[float, float, float]) -> float:
+    from lightning_flagscale.parallel.pipeline_parallel.orders import v_lower_bound
+
+    return v_lower_bound(P, m, _chunk_costs(2, fbw))
 
 
 def _ideal(ranks_events: list[list[tuple]], num_stages: int) -> list[list[tuple]]:
@@ -276,7 +315,9 @@ def _bubble(ranks_events: list[list[tuple]], start: float, span: float) -> tuple
     return sum(r["idle"] for r in ranks) / (len(ranks) * span), ranks
 
 
-def _analyse(gathered: list[dict], schedules: list[tuple[str, int]], m: int) -> list[dict]:
+def _analyse(
+    gathered: list[dict], schedules: list[tuple[str, int]], m: int, fbw: tuple[float, float, float]
+) -> list[dict]:
     rows = []
     for name, v in schedules:
         per_iter = []
@@ -287,23 +328,42 @@ def _analyse(gathered: list[dict], schedules: list[tuple[str, int]], m: int) -> 
                 [(k, s, mb, t0 - start, t1 - start, sl) for k, s, mb, t0, t1, sl in g[name][it][2]] for g in gathered
             ]
             per_iter.append((span, events))
-        span, events = min(per_iter, key=lambda x: x[0])  # least disturbed by the OS scheduler
+        bubbles = sorted(_bubble(events, 0.0, span)[0] for span, events in per_iter)
+        # the iteration of the median makespan is split and drawn; the bubble is given as median (min - max)
+        span, events = sorted(per_iter, key=lambda x: x[0])[len(per_iter) // 2]
         bubble, ranks = _bubble(events, 0.0, span)
         ideal = _ideal(events, P * v)
         ideal_span = max(e[4] for r in ideal for e in r)
         ideal_bubble, _ = _bubble(ideal, 0.0, ideal_span)
         rows.append({
-            "name": name, "v": v, "theory": _theory(name, v, m), "bubble": bubble, "span": span, "ranks": ranks,
+            "name": name, "v": v, "theory": _theory(name, v, m, fbw), "bubble": bubble, "bubbles": bubbles, "span": span, "ranks": ranks,
             "ideal_bubble": ideal_bubble, "ideal_span": ideal_span, "events": events, "ideal": ideal,
         })  # fmt: skip
     return rows
 
 
+def _med(values: list[float]) -> str:
+    mid = sorted(values)[len(values) // 2]
+    return f"{mid * 100:.1f}% ({min(values) * 100:.1f}-{max(values) * 100:.1f})"
+
+
 def _table(rows: list[dict], opts: dict) -> list[str]:
-    ms, m = opts["ms"], opts["m"]
+    ms, m, (f, i, w) = opts["ms"], opts["m"], opts["fbw"]
     lines = [
-        f"p = {P}, m = {m}, {LAYERS} sleep-timed layers, F = I = W = {ms:g} ms per layer; bubble = time outside F/B/I/W"
-        " over the makespan, averaged over ranks; best of the measured iterations.",
+        f"p = {P}, m = {m}, {LAYERS} sleep-timed layers (and a free embedding), F : I : W = {f:g} : {i:g} : {w:g} with"
+        f" one unit = {ms:g} ms per layer; bubble = time outside F/B/I/W over the makespan (all ranks start together"
+        f" and the step ends with the last one), averaged over ranks; median (min - max) over {opts['iters']}"
+        " measured iterations, the split and the timeline from the iteration of median makespan.",
+        "",
+        "Theory, per rank with F, I, W the costs of one stage (a V chunk or interleaved chunk is one layer, a 1F1B"
+        " stage two): GPipe, 1F1B and interleaved 1F1B idle (p-1)(F+I+W) out of m v (F+I+W) + idle; ZB-H1"
+        " (p-1)(F+I-W); ZB-V and DualPipeV: torch's action order replayed with these costs and free host and P2P"
+        " (`orders.simulate`); zbv_4p: `zbv` running the order `orders.zbv_order` generates for these costs with up"
+        " to 4p activations per rank (2x 1F1B's; `PipelineRunner.zbv_costs`, `zbv_max_activations`), replayed the"
+        " same way. No V schedule whose ranks start together idles less than (p-1)F per rank (the last"
+        f" rank's first forward waits for p-1 others, and every rank carries 2m(F+I+W)): {_v_bound(m, opts['fbw']) * 100:.1f}%"
+        " here, the 'V bound'. The ZB-V paper's 0 and DeepSeek's (PP/2-1)(F&B+B-3W) for DualPipeV count each rank"
+        " from its own first action (and overlap F&B); this bench runs one synchronised step.",
         "",
         "| schedule | v | makespan ms | measured bubble | ideal (same order, free host + P2P) | theory |"
         " recv wait | send | before first / after last call | host between calls | host inside actions |",
@@ -314,7 +374,7 @@ def _table(rows: list[dict], opts: dict) -> list[str]:
         avg = {k: sum(x[k] for x in r["ranks"]) / P / r["span"] * 100 for k in keys}
         inside = sum(x["host_in_actions"] for x in r["ranks"]) / P / r["span"] * 100
         lines.append(
-            f"| {r['name']} | {r['v']} | {r['span'] * 1e3:.0f} | {r['bubble'] * 100:.1f}% | {r['ideal_bubble'] * 100:.1f}%"
+            f"| {r['name']} | {r['v']} | {r['span'] * 1e3:.0f} | {_med(r['bubbles'])} | {r['ideal_bubble'] * 100:.1f}%"
             f" | {r['theory'] * 100:.1f}% | {avg['recv']:.1f}% | {avg['send']:.1f}% | {avg['edges']:.1f}%"
             f" | {avg['host_between']:.1f}%"
             f" | {inside:.1f}% |"
@@ -359,7 +419,8 @@ def _plot(rows: list[dict], out: Path, opts: dict) -> bool:
     handles = legend(["F", "B", "I", "W", "S", "R"])
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(
-        f"Pipeline timelines, p={P} m={opts['m']}, F=I=W={opts['ms']:g} ms/layer: measured (left), the same action"
+        f"Pipeline timelines, p={P} m={opts['m']}, F:I:W={':'.join(f'{x:g}' for x in opts['fbw'])} x {opts['ms']:g}"
+        " ms/layer: measured (left), the same action"
         " order replayed with free host and P2P (right); x in ms",
         fontsize=10,
     )
@@ -375,8 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="folder for MD/JSON/PNG")
     parser.add_argument("--stem", default=None, help="file name stem (default: pipeline, pipeline_m16 for --m 16)")
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--ms", type=float, default=30.0, help="F = I = W cost of one layer in milliseconds")
-    parser.add_argument("--iters", type=int, default=3, help="measured iterations per schedule (best is kept)")
+    parser.add_argument("--ms", type=float, default=30.0, help="milliseconds of one cost unit of a layer")
+    parser.add_argument("--fbw", default="1:1:1", help="F:I:W cost of a layer in units of --ms (I: input gradient)")
+    parser.add_argument("--iters", type=int, default=5, help="measured iterations per schedule (median reported)")
     parser.add_argument("--only", nargs="+", default=None, help="a subset of the schedules")
     parser.add_argument("--smoke", action="store_true", help="1 ms layers, one measured iteration (seconds)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
@@ -384,7 +446,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.ms, args.iters = 1.0, 1
     schedules = [s for s in _schedules() if args.only is None or s[0] in args.only]
-    opts = {"m": args.m, "ms": args.ms, "iters": args.iters, "schedules": schedules}
+    fbw = tuple(float(x) for x in args.fbw.split(":"))
+    if len(fbw) != 3 or min(fbw) < 0:
+        parser.error(f"--fbw takes three costs F:I:W such as 1:2:1, got {args.fbw!r}")
+    opts = {"m": args.m, "ms": args.ms, "fbw": fbw, "iters": args.iters, "schedules": schedules}
     ctx = context()
     queue = ctx.Queue()
     port = free_port()
@@ -392,8 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     for proc in procs:
         proc.start()
     (gathered,) = collect(procs, queue, 1, timeout=args.timeout, name="bench/pipeline.py")
-    rows = _analyse(gathered, schedules, args.m)
-    stem = args.stem or ("pipeline" if args.m == 8 else f"pipeline_m{args.m}")
+    rows = _analyse(gathered, schedules, args.m, opts["fbw"])
+    ratio = "" if fbw == (1.0, 1.0, 1.0) else "_fbw" + "".join(f"{x:g}" for x in fbw)
+    stem = args.stem or ("pipeline" if args.m == 8 else f"pipeline_m{args.m}") + ratio
     args.out.mkdir(parents=True, exist_ok=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     command = "python bench/pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -403,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", f"![per-rank timelines, measured and ideal]({png.name})"]
     lines += ["", f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at the end: {load}."]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    summary = [{k: r[k] for k in ("name", "v", "theory", "bubble", "ideal_bubble", "span", "ideal_span", "ranks")}
+    keys = ("name", "v", "theory", "bubble", "bubbles", "ideal_bubble", "span", "ideal_span", "ranks")
+    summary = [{k: r[k] for k in keys}
                for r in rows]  # fmt: skip
     (args.out / f"{stem}.json").write_text(json.dumps({"command": command, "opts": opts, "rows": summary}, indent=1))
     print("\n".join(lines))

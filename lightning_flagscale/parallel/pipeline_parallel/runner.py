@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
+from lightning_flagscale.parallel.pipeline_parallel.orders import zbv_order
+from lightning_flagscale.parallel.pipeline_parallel.overlap import check_pairs_cross_chunks, overlapped_forward_backward
 from lightning_flagscale.parallel.pipeline_parallel.plan import (
     StagePlan,
     build_stage_module,
@@ -56,7 +58,6 @@ from lightning_flagscale.parallel.pipeline_parallel.plan import (
     tied_parameters,
     unit_param_costs,
 )
-from lightning_flagscale.parallel.pipeline_parallel.overlap import check_pairs_cross_chunks, overlapped_forward_backward
 from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "is_layer_unit",
     "merge_param_groups",
     "min_microbatches",
+    "param_groups_overlap",
     "pipeline_unit_costs",
     "plan_stages",
     "stage_ids_for_rank",
@@ -116,6 +118,40 @@ def _make_forward_only(schedule: PipelineScheduleMulti) -> None:
     )
 
 
+def _use_zbv_order(
+    schedule: PipelineScheduleMulti, p: int, m: int, costs: tuple[float, float, float], cap: int | None
+) -> None:
+    """Give torch's ZB-V schedule the order generated for ``costs`` under ``cap`` (``orders.zbv_order``).
+
+    ``zbv_order`` keeps torch's own order unless another is strictly faster for these costs (never at equal costs
+    and 1F1B's memory: then this changes nothing). ``_prepare_schedule_with_comms`` is the lowering torch runs on
+    its own order (send/recv, reduce-grad); private torch API, pinned by the ZB-V parity tests."""
+    order = zbv_order(p, m, costs, cap)
+    if order != {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}:
+        schedule.pipeline_order = dict(order)
+        schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+
+
+def _run_pairs_apart(schedule: PipelineScheduleMulti) -> None:
+    """Lower DualPipeV's forward-backward pairs (``OVERLAP_F_B``) as their two actions when they run one after the
+    other, so the forward's output is sent as soon as the forward ends.
+
+    torch's lowering (``_add_send_recv``) sends a pair's outputs after the whole pair: the next rank's forward waits
+    for this rank's backward too. Replayed with F = I = W that raises DualPipeV's bubble at p = 4, m = 8 from 5.9% to
+    11.1% (``orders.simulate``; measured 12.6%, issue 42 item 2). Same actions in the same order, so the numerics do
+    not change. A schedule with a function registered for the pairs (``overlap.py``) keeps them."""
+    if _ComputationType.OVERLAP_F_B in schedule._comp_type_to_function_map:
+        return
+    order = schedule.pipeline_order
+    if not any(a is not None and a.sub_actions for actions in order.values() for a in actions):
+        return
+    flat = {
+        r: [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))] for r, actions in order.items()
+    }
+    schedule.pipeline_order = flat
+    schedule._prepare_schedule_with_comms(flat)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -142,6 +178,52 @@ def merge_param_groups(groups: list[dict[str, Any]] | None) -> list[dict[str, An
     return [{"params": params, "intermediates": list(captured), "grads": list(captured.values())}]
 
 
+def param_groups_overlap(groups: list[dict[str, Any]] | None) -> bool:
+    """Whether torch's per-group weight passes would walk a common autograd node (and so must be one pass).
+
+    A group's pass runs every node between its intermediates and its parameters. Groups of a chain of layers are
+    disjoint, and merged into one pass they are not: the pass from a later layer's intermediates walks down through
+    the earlier layers' input-gradient nodes to reach their weights, running every input gradient of the stage but
+    its first layer's a second time (issue 42 item 2: ZB-H1 ranks slept one input gradient more per micro-batch in
+    ``bench/pipeline.py``). Chained MTP modules sharing the embedding do overlap (issue 39)."""
+    groups = [g for g in groups or () if g.get("grads") is not None]
+    if len(groups) < 2:
+        return False
+    owner: dict[Any, int] = {}
+    for k, group in enumerate(groups):
+        for param in group["params"]:
+            if owner.setdefault(param, k) != k:
+                return True  # one parameter reached from two groups
+    reach: dict[Any, int] = {}  # node -> bit set of the groups whose parameters it leads to
+    stack = [(node, False) for group in groups for node in group["intermediates"]]
+    while stack:
+        node, children_done = stack.pop()
+        if node in reach:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if children_done:
+            bits = 1 << owner[node] if node in owner else 0
+            for child in children:
+                bits |= reach.get(child, 0)
+            reach[node] = bits
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in reach)
+    walked: set[Any] = set()
+    for k, group in enumerate(groups):
+        todo, mine = [n for n in group["intermediates"] if reach[n] >> k & 1], set()
+        while todo:
+            node = todo.pop()
+            if node in mine:
+                continue
+            if node in walked:
+                return True
+            mine.add(node)
+            todo.extend(c for c, _ in node.next_functions if c is not None and reach.get(c, 0) >> k & 1)
+        walked |= mine
+    return False
+
+
 class StatelessInferenceStage(PipelineStage):
     """``PipelineStage`` whose first-step metadata inference leaves the stage module's buffers as they were.
 
@@ -151,6 +233,9 @@ class StatelessInferenceStage(PipelineStage):
     during forward (a MoE layer's per-expert load for aux-free bias balancing, BatchNorm's running statistics)
     would count it. The buffers are restored afterwards, so the first step equals every other step.
     """
+
+    _one_weight_pass: bool | None = None
+    """Whether this stage's weight gradients need one merged pass (:func:`param_groups_overlap`); set on first use."""
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buf, buf.detach().clone()) for buf in self.submod.buffers() if not buf.is_meta]
@@ -173,7 +258,12 @@ class StatelessInferenceStage(PipelineStage):
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         grads, groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        return grads, merge_param_groups(groups) if backward_type == "input" else groups
+        if backward_type != "input" or not groups or len(groups) < 2:
+            return grads, groups
+        # the graph has the same shape every micro-batch: decide once per stage (the check walks the stage's graph)
+        if self._one_weight_pass is None:
+            self._one_weight_pass = param_groups_overlap(groups)
+        return grads, merge_param_groups(groups) if self._one_weight_pass else groups
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         for part in find_flat_zero3(self.submod):  # flat ZeRO-3: one reduce-scatter per unit after the last backward
@@ -193,6 +283,11 @@ class PipelineRunner:
 
     stage_cls: type[PipelineStage] = StatelessInferenceStage
     """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
+    zbv_costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Relative F, I, W cost of one ``zbv`` chunk that its action order is generated for (``orders.zbv_order``)."""
+    zbv_max_activations: int | None = None
+    """Activations a ``zbv`` rank may hold (forwards whose W has not run); None: 2p, a 1F1B rank's. With I > W, 4p
+    lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``)."""
     overlap_moe_comm: bool = False
     """``ParallelConfig.overlap_moe_expert_parallel_comm``: DualPipeV's paired forward and backward run at once."""
 
@@ -273,11 +368,15 @@ class PipelineRunner:
             else:
                 assert issubclass(cls, PipelineScheduleMulti)
                 sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
+                if self.schedule_name == "zbv":
+                    _use_zbv_order(sched, self._pp, n_microbatches, self.zbv_costs, self.zbv_max_activations)
             if not train and isinstance(sched, PipelineScheduleMulti):
                 _make_forward_only(sched)
             elif self.overlap_moe_comm:  # DualPipeV's pairs run their forward and backward at once (overlap.py)
                 check_pairs_cross_chunks(sched.pipeline_order, self._stage_to_rank)
                 sched.register_custom_function(_ComputationType.OVERLAP_F_B, overlapped_forward_backward(sched))
+            if train and isinstance(sched, PipelineScheduleMulti):
+                _run_pairs_apart(sched)
             self._schedules[key] = sched
         return self._schedules[key]
 

@@ -1,0 +1,209 @@
+"""Pipeline action orders replayed with unit costs (``pipeline_parallel/orders.py``) and the work each action runs
+(issue 42 item 2).
+
+Single process, no timing: each order is replayed with exact per-chunk costs and free communication, and its bubble
+(all ranks starting together, the step ending with the last one) is compared with the closed forms the benchmark
+(``bench/pipeline.py``) states as theory, and with the least any V order can idle."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from lightning_flagscale.parallel.pipeline_parallel.orders import (
+    _peak_activations,
+    simulate,
+    torch_v_order,
+    v_lower_bound,
+    zbv_order,
+)
+from lightning_flagscale.parallel.pipeline_parallel.runner import param_groups_overlap
+
+FWD, INP, WGT = _ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+
+
+def _as_dict(ops: list[list[_Action | None]]) -> dict[int, list[_Action | None]]:
+    return dict(enumerate(ops))
+
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (3, 7)])
+def test_torch_v_order_is_the_one_torch_builds(name, p, m):
+    want = _as_dict(get_schedule_ops(name, p, m, num_stages_per_rank=2))
+    assert torch_v_order("zbv" if name == "ZBVZeroBubble" else "dualpipev", p, m) == want
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (2, 5)])
+def test_textbook_orders_replay_at_their_formula(p, m):
+    # GPipe over p ranks: (p-1)/(m+p-1); interleaved 1F1B with 2 chunks of half the cost: (p-1)/(2m+p-1)
+    gpipe = simulate(_as_dict(get_schedule_ops("GPipe", p, m)), p, (2.0, 2.0, 2.0))
+    assert gpipe.bubble == pytest.approx((p - 1) / (m + p - 1))
+    if m % p == 0:
+        interleaved = simulate(_as_dict(get_schedule_ops("Interleaved1F1B", p, m, 2)), 2 * p, (1.0, 1.0, 1.0))
+        assert interleaved.bubble == pytest.approx((p - 1) / (2 * m + p - 1))
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_torch_v_orders_reach_the_v_bound_when_costs_are_equal(m):
+    # F = I = W: torch's ZB-V and DualPipeV orders idle (p-1)F per rank, the least a V order with a common start can
+    for name in ("zbv", "dualpipev"):
+        sim = simulate(torch_v_order(name, 4, m), 8, (1.0, 1.0, 1.0))
+        assert sim.bubble == pytest.approx(v_lower_bound(4, m, (1.0, 1.0, 1.0)))
+        assert len({sim.busy(r) for r in range(4)}) == 1  # every rank carries the same work
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (2, 8), (3, 9)])
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 2.0, 1.0)])
+def test_greedy_zbv_order_is_complete_and_never_worse_than_torchs(p, m, costs):
+    order = zbv_order(p, m, costs)
+    for r, actions in order.items():
+        stages = {r, 2 * p - 1 - r}
+        got = sorted((a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions)
+        assert got == sorted((s, k, mb) for s in stages for k in "FIW" for mb in range(m))
+    assert _peak_activations(order) <= 2 * p  # 1F1B's activation memory (p stages of twice a V chunk)
+    ours = simulate(order, 2 * p, costs)  # raises if a rank would wait forever
+    torch = simulate(torch_v_order("zbv", p, m), 2 * p, costs)
+    assert ours.makespan <= torch.makespan
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_greedy_zbv_order_with_more_memory_reaches_the_v_bound_when_i_exceeds_w(m):
+    # I = 2F = 2W: torch's order idles (p-1)(F+I-W) = 2(p-1)F per rank; given 4p activations per rank (2x 1F1B's)
+    # the greedy order idles the (p-1)F that no V order can beat
+    costs = (1.0, 2.0, 1.0)
+    torch = simulate(torch_v_order("zbv", 4, m), 8, costs)
+    assert torch.bubble > v_lower_bound(4, m, costs) + 0.02
+    order = zbv_order(4, m, costs, cap=16)
+    assert simulate(order, 8, costs).bubble == pytest.approx(v_lower_bound(4, m, costs))
+    assert _peak_activations(order) <= 16
+
+
+def test_simulate_refuses_an_order_that_would_hang():
+    # rank 1 runs the backward of micro-batch 0 before its forward has been received
+    order = {
+        0: [_Action(0, FWD, 0), _Action(0, INP, 0), _Action(0, WGT, 0)],
+        1: [_Action(1, INP, 0), _Action(1, FWD, 0), _Action(1, WGT, 0)],
+    }
+    with pytest.raises(ValueError, match="cannot run"):
+        simulate(order, 2, (1.0, 1.0, 1.0))
+
+
+def test_bench_sleep_model_gives_the_first_stage_its_input_gradient():
+    # bench/pipeline.py's layers sleep F, I and W; the first layer's input must require grad (a free embedding
+    # before it), or the first stage skips one I per micro-batch and the theory's equal stages do not hold
+    path = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("_bench_pipeline", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        model = bench._SleepLM(0.01, (1.0, 2.0, 3.0))
+        x = torch.randn(2, bench.HIDDEN)
+        bench._SLEPT[0] = 0.0
+        model(x).sum().backward()
+        assert bench._SLEPT[0] == pytest.approx(bench.LAYERS * 6 * 0.01 / 1000)
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _mock_v_schedule(p: int, m: int, cls_name: str = "ScheduleZBVZeroBubble"):
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    stage = mock.create_autospec(PipelineStage, instance=True)  # as torch's _schedule_visualizer builds orders
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, 2 * p
+    return getattr(schedules, cls_name)([stage, stage], m)
+
+
+def test_runner_runs_the_generated_zbv_order_and_keeps_torchs_by_default():
+    from lightning_flagscale.parallel.pipeline_parallel.runner import _use_zbv_order
+
+    sched = _mock_v_schedule(2, 4)
+    torchs = {r: list(a) for r, a in sched.pipeline_order.items()}
+    _use_zbv_order(sched, 2, 4, (1.0, 1.0, 1.0), None)  # the runner's defaults: torch's order, untouched
+    assert sched.pipeline_order == torchs
+    _use_zbv_order(sched, 2, 4, (1.0, 2.0, 1.0), 8)
+    want = zbv_order(2, 4, (1.0, 2.0, 1.0), 8)
+    assert sched.pipeline_order == want != torchs
+    for rank, actions in sched.pipeline_order_with_comms.items():  # lowered with send/recv in the new order
+        compute = [a for a in actions if a.computation_type in (FWD, INP, WGT)]
+        assert compute == want[rank]
+
+
+class _Tagged(torch.autograd.Function):
+    """Identity whose backward records its tag: which gradient nodes a backward pass ran."""
+
+    calls: list[str] = []
+
+    @staticmethod
+    def forward(ctx, x, tag):
+        ctx.tag = tag
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Tagged.calls.append(ctx.tag)
+        return grad, None
+
+
+def test_weight_pass_of_a_layer_chain_runs_each_weight_gradient_once():
+    # three layers y = x * w, their input and weight paths tagged: torch's per-group weight passes are disjoint and
+    # run W0..W2 only; merged into one pass they would run I1 and I2 again (a second input gradient per layer)
+    weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for k, w in enumerate(weights):
+        h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    _, groups = stage_backward_input([h.sum()], None, [x], iter(weights))
+    assert not param_groups_overlap(groups)
+    _Tagged.calls.clear()
+    stage_backward_weight(iter(weights), groups)
+    assert sorted(_Tagged.calls) == ["W0", "W1", "W2"]
+
+
+def test_chained_mtp_modules_are_found_to_overlap():
+    # the case merge_param_groups exists for (issue 39): torch's per-group passes would walk common nodes
+    from lightning_flagscale.models.decoder import CausalLM
+    from tests.strategies.test_mtp_loop import mtp_config
+
+    torch.manual_seed(0)
+    stage = CausalLM(mtp_config(num_nextn_predict_layers=3, num_layers=1))
+    stage.init_weights(0)
+    stage.embed_tokens = None
+    ids, labels = torch.randint(0, stage.vocab_size, (2, 2, 16)).unbind(0)
+    x = torch.randn(2, 16, stage.config.hidden_size, requires_grad=True)
+    loss = stage.loss_fn(stage(x, mtp_input_ids=ids), labels)
+    _, groups = stage_backward_input([loss], None, [x], stage.parameters())
+    assert param_groups_overlap(groups)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (2, 4)])
+def test_dualpipev_pairs_send_their_forward_output_when_the_forward_ends(p, m):
+    # torch lowers a forward-backward pair with both sends after the pair: the next rank's forward also waits for
+    # this rank's backward (p = 4, m = 8, F = I = W: 11.1% bubble instead of 5.9%); the runner runs them apart
+    from lightning_flagscale.parallel.pipeline_parallel.runner import _run_pairs_apart
+
+    sched = _mock_v_schedule(p, m, "ScheduleDualPipeV")
+    pairs = {r: [sub for a in acts for sub in (a.sub_actions or (a,))] for r, acts in sched.pipeline_order.items()}
+    _run_pairs_apart(sched)
+    compute = (FWD, INP, WGT, _ComputationType.FULL_BACKWARD)
+    for rank, actions in sched.pipeline_order_with_comms.items():
+        assert [a for a in actions if a.computation_type in compute] == pairs[rank]  # same work, same order
+        for k, a in enumerate(actions):
+            if a.computation_type == FWD and a.stage_index not in (p - 1, 2 * p - 1):  # its output leaves the rank
+                sends = [b for b in actions[k + 1 :] if b.computation_type == _ComputationType.SEND_F]
+                assert sends and sends[0] == _Action(a.stage_index, _ComputationType.SEND_F, a.microbatch_index)
+                assert not any(b.computation_type in compute for b in actions[k + 1 : actions.index(sends[0])])
+    assert simulate(sched.pipeline_order, 2 * p, (1.0, 1.0, 1.0)).bubble == pytest.approx(
+        v_lower_bound(p, m, (1.0, 1.0, 1.0))
+    )
