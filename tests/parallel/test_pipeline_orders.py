@@ -207,3 +207,24 @@ def test_dualpipev_pairs_send_their_forward_output_when_the_forward_ends(p, m):
     assert simulate(sched.pipeline_order, 2 * p, (1.0, 1.0, 1.0)).bubble == pytest.approx(
         v_lower_bound(p, m, (1.0, 1.0, 1.0))
     )
+
+
+def test_stage_keeps_torchs_weight_groups_for_a_layer_chain(monkeypatch):
+    # the runner's stage merges the weight groups into one pass only where they overlap (chained MTP modules)
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_flagscale.parallel.pipeline_parallel.runner import StatelessInferenceStage
+
+    weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for k, w in enumerate(weights):
+        h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    _, groups = stage_backward_input([h.sum()], None, [x], iter(weights))
+    monkeypatch.setattr(PipelineStage, "backward_maybe_with_nosync", lambda self, *a, **k: ((None,), groups))
+    stage = object.__new__(StatelessInferenceStage)  # only the override under test runs
+    _, got = stage.backward_maybe_with_nosync("input", {}, False)
+    assert got is groups and len(got) == 3
+    _Tagged.calls.clear()
+    stage_backward_weight(iter(weights), got)
+    assert sorted(_Tagged.calls) == ["W0", "W1", "W2"]  # merged, the pass also ran I1 and I2 again
