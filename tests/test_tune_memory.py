@@ -4,6 +4,7 @@ schedule keeps alive (counted on a real run)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -398,21 +399,25 @@ def test_mla_moe_layer_and_mtp_module_activations():
         assert got == want, (dtype, got, want)
 
 
-def _tp_layer_bytes(shape: dict) -> dict[bool, int]:
+def _tp_layer_bytes(shape: dict, loras: tuple = ()) -> dict:
     """Per sequence-parallel setting, the bytes one more layer adds to what autograd saves on this rank for a forward
-    + loss under TP 2 (bf16): the 2-layer model's minus the 1-layer model's."""
+    + loss under TP 2 (bf16): the 2-layer model's minus the 1-layer model's; then the same with each LoRA config of
+    ``loras`` (keyed ``(sp, index)``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_flagscale.models.lora import apply_lora
     from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     x, y = torch.randint(0, shape["vocab_size"], (2, 2, 64), generator=torch.Generator().manual_seed(0))
     out = {}
-    for sp in (False, True):
+    for sp, k in [(sp, k) for k in (None, *range(len(loras))) for sp in (False, True)]:
         saved_bytes = []
         for n in (1, 2):
             with torch.device("meta"):
                 model = CausalLM(TransformerConfig(**shape, num_layers=n), vocab_multiple=64)
+            if k is not None:
+                apply_lora(model, loras[k])
             apply_tp(model, mesh, sequence_parallel=sp)
             model.to_empty(device="cpu")
             model.init_weights(seed=0)
@@ -421,7 +426,7 @@ def _tp_layer_bytes(shape: dict) -> dict[bool, int]:
                 loss = model.loss_fn(model(x), y)
             del loss
             saved_bytes.append(saved.total_bytes)
-        out[sp] = saved_bytes[1] - saved_bytes[0]
+        out[sp if k is None else (sp, k)] = saved_bytes[1] - saved_bytes[0]
     return out
 
 
@@ -429,16 +434,27 @@ def _tp_layer_bytes(shape: dict) -> dict[bool, int]:
 def test_layer_activations_under_tensor_parallel(launcher, shape):
     """Under TP 2, with and without SP, a layer keeps on each rank what the model says (sharded DTensors counted by
     their local shard): heads and MLP width split; MLA's down projections and latent norms whole on the gathered
-    sequence; the block norms on sequence shards under SP, the projections' gathered inputs whole."""
-    from lightning_flagscale.tune.activations import math_attention_keys
+    sequence; the block norms on sequence shards under SP, the projections' gathered inputs whole. With LoRA (GQA,
+    same launch; issue 40): A's ``r``-wide outputs whole on every rank (column-parallel A replicated, row-parallel
+    A's output a partial sum), dropout's copies of the local inputs, DoRA's products split like the output rows."""
+    from lightning_flagscale.config.lora import LoRAConfig
+    from lightning_flagscale.tune.activations import lora_layer_activation_bytes, math_attention_keys
 
     kwargs = MLA if shape == "mla" else SHAPE
     config = TransformerConfig(**kwargs, num_layers=2)
     keys = math_attention_keys(config, 64, cpu=True)
-    for rank, got in enumerate(launcher(2, _tp_layer_bytes, kwargs)):
-        for sp, layer in got.items():
-            want = layer_activation_bytes(config, 128, tp=2, sequence_parallel=sp, attention_keys=keys)[0]
-            assert layer == want, (rank, sp, layer, want)
+    loras = () if shape == "mla" else (LoRAConfig(rank=4, **LORA_CASES["dora"]), LoRAConfig(rank=4, **LORA_CASES["q,v"],
+                                                                                             dropout=0.1))  # fmt: skip
+    for rank, got in enumerate(launcher(2, _tp_layer_bytes, kwargs, loras)):
+        assert len(got) == 2 + 2 * len(loras)
+        for key, layer in got.items():
+            if isinstance(key, tuple):
+                sp, lora = key[0], loras[key[1]]
+                want = lora_layer_activation_bytes(config, 128, lora, layer=1, tp=2, sequence_parallel=sp, cpu=True)
+            else:
+                sp = key
+                want = layer_activation_bytes(config, 128, tp=2, sequence_parallel=sp, attention_keys=keys)[0]
+            assert layer == want, (rank, key, layer, want)
 
 
 def test_mtp_activations_are_priced_on_the_last_pipeline_stage_only():
@@ -452,3 +468,85 @@ def test_mtp_activations_are_priced_on_the_last_pipeline_stage_only():
     assert after[0].activations == before[0].activations and after[1].live_microbatches == 1
     mtp = mtp_activation_bytes(with_mtp, 64, padded_vocab=with_mtp.padded_vocab_size(64))
     assert after[1].activations - before[1].activations == mtp
+
+
+def _lora_forward_bytes(n: int, dtype: torch.dtype, lora) -> int:
+    """Saved-tensor bytes of a forward + loss of an ``n``-layer model with LoRA ``lora`` (training mode: dropout on)."""
+    from lightning_flagscale.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = CausalLM(TransformerConfig(**SHAPE, num_layers=n), vocab_multiple=64)
+    apply_lora(model, lora)
+    model = model.to(dtype).train()
+    x, y = torch.randint(0, SHAPE["vocab_size"], (2, 2, 64), generator=torch.Generator().manual_seed(0))
+    with SavedActivations.of_module(model) as saved:
+        loss = model.loss_fn(model(x), y)
+    del loss
+    return saved.total_bytes
+
+
+_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_CASES = {
+    "all": dict(target_modules=_ALL),
+    "dora": dict(target_modules=_ALL, use_dora=True),
+    "dropout": dict(target_modules=_ALL, dropout=0.1),
+    "q,v": dict(target_modules=["q_proj", "v_proj"]),
+    "o,down dora+dropout": dict(target_modules=["o_proj", "down_proj"], use_dora=True, dropout=0.1),
+    "v,up dora": dict(target_modules=["v_proj", "up_proj"], use_dora=True),
+    "gate dropout": dict(target_modules=["gate_proj"], dropout=0.2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_activations_are_the_bytes_autograd_saves(dtype, case):
+    """Issue 40: under LoRA the memory model prices what autograd keeps with the base frozen (``tune.activations``):
+    the adapters' inputs and ``r``-wide outputs, dropout's copies and CPU masks, DoRA's products and vectors, and
+    nothing for a frozen linear's input or a norm's ``x_hat``; the first block (input without gradient) and RoPE's
+    tables only where a q or k needs a gradient. One more block to the byte, the whole model (embedding, first block,
+    head, loss) within 0.5% (the loss's int64 targets and scalars), both read off ``memory_breakdown``."""
+    from lightning_flagscale.config.lora import LoRAConfig
+
+    lora = LoRAConfig(rank=4, alpha=8.0, **LORA_CASES[case])
+    e, precision = (4, "32-true") if dtype == torch.float32 else (2, "bf16-mixed")
+    one, two = (_lora_forward_bytes(n, dtype, lora) for n in (1, 2))
+    c = ParallelConfig(micro_batch_size=2).resolve(1)
+    planned = [memory_breakdown(TransformerConfig(**SHAPE, num_layers=n), c, 64, 1, precision=precision,
+                                backend="gloo", lora=lora).ranks[0].activations for n in (1, 2)]  # fmt: skip
+    assert two - one == planned[1] - planned[0], (case, two - one, planned[1] - planned[0])
+    assert abs(one - planned[0]) <= 5e-3 * one, (case, one, planned[0])
+    full = layer_activation_bytes(TransformerConfig(**SHAPE, num_layers=2), 128, act_bytes=e)[0]
+    if case in ("all", "q,v"):  # what LoRA saves over full fine-tuning: frozen inputs and x_hat dropped
+        assert two - one < full
+
+
+@pytest.mark.parametrize("case", ["all", "q,v"])
+def test_lora_full_recompute_keeps_the_block_input(case):
+    """Under full recompute a LoRA block keeps its input, the RNG state and, per adapted linear, the 8-byte scalar of
+    ``update * scaling`` the checkpoint holds: bytes alive after the forward, a layer to the byte, the rest within
+    0.5%; the block's LoRA activations are the re-materialised transient."""
+    from lightning_flagscale.config.lora import LoRAConfig
+    from lightning_flagscale.models.lora import apply_lora
+    from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute
+
+    lora = LoRAConfig(rank=4, alpha=8.0, **LORA_CASES[case])
+
+    def alive_after_forward(n: int) -> int:
+        torch.manual_seed(0)
+        model = CausalLM(TransformerConfig(**SHAPE, num_layers=n), vocab_multiple=64)
+        apply_lora(model, lora)
+        model = model.to(torch.bfloat16)
+        apply_recompute(model, "full")
+        x, y = torch.randint(0, SHAPE["vocab_size"], (2, 2, 64), generator=torch.Generator().manual_seed(0))
+        gc.collect()  # nothing of an earlier model may be freed inside the measurement
+        with AllocationPeak() as alloc:
+            loss = model.loss_fn(model(x), y)
+        del loss
+        return alloc.net_bytes
+
+    alive = [alive_after_forward(n) for n in (1, 3)]
+    c = ParallelConfig(micro_batch_size=2, recompute="full").resolve(1)
+    planned = [memory_breakdown(TransformerConfig(**SHAPE, num_layers=n), c, 64, 1, backend="gloo", lora=lora).ranks[0]
+               for n in (1, 3)]  # fmt: skip
+    assert alive[1] - alive[0] == planned[1].activations - planned[0].activations, (case, alive, planned)
+    assert abs(alive[0] - planned[0].activations) <= 5e-3 * alive[0], (case, alive, planned)

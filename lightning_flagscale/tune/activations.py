@@ -31,6 +31,24 @@ of indices/masks. The loss also has the largest transients of the step: backward
 ``[tokens, V/t]`` tensors (``8V/t``: the gradient of the log-probabilities and of the logits); the vocab-parallel
 forward holds the half-precision logits, the masked and shifted fp32 logits and the exponentials at once.
 
+LoRA (``models/lora.py``, :func:`lora_layer_activation_bytes`): the base weights are frozen, so autograd keeps
+only what the gradients of the adapters and of the activations need. A frozen linear keeps nothing (its input is
+needed only for its weight's gradient), a norm keeps its fp32 statistics (``4h + 4``) but not ``x_hat`` (its weight
+is frozen), and nothing is kept where no input requires a gradient: the embedding keeps no token ids and the first
+block of the model (its input, the frozen embedding's output, needs no gradient) keeps nothing in its first norm.
+Per adapted linear of input width ``in`` and output ``out`` (per rank):
+``lora_A`` keeps its input (the base's input: shared by q/k/v and by gate/up, o_proj's is SDPA's ``out``, already
+kept when attention is), ``lora_B`` the ``r``-wide output of A (``E*r``, whole under TP: A is replicated on
+column-parallel layers and its row-parallel output is a partial sum of full width); with dropout, A keeps the
+dropped copy (``E*in``) instead and dropout its mask where its input requires a gradient (``E*in`` on CPU, where
+torch multiplies by a scaled mask; one byte a value on GPUs, whose fused kernel keeps a bool mask); DoRA keeps the
+pre-scale output ``V x`` (``E*out``) and two ``[out]`` vectors per layer (the detached norm and ``m / ||V||``), and
+with dropout a second ``[tokens, out]`` product and a third vector. Which tensors require a gradient follows the
+block: q/k/v (or gate/up) of an unadapted projection on an input without gradient need none, SDPA keeps its
+tensors when any of q/k/v does, SwiGLU keeps ``g`` / ``silu(g)`` / ``u`` as the gradients of ``g`` and ``u``
+need them, the down projection's input only when it is adapted. The final norm keeps its statistics and the LM
+head (frozen) nothing.
+
 These were checked against ``tune.measure.SavedActivations`` on a one- and two-layer model (bf16 and fp32, exact to
 the byte for the layer and within 3% outside it; a layer under TP 2 with and without SP to the byte on each rank);
 ``tests/test_tune_memory.py`` keeps the check.
@@ -68,12 +86,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_flagscale.config import RecomputeMode, TransformerConfig
+from lightning_flagscale.config.lora import LoRAConfig
 
 __all__ = [
+    "LORA_LINEARS",
     "HeadBytes",
     "head_bytes",
     "korthikanti_layer_bytes",
     "layer_activation_bytes",
+    "lora_layer_activation_bytes",
+    "lora_linears",
     "math_attention_keys",
     "model_edge_bytes",
     "mtp_activation_bytes",
@@ -182,6 +204,80 @@ def layer_activation_bytes(
     raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
 
 
+LORA_LINEARS = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}  # fmt: skip
+"""The linears of a dense block LoRA adapts (short name -> name in the block)."""
+
+
+def lora_linears(m: TransformerConfig, tp: int = 1) -> dict[str, tuple[float, float, bool]]:
+    """A dense block's linears LoRA adapts: name -> (input width, output width, column-parallel), the widths this
+    rank's shard of the layer has under TP ``tp`` (column-parallel: the output split; row-parallel: the input)."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    i = m.intermediate_size
+    return {
+        "self_attn.q_proj": (h, q / tp, True), "self_attn.k_proj": (h, kv / tp, True),
+        "self_attn.v_proj": (h, kv / tp, True), "self_attn.o_proj": (q / tp, h, False),
+        "mlp.gate_proj": (h, i / tp, True), "mlp.up_proj": (h, i / tp, True), "mlp.down_proj": (i / tp, h, False),
+    }  # fmt: skip
+
+
+def lora_layer_activation_bytes(
+    m: TransformerConfig,
+    tokens: float,
+    lora: LoRAConfig,
+    *,
+    layer: int = 0,
+    input_grad: bool = True,
+    act_bytes: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cpu: bool = False,
+) -> float:
+    """Bytes one dense block keeps until backward under LoRA ``lora`` (module docstring), over ``tokens`` tokens of
+    this rank; ``input_grad``: whether the block's input requires a gradient (False for the model's first block,
+    whose input is the frozen embedding's output); ``cpu``: dropout keeps a mask of the activation dtype (torch's
+    CPU path) rather than a bool mask (its fused GPU kernel)."""
+    e, h, r = act_bytes, m.hidden_size, lora.rank
+    mask = e if cpu else 1
+    norm_tokens = tokens / tp if sequence_parallel else tokens
+    dims = {short: lora_linears(m, tp)[full] for short, full in LORA_LINEARS.items()}
+    adapted = {short for short, full in LORA_LINEARS.items() if lora.matches(f"layers.{layer}.{full}")}
+    dropout = lora.dropout > 0
+
+    def adapters(names: tuple[str, ...], grad: bool, input_kept: bool) -> float:
+        """A group of linears sharing one input (requiring a gradient: ``grad``; kept already: ``input_kept``)."""
+        total, group = 0.0, [n for n in names if n in adapted]
+        if group and not dropout and not input_kept:
+            total += tokens * e * dims[group[0]][0]  # lora_A's input, the one tensor the group shares
+        for name in group:
+            fan_in, fan_out, _ = dims[name]
+            total += tokens * e * r  # lora_B's input
+            if dropout:
+                total += tokens * (e + (mask if grad else 0)) * fan_in  # the dropped copy and the mask
+            if lora.use_dora:  # the pre-scale output, the detached norm and m / norm (dropout: another product)
+                total += tokens * e * fan_out * (2 if dropout else 1) + e * fan_out * (3 if dropout and grad else 2)
+        return total
+
+    heads, q, kv, inner = m.num_attention_heads / tp, dims["q_proj"][1], dims["k_proj"][1], dims["gate_proj"][1]
+    total = norm_tokens * (4 * h + 4) if input_grad else 0.0  # first norm: statistics only (its weight is frozen)
+    total += adapters(("q_proj", "k_proj", "v_proj"), input_grad, False)
+    attention_grad = input_grad or bool(adapted & {"q_proj", "k_proj", "v_proj"})
+    if attention_grad:  # SDPA: q and k after RoPE, v, out, lse
+        total += tokens * (e * (2 * q + 2 * kv) + 4 * heads)
+    total += adapters(("o_proj",), attention_grad, attention_grad)
+    mid_grad = attention_grad or "o_proj" in adapted
+    if mid_grad:
+        total += norm_tokens * (4 * h + 4)  # second norm
+    total += adapters(("gate_proj", "up_proj"), mid_grad, False)
+    gate_grad, up_grad = mid_grad or "gate_proj" in adapted, mid_grad or "up_proj" in adapted
+    # SwiGLU: silu keeps g; silu(g) * u keeps silu(g) for u's gradient and u for g's
+    total += tokens * e * inner * (int(gate_grad) + int(up_grad) + int(gate_grad))
+    total += adapters(("down_proj",), gate_grad or up_grad, False)
+    return total
+
+
 def mtp_activation_bytes(
     m: TransformerConfig,
     tokens: float,
@@ -223,12 +319,21 @@ class HeadBytes:
 
 
 def head_bytes(
-    m: TransformerConfig, tokens: float, *, padded_vocab: int, act_bytes: int = 2, tp: int = 1, sp: bool = False
+    m: TransformerConfig,
+    tokens: float,
+    *,
+    padded_vocab: int,
+    act_bytes: int = 2,
+    tp: int = 1,
+    sp: bool = False,
+    frozen: bool = False,
 ) -> HeadBytes:
-    """Final norm + LM head + loss on ``tokens`` tokens (module docstring); the LM head sees the whole sequence."""
+    """Final norm + LM head + loss on ``tokens`` tokens (module docstring); the LM head sees the whole sequence.
+    ``frozen``: the norm's weight and the LM head are frozen (LoRA): the norm keeps its statistics only, the head
+    nothing."""
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sp else tokens
-    norm = _norm(h, norm_tokens, e) + tokens * e * h  # + the LM head's (gathered) input
+    norm = norm_tokens * (4 * h + 4) if frozen else _norm(h, norm_tokens, e) + tokens * e * h  # + the head's input
     if tp > 1:  # vocab-parallel cross-entropy (parallel/tensor_parallel/apply.py): fp32 softmax of the shard is kept
         local = padded_vocab / tp
         saved = norm + tokens * (4 * local + 10)
@@ -243,9 +348,12 @@ def head_bytes(
     return HeadBytes(saved=saved, forward_transient=fwd, backward_transient=bwd)
 
 
-def model_edge_bytes(m: TransformerConfig, tokens: float, *, act_bytes: int = 2) -> float:
-    """Kept once per micro-batch by every stage that runs layers: token ids (8) and RoPE's cos/sin tables."""
-    return tokens * (8 + 2 * act_bytes * m.rope_dim)
+def model_edge_bytes(
+    m: TransformerConfig, tokens: float, *, act_bytes: int = 2, frozen_embedding: bool = False, rope: bool = True
+) -> float:
+    """Kept once per micro-batch by every stage that runs layers: token ids (8; none when the embedding is frozen,
+    as under LoRA) and RoPE's cos/sin tables (when some q or k on the stage requires a gradient: ``rope``)."""
+    return tokens * ((0 if frozen_embedding else 8) + (2 * act_bytes * m.rope_dim if rope else 0))
 
 
 def korthikanti_layer_bytes(

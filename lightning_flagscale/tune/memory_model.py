@@ -39,8 +39,12 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, ZERO2_MAX_STAGING
 from lightning_flagscale.tune.activations import (
+    CHECKPOINT_RNG_BYTES,
+    LORA_LINEARS,
     head_bytes,
     layer_activation_bytes,
+    lora_layer_activation_bytes,
+    lora_linears,
     math_attention_keys,
     model_edge_bytes,
     mtp_activation_bytes,
@@ -130,17 +134,6 @@ def _states(p: RankParams, c: ParallelConfig, precision: str, bucket_numel: floa
             dense.optimizer_states + expert.optimizer_states)  # fmt: skip
 
 
-def _lora_linears(m: TransformerConfig) -> dict[str, tuple[int, int, bool]]:
-    """A decoder layer's linears that LoRA adapts: name -> (in, out, column-parallel)."""
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    i = m.intermediate_size
-    return {
-        "self_attn.q_proj": (h, q, True), "self_attn.k_proj": (h, kv, True), "self_attn.v_proj": (h, kv, True),
-        "self_attn.o_proj": (q, h, False), "mlp.gate_proj": (h, i, True), "mlp.up_proj": (h, i, True),
-        "mlp.down_proj": (i, h, False),
-    }  # fmt: skip
-
-
 def lora_rank_params(m: TransformerConfig, c: ParallelConfig, p: RankParams, lora: LoRAConfig) -> float:
     """Adapter parameters one rank of pipeline rank ``p`` holds (LoRA, issue 40): per targeted linear ``r (in + out)``,
     the TP-sharded factor divided by TP (column-parallel: B [out, r]; row-parallel: A [r, in]), plus DoRA's
@@ -153,7 +146,7 @@ def lora_rank_params(m: TransformerConfig, c: ParallelConfig, p: RankParams, lor
     tp, r, total = c.tensor_parallel_size, lora.rank, 0.0
     for layers in p.layers:
         for layer in layers:
-            for name, (fan_in, fan_out, column) in _lora_linears(m).items():
+            for name, (fan_in, fan_out, column) in lora_linears(m).items():
                 if not lora.matches(f"layers.{layer}.{name}"):
                     continue
                 a, b = r * fan_in / (1 if column else tp), r * fan_out / (tp if column else 1)
@@ -161,11 +154,41 @@ def lora_rank_params(m: TransformerConfig, c: ParallelConfig, p: RankParams, lor
     return total
 
 
+def _lora_stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: tuple[int, ...], tokens: float,
+                       e: int, recompute: str, lora: LoRAConfig, cpu: bool) -> tuple[float, float]:  # fmt: skip
+    """``_stage_weight``'s layers and edge under LoRA (``tune.activations``): the model's first block (stage 0, layer
+    0) has an input without gradient; RoPE's tables are kept when some q or k on the stage needs a gradient."""
+    if recompute not in ("none", "full"):
+        raise ValueError(
+            f"The memory model prices LoRA with recompute 'none' or 'full'; recompute={recompute!r} is not priced "
+            "with lora=."
+        )
+    tp, sp = c.tensor_parallel_size, c.sequence_parallel
+    first = [stage == 0 and i == 0 for i in layers]
+    qk = {LORA_LINEARS["q_proj"], LORA_LINEARS["k_proj"]}
+    rope = any(not f or any(lora.matches(f"layers.{i}.{n}") for n in qk) for i, f in zip(layers, first, strict=True))
+    kept = model_edge_bytes(m, tokens, act_bytes=e, frozen_embedding=True, rope=rope)
+    blocks = [lora_layer_activation_bytes(m, tokens, lora, layer=i, input_grad=not f, act_bytes=e, tp=tp,
+                                          sequence_parallel=sp, cpu=cpu) for i, f in zip(layers, first, strict=True)]  # fmt: skip
+    if recompute == "none" or not blocks:
+        return kept + sum(blocks), 0.0
+    # full recompute: the block input and RNG state, and per adapted linear the 8-byte wrapped Python scalar of
+    # ``update * scaling`` that non-reentrant checkpointing keeps (measured)
+    block_input = (tokens / tp if sp else tokens) * e * m.hidden_size + CHECKPOINT_RNG_BYTES
+    adapted = sum(lora.matches(f"layers.{i}.{n}") for i in layers for n in LORA_LINEARS.values())
+    return kept + len(blocks) * block_input + 8 * adapted, max(blocks)
+
+
 def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: tuple[int, ...], num_stages: int,
-                  tokens: float, e: int, recompute: str, keys: float | None) -> tuple[float, float]:  # fmt: skip
+                  tokens: float, e: int, recompute: str, keys: float | None, lora: LoRAConfig | None = None,
+                  cpu: bool = False) -> tuple[float, float]:  # fmt: skip
     """(kept bytes of one micro-batch on ``stage``, largest recompute re-materialisation on it)."""
     tp, sp = c.tensor_parallel_size, c.sequence_parallel
-    kept, extra = model_edge_bytes(m, tokens, act_bytes=e), 0.0
+    if lora is not None:
+        kept, extra = _lora_stage_weight(m, c, stage, layers, tokens, e, recompute, lora, cpu)
+        layers = ()
+    else:
+        kept, extra = model_edge_bytes(m, tokens, act_bytes=e), 0.0
     # a layer's bytes depend on its index only through its kind (dense or MoE): one call per kind (a search prices
     # ~10^5 layouts x stages x layers)
     kinds: dict[bool, tuple[int, int]] = {}  # is MoE -> (first such layer, count)
@@ -245,7 +268,9 @@ def memory_breakdown(
     ``backend="gloo"``: CPU runs, whose reduce-scatter copies its input. ``lora``: LoRA fine-tuning, the base frozen
     in the model dtype (ZeRO-3: fp32 shards) without gradients, master copies or optimizer state, the adapters
     (:func:`lora_rank_params`) with all of them; the gradient reduction and the optimizer step then see the
-    adapters only (activations as for full fine-tuning: the adapters' own ``r``-wide ones are left out)."""
+    adapters only, and the activations are what the frozen model keeps (``tune.activations``: the adapters' inputs,
+    ``r``-wide outputs, dropout copies and DoRA's products, no input of a frozen linear; recompute ``none`` or
+    ``full``; ``backend="gloo"`` prices dropout's CPU mask)."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
@@ -253,7 +278,8 @@ def memory_breakdown(
     tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
     batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
-    head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp)
+    head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp,
+                      frozen=lora is not None)  # fmt: skip
     # gloo: CPU processes, torch's CPU SDPA kernels; ring CP runs its own kernel (q, k, v, out, lse kept), Ulysses
     # the model's core attention on the gathered sequence
     keys = math_attention_keys(m, seq_len, cpu=backend == "gloo") if c.ring_size == 1 else None
@@ -269,7 +295,8 @@ def memory_breakdown(
         n = c.num_stages
         weights, extra = {}, 0.0
         for s, layers in zip(p.stages, p.layers):
-            kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s], keys)
+            kept, rematerialised = _stage_weight(m, c, s, layers, n, tokens, e, modes[s], keys, lora,
+                                                 cpu=backend == "gloo")  # fmt: skip
             weights[s] = kept + (head.saved if s == n - 1 else 0.0)
             extra = max(extra, rematerialised)
         if pp == 1:  # one batch of ``batch`` micro-batches, all alive at the end of its forward

@@ -113,3 +113,7 @@ def test_lora_state_bytes_match_the_formula(launcher, tmp_path):
 def test_the_memory_model_refuses_lora_where_it_does_not_price_it():
     with pytest.raises(ValueError, match="prices LoRA on dense decoders with standard attention"):
         memory_breakdown(shrink("mixtral-tiny"), ParallelConfig().resolve(1), SEQ, 1, lora=lora_config())
+    selective = ParallelConfig(recompute="selective").resolve(1)  # its activations under LoRA are not modelled
+    with pytest.raises(ValueError, match=r"LoRA with recompute 'none' or 'full'; recompute='selective'"):
+        memory_breakdown(tiny_config(), selective, SEQ, 1, lora=lora_config())
+    memory_breakdown(tiny_config(), ParallelConfig(recompute="full").resolve(1), SEQ, 1, lora=lora_config())
