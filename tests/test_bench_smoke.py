@@ -56,6 +56,12 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
     # "--rounds 1 --steps 3 --seq 16 --rank-batch 2 --layers 2 --configs even"; its ranks' code (_start, _rank_main)
     # runs in tune_hetero_validation's smoke run below, so here the report is rendered from the committed run
     "hetero.py": ("--from-json bench/results/hetero.json --out {out}/hetero.md", ["hetero.md"]),
+    # its measured run is 18 jobs of 4 Trainer ranks (minutes; "--smoke" alone is one minute here): the library path
+    # it times is tests/strategies/test_dualpipe_overlap.py's, so here the report is rendered from the committed run
+    "dualpipe_overlap.py": (
+        "--from-json bench/results/dualpipe_overlap.json --out {out}/overlap.md",
+        ["overlap.md"],
+    ),
     "tune_hetero_validation.py": (
         "--rounds 1 --plans 1 --steps 1 --seq 16 --global-batch 4 --out {out}/thv",
         ["thv.md", "thv.json"],
