@@ -28,8 +28,9 @@ def test_recipe_parses(name, capsys):
     presets = ("llama-tiny", "mixtral-tiny", "deepseek-v3-tiny", "qwen2.5-vl-tiny")
     model = config["model"]["init_args"]["config"]  # a preset name, or a preset with overrides
     assert (model["preset"] if isinstance(model, dict) else model) in presets
-    if name == "deepseek_v3_tiny":  # trains with DeepSeek-V3's MTP module and its early loss weight (issue 39 item 7)
+    if name == "deepseek_v3_tiny":  # trains with DeepSeek-V3's MTP module and its weight switch 0.3 -> 0.1 (issue 39)
         assert (model["num_nextn_predict_layers"], model["mtp_loss_weight"]) == (1, 0.3)
+        assert model["mtp_loss_weight_schedule"] == [[100, 0.1]]
     assert config["data"]["class_path"].endswith(("LMDataModule", "VLMDataModule"))
 
 

@@ -77,6 +77,13 @@ def test_layout_that_does_not_divide_the_world_size(no_launch, capsys):
     assert "World size 2 is not divisible by pipeline x context x tensor = 1 x 1 x 3 = 3" in line
 
 
+def test_malformed_mtp_loss_weight_schedule(no_launch, capsys):
+    schedule = "[[100, 0.1], [50, 0]]"
+    config = f'{{"preset": "deepseek-v3-tiny", "num_nextn_predict_layers": 1, "mtp_loss_weight_schedule": {schedule}}}'
+    line = _error_line(capsys, ["--config", "deepseek_v3_tiny", "--model.config", config])
+    assert "mtp_loss_weight_schedule steps must increase: 50 (in [50, 0]) follows 100" in line
+
+
 def test_missing_hf_folder(no_launch, capsys):
     line = _error_line(capsys, ["--config", "zero1", "--model.hf_dir", "./no_such_model"])
     assert "'./no_such_model' is neither a local folder nor a Hugging Face Hub repo id" in line

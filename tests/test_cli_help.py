@@ -202,7 +202,9 @@ def test_recipe_lines_are_generated_from_what_the_recipe_sets():
     assert "FSDP2" not in describe_recipe(RECIPES_DIR / "zero3.yaml")  # the engine is zero3_impl's choice
     # A preset with overrides reads as the preset and its settings, not as a Python dict.
     deepseek = describe_recipe(RECIPES_DIR / "deepseek_v3_tiny.yaml")
-    assert "deepseek-v3-tiny (num_nextn_predict_layers=1, mtp_loss_weight=0.3)" in deepseek and "{" not in deepseek
+    settings = "num_nextn_predict_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_schedule=[[100, 0.1]]"
+    model = f"deepseek-v3-tiny ({settings})"
+    assert model in deepseek and "{" not in deepseek
 
 
 def test_recipes_help_is_help(capsys):

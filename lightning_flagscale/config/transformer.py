@@ -76,7 +76,14 @@ class TransformerConfig:
     ``num_nextn_predict_layers``). Each is RMSNorm(hidden) and RMSNorm(embedding of the tokens shifted by k),
     concatenated, projected 2h -> h, one transformer block, its own final norm and the shared LM head."""
     mtp_loss_weight: float = 0.1
-    """MTP loss weight lambda: the training loss gets ``lambda / D * sum_k L_k`` on top of the unchanged main loss."""
+    """MTP loss weight lambda: the training loss gets ``lambda / D * sum_k L_k`` on top of the unchanged main loss
+    (Megatron's ``--mtp-loss-scaling-factor``); the weight until the first switch of ``mtp_loss_weight_schedule``."""
+    mtp_loss_weight_schedule: list[list[int | float]] | None = None
+    """Piecewise-constant MTP loss weight over optimizer steps (``trainer.global_step``): ``[[step, weight], ...]``,
+    steps >= 1 and increasing, sets the weight to ``weight`` from optimizer step ``step`` on; ``mtp_loss_weight``
+    holds before the first switch. DeepSeek-V3's 0.3 for the first 10T tokens, then 0.1: ``mtp_loss_weight=0.3`` and
+    ``mtp_loss_weight_schedule=[[S, 0.1]]`` with ``S`` the optimizer steps of 10T tokens (10T / tokens per step).
+    Pairs may be tuples; they are kept as ``[int, float]`` lists (YAML and JSON dumps give those back unchanged)."""
     # ---- MoE (num_experts == 0 means dense) ----
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
@@ -184,10 +191,61 @@ class TransformerConfig:
                 f"num_nextn_predict_layers={self.num_nextn_predict_layers} and mtp_loss_weight="
                 f"{self.mtp_loss_weight} must be >= 0."
             )
+        if self.mtp_loss_weight_schedule is not None:
+            self.mtp_loss_weight_schedule = self._check_mtp_schedule(self.mtp_loss_weight_schedule)
         if self.attn_backend not in ("torch", "flash_attn", "transformer_engine"):
             raise ValueError(
                 f"attn_backend={self.attn_backend!r} is unknown; use 'torch', 'flash_attn' or 'transformer_engine'."
             )
+
+    def _check_mtp_schedule(self, schedule: Any) -> list[list[int | float]]:
+        """``mtp_loss_weight_schedule`` as a list of ``[int step, float weight]`` (lists, which YAML and JSON dumps
+        give back unchanged), or a ValueError saying what to fix."""
+        usage = (
+            " Give a list of [step, weight] pairs, e.g. [[1000, 0.1]]: the weight becomes 0.1 from optimizer step"
+            " 1000 on (mtp_loss_weight before)."
+        )
+        if not self.num_nextn_predict_layers:
+            raise ValueError(
+                "mtp_loss_weight_schedule is set but num_nextn_predict_layers=0 (no MTP module to weight); set"
+                " num_nextn_predict_layers >= 1 or drop the schedule."
+            )
+        if isinstance(schedule, (str, bytes, dict)) or not hasattr(schedule, "__iter__"):
+            raise ValueError(f"mtp_loss_weight_schedule={schedule!r} is not a list of (step, weight) pairs.{usage}")
+        out: list[list[int | float]] = []
+        for entry in schedule:
+            pair = list(entry) if isinstance(entry, (list, tuple)) else None
+            if pair is None or len(pair) != 2:
+                raise ValueError(f"mtp_loss_weight_schedule entry {entry!r} is not a (step, weight) pair.{usage}")
+            step, weight = pair
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise ValueError(f"mtp_loss_weight_schedule step {step!r} (in {entry!r}) is not an integer.{usage}")
+            number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+            if not number or not math.isfinite(weight) or weight < 0:
+                raise ValueError(
+                    f"mtp_loss_weight_schedule weight {weight!r} (in {entry!r}) must be a finite number >= 0.{usage}"
+                )
+            if step < 1:
+                raise ValueError(
+                    f"mtp_loss_weight_schedule step {step} (in {entry!r}) must be >= 1: the weight of step 0 is"
+                    f" mtp_loss_weight={self.mtp_loss_weight}."
+                )
+            if out and step <= out[-1][0]:
+                raise ValueError(
+                    f"mtp_loss_weight_schedule steps must increase: {step} (in {entry!r}) follows {out[-1][0]}.{usage}"
+                )
+            out.append([step, float(weight)])
+        return out
+
+    def mtp_loss_weight_at(self, step: int) -> float:
+        """The MTP loss weight of optimizer step ``step`` (0-based, ``trainer.global_step``) under
+        ``mtp_loss_weight_schedule``: the last switch at or before ``step``, else ``mtp_loss_weight``."""
+        weight = self.mtp_loss_weight
+        for start, value in self.mtp_loss_weight_schedule or ():
+            if step < start:
+                break
+            weight = value
+        return weight
 
     def _check_mla(self) -> None:
         """MLA shapes: every head has its own key and value (from the latent), so no grouped KV heads."""

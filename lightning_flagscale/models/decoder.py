@@ -149,6 +149,8 @@ class CausalLM(nn.Module):
         # Head outputs of the MTP modules from the last forward, with their segment ids and pre-shifted targets.
         self._mtp_pending: tuple[list[Tensor], Tensor | None, Tensor | None] | None = None
         self._mtp_log: list[Tensor] | None = None  # per depth: [token-loss sum, label count] of this rank
+        # lambda of the loss; the LightningModule sets it each step under config.mtp_loss_weight_schedule
+        self.mtp_loss_weight = config.mtp_loss_weight
         # Set by on_tensor_parallel (called by parallel.tensor.apply_tp): the TP mesh, whether activations between blocks are sequence-sharded,
         # and the first vocab row this rank's LM-head shard holds.
         self.tp_mesh = None
@@ -361,7 +363,7 @@ class CausalLM(nn.Module):
             total = term if total is None else total + term
             entry += torch.stack([losses.detach().float().sum(), (targets != -100).sum().float()]).to(entry.device)
         self._mtp_log = log
-        return _AddGradOnly.apply(main, total * (self.config.mtp_loss_weight / len(outputs)))
+        return _AddGradOnly.apply(main, total * (self.mtp_loss_weight / len(outputs)))
 
     def _token_losses(self, head_output: Tensor, labels: Tensor) -> Tensor:
         """Per-token cross-entropy (0 where ``labels == -100``), vocab-parallel under TP."""

@@ -66,6 +66,15 @@ def _resolve_config(config: TransformerConfig | str | dict[str, Any]) -> Transfo
     )
 
 
+def set_mtp_loss_weight(model: nn.Module, weight: float) -> None:
+    """The MTP loss weight the next losses use (``CausalLM.mtp_loss_weight``), on every CausalLM of ``model``:
+    under PP on each of this rank's stage modules (a ``PipelinedModel`` holds them outside its module tree)."""
+    for part in getattr(model, "stage_modules", None) or [model]:
+        for module in part.modules():
+            if isinstance(module, CausalLM):
+                module.mtp_loss_weight = float(weight)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay matrices only; norms, biases and embeddings (and a head tied to them) are exempt.
 
@@ -269,12 +278,17 @@ class CausalLMModule(L.LightningModule):
         return model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.config.mtp_loss_weight_schedule:  # DeepSeek-V3's MTP weight switch: the same step on every rank
+            weight = self.config.mtp_loss_weight_at(self.trainer.global_step)
+            set_mtp_loss_weight(self._require_model(), weight)
+            self.log("mtp_loss_weight", weight)
         loss = self._loss(batch)
         # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
         for name, value in self.model.moe_aux_losses().items():
             self.log(f"train_moe_{name}", value)
         # Multi-token prediction (DeepSeek-V3): trained through the loss's backward, not part of train_loss, logged
-        # apart as the global token mean (absent on pipeline ranks without the last stage): see _mtp_group.
+        # apart as the global token mean on every rank (under PP the last stage's, broadcast with the loss): see
+        # _mtp_group.
         mtp = self._pop_mtp_loss(self._mtp_group())
         if mtp is not None:
             self.log("mtp_loss", mtp, prog_bar=True)
@@ -313,8 +327,9 @@ class CausalLMModule(L.LightningModule):
     def _mtp_group(self) -> Any:
         """The ranks whose MTP loss sums and label counts make the logged ``mtp_loss`` the global token mean: under
         FlagScaleStrategy the data x context group of this rank's stage (its ranks hold disjoint tokens of the same
-        stages, so under PP only the last stage's ranks, which compute MTP, meet in it; on hetero meshes the stage
-        group's). Under other strategies None: the logged value is this rank's own token mean."""
+        stages; on hetero meshes the stage group's). Under PP the last stage's ranks reduce over theirs inside the
+        step and the pipeline's loss broadcast brings the result to the other stages (``PipelinedModel.pop_mtp_loss``
+        runs no collective then). Under other strategies None: the logged value is this rank's own token mean."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         if not hasattr(strategy, "global_tokens"):  # not FlagScaleStrategy (see _global_tokens)
             return None

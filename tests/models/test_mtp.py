@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.models import CausalLM
 from lightning_flagscale.models.decoder import mtp_labels
+from lightning_flagscale.models.lightning import set_mtp_loss_weight
 
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4, q_lora_rank=24,
@@ -40,8 +41,11 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps))
 
 
-def reference_loss(model: CausalLM, ids: torch.Tensor, labels: torch.Tensor, segment_ids=None, num_items=None):
-    """Main + lambda / D * sum_k CE_k written out with the model's weights (blocks reused as black boxes)."""
+def reference_loss(
+    model: CausalLM, ids: torch.Tensor, labels: torch.Tensor, segment_ids=None, num_items=None, weight=None
+):
+    """Main + lambda / D * sum_k CE_k written out with the model's weights (blocks reused as black boxes); lambda is
+    ``weight``, by default the config's ``mtp_loss_weight``."""
     cfg = model.config
     eps = cfg.rms_norm_eps
     emb_w = model.embed_tokens.weight
@@ -72,7 +76,7 @@ def reference_loss(model: CausalLM, ids: torch.Tensor, labels: torch.Tensor, seg
         x = x + layer.self_attn(_rms(x, layer.input_layernorm.weight, eps), cos, sin, segment_ids)
         h = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, eps))
         mtp = mtp + ce(h, layer.norm.weight, targets)
-    return main, mtp * cfg.mtp_loss_weight / depth
+    return main, mtp * (cfg.mtp_loss_weight if weight is None else weight) / depth
 
 
 def _grads(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -107,6 +111,63 @@ def test_mtp_loss_and_gradients_match_reference(depth, packed):
     count = sum((mtp_labels(labels, k, seg) != -100).sum() for k in range(1, depth + 1))
     assert logged is not None and logged.item() > 0 and count > 0
     assert model.pop_mtp_loss() is None
+
+
+def test_mtp_loss_weight_schedule_switches_at_its_steps_and_the_gradients_follow():
+    # DeepSeek-V3's 0.3 -> 0.1 switch (and a later 0): CausalLMModule.training_step sets the weight of
+    # trainer.global_step with set_mtp_loss_weight; each step's gradients are the reference's with that weight.
+    cfg = config(2, mtp_loss_weight_schedule=[[2, 0.1], [4, 0.0]])  # YAML gives lists
+    assert cfg.mtp_loss_weight_schedule == [[2, 0.1], [4, 0.0]]
+    assert [cfg.mtp_loss_weight_at(step) for step in range(6)] == [0.3, 0.3, 0.1, 0.1, 0.0, 0.0]
+    model = CausalLM(cfg, vocab_multiple=8)
+    model.init_weights(3)
+    ids, labels = batch(61, seed=1)
+    for step, want in enumerate([0.3, 0.3, 0.1, 0.1, 0.0]):
+        set_mtp_loss_weight(model, cfg.mtp_loss_weight_at(step))
+        model.loss_fn(model(ids), labels).backward()
+        model.pop_mtp_loss()
+        ours = _grads(model)
+        main, mtp = reference_loss(model, ids, labels, weight=want)
+        (main + mtp).backward()
+        ref = _grads(model)
+        assert ours.keys() == ref.keys(), step
+        for name in ref:
+            torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+        # the MTP head's norm learns from the MTP loss alone: no gradient at weight 0 (the MoE balance losses
+        # still reach the MTP blocks' other weights)
+        assert (ours["mtp.layers.0.norm.weight"].abs().max() == 0) == (want == 0), step
+
+
+def test_set_mtp_loss_weight_reaches_every_stage_module():
+    stages = [CausalLM(config(1), vocab_multiple=8) for _ in range(2)]
+    holder = torch.nn.Module()
+    holder.stage_modules = stages  # a PipelinedModel holds its stage modules outside its module tree
+    set_mtp_loss_weight(holder, 0.05)
+    assert [stage.mtp_loss_weight for stage in stages] == [0.05, 0.05]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ([[0, 0.1]], "step 0 .* must be >= 1: the weight of step 0 is mtp_loss_weight=0.3"),
+        ([[5, 0.1], [5, 0.2]], "steps must increase: 5 .* follows 5"),
+        ([[5, 0.1], [3, 0.2]], "steps must increase: 3 .* follows 5"),
+        ([[5, -0.1]], "weight -0.1 .* must be a finite number >= 0"),
+        ([[5, float("nan")]], "weight nan .* must be a finite number >= 0"),
+        ([[2.5, 0.1]], "step 2.5 .* is not an integer"),
+        ([[5, 0.1, 3]], r"entry \[5, 0.1, 3\] is not a \(step, weight\) pair"),
+        ([5, 0.1], r"entry 5 is not a \(step, weight\) pair"),
+        ("5:0.1", "is not a list of \\(step, weight\\) pairs"),
+    ],
+)
+def test_mtp_loss_weight_schedule_refuses_malformed_schedules(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        config(1, mtp_loss_weight_schedule=schedule)
+
+
+def test_mtp_loss_weight_schedule_needs_mtp_modules():
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers=0 .*set num_nextn_predict_layers >= 1"):
+        config(0, mtp_loss_weight_schedule=[[5, 0.1]])
 
 
 def test_main_loss_unchanged_by_mtp():

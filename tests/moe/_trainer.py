@@ -59,7 +59,9 @@ def sgd_reference(
     data = TokenDataset(config.vocab_size, NUM_SAMPLES, ragged=True)
     set_moe_aux_loss_scale(module.model, 1.0 / micro_batches)
     losses, norms, mtp_losses = [], [], []
+    switches = dict(config.mtp_loss_weight_schedule or ())  # the MTP weight from each switch step on
     for step in range(steps):
+        module.model.mtp_loss_weight = switches.get(step, module.model.mtp_loss_weight)
         indices = global_batch_indices(len(data), GLOBAL_BATCH, step)
         items = {"num_items_in_batch": (data.batch(indices)["labels"] != -100).sum()} if micro_batches > 1 else {}
         loss = torch.zeros(())
@@ -88,12 +90,16 @@ def sgd_trainer_run(
     steps: int,
     batch_size: int | None = None,
     clip: float | None = None,
+    logger: bool = False,
 ) -> dict[str, Any]:
     """``Trainer.fit`` with FlagScaleStrategy on every worker (ragged labels, ``gradient_clip_val=clip``); full
-    weights and biases per rank, and each step's gradient norm before clipping."""
+    weights and biases per rank, and each step's gradient norm before clipping. With ``logger`` a logger records
+    the metrics Lightning writes every step (``logged``: what a real logger gets, on rank 0 only)."""
     import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.utilities import rank_zero_only
     from torch.distributed.tensor import DTensor
 
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
@@ -119,11 +125,25 @@ def sgd_trainer_run(
                 replicated.append(layer.replicated_experts)
                 replica_bytes.append(getattr(layer.dispatcher, "replica_bytes", 0))
 
+    logged: list[dict[str, float]] = []
+
+    class MemoryLogger(Logger):
+        name, version = "memory", 0
+
+        @rank_zero_only
+        def log_metrics(self, metrics, step=None):
+            logged.append(dict(metrics))
+
+        @rank_zero_only
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
     torch.manual_seed(0)
     module = SGDModule(config, warmup_steps=0, min_lr_ratio=1.0)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, plugins=[FlagScalePrecision("32-true")],
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=steps, logger=MemoryLogger() if logger else False, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Record()], gradient_clip_val=clip,
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
@@ -142,6 +162,7 @@ def sgd_trainer_run(
         "replica_bytes": replica_bytes,
         "norms": norms,
         "mtp_losses": mtp_losses,
+        "logged": logged,
         "local_shapes": local_shapes,  # what this rank holds of each parameter (its shard)
     }
 

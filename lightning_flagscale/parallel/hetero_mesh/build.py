@@ -106,7 +106,7 @@ def build_hetero_pipelined_model(
         loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
         token_group=meshes.group(MeshDim.DP_CP) if meshes.size(MeshDim.DP_CP) > 1 else None,
     )  # fmt: skip
-    pipelined = PipelinedModel(runner, model)
+    pipelined = PipelinedModel(runner, model, mtp_group=meshes.group(MeshDim.DP_CP))
     holder.append(pipelined)
     return pipelined
 

@@ -196,6 +196,8 @@ class HeteroPipelineRunner:
         self.has_last_stage = plan.num_stages - 1 in self.stage_ids
         self._comm = BoundaryComm(device)
         self._local: dict[tuple[int, int, bool], Tensor] = {}  # the turn of a V: (stage, micro-batch, backward)
+        self.loss_stat: Callable[[], Any] | None = None  # see PipelineRunner.loss_stat
+        self.stat: Tensor | None = None
 
     # ---- the PipelineRunner interface ----
     def count_microbatches(self, batch_size: int) -> int:
@@ -351,16 +353,19 @@ class HeteroPipelineRunner:
         """The global token mean on every rank: times the loss scale when training (the micro-batch losses of the
         last stage's group carry ``loss scale x R_last``; the strategy divides by this rank's own ``R``), plain when
         evaluating."""
-        out = torch.zeros((), dtype=torch.float32, device=self.device)
+        stat = self.loss_stat if train else None  # as PipelineRunner's: in the same broadcast, in ``self.stat``
+        out = torch.full((1 + (stat is not None),), float("nan"), dtype=torch.float32, device=self.device)
         last = self._neighbour(self.plan.num_stages - 1)
         if self.has_last_stage:
-            out = torch.stack(losses).sum()
+            loss = torch.stack(losses).sum()
             if self._token_group is not None:
-                dist.all_reduce(out, group=self._token_group)
-            if train:
-                out = out / last.token_shards
+                dist.all_reduce(loss, group=self._token_group)
+            out[0] = loss / last.token_shards if train else loss
+            if stat is not None and (value := stat()) is not None:
+                out[1] = value
         dist.broadcast(out, src=last.ranks[0])
-        return out
+        self.stat = out[1] if stat is not None else None
+        return out[0]
 
 
 def _hold_fsdp_grads(module: nn.Module) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.hetero import hetero_micro_batch_sizes
 from lightning_flagscale.models.protocol import ConfiguredModel, MoEModel, PipelineInputs
-from lightning_flagscale.parallel.mesh import ParallelMeshes
+from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
 from lightning_flagscale.parallel.pipeline_parallel.runner import PipelineRunner, build_pipeline
 
 __all__ = [
@@ -61,10 +61,14 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
 class PipelinedModel(nn.Module):
     """This rank's pipeline stages, addressable under the unsplit model's parameter names."""
 
-    def __init__(self, runner: PipelineRunner, model: nn.Module) -> None:
+    def __init__(self, runner: PipelineRunner, model: nn.Module, mtp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = model.config if isinstance(model, ConfiguredModel) else None
         self._runner = [runner]  # a list: the runner is not an nn.Module attribute (no double registration)
+        if getattr(self.config, "num_nextn_predict_layers", 0):
+            # The last stage's MTP loss, reduced over its data x context ranks (``mtp_group``), rides in the training
+            # loss's broadcast to every pipeline rank: rank 0 logs it too, whatever the schedule.
+            runner.loss_stat = lambda: self._pop_stage_mtp_loss(mtp_group)
         self._signature = inspect.signature(model.forward)
         self._prepare = model.pipeline_inputs if isinstance(model, PipelineInputs) else None
         for stage_id, stage in zip(runner.stage_ids, runner.stage_modules):
@@ -113,8 +117,15 @@ class PipelinedModel(nn.Module):
         return out
 
     def pop_mtp_loss(self, group: dist.ProcessGroup | None = None) -> Tensor | None:
-        """The last stage's MTP loss for logging, over ``group`` (see ``CausalLM.pop_mtp_loss``); None on other
-        pipeline ranks, which run no collective."""
+        """The MTP loss of the last training step for logging, on every pipeline rank: the last stage's global token
+        mean over its data x context ranks, which the runner broadcast with the loss (``runner.stat``; no collective
+        here). Without a training step since the last call (evaluation), the stages' own, over ``group`` (see
+        ``CausalLM.pop_mtp_loss``; None on ranks without the last stage)."""
+        stat, self.runner.stat = self.runner.stat, None
+        local = self._pop_stage_mtp_loss(group if stat is None else None)  # drains what evaluation left
+        return stat if stat is not None else local
+
+    def _pop_stage_mtp_loss(self, group: dist.ProcessGroup | None) -> Tensor | None:
         values = [
             v
             for stage in self.stage_modules
@@ -165,7 +176,7 @@ def build_pipelined_model(
         inner, meshes["pp"], config, loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
         balance=config.pipeline_balance, device=device, micro_batch_size=mbs, num_microbatches=n_micro,
     )  # fmt: skip
-    pipelined = PipelinedModel(runner, inner)
+    pipelined = PipelinedModel(runner, inner, mtp_group=meshes.group(MeshDim.DP_CP))
     holder.append(pipelined)
     return pipelined
 

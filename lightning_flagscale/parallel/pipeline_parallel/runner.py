@@ -290,6 +290,10 @@ class PipelineRunner:
     lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``)."""
     overlap_moe_comm: bool = False
     """``ParallelConfig.overlap_moe_expert_parallel_comm``: DualPipeV's paired forward and backward run at once."""
+    loss_stat: Callable[[], Any] | None = None
+    """A scalar of the training step that the last stage's ranks compute after it (they may run a collective among
+    themselves) and that travels in the loss's broadcast: ``stat`` on every pipeline rank (the MTP loss for logging)."""
+    stat: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -407,16 +411,20 @@ class PipelineRunner:
         stage_target = move(target) if self.has_last_stage else None
         return stage_args, stage_kwargs, stage_target, n
 
-    def _reduce_losses(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+    def _reduce_losses(self, losses: list[torch.Tensor] | None, stat: Callable[[], Any] | None = None) -> torch.Tensor:
         # Each micro-batch loss is its token-loss sum over the step's normaliser (times the strategy's grad scale),
-        # so their sum is the step's loss; it lives on the last stage and is broadcast for logging.
-        out = torch.zeros((), device=self.device, dtype=torch.float32)
+        # so their sum is the step's loss; it lives on the last stage and is broadcast for logging, with ``stat()``
+        # (a last-stage scalar, see ``loss_stat``) in the same broadcast: every rank finds it in ``self.stat``.
+        out = torch.full((1 + (stat is not None),), float("nan"), device=self.device, dtype=torch.float32)
         if self.has_last_stage:
             assert losses
-            out = torch.stack([_local(x).detach().float() for x in losses]).sum().reshape(())
+            out[0] = torch.stack([_local(x).detach().float() for x in losses]).sum()
+            if stat is not None and (value := stat()) is not None:
+                out[1] = value
         src = self._stage_to_rank[self.plan.num_stages - 1]
         dist.broadcast(out, group=self._group, group_src=src)
-        return out
+        self.stat = out[1] if stat is not None else None
+        return out[0]
 
     def step(
         self,
@@ -438,7 +446,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         sched = self._schedule(n, train=True, shape=shape)
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        return self._reduce_losses(losses)
+        return self._reduce_losses(losses, self.loss_stat)
 
     @torch.no_grad()
     def eval_step(
