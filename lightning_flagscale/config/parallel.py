@@ -515,6 +515,14 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         return self.tensor_parallel_size % self.expert_tensor_parallel_size == 0
 
     @property
+    def etp_sequence_parallel(self) -> bool:
+        """ETP > 1 over the whole TP group under sequence parallelism (Megatron-Core's default ETP = TP): the MoE
+        block reduce-scatters the partial expert outputs over its sequence (and the input's partial gradients in
+        backward) instead of all-reducing every routed row and keeping its chunk (``MoELayer.forward``)."""
+        etp = self.expert_tensor_parallel_size
+        return self.sequence_parallel and etp > 1 and etp == self.tensor_parallel_size
+
+    @property
     def expert_grad_divisor(self) -> int:
         """What expert gradients summed over the expert-data-parallel ranks are divided by: how many times each
         token of the step reached every expert shard. MoE blocks run on the whole sequence on every TP rank, so each

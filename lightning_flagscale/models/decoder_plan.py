@@ -34,7 +34,24 @@ from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM
 
-__all__ = ["GradAllReduce", "check_decoder_tp", "decoder_tp_plan", "latent_attention_tp_plan"]
+__all__ = ["GradAllReduce", "MoESequenceParallel", "check_decoder_tp", "decoder_tp_plan", "latent_attention_tp_plan"]
+
+
+class MoESequenceParallel(PrepareModuleInputOutput):
+    """The MoE block under sequence parallelism: this rank's sequence chunk in and out as local tensors, and the TP
+    group handed to the block (``MoELayer.sequence_parallel_group``), which all-gathers the sequence itself and
+    returns its chunk: a slice, or a reduce-scatter of partial expert outputs when the experts are split over the TP
+    ranks (``MoELayer.forward``; the DTensor redistribution could only all-reduce and slice)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True,
+        )  # fmt: skip
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.sequence_parallel_group = device_mesh.get_group()
+        return super()._apply(module, device_mesh)
 
 
 class GradAllReduce(ParallelStyle):
@@ -161,10 +178,7 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
             plan[p + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         elif sequence_parallel:
             # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
-            # without SP: its parameters then get identical full gradients on every TP rank. Only its output
-            # is re-sharded (a local slice, no communication).
-            plan[p + "mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-            )  # fmt: skip
+            # without SP: its parameters then get identical full gradients on every TP rank. It all-gathers its
+            # input and returns its chunk itself (a slice; a reduce-scatter under ETP = TP): MoELayer.forward.
+            plan[p + "mlp"] = MoESequenceParallel()
     return plan

@@ -28,6 +28,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flagscale.config import TransformerConfig
+from lightning_flagscale.distributed.sequence_parallel import (
+    gather_sequence,
+    scale_forward,
+    scale_grad,
+    scatter_sequence,
+    sum_grad,
+)
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, maybe_checkpoint
 from lightning_flagscale.moe.router import (
     AttachAuxLoss,
@@ -203,6 +210,9 @@ class MoELayer(nn.Module):
         """Ranks sharing the step's tokens (see module docstring); ``None``: this process only."""
         self.sequence_group: dist.ProcessGroup | None = None
         """Context-parallel ranks holding the other shards of this rank's sequences (``None``: whole sequences)."""
+        self.sequence_parallel_group: dist.ProcessGroup | None = None
+        """Under sequence parallelism the TP group (set by the TP plan, ``MoESequenceParallel``): the block takes and
+        returns this rank's sequence chunk and runs on the whole sequence (see ``forward``)."""
         self.token_grad_scale: float | None = None
         """Factor on this rank's share of a global loss so the gradient reduction yields the global gradient;
         ``None``: the token group's size (gradients averaged over the group, as DDP and ZeRO do)."""
@@ -263,7 +273,33 @@ class MoELayer(nn.Module):
         return RECOMPUTE_LEVELS[self.recompute_level]
 
     # ---- forward ----
+    def _partial_group(self) -> dist.ProcessGroup | None:
+        """The group over which the dispatcher returns partial expert outputs (ETP = TP under SP), else None."""
+        group = getattr(self.dispatcher, "partial_group", None)
+        if group is not None and self.sequence_parallel_group is None:
+            raise RuntimeError(
+                "The expert dispatcher returns partial sums over its ETP group, which the MoE block reduce-scatters"
+                " over the sequence-parallel group, but this layer has none (apply_ep(etp_sequence_parallel=True)"
+                " without the sequence-parallel TP plan)."
+            )
+        return group
+
     def forward(self, hidden: Tensor) -> Tensor:
+        """``[B, S, H] -> [B, S, H]``; under sequence parallelism this rank's ``[B, S/tp, H]`` chunk in and out.
+
+        Under SP the block runs on the whole sequence (all-gathered over TP), so the router, its statistics and the
+        shared experts see what one process sees. Its output is this rank's chunk: a slice, or, when the experts
+        are split over the TP ranks (ETP = TP), a reduce-scatter of the partial sums (and the input's backward a
+        reduce-scatter of partial gradients), Megatron's sequence-parallel pair instead of an all-reduce of every
+        routed row followed by a slice."""
+        group = self.sequence_parallel_group
+        partial = self._partial_group() is not None
+        if group is not None:
+            hidden = gather_sequence(hidden, group, partial_grad=partial)
+        out = self._forward_maybe_recomputed(hidden)
+        return out if group is None else scatter_sequence(out, group, partial=partial)
+
+    def _forward_maybe_recomputed(self, hidden: Tensor) -> Tensor:
         if "layer" in self._static_parts() and torch.is_grad_enabled():
             # Full recompute: the adaptive threshold uses the previous forward's per-rank load, which every EP rank
             # knows identically, so all ranks agree on re-running the all-to-alls in backward.
@@ -276,7 +312,15 @@ class MoELayer(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         static = self._static_parts()
-        route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x))
+        # ETP = TP under SP: the expert outputs are partial sums over the group, reduce-scattered after the combine
+        # (forward). Every rank computes the router and the shared experts alike: their input gradients enter the
+        # reduce-scatter of the input's gradient scaled by 1/k, their output enters the output's sum scaled by 1/k
+        # (exact: k identical halves, quarters, ...), and the routing weights' gradients, products with partial
+        # outputs, are summed over the group.
+        partial = self._partial_group()
+        k = dist.get_world_size(partial) if partial is not None else 1
+        x_rep = x if partial is None else scale_grad(x, 1.0 / k)
+        route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep))
         if self.capacity_factor is None:
             plan = dropless_plan(route.topk_idx, route.topk_weight, self.num_experts)
         else:
@@ -289,8 +333,10 @@ class MoELayer(nn.Module):
 
         x_perm = maybe_checkpoint("permute" in static, permute, x)
         y_perm = self.dispatcher(self, x_perm, plan.counts)
-        out = torch.zeros_like(x).index_add_(0, plan.token_idx, y_perm * plan.weight.unsqueeze(-1).to(y_perm.dtype))
-        out = out + maybe_checkpoint("shared" in static, self._shared, x)
+        weight = plan.weight if partial is None else sum_grad(plan.weight, partial)
+        out = torch.zeros_like(x).index_add_(0, plan.token_idx, y_perm * weight.unsqueeze(-1).to(y_perm.dtype))
+        shared = maybe_checkpoint("shared" in static, self._shared, x_rep)
+        out = out + (shared if partial is None else scale_forward(shared, 1.0 / k))
         if not _in_backward():
             load = torch.bincount(route.topk_idx.reshape(-1), minlength=self.num_experts).float()
             self.load_accum += load.to(self.load_accum.device)

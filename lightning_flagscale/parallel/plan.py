@@ -368,7 +368,10 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
     # EP and/or ETP, over the (ep, etp) dims of the expert mesh; a pipeline chunk of dense blocks only (DeepSeek-V3's
     # first_k_dense_replace layers on the first stage) has no experts to shard
     if p.ep_enabled and moe_layers(part):
-        apply_ep(part, meshes[("ep", "etp")], etp_tokens_replicated=p.etp_tokens_replicated)
+        apply_ep(
+            part, meshes[("ep", "etp")], etp_tokens_replicated=p.etp_tokens_replicated,
+            etp_sequence_parallel=p.etp_sequence_parallel,
+        )  # fmt: skip
     if not p.pp_enabled and p.recompute != "none":  # under PP, build_pipeline applies it per stage
         # A hetero stage group (pp = 1 inside its group) runs its pipeline schedule: split-backward ones backpropagate
         # each block twice (input, then weight gradients).

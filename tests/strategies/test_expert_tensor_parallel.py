@@ -74,6 +74,8 @@ def run_layouts(
         results["hetero"] = sgd_trainer_run(HETERO, _config(), STEPS, batch_size=2, clip=CLIP)
     if one_layer:
         results.update({f"layer-{mode}": layer_under_etp(mode == "replicated") for mode in ("gathered", "replicated")})
+        results.update({f"layer-sp-{mode}": layer_under_etp_sequence_parallel(mode == "reduce-scatter")
+                        for mode in ("all-reduce", "reduce-scatter")})  # fmt: skip
     if hf_dir is not None:
         results["hf"] = hf_round_trip_under_etp(hf_dir)
     return results
@@ -149,6 +151,24 @@ def test_expert_tensor_parallel_matches_single_process(launcher, reference, tmp_
             assert res["is_dtensor"] and res["gate_up_local"] and res["down_local"] and res["full"], (mode, rank, res)
             for key in ("out_err", "gate_up_grad_err", "down_grad_err", "router_grad_err"):
                 assert res[key] < REL, (mode, rank, key, res[key])
+    if world == 2:  # ETP = TP under SP: the reduce-scatter pair equals one process and moves less than all-reduces
+        for rank, res in enumerate(per_rank):
+            modes = {mode: res[f"layer-sp-{mode}"] for mode in ("all-reduce", "reduce-scatter")}
+            for mode, layer in modes.items():
+                errs = {"out": layer["out_err"], "input grad": layer["input_grad_err"], **layer["grad_errs"]}
+                assert {"mlp.gate.weight", "mlp.shared_experts.down_proj.weight", "experts.down_proj"} <= set(errs)
+                assert max(errs.values()) < REL, (mode, rank, errs)
+            old, new = modes["all-reduce"]["ops"], modes["reduce-scatter"]["ops"]
+            # before: every routed row all-reduced in forward (outputs) and backward (input gradients)
+            assert (
+                old["reduce_scatter"].calls == 0
+                and old["all_reduce"].payload_bytes == 2 * modes["all-reduce"]["row_bytes"]
+            )
+            # now: forward, the input all-gathered and the output reduce-scattered; backward, the reverse pair; left
+            # to all-reduce: the routing weights' gradients, one scalar per routed row
+            assert new["reduce_scatter"].calls == 2 and new["all_gather"].calls == 2, (rank, new)
+            assert new["all_reduce"].payload_bytes == modes["reduce-scatter"]["weight_bytes"], (rank, new)
+            assert modes["reduce-scatter"]["wire_bytes"] < modes["all-reduce"]["wire_bytes"] / 2, (rank, modes)
 
 
 def layer_under_etp(replicated: bool) -> dict[str, Any]:
@@ -208,6 +228,74 @@ def layer_under_etp(replicated: bool) -> dict[str, Any]:
         )
         if replicated
         else 0.0,
+    }
+
+
+def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
+    """One MoE layer with a shared expert and the aux loss, ETP 2 = TP 2 under sequence parallelism (world 2, no EP):
+    each rank feeds its half of the sequence and gets its half of the output. ``reduce_scatter``: the partial expert
+    outputs reduce-scattered over the sequence, the input's partial gradients likewise (``etp_sequence_parallel``);
+    else all-reduced per routed row, then sliced. Outputs, input gradients and every parameter gradient against
+    the layer in this process, and what each mode sends over the group (``CommTracker``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.accounting.comm import CommTracker
+    from lightning_flagscale.moe import build_moe
+    from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group
+
+    rank = dist.get_rank()
+    config = shrink("mixtral-tiny", num_shared_experts=1, shared_expert_intermediate_size=24)
+    assert config.moe_aux_loss_coeff > 0
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleDict({"mlp": build_moe(config, 0)})
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(3, 8, config.hidden_size)
+    w = torch.randn(3, 8, config.hidden_size)
+    set_moe_token_group(ref, None)
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = ref.mlp(x_ref)
+    (ref_out * w).sum().backward()
+
+    model = torch.nn.ModuleDict({"mlp": build_moe(config, 0)})
+    model.load_state_dict(ref.state_dict())
+    set_moe_token_group(model, None)
+    apply_ep(model, init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "etp")), etp_tokens_replicated=True,
+             etp_sequence_parallel=reduce_scatter)  # fmt: skip
+    model.mlp.sequence_parallel_group = dist.group.WORLD  # what the TP plan's MoESequenceParallel sets
+    chunk = slice(rank * 4, (rank + 1) * 4)
+    x_local = x[:, chunk].clone().requires_grad_(True)
+    with CommTracker() as comm:
+        out = model.mlp(x_local)
+        (out * w[:, chunk]).sum().backward()
+
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.detach() - want.detach()).norm() / want.norm())
+
+    inter = config.moe_intermediate_size // 2
+    part = slice(rank * inter, (rank + 1) * inter)
+    gg, gu = ref.mlp.experts.gate_up_proj.grad.chunk(2, dim=1)
+    grads = {
+        name: err(p.grad, ref.get_parameter(name).grad)
+        for name, p in model.named_parameters()
+        if not isinstance(p, DTensor)  # router and shared expert: replicated, the full gradient on every rank
+    }
+    grads["experts.gate_up_proj"] = err(model.mlp.experts.gate_up_proj.grad.to_local(),
+                                        torch.cat([gg[:, part], gu[:, part]], dim=1))  # fmt: skip
+    grads["experts.down_proj"] = err(
+        model.mlp.experts.down_proj.grad.to_local(), ref.mlp.experts.down_proj.grad[..., part]
+    )
+    return {
+        "out_err": err(out, ref_out[:, chunk]),
+        "input_grad_err": err(x_local.grad, x_ref.grad[:, chunk]),
+        "grad_errs": grads,
+        "ops": {op: comm.stats(op) for op in ("all_reduce", "all_gather", "reduce_scatter")},
+        "wire_bytes": comm.total_wire_bytes(),
+        "row_bytes": x.numel() * config.num_experts_per_tok * x.element_size(),  # every routed row, H wide
+        "weight_bytes": x.numel() // config.hidden_size * config.num_experts_per_tok * x.element_size(),
     }
 
 

@@ -28,7 +28,11 @@ through its intermediate chunk and the partial outputs are summed over the ETP g
 
 - ETP inside a TP group (``ParallelConfig.etp_tokens_replicated``): MoE blocks run on the whole sequence on every TP
   rank, so the ETP ranks hold the same rows; each runs them through its chunk, the partial outputs are all-reduced
-  and the input gradients all-reduced in backward (Megatron's column/row-parallel pair);
+  and the input gradients all-reduced in backward (Megatron's column/row-parallel pair). Under sequence parallelism
+  with ETP = TP (``ParallelConfig.etp_sequence_parallel``) the partial outputs are not reduced here: the MoE block
+  combines them and reduce-scatters its output over the sequence, and its input's all-gather reduce-scatters the
+  partial gradients in backward (Megatron's sequence-parallel pair, ``MoELayer.forward``), instead of an all-reduce
+  of every routed row, forward and backward, of which each rank keeps its sequence chunk;
 - otherwise the ETP ranks hold different rows: they all-gather them (per local expert), run them through their chunk
   and reduce-scatter the partial outputs back to their owners (Megatron's ETP token dispatcher).
 
@@ -168,9 +172,15 @@ class AllToAllDispatcher:
         etp_group: dist.ProcessGroup | None = None,
         etp_size: int = 1,
         etp_tokens_replicated: bool = False,
+        etp_partial_outputs: bool = False,
     ) -> None:
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
         self.etp_group, self.etp_size, self.etp_tokens_replicated = etp_group, etp_size, etp_tokens_replicated
+        if etp_partial_outputs and not etp_tokens_replicated:
+            raise ValueError("etp_partial_outputs needs etp_tokens_replicated (ETP ranks holding the same rows).")
+        self.partial_group = etp_group if etp_partial_outputs else None
+        """Set: the outputs are this rank's partial sums over the ETP group, which the MoE layer sums (ETP = TP under
+        sequence parallelism: a reduce-scatter over the sequence, ``MoELayer.forward``)."""
         self.replica_bytes = 0
         """Bytes of replica weights all-reduced by this rank in the last forward (hot-expert replication)."""
 
@@ -179,6 +189,8 @@ class AllToAllDispatcher:
         if self.etp_size == 1:
             return layer.run_experts(x, counts, busiest)
         group, k = self.etp_group, self.etp_size
+        if self.partial_group is not None:  # the layer sums the partial outputs, and the input's partial gradients
+            return layer.run_experts(x, counts, busiest)
         if self.etp_tokens_replicated:
             y = layer.run_experts(_CopyToGroup.apply(x, group), counts, busiest)
             return _ReduceFromGroup.apply(y, group)
@@ -307,12 +319,16 @@ def apply_ep(
     *,
     hot_experts: HotExpertReplication | None = None,
     etp_tokens_replicated: bool = False,
+    etp_sequence_parallel: bool = False,
 ) -> nn.Module:
     """Shard the experts of every MoE layer of ``model`` over ``ep_mesh``: 1-D over "ep", or a mesh with "ep" (and
     "etp") dims; an "etp" dim of size k > 1 splits each expert's FFN over k ranks (module docstring).
 
     ``etp_tokens_replicated``: the ETP ranks feed their MoE blocks the same tokens (ETP inside a TP group,
-    ``ParallelConfig.etp_tokens_replicated``), so they split the same rows instead of all-gathering them. Call it
+    ``ParallelConfig.etp_tokens_replicated``), so they split the same rows instead of all-gathering them.
+    ``etp_sequence_parallel``: moreover the ETP group is the whole TP group under sequence parallelism
+    (``ParallelConfig.etp_sequence_parallel``): the expert outputs stay partial sums, which the MoE block
+    reduce-scatters over its sequence instead of all-reducing every routed row (``MoELayer.forward``). Call it
     before ZeRO/FSDP wrapping and after TP (the rest of the block is tensor-parallel); works on meta-device models
     (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
     """
@@ -349,6 +365,7 @@ def apply_ep(
         layer.dispatcher = AllToAllDispatcher(
             ep_dim.get_group(), ep, ep_dim.get_local_rank(), etp_group=None if etp_mesh is None else
             etp_mesh.get_group(), etp_size=etp, etp_tokens_replicated=etp_tokens_replicated,
+            etp_partial_outputs=etp > 1 and etp_sequence_parallel,
         )  # fmt: skip
         if hot_experts is not None:  # else keep what the config asked for (``moe_hot_expert_replicas``)
             layer.hot_expert_config = hot_experts

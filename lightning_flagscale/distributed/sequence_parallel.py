@@ -1,0 +1,132 @@
+"""Sequence-parallel regions as autograd functions on plain tensors (Megatron's ``mappings.py``), for modules that run
+on the whole sequence inside a sequence-parallel model and handle their own layout (the MoE block under SP).
+
+The sequence is dim 1 of ``[B, S, H]`` and splits evenly over the group, rank r holding chunk r:
+
+- :func:`gather_sequence`: all-gather the chunks; backward: this rank's chunk of the gradient, or, with
+  ``partial_grad`` (each rank's gradient is a partial sum, e.g. of expert FFN chunks), a reduce-scatter;
+- :func:`scatter_sequence`: this rank's chunk; with ``partial`` (each rank holds a partial sum) a reduce-scatter;
+  backward: all-gather;
+- :func:`scale_grad` / :func:`scale_forward`: identity one way, a constant factor the other (a term every rank of
+  a reduce-scatter holds alike enters the sum once);
+- :func:`sum_grad`: identity whose backward all-reduces the gradient (Megatron's ``copy_to_..._region``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["gather_sequence", "scale_forward", "scale_grad", "scatter_sequence", "sum_grad"]
+
+_DIM = 1
+
+
+def _chunks(x: Tensor, group: dist.ProcessGroup) -> list[Tensor]:
+    size = dist.get_world_size(group)
+    if x.shape[_DIM] % size:
+        raise ValueError(f"Sequence length {x.shape[_DIM]} does not split evenly over {size} sequence-parallel ranks.")
+    return [c.contiguous() for c in x.chunk(size, dim=_DIM)]
+
+
+def _all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=_DIM)
+
+
+def _reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    chunks = _chunks(x, group)
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+def _local_chunk(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _chunks(x, group)[dist.get_rank(group)]
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, partial_grad: bool) -> Tensor:  # type: ignore[override]
+        ctx.group, ctx.partial_grad = group, partial_grad
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        reduce = _reduce_scatter if ctx.partial_grad else _local_chunk
+        return reduce(grad, ctx.group), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, partial: bool) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter(x, group) if partial else _local_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return _all_gather(grad, ctx.group), None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+class _ScaleForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup, *, partial_grad: bool = False) -> Tensor:
+    """``[B, S/n, H]`` chunks -> ``[B, S, H]`` on every rank; backward: the chunk's gradient (``partial_grad``: the
+    sum of every rank's gradient of it, a reduce-scatter)."""
+    return _GatherSequence.apply(x, group, partial_grad)
+
+
+def scatter_sequence(x: Tensor, group: dist.ProcessGroup, *, partial: bool = False) -> Tensor:
+    """``[B, S, H]`` -> this rank's ``[B, S/n, H]`` chunk (``partial``: of the sum over the group, a reduce-scatter);
+    backward: the gradient all-gathered."""
+    return _ScatterSequence.apply(x, group, partial)
+
+
+def scale_grad(x: Tensor, factor: float) -> Tensor:
+    """``x`` unchanged; its gradient times ``factor``."""
+    return _ScaleGrad.apply(x, factor)
+
+
+def scale_forward(x: Tensor, factor: float) -> Tensor:
+    """``x * factor``; the gradient passes unscaled."""
+    return _ScaleForward.apply(x, factor)
+
+
+def sum_grad(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``x`` unchanged; its gradient summed over ``group``."""
+    return _SumGrad.apply(x, group)
