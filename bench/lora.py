@@ -1,4 +1,4 @@
-"""LoRA against full fine-tuning on CPU: step time and the state bytes each holds (issue 40 item 6).
+"""LoRA against full fine-tuning on CPU: step time, the state bytes each holds and peak memory (issue 40 item 6).
 
     python bench/lora.py [--rounds 5] [--steps 3] [--ranks 8 16 64] [--out bench/results/lora.md] [--smoke]
 
@@ -13,6 +13,17 @@ with ``profile_memory=True``; the running sum of its allocation events (frees ne
 bytes allocated above the step's start (activations, gradients, Adam's temporaries); added to the state held at the
 start (parameters and Adam states, no gradients) it gives the step's peak. The machine is shared: the load average
 (``uptime``) is recorded before and after.
+
+Then per rank under DDP and ZeRO-3 (FSDP2) on 2 gloo processes (``FlagScaleStrategy``, fp32, AdamW, the global batch
+split over the ranks; a fresh world, every variant and layout one ``Trainer.fit`` after the other): step 0 allocates
+Adam's states, steps 1 and 2 are measured. Per rank and step: the state held at the step's start
+(``state_bytes``) plus the peak of the bytes allocated above it during the step (forward, backward, gradient
+reduction, optimizer step) from ``tune.measure.AllocationPeak`` (the allocator's events on the training thread);
+the lesser of the two steps is kept (a free on one of gloo's threads is unseen until its address is reused, so a
+reading can only be high). DDP's persistent fp32 gradient buckets, held across steps but pointed to by no ``.grad``
+at the step's start, are added to that start. Beside it: the state bytes at the optimizer step (measured, and
+``expected_state_bytes``' formula, the frozen base as parameters only) and the tuner's predicted peak
+(``tune.memory_model.memory_breakdown(..., backend="gloo", lora=...)``).
 """
 
 from __future__ import annotations
@@ -96,6 +107,157 @@ class Variant:
         return start, peak
 
 
+# The 2-process layouts of the peak-memory table (ZeRO-3 on FSDP2: the engine whose state bytes the formula prices
+# exactly; flat ZeRO-3 adds its row padding, see docs/lora.md)
+WORLD = 2
+DIST_LAYOUTS = {"DDP": dict(zero_stage=0), "ZeRO-3": dict(zero_stage=3, zero3_impl="fsdp2")}
+MEASURED_STEPS = (1, 2)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Random token rows of ``seq + 1`` tokens (inputs and next-token labels)."""
+
+    def __init__(self, vocab: int, n: int, seq: int) -> None:
+        self.tokens = torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+def _persistent_grad_bytes(trainer, pl_module) -> int:
+    """Bytes of the gradient buckets DDP and ZeRO-1 keep allocated across steps (``grad_buckets.py``: one persistent
+    fp32 buffer per bucket) that no ``.grad`` points into at the step's start: held, but neither in ``state_bytes``
+    then nor allocated during the step."""
+    if not getattr(trainer.strategy, "_dist_optimizers", None):
+        return 0  # FSDP2 (ZeRO-3): gradients are allocated in the step
+    seen = {p.grad.untyped_storage().data_ptr() for p in pl_module.parameters() if p.grad is not None}
+    dopts = trainer.strategy._dist_optimizers.values()
+    buffers = {b.buffer.untyped_storage().data_ptr(): b.buffer.untyped_storage().nbytes()
+               for d in dopts for b in d.buckets if b.persistent and b.buffer is not None}  # fmt: skip
+    return sum(n for ptr, n in buffers.items() if ptr not in seen)
+
+
+def _dist_variant(layout: dict, config: TransformerConfig, lora: LoRAConfig | None, rank_batch: int, seq: int) -> dict:
+    """One ``Trainer.fit`` on this rank: state bytes at the optimizer step and the peak of each measured step."""
+    import lightning as L
+
+    from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
+    from lightning_flagscale.tune.measure import AllocationPeak
+
+    out: dict = {"peaks": []}
+
+    class Measure(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.peak = None
+            if trainer.global_step in MEASURED_STEPS:
+                opts = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+                self.start = state_bytes(pl_module, opts).total + _persistent_grad_bytes(trainer, pl_module)
+                self.peak = AllocationPeak().__enter__()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == MEASURED_STEPS[0]:
+                out["state"] = state_bytes(pl_module, [getattr(optimizer, "optimizer", optimizer)]).total
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.peak is not None:
+                self.peak.__exit__(None, None, None)
+                out["peaks"].append(self.start + self.peak.peak_bytes)
+
+    torch.manual_seed(0)
+    module = CausalLMModule(config, lora=lora, optimizer="adamw", learning_rate=1e-4, warmup_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=FlagScaleStrategy(**layout), plugins=[FlagScalePrecision("32-true")],
+        max_steps=max(MEASURED_STEPS) + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Measure()],
+    )  # fmt: skip
+    data = _Tokens(config.vocab_size, WORLD * rank_batch * (max(MEASURED_STEPS) + 1), seq)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=rank_batch))
+    named = {id(p): (n, p) for n, p in module.model.named_parameters()}.values()
+    numel = {n: (p.shape.numel() if hasattr(p, "full_tensor") else p.numel(), p.requires_grad) for n, p in named}
+    out["trained"] = sum(v for v, trains in numel.values() if trains)
+    out["frozen"] = sum(v for v, trains in numel.values() if not trains)
+    return out
+
+
+def _dist_rank(rank: int, port: int, config: TransformerConfig, loras: dict, rank_batch: int, seq: int, queue) -> None:
+    """One rank of the 2-process world: every layout x variant, gathered to rank 0, which puts them on ``queue``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {(layout, name): _dist_variant(kwargs, config, lora, rank_batch, seq)
+               for layout, kwargs in DIST_LAYOUTS.items() for name, lora in loras.items()}  # fmt: skip
+    gathered: list = [None] * WORLD
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        queue.put(gathered)
+    dist.destroy_process_group()
+
+
+def run_distributed(config: TransformerConfig, loras: dict, batch_size: int, seq: int) -> list[str]:
+    """The peak-memory table per rank under DDP and ZeRO-3 on 2 processes (module docstring)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _procs import collect, context, free_port, stop
+
+    from lightning_flagscale.config import ParallelConfig
+    from lightning_flagscale.tune.memory_model import memory_breakdown
+
+    rank_batch = max(1, batch_size // WORLD)
+    ctx, queue, port = context(), None, free_port()
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_dist_rank, args=(r, port, config, loras, rank_batch, seq, queue)) for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        (gathered,) = collect(procs, queue, 1, name="lora peak memory")
+    finally:
+        stop(procs)
+    lines = [
+        "",
+        f"## Peak memory per rank: DDP and ZeRO-3 (FSDP2), {WORLD} processes",
+        "",
+        f"Batch {rank_batch} x {seq} tokens per rank (global {WORLD * rank_batch}), fp32, AdamW; each rank's peak: the "
+        f"state at the step's start plus the most bytes allocated above it during the step, the lesser of steps "
+        f"{MEASURED_STEPS[0]} and {MEASURED_STEPS[1]}; the tuner's prediction is `memory_breakdown(..., "
+        "backend='gloo', lora=...)` for the same layout.",
+        "",
+        "| layout | variant | trained params | state bytes at the step, rank 0 (measured) | formula | peak rank 0 | "
+        "peak rank 1 | peak vs full | tune's predicted peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for layout, kwargs in DIST_LAYOUTS.items():
+        c = ParallelConfig(**kwargs, micro_batch_size=rank_batch).resolve(WORLD)
+        full_peak = None
+        for name, lora in loras.items():
+            per_rank = [g[layout, name] for g in gathered]
+            peaks = [min(r["peaks"]) for r in per_rank]
+            full_peak = full_peak or max(peaks)
+            trained, frozen = per_rank[0]["trained"], per_rank[0]["frozen"]
+            formula = expected_state_bytes(trained, WORLD, kwargs["zero_stage"], "32-true",
+                                           frozen_params=frozen if lora is not None else 0).total  # fmt: skip
+            predicted = memory_breakdown(config, c, seq, 1, precision="32-true", backend="gloo", lora=lora).peak
+            lines.append(
+                f"| {layout} | {name} | {trained:,} | {per_rank[0]['state']:,.0f} | {formula:,.0f} | {peaks[0]:,.0f} | "
+                f"{peaks[1]:,.0f} | {max(peaks) / full_peak:.2f}x | {predicted:,.0f} |"
+            )
+    lines += [
+        "",
+        "State bytes at the step: parameters + gradients + master copies + Adam states on rank 0 (+ Adam's 4-byte step "
+        "counter per trained tensor, which the formula leaves out); ZeRO-3 shards all of them, LoRA's frozen base as "
+        "parameters only. Peak vs full: the larger rank's peak over full fine-tuning's in the same layout.",
+    ]
+    return lines
+
+
 def _load() -> str:
     return "load average {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
@@ -151,6 +313,10 @@ def run(args: argparse.Namespace) -> str:
         "frees activations as gradients appear). Peak: that plus the state held at the start (parameters and Adam "
         "states, no gradients); the same batch for every variant.",
     ]
+    loras = {"full": None} | {
+        f"LoRA r={r}": LoRAConfig(rank=r, alpha=2.0 * r, target_modules=TARGETS) for r in args.ranks
+    }
+    lines += run_distributed(config, loras, batch_size, seq)
     return "\n".join(lines) + "\n"
 
 

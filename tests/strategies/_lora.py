@@ -222,7 +222,44 @@ def vlm_lora_run(strategy_kwargs: dict[str, Any], lora: LoRAConfig, dp: int, ckp
     return out
 
 
-def lora_trainer_runs(runs: list[tuple[tuple, dict[str, Any]]]) -> list[tuple[list[float], dict, dict[str, Any]]]:
+def lora_trainer_runs(runs: list[tuple[tuple, dict[str, Any]]], snapshot_dir: str | None = None) -> list[Any]:
     """Several :func:`lora_trainer_run` calls ``(args, kwargs)`` in one launch, one after the other (a layout's plain
-    LoRA and DoRA runs share the launch's round trip)."""
-    return [lora_trainer_run(*args, **kwargs) for args, kwargs in runs]
+    LoRA and DoRA runs share the launch's round trip); with ``snapshot_dir``, then :func:`lora_snapshot_resume` of the
+    first run's layout and LoRA config."""
+    results: list[Any] = [lora_trainer_run(*args, **kwargs) for args, kwargs in runs]
+    if snapshot_dir is not None:
+        layout, config, lora = runs[0][0][:3]
+        results.append(lora_snapshot_resume(layout, config, lora, snapshot_dir))
+    return results
+
+
+SNAPSHOT_STEPS, SNAPSHOT_AT, SNAPSHOT_SAMPLES = 4, 2, 8  # 2 steps an epoch: the snapshot lies on an epoch boundary
+
+
+def lora_snapshot_resume(layout: dict[str, Any], config: TransformerConfig, lora: LoRAConfig, folder: str) -> dict:
+    """In-memory snapshots of a LoRA run (``MemoryCheckpoint``): 4 steps uninterrupted, snapshots at steps 2 and 4
+    left behind as a crash would; the step-4 one deleted, a fresh Trainer resumes from the step-2 one
+    (``ckpt_path="last"``). Returns both runs and the snapshot's tensor keys (rank 0)."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lightning_flagscale.callbacks import MemoryCheckpoint
+    from lightning_flagscale.checkpoint.in_memory import snapshot_path
+    from lightning_flagscale.checkpoint.sharded import checkpoint_keys
+
+    class KeepSnapshots(MemoryCheckpoint):
+        def on_fit_end(self, trainer, pl_module):  # a successful fit removes its snapshots; a crash leaves them
+            self.wait()
+
+    root, kw = Path(folder), dict(num_samples=SNAPSHOT_SAMPLES, module_kwargs={"optimizer": "adamw"})
+    full = lora_trainer_run(layout, config, lora, SNAPSHOT_STEPS, callbacks=[KeepSnapshots(SNAPSHOT_AT, root)], **kw)
+    keys = None
+    if dist.get_rank() == 0:
+        keys = sorted(checkpoint_keys(str(snapshot_path(root, SNAPSHOT_AT))))
+        shutil.rmtree(snapshot_path(root, SNAPSHOT_STEPS))
+    dist.barrier()
+    memory = MemoryCheckpoint(SNAPSHOT_AT, root)
+    resumed = lora_trainer_run(layout, config, lora, SNAPSHOT_STEPS, ckpt_path="last", callbacks=[memory], **kw)
+    return {"full": full, "resumed": resumed, "keys": keys}

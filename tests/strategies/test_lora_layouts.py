@@ -12,6 +12,7 @@ from tests._launcher import WorkerError
 from tests.moe._trainer import shrink
 from tests.strategies._lm import GLOBAL_BATCH, assert_rel_close, tiny_config
 from tests.strategies._lora import (
+    SNAPSHOT_AT,
     lora_config,
     lora_module,
     lora_reference_run,
@@ -67,21 +68,41 @@ def dora_reference():
     return reference
 
 
-def _with_dora(launcher, layout, lora, **kwargs):
+def _with_dora(launcher, layout, lora, snapshot_dir=None, **kwargs):
     """One launch: the layout's run with ``lora`` (``kwargs`` its extras), then the same layout with DoRA (item 1:
     DDP, ZeRO-1/2/3 flat and FSDP2, PP and CP; a magnitude per output row, replicated and reduced like any
-    parameter, its row norm over the whole row, which ZeRO-3 gathers for the forward). Both runs' results by rank."""
+    parameter, its row norm over the whole row, which ZeRO-3 gathers for the forward). Both runs' results by rank
+    (and, with ``snapshot_dir``, :func:`lora_snapshot_resume`'s)."""
     args = (LAYOUTS[layout], tiny_config())
     runs = [((*args, lora, STEPS), kwargs), ((*args, lora_config(use_dora=True), STEPS), {})]
-    both = launcher(2, lora_trainer_runs, runs)
-    return [r[0] for r in both], [r[1] for r in both]
+    both = launcher(2, lora_trainer_runs, runs, snapshot_dir)
+    return [r[0] for r in both], [r[1] for r in both], [r[2] if snapshot_dir else None for r in both]
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in EXPORTED])
-def test_lora_layout_matches_single_process(launcher, reference, dora_reference, layout):
-    results, dora = _with_dora(launcher, layout, lora_config())
+def test_lora_layout_matches_single_process(launcher, reference, dora_reference, layout, tmp_path):
+    snapshot_dir = str(tmp_path / "snapshots") if layout == "zero1" else None
+    results, dora, snapshots = _with_dora(launcher, layout, lora_config(), snapshot_dir)
     _assert_matches(results, reference, layout)
     _assert_matches(dora, dora_reference, f"dora {layout}")
+    if snapshot_dir is not None:
+        _assert_snapshot_resumes_bit_exact(snapshots)
+
+
+def _assert_snapshot_resumes_bit_exact(snapshots):
+    """Item 5 (in ZeRO-1's launch): an in-memory snapshot of a LoRA run (AdamW; ZeRO-1's flat slices saved as they
+    lie) holds the adapters and their Adam moments, not the frozen base; a fresh Trainer resumed from it continues
+    as the uninterrupted run to the last bit, base included."""
+    keys = snapshots[0]["keys"]
+    weights = [k.removeprefix("state_dict.model.") for k in keys if k.startswith("state_dict.")]
+    assert weights and all(is_adapter_name(k) for k in weights), [k for k in weights if not is_adapter_name(k)]
+    assert any(k.endswith(".exp_avg_sq") for k in keys), keys
+    for rank, run in enumerate(snapshots):
+        (full_losses, full_params, _), (losses, params, _) = run["full"], run["resumed"]
+        assert losses == full_losses[SNAPSHOT_AT:], (rank, losses, full_losses)
+        assert set(params) == set(full_params)
+        for name, value in params.items():
+            assert torch.equal(value, full_params[name]), f"rank {rank}: {name} differs after the snapshot resume"
 
 
 def test_lora_on_hetero_meshes_matches_single_process(launcher, reference, dora_reference):
@@ -271,7 +292,7 @@ def test_peft_adapter_and_merged_export_from_layout(launcher, reference, dora_re
         reference = dora_reference
         results = launcher(2, lora_trainer_run, LAYOUTS[layout], tiny_config(), lora, STEPS, export_dir=str(tmp_path))
     else:  # and DoRA on this layout in the same launch
-        results, dora = _with_dora(launcher, layout, lora, export_dir=str(tmp_path))
+        results, dora, _ = _with_dora(launcher, layout, lora, export_dir=str(tmp_path))
         _assert_matches(dora, dora_reference, f"dora {layout}")
     _, ref_after, _ = reference
     _assert_matches(results, reference, layout)
