@@ -1,7 +1,8 @@
 """DualPipeV with ``overlap_moe_expert_parallel_comm``: each paired forward and backward run at once (the forward on a
 helper thread), each model chunk's MoE layers on their own process groups, and training stays the single-process
-fp32 SGD run (ragged labels, 3 steps; weights, updates, router biases and the logged MTP loss) under EP 2 x PP 2 x
-ZeRO-1 with DeepSeek-V3's MLA, MTP and routing (issue 42 item 3). The exposed all-to-all it saves is measured in
+fp32 SGD run (ragged labels, 3 steps; weights, updates, router biases and the logged MTP loss on every rank) under
+EP 2 x PP 2 x ZeRO-1 with DeepSeek-V3's MLA, two chained MTP modules (weight switch at step 2) and routing (issue 42
+item 3; the DualPipeV case of issue 39's MTP layouts, ``test_mtp_loop.py``). The exposed all-to-all it saves is measured in
 ``bench/dualpipe_overlap.py``.
 """
 
@@ -15,7 +16,7 @@ import pytest
 from lightning_flagscale.config import ParallelConfig
 from tests.moe import _trainer
 from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run
-from tests.strategies.test_mtp_loop import STEPS, _with_last_stage_copy, mtp_config
+from tests.strategies.test_mtp_loop import STEPS, _assert_logged_mtp_loss, _with_last_stage_copy, mtp_config
 
 BATCH = 8  # global batch
 OVERLAP = dict(
@@ -69,6 +70,11 @@ def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
     monkeypatch.setattr(_trainer, "GLOBAL_BATCH", BATCH)
     ref = sgd_reference(config, STEPS, micro_batches=4)
     assert_sgd_parity(results, _with_last_stage_copy(ref), "dualpipev ep2 x pp2 x zero1, overlapped", pipeline=True)
+    # the V puts the first and the last stage (the embedding, and the head with the MTP modules and their embedding
+    # copy) on pipeline rank 0, whose two copies sum their gradients locally; two chained MTP modules go through the
+    # split (input / weight) backward of DualPipeV's zero-bubble phases; the MTP weight switches at step 2
+    assert "mtp.embed_tokens.weight" in results[0]["params"] and "embed_tokens.weight" in results[0]["params"]
+    _assert_logged_mtp_loss(results, ref, "deepseek-v3 mtp dualpipev ep2 x pp2, overlapped")
     for rank, res in enumerate(results):
         # the paired forwards really ran on the helper thread (DualPipeV's steady state has some on every rank)
         assert res["threads"] and set(res["threads"]) == {"flagscale-overlap-forward"}, (rank, res["threads"])

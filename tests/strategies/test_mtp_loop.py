@@ -1,9 +1,10 @@
 """DeepSeek-V3 multi-token prediction inside Trainer.fit matches the single-process fp32 SGD run (ragged labels,
 3 steps, weights, updates, router biases, the MTP weight switching at step 2, and the logged mtp_loss on every rank,
-rank 0's logger included) under ZeRO-3 on FSDP2, EP 2 x PP 2, DualPipeV and a two-mesh hetero layout (TP 2 -> DP 2). Under pipelines the MTP modules run on the last stage with a synchronised copy
-of the first stage's embedding: on another rank (EP 2 x PP 2), on the same rank (DualPipeV's V puts the last stage on rank 0) or on
-another mesh (hetero). TP 2 (+SP), flat ZeRO-3 and CP 2 (ring, Ulysses) with MTP: ``test_deepseek_v3_loop.py``
-(issue 39 items 2 and 5).
+rank 0's logger included) under ZeRO-3 on FSDP2, EP 2 x PP 2 and a two-mesh hetero layout (TP 2 -> DP 2); DualPipeV
+(with EP 2 and overlapped pairs) in ``test_dualpipe_overlap.py``. Under pipelines the MTP modules run on the last stage
+with a synchronised copy of the first stage's embedding: on another rank (EP 2 x PP 2), on the same rank (DualPipeV's
+V puts the last stage on rank 0) or on another mesh (hetero). TP 2 (+SP), flat ZeRO-3 and CP 2 (ring, Ulysses) with
+MTP: ``test_deepseek_v3_loop.py`` (issue 39 items 2 and 5).
 """
 
 from __future__ import annotations
@@ -90,18 +91,8 @@ def test_mtp_under_hetero_meshes(launcher, mtp_ref):
     _assert_logged_mtp_loss(results, mtp_ref, "deepseek-v3 mtp hetero tp2 -> dp2 (last mesh dp 2)")
 
 
-def test_mtp_under_dualpipev(launcher):
-    # DeepSeek-V3's own schedule: the V puts the first and the last stage (embedding, and head with the MTP modules)
-    # on rank 0, whose two embedding copies sum their gradients locally; two chained modules through the split
-    # (input / weight) backward. Four micro-batches of one row: the oracle runs the same micro-batches (routing
-    # statistics are per micro-batch).
-    config = mtp_config(num_layers=4)
-    kwargs = dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", micro_batch_size=1)
-    results = launcher(2, sgd_trainer_run, kwargs, config, STEPS)
-    assert "mtp.embed_tokens.weight" in results[0]["params"] and "embed_tokens.weight" in results[0]["params"]
-    ref = sgd_reference(config, STEPS, micro_batches=4)
-    assert_sgd_parity(results, _with_last_stage_copy(ref), "deepseek-v3 mtp dualpipev", pipeline=True)
-    _assert_logged_mtp_loss(results, ref, "deepseek-v3 mtp dualpipev (4 micro-batches)")
+# DualPipeV (DeepSeek-V3's own schedule) with MTP runs with expert parallelism and overlapped pairs, 4 ranks:
+# tests/strategies/test_dualpipe_overlap.py
 
 
 def test_split_backward_of_chained_mtp_modules_equals_one_backward():
