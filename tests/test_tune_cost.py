@@ -11,8 +11,9 @@ from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.parallel.data_parallel.grad_buckets import bucket_runs
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
 from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
-from lightning_flagscale.tune.cost import _bucket_sizes, _rank_params, _rank_pass
+from lightning_flagscale.tune.cost import _bucket_sizes, _overlap_saving, _rank_params, _rank_pass
 from lightning_flagscale.tune.hardware import COLLECTIVES
+from lightning_flagscale.tune.inflight import overlapped_pairs
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 _TINY = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
@@ -606,7 +607,7 @@ def test_deepseek_v3_step_on_ideal_hardware_is_its_model_flops():
     of DeepSeek-V3 671B with its MTP module (EP 64 over DP 2048) is its model FLOPs: attention at the causal half
     with a 2.5x backward, every matmul weight but the norms' (in ``flops_per_token``'s N, in no GEMM)."""
     hw = _profile(hbm=float("inf"))
-    model = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=1)
+    model = TransformerConfig.from_preset("deepseek-v3")
     c = ParallelConfig(expert_parallel_size=64, zero_stage=1).resolve(2048)
     seq, batch = 4096, 2048
     cost = estimate_step(model, c, seq, batch, hw)
@@ -617,6 +618,46 @@ def test_deepseek_v3_step_on_ideal_hardware_is_its_model_flops():
     gemms = flops_per_token(model, seq) - attention - 6 * norms
     want = (gemms + attention / 2 * 3.5 / 3) * batch * seq / (c.world_size * hw.peak_flops)
     assert cost.step_seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_an_overlapped_pair_hides_each_all_to_all_under_the_other_chunks_compute():
+    # By hand: a forward chunk of 3 s (1 s of it all-to-all) beside a backward chunk of 5 s (2 s): each all-to-all
+    # fits under the other chunk's compute (1 <= 5 - 2, 2 <= 3 - 1): all 3 s hidden.
+    assert _overlap_saving(3.0, 5.0, 1.0, 2.0) == 3.0
+    # Communication-bound chunks: f = 2 (1.5 all-to-all, 0.5 compute), b = 3 (2.5, 0.5): exposed
+    # (1.5 - 0.5) + (2.5 - 0.5) = 3 of the 4 s; 1 s hidden, one compute's worth per direction.
+    assert _overlap_saving(2.0, 3.0, 1.5, 2.5) == 1.0
+    assert _overlap_saving(2.0, 3.0, 0.0, 0.0) == 0.0  # nothing to hide
+    # DualPipeV's steady state fuses 2m - 3p + 1 + min(r, p - 2) pairs on rank r (torch's OVERLAP_F_B actions)
+    assert overlapped_pairs("dualpipev", 2, 4) == (3, 3) and overlapped_pairs("dualpipev", 4, 8) == (5, 6, 7, 7)
+    assert overlapped_pairs("zbv", 2, 4) == (0, 0)
+
+
+def test_dualpipev_overlap_hides_the_expert_all_to_alls_of_its_pairs():
+    # Mixtral 8x7B (4 layers) on PP 2 x EP 4, DualPipeV, 8 micro-batches: with the overlap on, the heaviest rank's
+    # busy time and exposed EP time drop by (its pairs) x (one pair's hidden seconds), and the bubble's F&B terms
+    # by one pair's hidden seconds of each other rank; everything else is unchanged.
+    model = TransformerConfig.from_preset("mixtral-8x7b", num_layers=4)
+    hw = _profile(bandwidth=2e10, latency=1e-5)
+    kw = dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", expert_parallel_size=4, zero_stage=1)
+    plain, overlap = (ParallelConfig(**kw, overlap_moe_expert_parallel_comm=o).resolve(8) for o in (False, True))
+    seq, batch = 4096, 16  # dp 4: 4 micro-batches of one sequence per replica
+    one = _rank_pass(model, plain, seq, hw)
+    assert one.ep[0] > 0 and one.ep[1] > 0 and one.comm["ep"] == pytest.approx(sum(one.ep))
+    (f, b), (ep_f, ep_b) = (one.f / 2, one.b / 2), (one.ep[0] / 2, one.ep[1] / 2)  # per chunk
+    per_pair = _overlap_saving(f, b, ep_f, ep_b)
+    assert 0 < per_pair <= ep_f + ep_b
+    pairs = overlapped_pairs("dualpipev", 2, 4)[one.rank]
+    (of, ob, ow), (oep_f, oep_b) = (x / 2 for x in one.others[0]), (x / 2 for x in one.others_ep[0])
+    bubble_cut = min(of + 2 * ob - 3 * ow, _overlap_saving(of, ob, oep_f, oep_b))
+    a, o = estimate_step(model, plain, seq, batch, hw), estimate_step(model, overlap, seq, batch, hw)
+    assert a.comm["ep"] - o.comm["ep"] == pytest.approx(pairs * per_pair, rel=1e-12)
+    assert a.bubble_seconds - o.bubble_seconds == pytest.approx(bubble_cut, rel=1e-12)
+    assert a.step_seconds - o.step_seconds == pytest.approx(pairs * per_pair + bubble_cut, rel=1e-9)
+    assert {k: v for k, v in a.comm.items() if k != "ep"} == {k: v for k, v in o.comm.items() if k != "ep"}
+    # ranks sharing a few cores (CPU processes): gloo's copies compete with the compute, nothing is hidden
+    shared = hw.replace(compute_units_per_node=2, devices_per_node=8)
+    assert estimate_step(model, plain, seq, batch, shared) == estimate_step(model, overlap, seq, batch, shared)
 
 
 def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_collectives():
@@ -634,3 +675,16 @@ def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_coll
     assert b.comm["ep"] > a.comm["ep"]
     (dense_a, expert_a), (dense_b, expert_b) = _rank_params(model, plain)[0], _rank_params(model, etp)[0]
     assert dense_a == dense_b and expert_a == expert_b  # before the division by the expert shards
+    # Under SP (ETP = TP) the partial outputs are reduce-scattered over the sequence and the input's partial gradients
+    # likewise: the block's SP pair, which "tp" counts for every block; ETP adds only the routing weights' gradient
+    # all-reduce (one fp32 per routed row, in backward) instead of every routed row all-reduced both ways.
+    sp = dict(tensor_parallel_size=2, expert_parallel_size=4, sequence_parallel=True, zero_stage=1)
+    sp_plain, sp_etp = (ParallelConfig(**sp, expert_tensor_parallel_size=e).resolve(8) for e in (1, 2))
+    assert sp_etp.etp_sequence_parallel and not etp.etp_sequence_parallel
+    c, d = estimate_step(model, sp_plain, 4096, 16, hw), estimate_step(model, sp_etp, 4096, 16, hw)
+    assert c.comm["tp"] == d.comm["tp"]
+    routed_weights = 4096 * model.num_experts_per_tok * 4  # bytes of one micro-batch's routing weights
+    per_pass = hw.collective_seconds("all_reduce", routed_weights, 2, inter_node=False)
+    micro_batches = 16 // (etp.dp * etp.micro_batch_size)
+    assert d.comm["ep"] - c.comm["ep"] == pytest.approx(model.num_layers * micro_batches * per_pass, rel=1e-9)
+    assert d.comm["ep"] - c.comm["ep"] < (b.comm["ep"] - a.comm["ep"]) / 50  # latency-bound: 1/67 here

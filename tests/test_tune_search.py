@@ -769,7 +769,7 @@ def test_the_published_deepseek_v3_layout_is_in_the_search_space():
     CP as ``max_tensor_parallel`` bounds TP."""
     from lightning_flagscale.tune.search import describe_layout
 
-    model = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=1)
+    model = TransformerConfig.from_preset("deepseek-v3")
     space = SearchSpace(schedules=("dualpipev",), zero_stages=(1,), sequence_parallel=(False,), micro_batch_sizes=(1,),
                         recompute=("full",), max_tensor_parallel=1, max_context_parallel=1)  # fmt: skip
     layouts, _ = enumerate_layouts(model, 2048, seq_len=4096, global_batch=15360, space=space)

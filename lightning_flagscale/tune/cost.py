@@ -30,7 +30,10 @@ weight-gradient part ``w`` of each of the other ``p - 1`` ranks the heaviest one
 and drains (``v`` chunks; the DualPipe README's bubble table,
 https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
 for an even split gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
-``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. Data parallelism reduces fp32 gradients over
+``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. DualPipeV with ``overlap_moe_expert_parallel_comm`` runs
+each fused forward-backward pair of its steady state (torch's ``OVERLAP_F_B``) at once: each chunk's expert
+all-to-alls hide under the other's compute (``_overlap_saving``), off the heaviest rank's busy time and the bubble's
+F&B terms (not on shared cores). Data parallelism reduces fp32 gradients over
 data x context ranks (``parallel/data_parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
@@ -58,7 +61,7 @@ from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
-from lightning_flagscale.tune.inflight import schedule_actions
+from lightning_flagscale.tune.inflight import overlapped_pairs, schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
 from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params
 
@@ -120,6 +123,13 @@ class _Pass:
     all-reduce over the data x context-parallel ranks), forward and backward together."""
     stages: tuple[tuple[float, float, float], ...] = ()
     """``(f, b, w)`` of every pipeline stage (chunk), by stage index."""
+    ep: tuple[float, float] = (0.0, 0.0)
+    """Expert-parallel communication inside ``f`` and inside ``b`` (all-to-alls, their counts' all-gather, ETP's
+    collectives): what DualPipeV's overlapped forward-backward pairs can hide (``_overlap_saving``)."""
+    others_ep: tuple[tuple[float, float], ...] = ()
+    """``ep`` of every other pipeline rank, in the order of ``others``."""
+    rank: int = 0
+    """The heaviest pipeline rank's index."""
 
 
 # Every link costs 1 s a call and nothing a byte: communication seconds priced on it are numbers of calls.
@@ -282,7 +292,13 @@ def _block_comm(
     if moe and etp > 1:  # reported with the expert all-to-alls (kind ``ep``)
         rows = t * model.num_experts_per_tok * h * BF16 / tp  # this rank's routed rows after the dispatch
         inter = _inter(etp, 1, hw)
-        if c.etp_tokens_replicated:  # partial outputs all-reduced; in backward the input gradients
+        if c.etp_sequence_parallel:
+            # ETP = TP under SP: the partial outputs are reduce-scattered over the block's sequence, the input's
+            # partial gradients likewise (MoELayer.forward): the block's sequence-parallel pair, counted under "tp"
+            # above. Left: the routing weights' gradients (fp32, one per routed row) all-reduced in backward.
+            weights = t * model.num_experts_per_tok * 4
+            bwd["ep"] = bwd.get("ep", 0.0) + hw.collective_seconds("all_reduce", weights, etp, inter_node=inter)
+        elif c.etp_tokens_replicated:  # partial outputs all-reduced; in backward the input gradients
             one = hw.collective_seconds("all_reduce", rows, etp, inter_node=inter)
             fwd["ep"], bwd["ep"] = fwd.get("ep", 0.0) + one, bwd.get("ep", 0.0) + one
         else:  # rows all-gathered, partial outputs reduce-scattered; the reverse pair in backward
@@ -320,7 +336,9 @@ def _block_pass(
         b += mem + _every_other_gemm(model, c, seq_len, hw, moe)
     fwd_calls, bwd_calls = _block_comm(model, c, seq_len, _CALL_COUNTER, moe, (0.0, 0.0))
     comm = _fold_stats(_both(fwd_comm, bwd_comm, recompute))
-    return _Pass(f, b, w, comm, calls=_both(fwd_calls, bwd_calls, recompute))
+    ep_f = fwd_comm.get("ep", 0.0)
+    ep = (ep_f, bwd_comm.get("ep", 0.0) + (ep_f if recompute == "full" else 0.0))
+    return _Pass(f, b, w, comm, calls=_both(fwd_calls, bwd_calls, recompute), ep=ep)
 
 
 def _both(fwd: dict[str, float], bwd: dict[str, float], recompute: str) -> dict[str, float]:
@@ -382,7 +400,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     ranks: list[_Pass] = []
     per_stage: dict[int, tuple[float, float, float]] = {}
     for stages in _rank_stages(c):
-        f = b = w = 0.0
+        f = b = w = ep_f = ep_b = 0.0
         comm: dict[str, float] = {}
         calls: dict[str, float] = {}
         for s in stages:
@@ -396,6 +414,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                     cache[key] = _block_pass(model, c, seq_len, hw, *key)
                 one = cache[key]
                 f, b, w = f + n * one.f, b + n * one.b, w + n * one.w
+                ep_f, ep_b = ep_f + n * one.ep[0], ep_b + n * one.ep[1]
                 _add(comm, one.comm, n)
                 _add(calls, one.calls, n)
             ends = (s == 0, s == c.num_stages - 1)
@@ -420,6 +439,7 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                     gemm_f = eh + head
                     gemm_d, gemm_w = hw.backward_gemm_seconds(gemm_f)
                     f, b, w = f + one.f + gemm_f + host_f, b + one.b + gemm_d + gemm_w + host_b, w + one.w + gemm_w
+                    ep_f, ep_b = ep_f + one.ep[0], ep_b + one.ep[1]
                     _add(comm, one.comm)
                     _add(calls, one.calls)
                     if c.tensor_parallel_size > 1:  # the head's collectives again (its input, the vocab-parallel loss)
@@ -433,13 +453,16 @@ def _rank_pass(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
                 h = hw.pipeline_action_overhead
                 f, b, w = f + h, b + (2 * h if split else h), w + (h if split else 0.0)
             per_stage[s] = (f - before[0], b - before[1], w - before[2])
-        ranks.append(_Pass(f, b, w, comm, calls=calls))
+        ranks.append(_Pass(f, b, w, comm, calls=calls, ep=(ep_f, ep_b)))
     heaviest = max(range(len(ranks)), key=lambda r: ranks[r].f + ranks[r].b)
     best = ranks[heaviest]
     others = tuple((r.f, r.b, r.w) for i, r in enumerate(ranks) if i != heaviest)
+    others_ep = tuple(r.ep for i, r in enumerate(ranks) if i != heaviest)
     mean_fb = sum(r.f + r.b for r in ranks) / len(ranks)
     stage_times = tuple(per_stage[i] for i in range(len(per_stage)))
-    return _Pass(best.f, best.b, best.w, best.comm, mean_fb, others, best.calls, stage_times)
+    return _Pass(
+        best.f, best.b, best.w, best.comm, mean_fb, others, best.calls, stage_times, best.ep, others_ep, heaviest
+    )
 
 
 def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
@@ -447,7 +470,7 @@ def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) ->
         total[k] = total.get(k, 0.0) + times * v
 
 
-def _bubble(c: ParallelConfig, one: _Pass) -> float:
+def _bubble(c: ParallelConfig, one: _Pass, overlap: bool = False) -> float:
     """Idle time of one schedule run on the heaviest rank (see the module docstring): the fill and drain run through
     the *other* ranks' chunks, so each of the ``p - 1`` bubble slots costs that rank's time, not the heaviest's
     (equal for an even split; an uneven split's light stages fill faster)."""
@@ -455,19 +478,31 @@ def _bubble(c: ParallelConfig, one: _Pass) -> float:
     if p == 1:
         return 0.0
     others = one.others or ((one.f, one.b, one.w),) * (p - 1)
+    others_ep = one.others_ep or (one.ep,) * len(others)
     name = c.pipeline_schedule
     total = 0.0
-    for f, b, w in others:
+    for (f, b, w), ep in zip(others, others_ep):
         f, b, w = f / v, b / v, w / v
         if name in ("gpipe", "1f1b", "interleaved_1f1b"):
             total += f + b
         elif name in ("zero_bubble", "zbv"):
             total += max(0.0, f + b - 2 * w)
         else:
-            # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; without
-            # overlapping a forward and a backward chunk (torch on CPU does not), F&B = f + b.
-            total += max(0.0, f + 2 * b - 3 * w)
+            # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; F&B = f + b,
+            # less what the pair hides when it overlaps its expert all-to-alls (overlap_moe_expert_parallel_comm)
+            hidden = _overlap_saving(f, b, ep[0] / v, ep[1] / v) if overlap else 0.0
+            total += max(0.0, f + 2 * b - 3 * w - hidden)
     return total
+
+
+def _overlap_saving(f: float, b: float, ep_f: float, ep_b: float) -> float:
+    """Seconds one overlapped forward-backward pair of DualPipeV hides (``overlap_moe_expert_parallel_comm``): the
+    forward chunk (``f`` seconds, ``ep_f`` of them expert-parallel communication) runs at the same time as the
+    backward chunk of another micro-batch (``b``, ``ep_b``), so each one's all-to-alls wait while the other computes
+    (DeepSeek-V3 section 3.2.1). Exposed: ``max(0, ep_f - (b - ep_b)) + max(0, ep_b - (f - ep_f))``; hidden: the
+    rest of ``ep_f + ep_b``. Compute is not shared between the two (separate resources for comm and compute)."""
+    exposed = max(0.0, ep_f - (b - ep_b)) + max(0.0, ep_b - (f - ep_f))
+    return ep_f + ep_b - exposed
 
 
 def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
@@ -622,8 +657,8 @@ def _pass_key(c: ParallelConfig) -> tuple:
     rc = c.recompute if isinstance(c.recompute, str) else tuple(c.recompute)
     return (
         c.tensor_parallel_size, c.pipeline_parallel_size, c.virtual_pipeline_parallel_size, c.pipeline_schedule,
-        c.context_parallel_size, c.resolved_ulysses_size, c.expert_parallel_size, c.sequence_parallel,
-        c.micro_batch_size, rc, layers,
+        c.context_parallel_size, c.resolved_ulysses_size, c.expert_parallel_size, c.expert_tensor_parallel_size,
+        c.sequence_parallel, c.micro_batch_size, rc, layers,
     )  # fmt: skip
 
 
@@ -657,9 +692,19 @@ def estimate_step(
         one = _rank_pass(model, c, seq_len, hw.without_latency() if waits else hw)
         if cache is not None:
             cache[key] = one
-    bubble = gas * _bubble(c, one)
+    # DualPipeV's overlapped pairs (OVERLAP_F_B), each a forward chunk beside a backward chunk of another micro-batch:
+    # what their expert all-to-alls hide leaves the heaviest rank's busy time, its exposed comm and the bubble's F&B
+    # terms. Not on shared cores: there gloo copies and reduces on the cores the compute needs.
+    overlap = c.overlap_moe_expert_parallel_comm and p > 1 and not _shared_ranks(c, hw)
+    bubble = gas * _bubble(c, one, overlap)
     busy = m_total * (one.f + one.b)
     comm = {k: m_total * val for k, val in one.comm.items()}
+    if overlap:
+        v = c.virtual_pipeline_parallel_size
+        pairs = gas * overlapped_pairs(c.pipeline_schedule, p, m_total // gas)[one.rank]
+        hidden = pairs * _overlap_saving(one.f / v, one.b / v, one.ep[0] / v, one.ep[1] / v)
+        busy -= hidden
+        comm["ep"] = comm.get("ep", 0.0) - hidden
     if p > 1:
         act = c.micro_batch_size * seq_len / c.context_parallel_size * model.hidden_size * BF16
         act /= c.tensor_parallel_size if c.sequence_parallel else 1

@@ -19,7 +19,13 @@ from types import SimpleNamespace
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
 from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
 
-__all__ = ["live_activation_peak", "max_live_microbatches", "schedule_actions", "schedule_live_peak"]
+__all__ = [
+    "live_activation_peak",
+    "max_live_microbatches",
+    "overlapped_pairs",
+    "schedule_actions",
+    "schedule_live_peak",
+]
 
 
 @lru_cache(maxsize=256)
@@ -52,6 +58,28 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
                 actions.append((kind, sub.stage_index, sub.microbatch_index))
         ranks.append(tuple(actions))
     return tuple(ranks)
+
+
+@cache
+def overlapped_pairs(schedule: str, p: int, m: int) -> tuple[int, ...]:
+    """Per pipeline rank, how many forward-backward pairs of one schedule run over ``m`` micro-batches are fused into
+    one overlapped action (torch's ``OVERLAP_F_B``: DualPipeV's steady state, a forward chunk beside a backward
+    chunk of another micro-batch); 0 for schedules without them."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    spec = SCHEDULE_SPECS[schedule]
+    if spec.stages_per_rank == 1 or schedule != "dualpipev":
+        return (0,) * p
+    validate_schedule(schedule, p, 2, m)
+    n = 2 * p
+    stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=n, stage_index=s, is_first=s == 0,
+                              is_last=s == n - 1, submod=None)
+              for s in stage_ids_for_rank(0, p, n, spec.placement)]  # fmt: skip
+    sched = _order_only(getattr(torch_schedules, spec.torch_class))(stages, m, loss_fn=lambda out, target: out)
+    return tuple(
+        sum(1 for a in sched.pipeline_order[r] if a is not None and str(a.computation_type).endswith("OVERLAP_F_B"))
+        for r in range(p)
+    )
 
 
 @cache

@@ -1,8 +1,8 @@
 """Search: enumerate valid layouts, prune by divisibility and memory, rank by predicted throughput (issue 16 item 4).
 
-The space: TP, PP, VPP and schedule, CP and its mode (ring, Ulysses, hybrid), EP, ETP (only the sizes
-``ParallelConfig`` accepts: it refuses ETP > 1 today, so larger values are tried and counted as refused), DP
-(derived), ZeRO stage, sequence parallelism, micro-batch size and recompute policy. Every candidate is a
+The space: TP, PP, VPP and schedule, CP and its mode (ring, Ulysses, hybrid), EP, ETP (1 and the TP size by
+default), DualPipeV's expert all-to-all overlap (``overlap_moe_expert_parallel_comm``, where it runs), DP (derived),
+ZeRO stage, sequence parallelism, micro-batch size and recompute policy. Every candidate is a
 ``ParallelConfig`` that validated against the world size, the model (heads, experts, layers per stage) and the
 schedule's micro-batch rule (``config/schedules.py``); candidates over the device memory are pruned
 (``tune.memory.estimate_memory``); the rest are ranked by the cost model (``tune.cost``).
@@ -45,6 +45,9 @@ class SearchSpace:
     """Upper bound on TP (e.g. the devices of one node); ``None`` allows any divisor."""
     max_context_parallel: int | None = None
     """Upper bound on CP (short sequences gain nothing from it); ``None`` allows any divisor."""
+    moe_comm_overlap: tuple[bool, ...] = (False, True)
+    """``overlap_moe_expert_parallel_comm`` values tried where it runs (DualPipeV with EP, no TP, ETP, CP or
+    ZeRO-3): DualPipeV's paired forward and backward hide each other's expert all-to-alls."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.schedules) - set(SCHEDULE_NAMES))
@@ -71,6 +74,8 @@ def describe_layout(c: ParallelConfig) -> str:
         parts.append(f"ep{c.expert_parallel_size}")
     if c.expert_tensor_parallel_size > 1:
         parts.append(f"etp{c.expert_tensor_parallel_size}")
+    if c.overlap_moe_expert_parallel_comm:
+        parts.append("a2a-overlap")
     parts += [f"dp{c.dp}", f"zero{c.zero_stage}"]
     if c.sequence_parallel:
         parts.append("sp")
@@ -200,21 +205,34 @@ def enumerate_layouts(
         ):
             if (sp and tp == 1) or (rc == "selective_mm" and model.is_moe):
                 continue
-            try:
-                c = ParallelConfig(
-                    **structure, zero_stage=zero, sequence_parallel=sp, micro_batch_size=mbs, recompute=rc
-                )
-                c.resolve(devices)
-                c.validate_model(model)
-            except ValueError as err:
-                refused["invalid: " + " ".join(str(err).split()[:4])] += 1
-                continue
-            reason = _batch_fits(c, seq_len, global_batch)
-            if reason:
-                refused[reason] += 1
-                continue
-            out.append(c)
+            for overlap in _overlap_options(structure, zero, space):
+                try:
+                    c = ParallelConfig(
+                        **structure, zero_stage=zero, sequence_parallel=sp, micro_batch_size=mbs, recompute=rc,
+                        overlap_moe_expert_parallel_comm=overlap,
+                    )  # fmt: skip
+                    c.resolve(devices)
+                    c.validate_model(model)
+                except ValueError as err:
+                    refused["invalid: " + " ".join(str(err).split()[:4])] += 1
+                    continue
+                reason = _batch_fits(c, seq_len, global_batch)
+                if reason:
+                    refused[reason] += 1
+                    continue
+                out.append(c)
     return out, refused
+
+
+def _overlap_options(structure: dict, zero: int, space: SearchSpace) -> tuple[bool, ...]:
+    """The ``overlap_moe_expert_parallel_comm`` values to try: ``space.moe_comm_overlap`` where the overlap runs
+    (``ParallelConfig`` refuses it elsewhere), else off."""
+    runs = (
+        structure["pipeline_schedule"] == "dualpipev" and structure["pipeline_parallel_size"] > 1
+        and structure["expert_parallel_size"] > 1 and structure["tensor_parallel_size"] == 1
+        and structure["expert_tensor_parallel_size"] == 1 and structure["context_parallel_size"] == 1 and zero != 3
+    )  # fmt: skip
+    return space.moe_comm_overlap if runs else (False,)
 
 
 def search(

@@ -145,10 +145,15 @@ def test_mla_config_errors_name_the_fix():
 
 
 def test_real_shape_preset_counts_deepseek_v3_parameters():
-    # The model card: 671B main-model weights (plus 14B of the MTP module, not modelled yet), 37B active per token.
+    # The model card: 671B main-model weights, 37B active per token, plus the MTP module the published checkpoint
+    # holds (num_nextn_predict_layers=1: one more MoE block, 11.6B here, as the preset has it).
     config = TransformerConfig.from_preset("deepseek-v3")
-    assert 670.5e9 < config.num_params() < 671.5e9
-    assert 37e9 < config.num_params(active=True) < 38e9
+    assert (config.num_layers, config.num_nextn_predict_layers) == (61, 1)
+    main = TransformerConfig.from_preset("deepseek-v3", num_nextn_predict_layers=0)
+    assert 670.5e9 < main.num_params() < 671.5e9
+    assert 37e9 < main.num_params(active=True) < 38e9
+    assert 682e9 < config.num_params() < 683e9  # + the MTP block, eh_proj and its norms (embedding and head shared)
+    assert family_for(config).config_to_hf(config)["num_nextn_predict_layers"] == 1  # as in DeepSeek's config.json
 
 
 # ---- MLA under tensor (+ sequence) parallelism: every gradient against one process ----

@@ -82,5 +82,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_router_group_topk=4,
         moe_router_scaling_factor=2.5,
         moe_seq_aux_loss_coeff=1e-3,
+        # The published checkpoint's one MTP module (config.json ``num_nextn_predict_layers: 1``, weights at
+        # ``model.layers.61.*``): 11.6B parameters more (671.0B main model + 11.6B = 682.6B as this package holds
+        # them; the report's "14B" counts the module's own embedding and head copies, which ours shares).
+        num_nextn_predict_layers=1,
     ),
 }
