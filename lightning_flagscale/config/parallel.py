@@ -7,7 +7,7 @@ It validates itself where it lives, before any process group exists, and every u
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from lightning_flagscale.config.hetero import (
     StageGroup,
@@ -18,9 +18,7 @@ from lightning_flagscale.config.hetero import (
 )
 from lightning_flagscale.config.layer_split import edge_extra_blocks, even_layer_counts, plan_stage_groups
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, ScheduleName, default_virtual_size, validate_schedule
-
-if TYPE_CHECKING:
-    from lightning_flagscale.config.transformer import TransformerConfig
+from lightning_flagscale.config.transformer import TransformerConfig
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
@@ -408,8 +406,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         """Per stage group, the embedding and LM head in blocks (:func:`edge_extra_blocks`, at ``model.max_seq_len``)
         when ``hetero_device_speed`` chooses the split; ``None`` otherwise (``hetero_layers`` fixes it, and the
         profiling pass counts them itself) or without a decoder config."""
-        from lightning_flagscale.config.transformer import TransformerConfig
-
         if self.hetero_meshes is None or self.hetero_layers is not None or self.hetero_device_speed is None:
             return None
         if not isinstance(model, TransformerConfig):

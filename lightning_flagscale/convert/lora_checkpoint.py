@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_flagscale.config.lora import LoRAConfig
-from lightning_flagscale.convert.registry import HFConversionError
+from lightning_flagscale.convert.registry import HFConversionError, lightning_module_for
 from lightning_flagscale.models.lightning import CausalLMModule
 from lightning_flagscale.models.lora import check_base_weights, is_adapter_name
 
@@ -43,13 +43,9 @@ def holds_lora_adapters(path: str | os.PathLike) -> bool:
 
 
 def _module_class(config: Any) -> type:
-    """``VLMModule`` for a VLM's config (the object, or a preset name or dict ``VLMConfig.owns``), else
-    ``CausalLMModule``."""
-    from lightning_flagscale.multimodal import VLMConfig, VLMModule
-
-    if isinstance(config, VLMConfig) or (isinstance(config, (str, dict)) and VLMConfig.owns(config)):
-        return VLMModule
-    return CausalLMModule
+    """The family's own LightningModule for a stored config (``VLMModule`` for a VLM's: the object, or a preset name
+    or dict ``VLMConfig.owns``), else ``CausalLMModule``."""
+    return lightning_module_for(config) or CausalLMModule
 
 
 def module_from_lora_checkpoint(path: str | os.PathLike) -> Any:

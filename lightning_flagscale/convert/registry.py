@@ -24,6 +24,7 @@ __all__ = [
     "HFFamily",
     "config_classes",
     "family_for",
+    "lightning_module_for",
     "read_hf_config",
     "register_family",
     "supported_model_types",
@@ -48,6 +49,9 @@ class HFFamily(abc.ABC):
     config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
     """The config class of this family; a subclass (e.g. ``VLMConfig``) says which stored configs are its own
     through ``owns(value)``."""
+    lightning_module: ClassVar[type | None] = None
+    """The LightningModule that trains this family's ``config_class`` when it is not ``CausalLMModule`` (the VLM's
+    ``VLMModule``): what a checkpoint of a stored config is rebuilt with (:func:`lightning_module_for`)."""
 
     @abc.abstractmethod
     def config_from_hf(self, hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
@@ -90,6 +94,18 @@ def config_classes() -> list[type[TransformerConfig]]:
     """The config classes of the registered families other than ``TransformerConfig`` itself (e.g. ``VLMConfig``)."""
     found = [f.config_class for f in _FAMILIES.values() if f.config_class is not TransformerConfig]
     return list(dict.fromkeys(found))
+
+
+def lightning_module_for(config: Any) -> type | None:
+    """The registered family's own LightningModule for ``config`` (a config object, or the preset name or dict of
+    fields a checkpoint stored, as ``config_class.owns`` reads it); ``None``: ``CausalLMModule``'s."""
+    for family in _FAMILIES.values():
+        cls = family.config_class
+        if family.lightning_module is None or cls is TransformerConfig:
+            continue
+        if isinstance(config, cls) or (isinstance(config, (str, dict)) and cls.owns(config)):
+            return family.lightning_module
+    return None
 
 
 def family_for(hf_config: dict[str, Any] | TransformerConfig) -> HFFamily:

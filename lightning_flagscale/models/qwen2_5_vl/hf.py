@@ -18,6 +18,7 @@ from lightning_flagscale.convert.registry import HFConversionError, register_fam
 from lightning_flagscale.convert.specs import Direct, Spec
 from lightning_flagscale.models.qwen2_5_vl.config import VisionConfig, VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
+from lightning_flagscale.models.qwen2_5_vl.module import VLMModule
 
 __all__ = ["Qwen2_5_VLFamily"]
 
@@ -86,6 +87,7 @@ class Qwen2_5_VLFamily(DenseDecoderFamily):
     architecture = "Qwen2_5_VLForConditionalGeneration"
     model_class = VisionLanguageModel
     config_class = VLMConfig
+    lightning_module = VLMModule
     implied = {"attention_bias": True}
     attention_bias_key = None  # q/k/v bias is fixed by the architecture
     default_rope_theta = 1000000.0
