@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_flagscale.distributed.sequence_parallel import sum_grad
 from lightning_flagscale.moe.balance import HotExpertReplication, moe_layers
 from lightning_flagscale.moe.layer import MoELayer
 
@@ -119,22 +120,6 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class _CopyToGroup(torch.autograd.Function):
-    """Identity whose backward sums the gradient over the group: rows every rank of the group holds alike, each
-    rank's copy feeding a different weight shard (Megatron's ``copy_to_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _ReduceFromGroup(torch.autograd.Function):
     """Sum of partial outputs over the group; the backward is the identity: each rank's output is used alike on
     every rank (Megatron's ``reduce_from_tensor_model_parallel_region``)."""
@@ -192,7 +177,7 @@ class AllToAllDispatcher:
         if self.partial_group is not None:  # the layer sums the partial outputs, and the input's partial gradients
             return layer.run_experts(x, counts, busiest)
         if self.etp_tokens_replicated:
-            y = layer.run_experts(_CopyToGroup.apply(x, group), counts, busiest)
+            y = layer.run_experts(sum_grad(x, group), counts, busiest)
             return _ReduceFromGroup.apply(y, group)
         local = torch.tensor(counts, dtype=torch.long)
         gathered = [torch.zeros_like(local) for _ in range(k)]
