@@ -228,3 +228,29 @@ def test_stage_keeps_torchs_weight_groups_for_a_layer_chain(monkeypatch):
     _Tagged.calls.clear()
     stage_backward_weight(iter(weights), got)
     assert sorted(_Tagged.calls) == ["W0", "W1", "W2"]  # merged, the pass also ran I1 and I2 again
+
+
+def test_hetero_runner_keeps_torchs_weight_groups_for_a_layer_chain():
+    # the hetero runner's I step, like the pipeline stage: a chain of blocks keeps torch's per-group weight passes
+    # (merged, the W pass ran the input gradients I1 and I2 again); only overlapping groups are merged
+    from types import SimpleNamespace
+
+    from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
+
+    weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for k, w in enumerate(weights):
+        h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    runner = object.__new__(HeteroPipelineRunner)  # only _backward's split path runs: the last stage, V turn local
+    module = torch.nn.Module()
+    module.weights = torch.nn.ParameterList(weights)
+    runner.plan = SimpleNamespace(num_stages=2)
+    runner._saved, runner._weight_work, runner._local, runner._one_weight_pass = {(1, 0): (x, h.sum())}, {}, {}, {}
+    runner._module = lambda s: module
+    runner._local_turn = lambda s: True
+    runner._backward(1, 0, split=True, hold=True)
+    assert runner._one_weight_pass == {1: False} and len(runner._weight_work[(1, 0)]) == 3
+    _Tagged.calls.clear()
+    stage_backward_weight(iter(weights), runner._weight_work.pop((1, 0)))
+    assert sorted(_Tagged.calls) == ["W0", "W1", "W2"]

@@ -47,7 +47,7 @@ from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatche
 from lightning_flagscale.parallel.hetero_mesh.boundary import BoundaryComm, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.tied import TiedAcrossMeshes
 from lightning_flagscale.parallel.pipeline_parallel.plan import StagePlan
-from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups
+from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups, param_groups_overlap
 
 __all__ = ["Action", "HeteroPipelineRunner", "schedule_order", "simulate"]
 
@@ -196,6 +196,7 @@ class HeteroPipelineRunner:
         self.has_last_stage = plan.num_stages - 1 in self.stage_ids
         self._comm = BoundaryComm(device)
         self._local: dict[tuple[int, int, bool], Tensor] = {}  # the turn of a V: (stage, micro-batch, backward)
+        self._one_weight_pass: dict[int, bool] = {}  # per stage: its weight groups overlap (param_groups_overlap)
         self.loss_stat: Callable[[], Any] | None = None  # see PipelineRunner.loss_stat
         self.stat: Tensor | None = None
 
@@ -326,7 +327,12 @@ class HeteroPipelineRunner:
         if split:
             assert x is not None
             _, groups = stage_backward_input([out], None if grad is None else [grad], [x], self._module(s).parameters())
-            self._weight_work[(s, m)] = merge_param_groups(groups)  # one weight pass (chained MTP modules)
+            # one weight pass where the groups share nodes (chained MTP modules), torch's per-group passes otherwise
+            # (merged, a chain of blocks would run its input gradients again); the graph's shape is the same every
+            # micro-batch, so each stage decides once
+            if s not in self._one_weight_pass:
+                self._one_weight_pass[s] = param_groups_overlap(groups)
+            self._weight_work[(s, m)] = merge_param_groups(groups) if self._one_weight_pass[s] else groups
         else:
             torch.autograd.backward(out, grad)
         if x is not None and self._local_turn(s - 1):
