@@ -269,33 +269,27 @@ def _v_bound(m: int, fbw: tuple[float, float, float]) -> float:
 
 
 def _ideal(ranks_events: list[list[tuple]], num_stages: int) -> list[list[tuple]]:
-    """Replay each rank's measured compute order with each action's sleep time and free communication."""
-    queues = [[e for e in events if e[0] in COMPUTE] for events in ranks_events]
-    done: dict[tuple[str, int, int], float] = {}  # (F|G|W, stage, mb) -> finish; G: input gradient ready (B or I)
-    clock, pos = [0.0] * len(queues), [0] * len(queues)
-    out: list[list[tuple]] = [[] for _ in queues]
-    progress = True
-    while progress:
-        progress = False
-        for r, q in enumerate(queues):
-            while pos[r] < len(q):
-                kind, s, mb, _, _, dur = q[pos[r]]
-                if kind == "F":
-                    deps = [("F", s - 1, mb)] if s > 0 else []
-                elif kind in ("B", "I"):
-                    deps = [("F", s, mb)] + ([("G", s + 1, mb)] if s < num_stages - 1 else [])
-                else:
-                    deps = [("G", s, mb)]
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[r]] + [done[d] for d in deps])
-                clock[r] = start + dur
-                done[("G" if kind in ("B", "I") else kind, s, mb)] = clock[r]
-                out[r].append((kind, s, mb, start, clock[r], dur))
-                pos[r] += 1
-                progress = True
-    if any(p < len(q) for p, q in zip(pos, queues)):
-        raise RuntimeError("the measured action order could not be replayed (dependency missing)")
+    """Replay each rank's measured compute order with each action's sleep time and free communication
+    (``orders.simulate``, the replay the tests check the schedules' theory with)."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from lightning_flagscale.parallel.pipeline_parallel.orders import simulate
+
+    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD,
+             "I": _ComputationType.BACKWARD_INPUT, "W": _ComputationType.BACKWARD_WEIGHT}  # fmt: skip
+    names = {v: k for k, v in kinds.items()}
+    durations = {(e[0], e[1], e[2]): e[5] for events in ranks_events for e in events if e[0] in COMPUTE}
+    order = {r: [_Action(s, kinds[kind], mb) for kind, s, mb, *_ in events if kind in COMPUTE]
+             for r, events in enumerate(ranks_events)}  # fmt: skip
+    cost = lambda a: durations[(names[a.computation_type], a.stage_index, a.microbatch_index)]  # noqa: E731
+    timeline = simulate(order, num_stages, cost).timeline
+    out = []
+    for r in range(len(ranks_events)):
+        rows = []
+        for a, start, end in timeline[r]:
+            kind = names[a.computation_type]
+            rows.append((kind, a.stage_index, a.microbatch_index, start, end, end - start))
+        out.append(rows)
     return out
 
 

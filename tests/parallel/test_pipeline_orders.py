@@ -156,14 +156,20 @@ class _Tagged(torch.autograd.Function):
         return grad, None
 
 
-def test_weight_pass_of_a_layer_chain_runs_each_weight_gradient_once():
-    # three layers y = x * w, their input and weight paths tagged: torch's per-group weight passes are disjoint and
-    # run W0..W2 only; merged into one pass they would run I1 and I2 again (a second input gradient per layer)
+def _tagged_chain() -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
+    """Three layers y = x * w with their input (I0-I2) and weight (W0-W2) paths tagged: (weights, x, output)."""
     weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
     x = torch.randn(2, 4, requires_grad=True)
     h = x
     for k, w in enumerate(weights):
         h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    return weights, x, h
+
+
+def test_weight_pass_of_a_layer_chain_runs_each_weight_gradient_once():
+    # three layers y = x * w, their input and weight paths tagged: torch's per-group weight passes are disjoint and
+    # run W0..W2 only; merged into one pass they would run I1 and I2 again (a second input gradient per layer)
+    weights, x, h = _tagged_chain()
     _, groups = stage_backward_input([h.sum()], None, [x], iter(weights))
     assert not param_groups_overlap(groups)
     _Tagged.calls.clear()
@@ -215,11 +221,7 @@ def test_stage_keeps_torchs_weight_groups_for_a_layer_chain(monkeypatch):
 
     from lightning_flagscale.parallel.pipeline_parallel.runner import StatelessInferenceStage
 
-    weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
-    x = torch.randn(2, 4, requires_grad=True)
-    h = x
-    for k, w in enumerate(weights):
-        h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    weights, x, h = _tagged_chain()
     _, groups = stage_backward_input([h.sum()], None, [x], iter(weights))
     monkeypatch.setattr(PipelineStage, "backward_maybe_with_nosync", lambda self, *a, **k: ((None,), groups))
     stage = object.__new__(StatelessInferenceStage)  # only the override under test runs
@@ -237,11 +239,7 @@ def test_hetero_runner_keeps_torchs_weight_groups_for_a_layer_chain():
 
     from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
 
-    weights = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
-    x = torch.randn(2, 4, requires_grad=True)
-    h = x
-    for k, w in enumerate(weights):
-        h = _Tagged.apply(h, f"I{k}") * _Tagged.apply(w, f"W{k}")
+    weights, x, h = _tagged_chain()
     runner = object.__new__(HeteroPipelineRunner)  # only _backward's split path runs: the last stage, V turn local
     module = torch.nn.Module()
     module.weights = torch.nn.ParameterList(weights)
