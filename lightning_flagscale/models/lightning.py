@@ -75,6 +75,19 @@ def set_mtp_loss_weight(model: nn.Module, weight: float) -> None:
                 module.mtp_loss_weight = float(weight)
 
 
+def initialize_model_weights(model: nn.Module, hf_dir: str | None, seed: int, lora: LoRAConfig | None) -> None:
+    """A materialised (possibly parallelised or pipelined) model's weights: read from ``hf_dir``, else the
+    layout-independent ``init_weights(seed)``; then the LoRA adapters' init, if any (both modules' ``initialize_weights``)."""
+    parts = getattr(model, "stage_modules", None) or [model]
+    if not hf_dir:
+        model.init_weights(seed)
+    else:
+        for part in parts:
+            weight_source("hf").load_weights(part, hf_dir)
+    for part in parts if lora is not None else ():
+        init_adapters(part, lora, seed)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay matrices only; norms, biases and embeddings (and a head tied to them) are exempt.
 
@@ -231,14 +244,7 @@ class CausalLMModule(L.LightningModule):
 
     def initialize_weights(self) -> None:
         """Called by the strategy once the (parallelised) model is materialised: HF weights or ``init_weights``."""
-        parts = getattr(self.model, "stage_modules", None) or [self.model]
-        if not self.hf_dir:
-            self.init_weights()
-        else:
-            for part in parts:
-                weight_source("hf").load_weights(part, self.hf_dir)
-        for part in parts if self.lora is not None else ():
-            init_adapters(part, self.lora, self.init_seed)
+        initialize_model_weights(self.model, self.hf_dir, self.init_seed, self.lora)
 
     @property
     def checkpoint_frozen_weights(self) -> bool:

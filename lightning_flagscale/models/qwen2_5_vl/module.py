@@ -30,12 +30,13 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lightning import (
+    initialize_model_weights,
     log_window_loss,
     parallelize_for_lightning,
     param_groups,
     warmup_cosine_lambda,
 )
-from lightning_flagscale.models.lora import apply_lora, base_weights_reference, freeze_base, init_adapters
+from lightning_flagscale.models.lora import apply_lora, base_weights_reference, freeze_base
 from lightning_flagscale.models.qwen2_5_vl.batching import batch_segment_ids
 from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.model import VisionLanguageModel
@@ -167,14 +168,7 @@ class VLMModule(L.LightningModule):
 
     def initialize_weights(self) -> None:
         """HF weights when built from an HF folder, else the layout-independent ``init_weights``."""
-        parts = getattr(self.model, "stage_modules", None) or [self.model]
-        if not self.hf_dir:
-            self.model.init_weights(self.init_seed)
-        else:
-            for part in parts:
-                weight_source("hf").load_weights(part, self.hf_dir)
-        for part in parts if self.lora is not None else ():
-            init_adapters(part, self.lora, self.init_seed)
+        initialize_model_weights(self.model, self.hf_dir, self.init_seed, self.lora)
 
     # ---- checkpoints (models/protocol.py's FrozenBaseModule, as CausalLMModule) -------------------------------
     @property
