@@ -32,6 +32,7 @@ import torch.distributed as dist
 __all__ = ["Watchdog"]
 
 EXIT_CODE = 75  # EX_TEMPFAIL: a restartable failure (the job can be re-run with resume="auto")
+_CONNECT_S = 60.0  # the store connection's timeout (see ``start``)
 
 
 class Watchdog:
@@ -63,7 +64,11 @@ class Watchdog:
         self._phase_since = time.monotonic()
 
     def start(self) -> None:
-        store = dist.TCPStore(*self._address, is_master=False, timeout=timedelta(seconds=max(self.interval, 5.0)))
+        # Connecting may wait behind a busy rank 0 (many short runs in one process); the heartbeat never waits on a
+        # missing key (``check`` before ``get``) and a dead rank 0 refuses at once, so a long timeout delays nothing.
+        store = dist.TCPStore(
+            *self._address, is_master=False, timeout=timedelta(seconds=max(self.interval, _CONNECT_S))
+        )
         self._store = dist.PrefixStore(self._prefix, store)
         self._install_sigterm_wakeup()
         self._started = time.monotonic()
@@ -77,6 +82,8 @@ class Watchdog:
         self._thread.join(timeout=2 * self.interval + 1)
         with contextlib.suppress(Exception):
             self._store.set(f"hb{self.rank}", "done")
+        if not self._thread.is_alive():
+            self._store = None  # close this run's connection to rank 0's store now, not whenever gc runs
         if self._old_wakeup is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(self._old_wakeup)
             if not self._thread.is_alive():
