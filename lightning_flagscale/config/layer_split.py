@@ -4,8 +4,10 @@ builds stages from the same functions."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 from lightning_flagscale.config.hetero import (
     HeteroMesh,
@@ -88,20 +90,7 @@ def speed_aware_layers(
     wins (the head's stage then takes fewer blocks: the pipeline order of the meshes fixes which stage holds it).
     Without ``device_speed`` every device counts as equally fast.
     """
-    weights = []
-    for i, mesh in enumerate(meshes):
-        speed = 1.0
-        if device_speed is not None:
-            if mesh.device_type not in device_speed:
-                raise ValueError(
-                    f"hetero_device_speed has no entry for hetero_meshes[{i}].device_type={mesh.device_type!r};"
-                    f" give one for each of {sorted({str(m.device_type) for m in meshes})}."
-                )
-            speed = float(device_speed[mesh.device_type])
-            if speed <= 0:
-                raise ValueError(f"hetero_device_speed[{mesh.device_type!r}]={speed} must be positive.")
-        stage_ranks = mesh.size // mesh.pipeline_parallel_size
-        weights += [speed * stage_ranks] * mesh.pipeline_parallel_size
+    weights = _stage_weights(meshes, device_speed)
     if num_layers < min_layers * len(weights):
         raise ValueError(
             f"num_layers={num_layers} is fewer than {min_layers} block(s) for each of the {len(weights)} heterogeneous"
@@ -121,6 +110,78 @@ def speed_aware_layers(
     if _slowest(best, weights, extra) < _slowest(counts, weights, extra) * (1 - 1e-9):
         return best
     return counts
+
+
+def _stage_weights(meshes: Sequence[HeteroMesh], device_speed: dict[str, float] | None) -> list[float]:
+    """Per pipeline stage, ``speed x ranks`` (every device equally fast without ``device_speed``)."""
+    weights = []
+    for i, mesh in enumerate(meshes):
+        speed = 1.0
+        if device_speed is not None:
+            if mesh.device_type not in device_speed:
+                raise ValueError(
+                    f"hetero_device_speed has no entry for hetero_meshes[{i}].device_type={mesh.device_type!r};"
+                    f" give one for each of {sorted({str(m.device_type) for m in meshes})}."
+                )
+            speed = float(device_speed[mesh.device_type])
+            if speed <= 0:
+                raise ValueError(f"hetero_device_speed[{mesh.device_type!r}]={speed} must be positive.")
+        stage_ranks = mesh.size // mesh.pipeline_parallel_size
+        weights += [speed * stage_ranks] * mesh.pipeline_parallel_size
+    return weights
+
+
+MAX_ORDERED_MESHES = 6
+"""``hetero_mesh_order="speed"`` tries every order of the meshes: 720 at 6, each a split of a few blocks."""
+
+
+def check_orderable(meshes: Sequence[HeteroMesh]) -> None:
+    """Refuse more meshes than :func:`speed_mesh_order` tries every order of."""
+    if len(meshes) > MAX_ORDERED_MESHES:
+        raise ValueError(
+            f"hetero_mesh_order='speed' tries every order of the meshes, at most {MAX_ORDERED_MESHES}; with"
+            f" {len(meshes)} meshes list them in the order you want and use hetero_mesh_order='given'."
+        )
+
+
+def speed_mesh_order(
+    meshes: list[HeteroMesh],
+    num_layers: int,
+    device_speed: dict[str, float] | None,
+    *,
+    min_layers: int = 1,
+    extra_blocks: Sequence[float] | None = None,
+) -> tuple[int, ...]:
+    """The order in which the meshes become pipeline stages (``order[p]``: the ``meshes`` index at position ``p``)
+    whose :func:`speed_aware_layers` split has the fastest slowest stage (issue 42 item 5).
+
+    ``extra_blocks`` stays with the pipeline position (the embedding on the first stage group, the LM head on the
+    last, or on the first under a V schedule: :func:`edge_extra_blocks`), so an order that puts a faster mesh there
+    carries the head on faster devices. Every permutation is tried (:data:`MAX_ORDERED_MESHES` at most); ties keep
+    the earlier one in lexicographic order, so the given order wins unless another is strictly faster.
+    """
+    check_orderable(meshes)
+    extra = [0.0] * sum(m.pipeline_parallel_size for m in meshes) if extra_blocks is None else list(extra_blocks)
+    best, best_time = tuple(range(len(meshes))), math.inf
+    for order in itertools.permutations(range(len(meshes))):
+        ordered = [meshes[i] for i in order]
+        counts = speed_aware_layers(ordered, num_layers, device_speed, min_layers=min_layers, extra_blocks=extra)
+        time = _slowest(counts, _stage_weights(ordered, device_speed), extra)
+        if time < best_time * (1 - 1e-9):
+            best, best_time = order, time
+    return best
+
+
+def pipeline_rank_order(
+    meshes: Sequence[HeteroMesh], order: Sequence[int], rank_order: Sequence[int] | None = None
+) -> list[int] | None:
+    """The global rank at each position of the world laid out mesh by mesh in pipeline ``order``, from
+    ``rank_order`` (the same over the meshes as given: ``rank_order_by_type``, ``None`` = rank order). Each mesh
+    keeps its own ranks, whatever its pipeline position; ``None`` when that is plain rank order."""
+    starts = list(itertools.accumulate((m.size for m in meshes), initial=0))
+    given = list(rank_order) if rank_order is not None else list(range(starts[-1]))
+    out = [given[p] for i in order for p in range(starts[i], starts[i + 1])]
+    return None if out == list(range(starts[-1])) else out
 
 
 def _slowest(counts: list[int], weights: list[float], extra: list[float]) -> float:
@@ -169,25 +230,35 @@ def plan_stage_groups(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     extra_blocks: Sequence[float] | None = None,
+    mesh_order: Literal["given", "speed"] = "given",
 ) -> list[StageGroup]:
     """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order (``schedule`` places the
     model chunks of per-virtual-stage ``layers``). ``extra_blocks``: with ``layers=None``, each stage group's
-    embedding and LM head in blocks (:func:`edge_extra_blocks`) for :func:`speed_aware_layers`.
+    embedding and LM head in blocks (:func:`edge_extra_blocks`) for :func:`speed_aware_layers`. ``mesh_order="speed"``
+    (``layers=None``): the meshes in the order :func:`speed_mesh_order` chooses, else as given; ``StageGroup.mesh``
+    is always the index in ``meshes``.
 
-    ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh (from
-    ``rank_order_by_type``); ``None`` = rank order.
+    ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh in the given order (from
+    ``rank_order_by_type``); ``None`` = rank order. A reordered mesh keeps its ranks (:func:`pipeline_rank_order`).
     """
     if rank_order is not None and sorted(rank_order) != list(range(sum(m.size for m in meshes))):
         raise ValueError(f"rank_order={rank_order} is not a permutation of the {sum(m.size for m in meshes)} ranks.")
-    if rank_order is not None and list(rank_order) == sorted(rank_order):
-        rank_order = None  # identity: keep the groups contiguous
+    if mesh_order not in ("given", "speed"):
+        raise ValueError(f"hetero_mesh_order={mesh_order!r}; use 'given' or 'speed'.")
+    order = tuple(range(len(meshes)))
+    if mesh_order == "speed":
+        if layers is not None:
+            raise ValueError("hetero_mesh_order='speed' chooses the split too; leave hetero_layers at None.")
+        order = speed_mesh_order(meshes, num_layers, device_speed, min_layers=virtual, extra_blocks=extra_blocks)
+    rank_order = pipeline_rank_order(meshes, order, rank_order)  # None: contiguous groups
+    ordered = [meshes[i] for i in order]
     if layers is None:
-        layers = speed_aware_layers(meshes, num_layers, device_speed, min_layers=virtual, extra_blocks=extra_blocks)
+        layers = speed_aware_layers(ordered, num_layers, device_speed, min_layers=virtual, extra_blocks=extra_blocks)
     if sum(layers) != num_layers:
         raise ValueError(f"hetero_layers={layers} sums to {sum(layers)} but the model has num_layers={num_layers}.")
     chunks = split_into_chunks(list(layers), sum(m.pipeline_parallel_size for m in meshes), virtual, schedule)
     groups, rank, index = [], 0, 0
-    for m_idx, mesh in enumerate(meshes):
+    for m_idx, mesh in zip(order, ordered):
         for _ in range(mesh.pipeline_parallel_size):
             span = tuple(rank_order[rank : rank + mesh.size // mesh.pipeline_parallel_size]) if rank_order else ()
             group = StageGroup(

@@ -16,7 +16,12 @@ from lightning_flagscale.config.hetero import (
     hetero_virtual_size,
     parse_hetero_meshes,
 )
-from lightning_flagscale.config.layer_split import edge_extra_blocks, even_layer_counts, plan_stage_groups
+from lightning_flagscale.config.layer_split import (
+    check_orderable,
+    edge_extra_blocks,
+    even_layer_counts,
+    plan_stage_groups,
+)
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, ScheduleName, default_virtual_size, validate_schedule
 from lightning_flagscale.config.transformer import TransformerConfig
 
@@ -205,6 +210,12 @@ class HeteroConfig:
     hetero_device_speed: dict[str, float] | None = None
     """Relative speed of each ``device_type`` of ``hetero_meshes`` (e.g. ``{"fast": 2.0, "slow": 1.0}``), used when
     ``hetero_layers`` is ``None``; with ``hetero_dp_batch_sizes="auto"``, of each ``FLAGSCALE_DEVICE_TYPE``."""
+    hetero_mesh_order: Literal["given", "speed"] = "given"
+    """Order in which ``hetero_meshes`` become pipeline stages: as listed, or ``"speed"``: the order (of every
+    permutation, ties as listed) whose ``hetero_device_speed`` split has the fastest slowest stage, counting the LM head
+    where the order puts it (last stage group; first under ``zbv`` / ``dualpipev``), so a faster mesh takes it. Each
+    mesh keeps its ranks; ``micro_batch_size`` and the loader's batch size stay per data-parallel rank of
+    ``hetero_meshes[0]`` as listed. Needs ``hetero_device_speed``."""
     hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
     """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
     e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
@@ -220,6 +231,28 @@ class HeteroConfig:
         if self.hetero_meshes is None and self.hetero_device_speed is not None and self.hetero_dp_batch_sizes != "auto":
             raise ValueError("hetero_device_speed needs hetero_meshes or hetero_dp_batch_sizes='auto'.")
         self._check_auto_shares()
+        self._check_mesh_order()
+
+    def _check_mesh_order(self) -> None:
+        order = self.hetero_mesh_order
+        if order not in ("given", "speed"):
+            raise ValueError(f"hetero_mesh_order={order!r}; use 'given' (as listed) or 'speed'.")
+        if order == "given":
+            return
+        if self.hetero_meshes is None:
+            raise ValueError("hetero_mesh_order='speed' orders hetero_meshes; give hetero_meshes or leave it 'given'.")
+        if self.hetero_layers is not None:
+            raise ValueError(
+                f"hetero_mesh_order='speed' chooses the split with the order, but hetero_layers={self.hetero_layers}"
+                " fixes it mesh by mesh as listed; leave hetero_layers at None (and give hetero_device_speed) or use"
+                " hetero_mesh_order='given'."
+            )
+        if self.hetero_device_speed is None:
+            raise ValueError(
+                "hetero_mesh_order='speed' needs hetero_device_speed: the order is chosen before the meshes' process"
+                " groups exist, and without speeds the split comes from a profiling pass on those groups; give"
+                " hetero_device_speed (e.g. {'fast': 2.0, 'slow': 1.0}) or use hetero_mesh_order='given'."
+            )
 
     def _check_auto_shares(self) -> None:
         shares, speed = self.hetero_dp_batch_sizes, self.hetero_device_speed
@@ -367,6 +400,14 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             meshes, self.hetero_layers, schedule=self.pipeline_schedule, sequence_parallel=self.sequence_parallel,
             virtual=self.virtual_pipeline_parallel_size,
         )  # fmt: skip
+        if self.hetero_mesh_order == "speed":
+            check_orderable(meshes)
+        if self.hetero_mesh_order == "speed" and not isinstance(self.recompute, str):
+            raise ValueError(
+                f"recompute={self.recompute} gives one mode per stage group in pipeline order, which"
+                " hetero_mesh_order='speed' chooses only at setup; give one mode for all stages or use"
+                " hetero_mesh_order='given'."
+            )
 
     def _hetero_stage_count(self) -> int:
         """Stage groups of ``hetero_meshes`` (a per-stage ``recompute`` list gives one mode per group)."""
@@ -425,19 +466,21 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
             rank_order, virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
             schedule=self.pipeline_schedule, extra_blocks=self.hetero_extra_blocks(model),
+            mesh_order=self.hetero_mesh_order,
         )  # fmt: skip
 
     def stage_group_configs(self, num_layers: int, model: TransformerConfig | None = None) -> list[ParallelConfig]:
         """With ``hetero_meshes``: one resolved homogeneous config (pp = 1) per pipeline stage group
         (:meth:`stage_groups`)."""
         groups = self.stage_groups(num_layers, model)
-        samples = self.micro_batch_size * groups[0].data_parallel_size  # one micro-batch, over the first group
+        first = parse_hetero_meshes(self.hetero_meshes)[0]  # as listed, whatever hetero_mesh_order makes it
+        samples = self.micro_batch_size * first.data_parallel_size  # one micro-batch, over the first mesh's DP ranks
         configs = []
         for g in groups:
             if samples % g.data_parallel_size:
                 raise ValueError(
                     f"A micro-batch of {samples} samples (micro_batch_size={self.micro_batch_size} x the first mesh's"
-                    f" data_parallel_size={groups[0].data_parallel_size}) cannot be split over mesh {g.mesh}'s"
+                    f" data_parallel_size={first.data_parallel_size}) cannot be split over mesh {g.mesh}'s"
                     f" data_parallel_size={g.data_parallel_size}; raise micro_batch_size."
                 )
             configs.append(

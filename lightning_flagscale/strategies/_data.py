@@ -51,8 +51,10 @@ def distribute_loader(
     seed = getattr(sampler, "seed", 0)
     if hetero_groups is not None:
         dp = meshes.size(MeshDim.DP)
+        # the loader's batch is per DP rank of the first mesh as listed (hetero_mesh_order may move it)
+        first = next(g for g in hetero_groups if g.mesh == 0)
         batches = MicroBatchSliceSampler(
-            len(dataloader.dataset), dataloader.batch_size * hetero_groups[0].data_parallel_size,
+            len(dataloader.dataset), dataloader.batch_size * first.data_parallel_size,
             parallel.micro_batch_size * dp, dp, meshes.local_rank(MeshDim.DP), seed=seed, shuffle=training,
         )  # fmt: skip
         dataloader = _with_batch_sampler(dataloader, batches)

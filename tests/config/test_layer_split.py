@@ -99,3 +99,129 @@ def test_device_speed_split_counts_the_head():
     fixed = ParallelConfig(hetero_meshes=FAST_SLOW, hetero_layers=[3, 3], micro_batch_size=1)
     assert fixed.hetero_extra_blocks(model) is None and [g.num_layers for g in fixed.stage_groups(6, model)] == [3, 3]
     parallel.validate_model(model)
+
+
+# ---- hetero_mesh_order="speed": the planner picks which mesh holds the LM head (issue 42 item 5) ----
+SLOW_FAST = FAST_SLOW[::-1]
+
+
+def _slowest(groups, extra: list[float], speed: dict[str, float]) -> float:
+    """Modelled slowest stage of planned groups: (blocks + extra) / (speed x ranks)."""
+    return max(_times([g.num_layers for g in groups], extra, [speed[g.device_type] * g.size for g in groups]))
+
+
+def _parallel(meshes, order: str, **kw):
+    from lightning_flagscale.config import ParallelConfig
+
+    return ParallelConfig(hetero_meshes=meshes, hetero_device_speed=SPEED, micro_batch_size=1, hetero_mesh_order=order,
+                          **kw)  # fmt: skip
+
+
+def test_speed_order_puts_the_head_on_the_fast_mesh():
+    """The bench's 6-block case (fast 2x slow, 2 ranks each, head 0.18 block): listed fast then slow, the head sits on
+    the slow last stage and [4, 2] is the best split (slowest 2.18 / 2 = 1.09); "speed" makes the fast mesh the last
+    stage group, [2, 4] (slowest 4.18 / 4 = 1.045). Under ZB-V the V ends on the first group: listed slow then fast,
+    "speed" puts the fast mesh first."""
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, max_seq_len=SEQ)
+    extra = edge_extra_blocks(model, SEQ, 2)
+    given = _parallel(FAST_SLOW, "given").stage_groups(6, model)
+    ordered = _parallel(FAST_SLOW, "speed").stage_groups(6, model)
+    assert [(g.mesh, g.device_type, g.num_layers) for g in given] == [(0, "fast", 4), (1, "slow", 2)]
+    assert [(g.mesh, g.device_type, g.num_layers) for g in ordered] == [(1, "slow", 2), (0, "fast", 4)]
+    assert [g.index for g in ordered] == [0, 1] and [g.first_rank for g in ordered] == [0, 2]
+    assert _slowest(given, extra, SPEED) == pytest.approx(1.0908, abs=1e-4)
+    assert _slowest(ordered, extra, SPEED) == pytest.approx(1.0454, abs=1e-4)
+    # already head-on-fast: kept as listed
+    assert [g.mesh for g in _parallel(SLOW_FAST, "speed").stage_groups(6, model)] == [0, 1]
+    for schedule in ("zbv", "dualpipev"):
+        v_extra = edge_extra_blocks(model, SEQ, 2, virtual=2, schedule=schedule)
+        v_given = _parallel(SLOW_FAST, "given", pipeline_schedule=schedule).stage_groups(6, model)
+        v_ordered = _parallel(SLOW_FAST, "speed", pipeline_schedule=schedule).stage_groups(6, model)
+        assert [g.device_type for g in v_ordered] == ["fast", "slow"], schedule
+        assert [g.mesh for g in v_ordered] == [1, 0]
+        assert _slowest(v_ordered, v_extra, SPEED) < _slowest(v_given, v_extra, SPEED)
+        assert [g.mesh for g in _parallel(FAST_SLOW, "speed", pipeline_schedule=schedule).stage_groups(6, model)] == [
+            0, 1,
+        ]  # fmt: skip
+
+
+def test_speed_order_keeps_ties_as_listed():
+    """Equal speeds, or no decoder config (no head counted: every order has the same slowest stage here): as listed."""
+    from lightning_flagscale.config.layer_split import speed_mesh_order
+
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, max_seq_len=SEQ)
+    assert [g.mesh for g in _parallel(FAST_SLOW, "speed").stage_groups(6)] == [0, 1]
+    meshes = parse_hetero_meshes(FAST_SLOW)
+    extra = edge_extra_blocks(model, SEQ, 2)
+    assert speed_mesh_order(meshes, 6, {"fast": 1.0, "slow": 1.0}, extra_blocks=extra) == (0, 1)
+    assert speed_mesh_order(meshes, 6, SPEED, extra_blocks=extra) == (1, 0)
+    # three meshes, the fastest listed first: it moves to the end, the other two keep their listed order
+    three = parse_hetero_meshes([dict(device_type="a"), dict(device_type="b"), dict(device_type="c")])
+    head = [0.0, 0.0, 2.0]  # as listed the head makes the last stage 1 + 2 = 3; with "a" last, 7 / 3
+    assert speed_mesh_order(three, 9, {"a": 3.0, "b": 1.0, "c": 1.0}, extra_blocks=head) == (1, 2, 0)
+
+
+def test_reordered_meshes_keep_their_own_ranks():
+    """Ranks are laid out in the listed mesh order (or by device type over the listed meshes); a mesh moved to
+    another pipeline position keeps those ranks."""
+    from lightning_flagscale.config.layer_split import pipeline_rank_order
+    from lightning_flagscale.parallel.hetero_mesh.ranks import rank_order_by_type
+
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, max_seq_len=SEQ)
+    parallel = _parallel(FAST_SLOW, "speed")
+    assert [g.ranks for g in parallel.stage_groups(6, model)] == [[2, 3], [0, 1]]  # no device types: rank order
+    types = ["slow", "fast", "slow", "fast"]
+    order = rank_order_by_type(parse_hetero_meshes(FAST_SLOW), types)
+    assert order == [1, 3, 0, 2]
+    groups = parallel.stage_groups(6, model, order)
+    assert [(g.device_type, g.ranks) for g in groups] == [("slow", [0, 2]), ("fast", [1, 3])]
+    assert all(types[r] == g.device_type for g in groups for r in g.ranks)
+    # meshes of different sizes, pipeline stages inside a mesh: every block of positions moves whole
+    meshes = parse_hetero_meshes(
+        [dict(data_parallel_size=2, pipeline_parallel_size=2), dict(), dict(data_parallel_size=3)]
+    )
+    assert pipeline_rank_order(meshes, (2, 0, 1)) == [5, 6, 7, 0, 1, 2, 3, 4]
+    assert pipeline_rank_order(meshes, (0, 1, 2)) is None
+    assert pipeline_rank_order(meshes, (1, 0, 2), [7, 6, 5, 4, 3, 2, 1, 0]) == [3, 7, 6, 5, 4, 2, 1, 0]
+    speed = {"a": 1.0}
+    typed = [dict(m, device_type="a") for m in ([dict(data_parallel_size=2, pipeline_parallel_size=2), {},
+                                                 dict(data_parallel_size=3)])]  # fmt: skip
+    groups = plan_stage_groups(parse_hetero_meshes(typed), None, 8, speed, extra_blocks=[0, 0, 0, 3.0],
+                               mesh_order="speed")  # fmt: skip
+    assert [(g.mesh, g.ranks) for g in groups] == [(0, [0, 1]), (0, [2, 3]), (1, [4]), (2, [5, 6, 7])]
+
+
+def test_micro_batch_stays_per_rank_of_the_first_listed_mesh():
+    """``micro_batch_size`` counts samples per data-parallel rank of ``hetero_meshes[0]`` as listed: moving a DP=1
+    mesh in front of a DP=2 one must not halve the micro-batch (which DP=2 could then not split)."""
+    from lightning_flagscale.config import ParallelConfig
+
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, max_seq_len=SEQ)
+    meshes = [dict(data_parallel_size=2, device_type="fast"), dict(tensor_parallel_size=2, device_type="slow")]
+    parallel = ParallelConfig(hetero_meshes=meshes, hetero_device_speed=SPEED, micro_batch_size=1,
+                              hetero_mesh_order="speed")  # fmt: skip
+    assert [g.mesh for g in parallel.stage_groups(6, model)] == [1, 0]
+    assert [(c.tensor_parallel_size, c.micro_batch_size) for c in parallel.stage_group_configs(6, model)] == [
+        (2, 2), (1, 1),
+    ]  # fmt: skip
+    parallel.validate_model(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(hetero_meshes=FAST_SLOW), "needs hetero_device_speed"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_layers=[4, 2]), "leave hetero_layers at None"),
+        (dict(hetero_device_speed=SPEED, hetero_dp_batch_sizes="auto"), "give hetero_meshes"),
+        (dict(hetero_meshes=[dict(device_type="fast")] * 7, hetero_device_speed=SPEED), "at most 6"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, recompute=["full", "none"]), "one mode for all"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, hetero_mesh_order="fast"), "use 'given'"),
+    ],
+    ids=["no-speed", "layers", "no-meshes", "too-many", "recompute-list", "bad-name"],
+)
+def test_bad_mesh_order_combinations_are_refused(kwargs, message):
+    from lightning_flagscale.config import ParallelConfig
+
+    kwargs = {"hetero_mesh_order": "speed", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(micro_batch_size=1, **kwargs)

@@ -1,6 +1,8 @@
 """HF export from a heterogeneous-mesh run (issue 12, item 8): train on a fast TP=2 mesh and a slow DP=2 mesh whose
 ranks are interleaved by device type, export with ``HFExportCallback`` at fit end and, offline, from the run's DCP
-checkpoint; both exports are the trained weights (= the single-process run's) and give our logits in transformers."""
+checkpoint; both exports are the trained weights (= the single-process run's) and give our logits in transformers.
+The meshes are listed fast then slow and ``hetero_mesh_order="speed"`` runs them slow then fast (the LM head on the
+fast mesh; issue 42 item 5), so the reordered layout, its ranks by device type and its export are checked too."""
 
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ def test_export_from_hetero_run_equals_one_process_model(launcher, tmp_path):
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(num_layers=4)
-    strategy = dict(hetero_meshes=[FAST, SLOW], hetero_layers=[3, 1], micro_batch_size=2, zero_stage=1)
+    strategy = dict(hetero_meshes=[FAST, SLOW], hetero_device_speed={"fast": 3.0, "slow": 1.0},
+                    hetero_mesh_order="speed", micro_batch_size=2, zero_stage=1)  # fmt: skip
     live, ckpt = tmp_path / "live", tmp_path / "run.ckpt"
     out = launcher(4, _run_as_type, INTERLEAVED, None, strategy, config, 3, export_dir=str(live),
                    save_path=str(ckpt), batch_size=4)  # fmt: skip
+    # the slow mesh (ranks 0, 2 by device type) runs first with one block, the fast one (1, 3) last with the head
+    assert out[0][2]["ranks"] == [[0, 2], [1, 3]] and out[0][2]["layers"] == [1, 3], out[0][2]
     trained = {k: v for _, params, _ in out for k, v in params.items()}  # stages hold different parts
     _, reference = reference_run(config, 3)
     exported = AutoModelForCausalLM.from_pretrained(live).eval()

@@ -119,8 +119,9 @@ def build_hetero_layout(
     module's config, whose embedding and LM head a ``hetero_device_speed`` split counts."""
     groups = parallel.stage_groups(num_layers, model, rank_order)
     if dist.get_rank() == 0:
+        order = list(dict.fromkeys(g.mesh for g in groups))  # hetero_mesh_order="speed" may have moved the meshes
         logging.getLogger(__name__).info(
-            "Heterogeneous stages: "
+            f"Heterogeneous mesh order ({parallel.hetero_mesh_order}): hetero_meshes {order} as pipeline stages; stages: "
             + "; ".join(f"stage {g.index} on mesh {g.mesh} ({g.device_type or 'untyped'}, ranks "
                         f"{g.ranks}): {'+'.join(map(str, g.chunk_layers))} blocks" for g in groups)
         )  # fmt: skip
