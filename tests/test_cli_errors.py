@@ -77,6 +77,15 @@ def test_layout_that_does_not_divide_the_world_size(no_launch, capsys):
     assert "World size 2 is not divisible by pipeline x context x tensor = 1 x 1 x 3 = 3" in line
 
 
+def test_zbv_order_knobs_are_checked_before_launch(no_launch, capsys):
+    knob = "--trainer.strategy.init_args.pipeline_chunk_costs"
+    zbv = ["--config", "pipeline", "--trainer.strategy.init_args.pipeline_schedule", "zbv"]
+    line = _error_line(capsys, [*zbv, knob, "[1, 0, 1]"])
+    assert "pipeline_chunk_costs=(1.0, 0.0, 1.0): give three positive finite numbers" in line
+    line = _error_line(capsys, ["--config", "pipeline", knob, "[1, 2, 1]"])  # the recipe's interleaved_1f1b
+    assert "only pipeline_schedule='zbv' generates its action order from them, got pipeline_schedule=" in line
+
+
 def test_malformed_mtp_loss_weight_schedule(no_launch, capsys):
     schedule = "[[100, 0.1], [50, 0]]"
     config = f'{{"preset": "deepseek-v3-tiny", "num_nextn_predict_layers": 1, "mtp_loss_weight_schedule": {schedule}}}'

@@ -174,6 +174,14 @@ class PipelineConfig:
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
     Needs ``pipeline_schedule="dualpipev"``, ``expert_parallel_size > 1``, and no TP, CP, ZeRO-3 or hetero meshes."""
+    pipeline_chunk_costs: tuple[float, float, float] | None = None
+    """``zbv`` only: relative forward : input-gradient : weight-gradient cost of one model chunk for one micro-batch,
+    e.g. ``[1, 2, 1]``; the schedule runs the action order generated for them (``orders.zbv_order``: torch's own
+    unless another is strictly faster). ``None``: equal costs."""
+    pipeline_max_activations: int | None = None
+    """``zbv`` only: activations one pipeline rank may hold (forwards whose weight gradient has not run), at least 2;
+    ``None``: 2p, what a 1F1B rank holds (p: pipeline ranks, or stage groups with ``hetero_meshes``). With input
+    gradients dearer than weight gradients, 4p lets the order idle only the (p-1)F no V schedule avoids."""
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -190,6 +198,31 @@ class PipelineConfig:
             )
         if self.pipeline_balance not in ("even", "cost"):
             raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
+        self._check_zbv_order()
+
+    def _check_zbv_order(self) -> None:
+        costs, cap = self.pipeline_chunk_costs, self.pipeline_max_activations
+        if costs is not None:
+            if not isinstance(costs, (tuple, list)) or len(costs) != 3 or any(
+                not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c < float("inf") for c in costs
+            ):  # fmt: skip
+                raise ValueError(
+                    f"pipeline_chunk_costs={costs!r}: give three positive finite numbers, the forward, input-gradient"
+                    " and weight-gradient cost of one model chunk, e.g. [1, 2, 1]."
+                )
+            self.pipeline_chunk_costs = tuple(float(c) for c in costs)  # a YAML list, or ints, compare equal
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 2):
+            raise ValueError(
+                f"pipeline_max_activations={cap!r}: give an integer >= 2 (the first micro-batch's forwards through both"
+                " chunks of the first rank run before any backward) or None (2p, what a 1F1B rank holds)."
+            )
+        knobs = [n for n in ("pipeline_chunk_costs", "pipeline_max_activations") if getattr(self, n) is not None]
+        if knobs and self.pipeline_schedule != "zbv":
+            raise ValueError(
+                f"{' and '.join(knobs)}: only pipeline_schedule='zbv' generates its action order from them, got"
+                f" pipeline_schedule={self.pipeline_schedule!r}; set pipeline_schedule='zbv' or leave"
+                f" {' and '.join(knobs)} at None."
+            )
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.schedules import min_microbatches
 from lightning_flagscale.models.decoder import CausalLM
+from lightning_flagscale.parallel.pipeline_parallel.orders import torch_v_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.recompute import (
     _selective_contexts,
     apply_recompute,
@@ -131,7 +132,7 @@ def _pipeline_parity(
     meta: bool = False,
     dp: int = 1,
     pp: int = 2,
-    runner_attrs: dict | None = None,
+    order_knobs: dict | None = None,
 ) -> dict:
     torch.manual_seed(0)
     cfg = _tiny(**(model_kw or {}))
@@ -147,6 +148,7 @@ def _pipeline_parity(
         micro_batch_size=mbs,
         pipeline_layers=pipeline_layers,
         recompute=recompute,
+        **(order_knobs or {}),
     )
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
@@ -163,8 +165,6 @@ def _pipeline_parity(
         runner.sync_tied_params()
     else:
         runner = build_pipeline(model, mesh, pcfg, balance=balance)
-    for name, value in (runner_attrs or {}).items():
-        setattr(runner, name, value)
     params = [p for m in runner.stage_modules for p in m.parameters()]
     opt = _opt(params)
     first_eval = _mean_loss(model, batch, mbs)  # forward-only before any training step (validation-only runs)
@@ -205,7 +205,14 @@ def _pipeline_parity(
         "state_keys": sorted(k for m in runner.stage_modules for k in m.state_dict()),
         "n_params": len(params),
         "ref_keys": sorted(model.state_dict()),
+        # the compute order every training schedule ran (one per batch shape), as (stage, kind, micro-batch)
+        "train_orders": [_plain(s.pipeline_order) for (_, train, _), s in runner._schedules.items() if train],
     }
+
+
+def _plain(order: dict) -> dict[int, list[tuple[int, str, int]]]:
+    return {r: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts if a is not None]
+            for r, acts in order.items()}  # fmt: skip
 
 
 def _check(results: list[dict]) -> None:
@@ -370,11 +377,17 @@ def test_selective_mm_is_refused_on_moe_blocks():
     [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 def test_schedule_matches_single_process(launcher, schedule, vpp):
-    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), which
-    # differs from torch's; torch's own zbv order is the default that the tied, TP and Lightning-loop tests run
-    attrs = {"zbv_costs": (1.0, 2.0, 1.0), "zbv_max_activations": 8} if schedule == "zbv" else None
-    results = launcher(2, _pipeline_parity, schedule, vpp, runner_attrs=attrs)
+    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), set as a
+    # user sets it (ParallelConfig fields), which differs from torch's; torch's own zbv order is the default that the
+    # tied, TP and Lightning-loop tests run
+    knobs = {"pipeline_chunk_costs": [1, 2, 1], "pipeline_max_activations": 8} if schedule == "zbv" else None
+    results = launcher(2, _pipeline_parity, schedule, vpp, order_knobs=knobs)
     _check(results)
+    if schedule == "zbv":
+        generated, torchs = _plain(zbv_order(2, 4, (1.0, 2.0, 1.0), 8)), _plain(torch_v_order("zbv", 2, 4))
+        assert generated != torchs
+        for r in results:
+            assert r["train_orders"] and all(order == generated for order in r["train_orders"])
     # Stages of both ranks together are exactly the full model's state dict.
     assert sorted(results[0]["state_keys"] + results[1]["state_keys"]) == results[0]["ref_keys"]
 

@@ -85,6 +85,19 @@ def test_greedy_zbv_order_with_more_memory_reaches_the_v_bound_when_i_exceeds_w(
     assert _peak_activations(order) <= 16
 
 
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 3.0)])
+def test_two_activations_per_rank_is_the_least_a_zbv_order_needs(costs):
+    # ParallelConfig.pipeline_max_activations refuses values below 2 at creation: rank 0 runs the first micro-batch's
+    # forwards through both its chunks (stages 0 and 2p-1) before any backward, and 2 always admits an order
+    for p in range(1, 5):
+        for m in (1, 2, p, 2 * p + 1):
+            order = zbv_order(p, m, costs, cap=2)
+            assert _peak_activations(order) <= 2
+            simulate(order, 2 * p, costs)
+            with pytest.raises(ValueError, match=r"raise cap \(ParallelConfig.pipeline_max_activations\)"):
+                zbv_order(p, m, costs, cap=1)
+
+
 def test_simulate_refuses_an_order_that_would_hang():
     # rank 1 runs the backward of micro-batch 0 before its forward has been received
     order = {

@@ -91,3 +91,41 @@ def test_schedule_errors_at_creation(kwargs, match):
         ParallelConfig(**kwargs)
     with pytest.raises(ValueError, match=match):  # the strategy fails in its constructor, not in setup
         FlagScaleStrategy(**kwargs)
+
+
+ZBV = dict(pipeline_parallel_size=2, pipeline_schedule="zbv")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(ZBV, pipeline_chunk_costs=[1, 2]), r"pipeline_chunk_costs=\[1, 2\]: give three positive finite"),
+        (dict(ZBV, pipeline_chunk_costs=[1, 0, 1]), "give three positive finite numbers"),
+        (dict(ZBV, pipeline_chunk_costs=[1, float("inf"), 1]), "give three positive finite numbers"),
+        (dict(ZBV, pipeline_chunk_costs=[1, float("nan"), 1]), "give three positive finite numbers"),
+        (dict(ZBV, pipeline_chunk_costs=[1, "2", 1]), "give three positive finite numbers"),
+        (dict(ZBV, pipeline_max_activations=1), "pipeline_max_activations=1: give an integer >= 2"),
+        (dict(ZBV, pipeline_max_activations=8.0), "pipeline_max_activations=8.0: give an integer >= 2"),
+        (dict(pipeline_parallel_size=2, pipeline_max_activations=8),
+         "pipeline_max_activations: only pipeline_schedule='zbv' generates .* got pipeline_schedule='1f1b'"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", pipeline_chunk_costs=[1, 2, 1],
+              pipeline_max_activations=8),
+         "pipeline_chunk_costs and pipeline_max_activations: only pipeline_schedule='zbv'.* leave pipeline_chunk_costs"
+         " and pipeline_max_activations at None"),
+    ],
+)  # fmt: skip
+def test_zbv_order_knobs_are_checked_at_creation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):  # the strategy fails in its constructor, before any process starts
+        FlagScaleStrategy(**kwargs)
+
+
+def test_zbv_order_knobs_are_kept_as_three_floats():
+    # a YAML / CLI list and ints compare equal to the tuple of floats the order is generated for
+    cfg = ParallelConfig(**ZBV, pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8)
+    assert (cfg.pipeline_chunk_costs, cfg.pipeline_max_activations) == ((1.0, 2.0, 1.0), 8)
+    assert cfg == ParallelConfig(**ZBV, pipeline_chunk_costs=(1.0, 2.0, 1.0), pipeline_max_activations=8)
+    strategy = FlagScaleStrategy(**ZBV, pipeline_chunk_costs=(1, 2, 1))
+    assert strategy.parallel.pipeline_chunk_costs == (1.0, 2.0, 1.0)
+    assert strategy.parallel.pipeline_max_activations is None

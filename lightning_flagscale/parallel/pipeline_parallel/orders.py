@@ -253,5 +253,8 @@ def zbv_order(p: int, m: int, costs: Costs = (1.0, 1.0, 1.0), cap: int | None = 
         if best is None or span < best[0] - 1e-9:
             best = (span, order)
     if best is None:
-        raise ValueError(f"no ZB-V order for p={p}, m={m} holds at most cap={cap} activations per rank; raise cap.")
+        raise ValueError(
+            f"no ZB-V order for p={p}, m={m} holds at most cap={cap} activations per rank; raise cap"
+            " (ParallelConfig.pipeline_max_activations)."
+        )
     return best[1]

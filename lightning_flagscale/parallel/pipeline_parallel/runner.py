@@ -284,10 +284,12 @@ class PipelineRunner:
     stage_cls: type[PipelineStage] = StatelessInferenceStage
     """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
     zbv_costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    """Relative F, I, W cost of one ``zbv`` chunk that its action order is generated for (``orders.zbv_order``)."""
+    """Relative F, I, W cost of one ``zbv`` chunk that its action order is generated for (``orders.zbv_order``);
+    ``build_pipeline`` sets it from ``ParallelConfig.pipeline_chunk_costs``."""
     zbv_max_activations: int | None = None
     """Activations a ``zbv`` rank may hold (forwards whose W has not run); None: 2p, a 1F1B rank's. With I > W, 4p
-    lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``)."""
+    lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``);
+    ``build_pipeline`` sets it from ``ParallelConfig.pipeline_max_activations``."""
     overlap_moe_comm: bool = False
     """``ParallelConfig.overlap_moe_expert_parallel_comm``: DualPipeV's paired forward and backward run at once."""
     loss_stat: Callable[[], Any] | None = None
@@ -591,4 +593,7 @@ def build_pipeline(
         num_microbatches=num_microbatches,
     )
     runner.overlap_moe_comm = config.overlap_moe_expert_parallel_comm
+    if config.pipeline_chunk_costs is not None:
+        runner.zbv_costs = config.pipeline_chunk_costs
+    runner.zbv_max_activations = config.pipeline_max_activations
     return runner
