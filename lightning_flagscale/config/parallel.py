@@ -525,7 +525,8 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                     micro_batch_size=samples // g.data_parallel_size,
                     gradient_accumulation_steps=self.gradient_accumulation_steps, pipeline_schedule=self.pipeline_schedule,
                     recompute=self.recompute if isinstance(self.recompute, str) else self.recompute[g.index],
-                    context_parallel_mode=self.context_parallel_mode,
+                    context_parallel_mode=self.context_parallel_mode, pipeline_chunk_costs=self.pipeline_chunk_costs,
+                    pipeline_max_activations=self.pipeline_max_activations,
                 ).resolve(g.size)
             )  # fmt: skip
         return configs

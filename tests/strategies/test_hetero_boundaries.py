@@ -15,6 +15,7 @@ from lightning_flagscale.config.layer_split import plan_stage_groups
 from lightning_flagscale.config.schedules import min_microbatches, stage_placement
 from lightning_flagscale.parallel.hetero_mesh.boundary import boundary_transfers, coords, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order, simulate
+from lightning_flagscale.parallel.pipeline_parallel.orders import zbv_order
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
@@ -142,6 +143,26 @@ def test_v_shaped_orders_place_two_chunks_per_group_and_run_without_deadlock(sch
     with pytest.raises(ValueError, match=f"at least {low} micro-batches"):
         schedule_order(schedule, G, 0, 2, low - 1, train=True)
     simulate([schedule_order(schedule, G, g, 2, 1, train=False) for g in range(G)], 2 * G)  # evaluation: any count
+
+
+@pytest.mark.parametrize("num_groups", [2, 3])
+def test_zbv_across_groups_runs_the_order_generated_for_the_config_knobs(num_groups):
+    """``pipeline_chunk_costs`` / ``pipeline_max_activations`` give every stage group its rank's order of
+    ``orders.zbv_order`` (as without hetero meshes), here not torch's; each group's config carries them."""
+    G, n, costs = num_groups, 2 * num_groups, (1.0, 2.0, 1.0)
+    orders = [schedule_order("zbv", G, g, 2, n, train=True, costs=costs, cap=4 * G) for g in range(G)]
+    want = zbv_order(G, n, costs, 4 * G)
+    assert orders == [
+        [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in want[g]] for g in range(G)
+    ]
+    assert orders != [schedule_order("zbv", G, g, 2, n, train=True) for g in range(G)]
+    simulate(orders, 2 * G)
+    forward_only = [schedule_order("zbv", G, g, 2, n, train=False, costs=costs, cap=4 * G) for g in range(G)]
+    assert forward_only == [schedule_order("zbv", G, g, 2, n, train=False) for g in range(G)]
+    cfg = ParallelConfig(hetero_meshes=[TP2, DP2], pipeline_schedule="zbv", micro_batch_size=2,
+                         pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8)  # fmt: skip
+    knobs = [(c.pipeline_chunk_costs, c.pipeline_max_activations) for c in cfg.stage_group_configs(4)]
+    assert knobs == [(costs, 8)] * 2
 
 
 def test_zero_bubble_defers_weight_passes_by_the_warmup_depth():

@@ -6,7 +6,9 @@ meshes too."""
 from __future__ import annotations
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
+from lightning_flagscale.parallel.hetero_mesh.runner import schedule_order
 from tests.strategies._lm import assert_matches_reference, reference_run, tiny_config, trainer_run
 
 STEPS = 3
@@ -14,10 +16,11 @@ TP2, DP2 = dict(tensor_parallel_size=2), dict(data_parallel_size=2)
 TIED = {"lm_head.weight": "embed_tokens.weight"}
 
 
-def _run(launcher, strategy, config, global_batch, what, rename=None):
+def _run(launcher, strategy, config, global_batch, what, rename=None, callbacks=None):
     reference = reference_run(config, STEPS, clip=1.0, global_batch=global_batch)
     first_dp = strategy["hetero_meshes"][0].get("data_parallel_size", 1)
-    results = launcher(4, trainer_run, strategy, config, STEPS, clip=1.0, batch_size=global_batch // first_dp)
+    results = launcher(4, trainer_run, strategy, config, STEPS, clip=1.0, batch_size=global_batch // first_dp,
+                       callbacks=callbacks)  # fmt: skip
     assert_matches_reference(results, reference, what, rename=rename)
     return results
 
@@ -61,10 +64,22 @@ def test_zero_bubble_across_meshes(launcher, virtual, zero_stage):
          rename=TIED if virtual == 2 else None)  # fmt: skip
 
 
+class GeneratedZBVOrderRan(Callback):
+    """Fails the run unless each rank's stage group trained on the order ``orders.zbv_order`` generates for the
+    config's ``pipeline_chunk_costs`` [1, 2, 1] and ``pipeline_max_activations`` 8 (4 micro-batches, 2 groups), which
+    is not torch's."""
+
+    def on_train_end(self, trainer, pl_module):
+        g = pl_module.model.runner.group.index
+        want = schedule_order("zbv", 2, g, 2, 4, train=True, costs=(1.0, 2.0, 1.0), cap=8)
+        assert pl_module.model.runner._orders[(4, True)] == want != schedule_order("zbv", 2, g, 2, 4, train=True)
+
+
 @pytest.mark.parametrize(
     ("schedule", "meshes", "kwargs"),
     [
-        ("zbv", [TP2, DP2], dict(zero_stage=1)),
+        # ZB-V on the order generated for I = 2F = 2W with 4 activations per group (issue 42), set as the user sets it
+        ("zbv", [TP2, DP2], dict(zero_stage=1, pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8)),
         ("dualpipev", [DP2, TP2], dict(zero_stage=3, recompute="selective")),
     ],
     ids=["zbv-tp2-dp2-zero1", "dualpipev-dp2-tp2-zero3-selective"],
@@ -78,7 +93,8 @@ def test_v_shaped_schedules_across_meshes(launcher, schedule, meshes, kwargs):
     micro = 2 // meshes[0].get("data_parallel_size", 1)
     strategy = dict(hetero_meshes=meshes, hetero_layers=[2, 2], micro_batch_size=micro, pipeline_schedule=schedule,
                     **kwargs)  # fmt: skip
-    results = _run(launcher, strategy, config, 8, f"{schedule} {meshes} {kwargs}", rename=TIED)
+    callbacks = [GeneratedZBVOrderRan()] if schedule == "zbv" else None
+    results = _run(launcher, strategy, config, 8, f"{schedule} {meshes} {kwargs}", rename=TIED, callbacks=callbacks)
     for rank, (_, params) in enumerate(results):  # the V: mesh 0 (ranks 0, 1) holds blocks 0 and 3, mesh 1 blocks 1, 2
         blocks = {int(name.split("layers.")[1].split(".")[0]) for name in params if "layers." in name}
         assert blocks == ({0, 3} if rank < 2 else {1, 2}), (rank, sorted(blocks))
