@@ -2,7 +2,8 @@
 
 A job spans several process meshes in rank order, each homogeneous with its own tensor / data / pipeline / expert
 parallel sizes and device type, chained as pipeline stages with their own layer counts (FlagScale's second
-generation of heterogeneous training, SEEDS.md section 3). Every pipeline stage of every mesh becomes a *stage group*:
+generation of heterogeneous training, SEEDS.md section 3), in the order listed or in the one the planner chooses
+(``hetero_mesh_order="speed"``, ``config/layer_split.py::speed_mesh_order``). Every pipeline stage of every mesh becomes a *stage group*:
 the ranks of one stage of one mesh, laid out ``("dp", "cp", "tp")`` with tp fastest, like a homogeneous stage.
 Context parallelism must be equal on every mesh (a token then lives on the same CP rank on both sides of a
 boundary); sequence parallelism applies on the meshes with TP > 1; with ``virtual_pipeline_parallel_size=v``
@@ -68,7 +69,8 @@ class StageGroup:
     index: int
     """Global pipeline stage index (over all meshes)."""
     mesh: int
-    """Index of the mesh it belongs to."""
+    """Index in ``hetero_meshes`` (as listed) of the mesh it belongs to; ``hetero_mesh_order="speed"`` may run the
+    meshes in another order, so it need not grow with ``index``."""
     first_rank: int
     tensor_parallel_size: int
     data_parallel_size: int
