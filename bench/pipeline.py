@@ -207,7 +207,7 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
     m = opts["m"]
     gen = torch.Generator().manual_seed(0)
     x, target = torch.randn(m, HIDDEN, generator=gen), torch.randn(m, HIDDEN, generator=gen)
-    out = {}
+    runners = {}
     for name, v in opts["schedules"]:
         schedule = "zbv" if name == ZBV_4P else name
         # zbv_4p: the order generated for the layers' costs with 4p activations, set as a user sets it
@@ -215,18 +215,20 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
         cfg = ParallelConfig(
             pipeline_parallel_size=P, virtual_pipeline_parallel_size=v, pipeline_schedule=schedule, **knobs
         )
-        runner = build_pipeline(_SleepLM(opts["ms"], opts["fbw"]), mesh, cfg, device="cpu")
-        runner.stage_cls = _stage_cls()
-        runs = []
-        for it in range(opts["iters"] + 1):  # the first iteration warms up communicators and shape metadata
+        runners[name] = build_pipeline(_SleepLM(opts["ms"], opts["fbw"]), mesh, cfg, device="cpu")
+        runners[name].stage_cls = _stage_cls()
+    out: dict[str, list] = {name: [] for name in runners}
+    # round 0 warms up every schedule's communicators and shape metadata; then rounds interleave the schedules (each
+    # round runs every schedule once), so a load drift on this shared machine hits all of them alike
+    for it in range(opts["iters"] + 1):
+        for name, runner in runners.items():
             dist.barrier()
             _EVENTS.clear()
             start = time.perf_counter()
             runner.step((x,), {}, target)
             end = time.perf_counter()
             if it:
-                runs.append((start, end, list(_EVENTS)))
-        out[name] = runs
+                out[name].append((start, end, list(_EVENTS)))
     gathered = [None] * P if rank == 0 else None
     dist.gather_object(out, gathered, dst=0)
     if rank == 0:
@@ -362,7 +364,7 @@ def _table(rows: list[dict], opts: dict) -> list[str]:
         f"p = {P}, m = {m}, {LAYERS} sleep-timed layers (and a free embedding), F : I : W = {f:g} : {i:g} : {w:g} with"
         f" one unit = {ms:g} ms per layer; bubble = time outside F/B/I/W over the makespan (all ranks start together"
         f" and the step ends with the last one), averaged over ranks; median (min - max) over {opts['iters']}"
-        " measured iterations, the split and the timeline from the iteration of median makespan.",
+        " measured rounds (each runs every schedule once, interleaved), the split and the timeline from the round of median makespan.",
         "",
         "Theory, per rank with F, I, W the costs of one stage (a V chunk or interleaved chunk is one layer, a 1F1B"
         " stage two): GPipe, 1F1B and interleaved 1F1B idle (p-1)(F+I+W) out of m v (F+I+W) + idle; ZB-H1"
@@ -454,7 +456,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--ms", type=float, default=30.0, help="milliseconds of one cost unit of a layer")
     parser.add_argument("--fbw", default="1:1:1", help="F:I:W cost of a layer in units of --ms (I: input gradient)")
-    parser.add_argument("--iters", type=int, default=5, help="measured iterations per schedule (median reported)")
+    parser.add_argument(
+        "--iters", type=int, default=5, help="measured rounds, each running every schedule once (median reported)"
+    )
     parser.add_argument("--only", nargs="+", default=None, help="a subset of the schedules")
     parser.add_argument("--smoke", action="store_true", help="1 ms layers, one measured iteration (seconds)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
