@@ -59,6 +59,24 @@ def test_torch_v_orders_reach_the_v_bound_when_costs_are_equal(m):
         assert len({sim.busy(r) for r in range(4)}) == 1  # every rank carries the same work
 
 
+@pytest.mark.parametrize("m", [8, 16])
+def test_v_orders_per_rank_span_bubble_as_the_papers_count_it(m):
+    # Counted from each rank's own first action to its own last (the ZB paper's and DeepSeek's count): torch's ZB-V
+    # order idles nothing at F = I = W (the ZB paper's 0); DualPipeV's rank r idles (p-1-r)F (none at the V's turn);
+    # at I = 2W torch's ZB-V order idles over 3%, the order generated for those costs with 4p activations under 1%
+    f = 1.0
+    zbv = simulate(torch_v_order("zbv", 4, m), 8, (f, f, f))
+    assert [zbv.own_span_bubble(r) for r in range(4)] == [0.0] * 4
+    dual = simulate(torch_v_order("dualpipev", 4, m), 8, (f, f, f))
+    busy = 2 * m * 3 * f
+    assert [dual.own_span_bubble(r) for r in range(4)] == pytest.approx(
+        [(3 - r) * f / (busy + (3 - r) * f) for r in range(4)]
+    )
+    costs = (1.0, 2.0, 1.0)
+    assert simulate(torch_v_order("zbv", 4, m), 8, costs).own_bubble > 0.03
+    assert simulate(zbv_order(4, m, costs, cap=16), 8, costs).own_bubble < 0.01
+
+
 @pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (2, 8), (3, 9)])
 @pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 2.0, 1.0)])
 def test_greedy_zbv_order_is_complete_and_never_worse_than_torchs(p, m, costs):

@@ -74,6 +74,19 @@ class SimResult:
         idle = sum(self.makespan - self.busy(r) for r in self.timeline)
         return idle / (len(self.timeline) * self.makespan) if self.makespan else 0.0
 
+    def own_span_bubble(self, rank: int) -> float:
+        """Idle share of ``rank``'s own span, from its first action's start to its last action's end: the count of
+        the ZB paper (ZB-V at F = I = W: 0) and of DeepSeek's DualPipe, where a later rank's wait for its first input
+        and an earlier rank's early finish are not bubble."""
+        actions = self.timeline[rank]
+        span = actions[-1][2] - actions[0][1] if actions else 0.0
+        return (span - self.busy(rank)) / span if span else 0.0
+
+    @property
+    def own_bubble(self) -> float:
+        """:meth:`own_span_bubble` averaged over ranks."""
+        return sum(self.own_span_bubble(r) for r in self.timeline) / len(self.timeline) if self.timeline else 0.0
+
 
 def _compute_actions(actions: Sequence[_Action | None]) -> list[_Action]:
     flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
