@@ -40,6 +40,14 @@ def _overlap_run(kwargs: dict[str, Any], config: Any, steps: int) -> dict[str, A
         original(schedule, action, ctx)
 
     overlap._forward = recording
+    sends: list[str] = []  # the thread of every send posted from overlap.py (the paired forwards' outputs)
+    original_send = overlap._batch_p2p
+
+    def send(ops: list[Any], *args: Any, **kwargs: Any) -> Any:
+        sends.append(threading.current_thread().name)
+        return original_send(ops, *args, **kwargs)
+
+    overlap._batch_p2p = send
     groups: list[list[tuple[int, ...]]] = []
     original_separate = overlap.separate_chunk_groups
 
@@ -57,8 +65,9 @@ def _overlap_run(kwargs: dict[str, Any], config: Any, steps: int) -> dict[str, A
         result = sgd_trainer_run(kwargs, config, steps, batch_size=BATCH // 2)  # data-parallel size 2
     finally:
         overlap._forward = original
+        overlap._batch_p2p = original_send
         plan.separate_chunk_groups = original_separate
-    return {**result, "threads": threads, "groups": groups}
+    return {**result, "threads": threads, "groups": groups, "sends": sends}
 
 
 def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
@@ -78,6 +87,10 @@ def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
     for rank, res in enumerate(results):
         # the paired forwards really ran on the helper thread (DualPipeV's steady state has some on every rank)
         assert res["threads"] and set(res["threads"]) == {"flagscale-overlap-forward"}, (rank, res["threads"])
+        # and each sent its output to the other pipeline rank from there, as soon as it ended (not after the pair's
+        # backward, where torch's lowering puts the send): every rank pairs forwards of stage 0 or 2, whose next
+        # stage is on the other rank
+        assert res["sends"] and set(res["sends"]) == {"flagscale-overlap-forward"}, (rank, res["sends"])
         # chunks (V placement): pipeline rank 0 holds stages 0 (the dense first_k_dense_replace block: no experts)
         # and 3, rank 1 stages 1 and 2; the second chunk's EP group is a twin of the first's: same ranks, own group
         first, second = res["groups"]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import (
     _Action,
+    _batch_p2p,
     _ComputationType,
     _PipelineContext,
     _wait_batch_p2p,
@@ -40,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
 
 from lightning_flagscale.moe.balance import moe_layers
 
-__all__ = ["check_pairs_cross_chunks", "overlapped_forward_backward", "separate_chunk_groups"]
+__all__ = ["OverlappedPairs", "check_pairs_cross_chunks", "separate_chunk_groups"]
 
 _DEFAULT = "default"  # MoELayer.token_group's "the default process group" marker (moe/layer.py DEFAULT_GROUP)
 
@@ -162,11 +163,26 @@ def _full_backward(schedule: Any, action: _Action) -> None:
         stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
 
-def overlapped_forward_backward(schedule: Any) -> Callable[[_Action, _PipelineContext], None]:
+class OverlappedPairs:
     """The ``OVERLAP_F_B`` function to register on a DualPipeV schedule: the forward on a helper thread (grad mode and
-    autocast as on the caller's), the backward here; returns once both are done, re-raising the forward's error."""
+    autocast as on the caller's), the backward on the schedule's thread; a call returns once both are done,
+    re-raising the forward's error.
 
-    def run(action: _Action, ctx: _PipelineContext) -> None:
+    The paired forward's output is sent from the helper thread as soon as the forward ends. torch lowers a pair's
+    sends after the whole pair (``_add_send_recv``), so the next rank's forward would also wait for this rank's
+    backward; this takes those ``SEND_F`` actions out of the rank's lowered order. Only the helper thread posts on the
+    pipeline group during a pair (the backward only waits for receives posted before it), and each send keeps its
+    place before the pair's own backward sends, so the messages reach every peer in the order they did. Call
+    :meth:`finish` after the schedule's step: it waits for these sends, as torch waits for its own at the step's end.
+    """
+
+    def __init__(self, schedule: Any) -> None:
+        self.schedule = schedule
+        self.early_sends = _take_paired_forward_sends(schedule)
+        """``(stage, micro-batch)`` of every paired forward this rank sends from the helper thread."""
+        self._pending: list[list[dist.Work]] = []
+
+    def __call__(self, action: _Action, ctx: _PipelineContext) -> None:
         subs = action.sub_actions or ()
         forward = next(a for a in subs if a.computation_type == _ComputationType.FORWARD)
         backward = next(a for a in subs if a.computation_type == _ComputationType.FULL_BACKWARD)
@@ -175,17 +191,47 @@ def overlapped_forward_backward(schedule: Any) -> Callable[[_Action, _PipelineCo
         def side() -> None:
             try:
                 with enter():
-                    _forward(schedule, forward, ctx)
+                    _forward(self.schedule, forward, ctx)
+                key = (forward.stage_index, forward.microbatch_index)
+                if key in self.early_sends:
+                    stage = _stages(self.schedule)[key[0]]
+                    self._pending.append(_batch_p2p(stage.get_fwd_send_ops(key[1])))
             except BaseException as exc:  # re-raised on the schedule's thread
                 error.append(exc)
 
         thread = threading.Thread(target=side, name="flagscale-overlap-forward", daemon=True)
         thread.start()
         try:
-            _full_backward(schedule, backward)
+            _full_backward(self.schedule, backward)
         finally:
             thread.join()
         if error:
             raise error[0]
 
-    return run
+    def finish(self) -> None:
+        """Wait for the forward outputs sent from the helper thread during the step."""
+        while self._pending:
+            _wait_batch_p2p(self._pending.pop(0))
+
+
+def _take_paired_forward_sends(schedule: Any) -> set[tuple[int, int]]:
+    """Remove from this rank's lowered order the ``SEND_F`` of each paired forward; returns their (stage, mb)."""
+    order = schedule.pipeline_order_with_comms[schedule.rank]
+    paired = {
+        (sub.stage_index, sub.microbatch_index)
+        for a in order
+        if a.computation_type == _ComputationType.OVERLAP_F_B
+        for sub in a.sub_actions or ()
+        if sub.computation_type == _ComputationType.FORWARD
+    }
+    taken = {
+        (a.stage_index, a.microbatch_index)
+        for a in order
+        if a.computation_type == _ComputationType.SEND_F and (a.stage_index, a.microbatch_index) in paired
+    }
+    schedule.pipeline_order_with_comms[schedule.rank] = [
+        a
+        for a in order
+        if not (a.computation_type == _ComputationType.SEND_F and (a.stage_index, a.microbatch_index) in taken)
+    ]
+    return taken

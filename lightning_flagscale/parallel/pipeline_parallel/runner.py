@@ -46,7 +46,7 @@ from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
 from lightning_flagscale.parallel.pipeline_parallel.orders import zbv_order
-from lightning_flagscale.parallel.pipeline_parallel.overlap import check_pairs_cross_chunks, overlapped_forward_backward
+from lightning_flagscale.parallel.pipeline_parallel.overlap import OverlappedPairs, check_pairs_cross_chunks
 from lightning_flagscale.parallel.pipeline_parallel.plan import (
     StagePlan,
     build_stage_module,
@@ -380,7 +380,7 @@ class PipelineRunner:
                 _make_forward_only(sched)
             elif self.overlap_moe_comm:  # DualPipeV's pairs run their forward and backward at once (overlap.py)
                 check_pairs_cross_chunks(sched.pipeline_order, self._stage_to_rank)
-                sched.register_custom_function(_ComputationType.OVERLAP_F_B, overlapped_forward_backward(sched))
+                sched.register_custom_function(_ComputationType.OVERLAP_F_B, OverlappedPairs(sched))
             if train and isinstance(sched, PipelineScheduleMulti):
                 _run_pairs_apart(sched)
             self._schedules[key] = sched
@@ -448,6 +448,9 @@ class PipelineRunner:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         sched = self._schedule(n, train=True, shape=shape)
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        pairs = getattr(sched, "_comp_type_to_function_map", {}).get(_ComputationType.OVERLAP_F_B)
+        if isinstance(pairs, OverlappedPairs):
+            pairs.finish()  # the paired forwards' outputs it sent itself
         return self._reduce_losses(losses, self.loss_stat)
 
     @torch.no_grad()
