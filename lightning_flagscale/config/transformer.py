@@ -79,11 +79,17 @@ class TransformerConfig:
     """MTP loss weight lambda: the training loss gets ``lambda / D * sum_k L_k`` on top of the unchanged main loss
     (Megatron's ``--mtp-loss-scaling-factor``); the weight until the first switch of ``mtp_loss_weight_schedule``."""
     mtp_loss_weight_schedule: list[list[int | float]] | None = None
-    """Piecewise-constant MTP loss weight over optimizer steps (``trainer.global_step``): ``[[step, weight], ...]``,
-    steps >= 1 and increasing, sets the weight to ``weight`` from optimizer step ``step`` on; ``mtp_loss_weight``
-    holds before the first switch. DeepSeek-V3's 0.3 for the first 10T tokens, then 0.1: ``mtp_loss_weight=0.3`` and
-    ``mtp_loss_weight_schedule=[[S, 0.1]]`` with ``S`` the optimizer steps of 10T tokens (10T / tokens per step).
-    Pairs may be tuples; they are kept as ``[int, float]`` lists (YAML and JSON dumps give those back unchanged)."""
+    """Piecewise-constant MTP loss weight: ``[[at, weight], ...]``, ``at`` >= 1 and increasing in the unit of
+    ``mtp_loss_weight_schedule_unit``, sets the weight to ``weight`` from that point on; ``mtp_loss_weight`` holds
+    before the first switch. DeepSeek-V3's 0.3 for the first 10T tokens, then 0.1: ``mtp_loss_weight=0.3``,
+    ``mtp_loss_weight_schedule=[[10_000_000_000_000, 0.1]]``, ``mtp_loss_weight_schedule_unit="tokens"``. Pairs may be
+    tuples; they are kept as ``[int, float]`` lists (YAML and JSON dumps give those back unchanged)."""
+    mtp_loss_weight_schedule_unit: Literal["steps", "tokens"] = "steps"
+    """What the switch points of ``mtp_loss_weight_schedule`` count: ``steps``, optimizer steps done
+    (``trainer.global_step``); ``tokens``, input tokens trained on in the optimizer steps done, over every data (and
+    context) rank and accumulation step: samples x sequence length of each global batch, padding and ignored labels
+    included (``CausalLMModule.tokens_trained``, saved in checkpoints). A step uses the weight of the count at its
+    start, so a switch lands on the first step after the count reaches it."""
     # ---- MoE (num_experts == 0 means dense) ----
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
@@ -191,6 +197,11 @@ class TransformerConfig:
                 f"num_nextn_predict_layers={self.num_nextn_predict_layers} and mtp_loss_weight="
                 f"{self.mtp_loss_weight} must be >= 0."
             )
+        if self.mtp_loss_weight_schedule_unit not in ("steps", "tokens"):
+            raise ValueError(
+                f"mtp_loss_weight_schedule_unit={self.mtp_loss_weight_schedule_unit!r} is unknown; use 'steps' or"
+                " 'tokens'."
+            )
         if self.mtp_loss_weight_schedule is not None:
             self.mtp_loss_weight_schedule = self._check_mtp_schedule(self.mtp_loss_weight_schedule)
         if self.attn_backend not in ("torch", "flash_attn", "transformer_engine"):
@@ -199,11 +210,14 @@ class TransformerConfig:
             )
 
     def _check_mtp_schedule(self, schedule: Any) -> list[list[int | float]]:
-        """``mtp_loss_weight_schedule`` as a list of ``[int step, float weight]`` (lists, which YAML and JSON dumps
+        """``mtp_loss_weight_schedule`` as a list of ``[int at, float weight]`` (lists, which YAML and JSON dumps
         give back unchanged), or a ValueError saying what to fix."""
+        unit = self.mtp_loss_weight_schedule_unit
+        what = unit[:-1]  # "step" or "token": the name of a switch point in the messages
+        example = "1000" if unit == "steps" else "10_000_000_000_000"
         usage = (
-            " Give a list of [step, weight] pairs, e.g. [[1000, 0.1]]: the weight becomes 0.1 from optimizer step"
-            " 1000 on (mtp_loss_weight before)."
+            f" Give a list of [{what}, weight] pairs, e.g. [[{example}, 0.1]]: the weight becomes 0.1 once {example}"
+            f" {unit} are done (mtp_loss_weight before)."
         )
         if not self.num_nextn_predict_layers:
             raise ValueError(
@@ -211,38 +225,41 @@ class TransformerConfig:
                 " num_nextn_predict_layers >= 1 or drop the schedule."
             )
         if isinstance(schedule, (str, bytes, dict)) or not hasattr(schedule, "__iter__"):
-            raise ValueError(f"mtp_loss_weight_schedule={schedule!r} is not a list of (step, weight) pairs.{usage}")
+            raise ValueError(f"mtp_loss_weight_schedule={schedule!r} is not a list of ({what}, weight) pairs.{usage}")
         out: list[list[int | float]] = []
         for entry in schedule:
             pair = list(entry) if isinstance(entry, (list, tuple)) else None
             if pair is None or len(pair) != 2:
-                raise ValueError(f"mtp_loss_weight_schedule entry {entry!r} is not a (step, weight) pair.{usage}")
-            step, weight = pair
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise ValueError(f"mtp_loss_weight_schedule step {step!r} (in {entry!r}) is not an integer.{usage}")
+                raise ValueError(f"mtp_loss_weight_schedule entry {entry!r} is not a ({what}, weight) pair.{usage}")
+            at, weight = pair
+            if unit == "tokens" and isinstance(at, float) and at.is_integer():
+                at = int(at)  # YAML reads 1.0e13 as a float
+            if isinstance(at, bool) or not isinstance(at, int):
+                raise ValueError(f"mtp_loss_weight_schedule {what} {at!r} (in {entry!r}) is not an integer.{usage}")
             number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
             if not number or not math.isfinite(weight) or weight < 0:
                 raise ValueError(
                     f"mtp_loss_weight_schedule weight {weight!r} (in {entry!r}) must be a finite number >= 0.{usage}"
                 )
-            if step < 1:
+            if at < 1:
                 raise ValueError(
-                    f"mtp_loss_weight_schedule step {step} (in {entry!r}) must be >= 1: the weight of step 0 is"
+                    f"mtp_loss_weight_schedule {what} {at} (in {entry!r}) must be >= 1: the weight of {what} 0 is"
                     f" mtp_loss_weight={self.mtp_loss_weight}."
                 )
-            if out and step <= out[-1][0]:
+            if out and at <= out[-1][0]:
                 raise ValueError(
-                    f"mtp_loss_weight_schedule steps must increase: {step} (in {entry!r}) follows {out[-1][0]}.{usage}"
+                    f"mtp_loss_weight_schedule {unit} must increase: {at} (in {entry!r}) follows {out[-1][0]}.{usage}"
                 )
-            out.append([step, float(weight)])
+            out.append([at, float(weight)])
         return out
 
-    def mtp_loss_weight_at(self, step: int) -> float:
-        """The MTP loss weight of optimizer step ``step`` (0-based, ``trainer.global_step``) under
-        ``mtp_loss_weight_schedule``: the last switch at or before ``step``, else ``mtp_loss_weight``."""
+    def mtp_loss_weight_at(self, done: int) -> float:
+        """The MTP loss weight of a step that starts with ``done`` optimizer steps (``trainer.global_step``) or
+        tokens (``CausalLMModule.tokens_trained``) behind it, as ``mtp_loss_weight_schedule_unit`` says: the last
+        switch at or before ``done``, else ``mtp_loss_weight``."""
         weight = self.mtp_loss_weight
         for start, value in self.mtp_loss_weight_schedule or ():
-            if step < start:
+            if done < start:
                 break
             weight = value
         return weight

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
 
 from lightning_flagscale.accounting.flops import device_peak_flops, flops_per_token, model_flops_utilization
 from lightning_flagscale.config import TransformerConfig, check_known_fields
@@ -29,7 +30,17 @@ from lightning_flagscale.moe.balance import update_moe_state
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
-__all__ = ["CausalLMModule", "log_window_loss", "parallelize_for_lightning", "param_groups", "warmup_cosine_lambda"]
+TOKENS_TRAINED_KEY = "tokens_trained"
+"""The checkpoint key of ``CausalLMModule.tokens_trained`` (a Python int, restored exactly on resume)."""
+
+__all__ = [
+    "TOKENS_TRAINED_KEY",
+    "CausalLMModule",
+    "log_window_loss",
+    "parallelize_for_lightning",
+    "param_groups",
+    "warmup_cosine_lambda",
+]
 
 
 def parallelize_for_lightning(module: L.LightningModule, model: nn.Module) -> None:
@@ -202,6 +213,9 @@ class CausalLMModule(L.LightningModule):
         self._window_loss: Tensor | None = None
         self._peak_flops: float | None = None  # per device, for `mfu` (accounting/flops.py)
         self._seq_len = 0
+        # Input tokens of the optimizer steps done and of the current accumulation window (tokens_trained).
+        self._tokens_trained: int | None = 0  # None: resumed from a checkpoint that does not carry the count
+        self._window_tokens = 0
         self._base_reference: dict[str, Any] | None = None  # LoRA: the base's source and hash, once
 
     # ---- model construction ----------------------------------------------------------------------------------
@@ -284,10 +298,12 @@ class CausalLMModule(L.LightningModule):
         return model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        if self.config.mtp_loss_weight_schedule:  # DeepSeek-V3's MTP weight switch: the same step on every rank
-            weight = self.config.mtp_loss_weight_at(self.trainer.global_step)
+        tokens = self._global_tokens(batch["input_ids"].numel())
+        if self.config.mtp_loss_weight_schedule:  # DeepSeek-V3's MTP weight switch: the same point on every rank
+            weight = self.config.mtp_loss_weight_at(self._mtp_schedule_point())
             set_mtp_loss_weight(self._require_model(), weight)
             self.log("mtp_loss_weight", weight)
+        self._window_tokens += tokens  # added to tokens_trained by optimizer_step, once per accumulation window
         loss = self._loss(batch)
         # MoE aux losses are already in the backward (AttachAuxLoss); logged here, never added to the loss.
         for name, value in self.model.moe_aux_losses().items():
@@ -300,7 +316,6 @@ class CausalLMModule(L.LightningModule):
             self.log("mtp_loss", mtp, prog_bar=True)
         now = time.perf_counter()
         if self._last_step_time is not None:
-            tokens = self._global_tokens(batch["input_ids"].numel())
             rate = tokens / max(now - self._last_step_time, 1e-9)
             self.log("tokens_per_s", rate, prog_bar=True)
             if self._peak_flops:
@@ -321,6 +336,41 @@ class CausalLMModule(L.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None  # do not count validation / epoch-boundary time as step time
+
+    @property
+    def tokens_trained(self) -> int:
+        """Input tokens of the optimizer steps done (the count a ``tokens`` MTP weight schedule switches at): per
+        step the global batch's samples x sequence length over every data (and context) rank and accumulation step,
+        padding and ignored labels included, read from each rank's batch shape (``_global_tokens``: every data rank
+        must batch the same shape, as fixed-length or packed batches do). Saved in checkpoints under
+        ``TOKENS_TRAINED_KEY`` and restored on resume; steps a nan/spike policy skipped count (their tokens were
+        read)."""
+        if self._tokens_trained is None:
+            raise ValueError(
+                f"tokens_trained is unknown: the run resumed from a checkpoint without {TOKENS_TRAINED_KEY!r} (written"
+                " before the count existed). Resume from a newer checkpoint, or give mtp_loss_weight_schedule in steps"
+                " (mtp_loss_weight_schedule_unit='steps', the switch at its tokens / tokens per step)."
+            )
+        return self._tokens_trained
+
+    def _mtp_schedule_point(self) -> int:
+        """Where this step starts on the MTP weight schedule: optimizer steps or tokens done (config's unit)."""
+        if self.config.mtp_loss_weight_schedule_unit == "tokens":
+            return self.tokens_trained
+        return self.trainer.global_step
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._tokens_trained is not None:
+            checkpoint[TOKENS_TRAINED_KEY] = self._tokens_trained
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint of step 0 or one without the count (older ones) at step 0 starts from 0 tokens; past step 0
+        # without it the count is unknown, which only a ``tokens`` schedule needs (it raises then, see tokens_trained).
+        saved = checkpoint.get(TOKENS_TRAINED_KEY)
+        self._tokens_trained = int(saved) if saved is not None else (0 if not checkpoint.get("global_step") else None)
+        self._window_tokens = 0
 
     def _global_tokens(self, local_tokens: int) -> int:
         """Tokens processed by all ranks this step (TP/PP ranks share a batch; DP/CP ranks hold disjoint tokens)."""
@@ -389,6 +439,9 @@ class CausalLMModule(L.LightningModule):
     # ---- optimisation --------------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        if self._tokens_trained is not None:
+            self._tokens_trained += self._window_tokens
+        self._window_tokens = 0
         if self.config.is_moe:
             # DeepSeek-V3 bias balancing and hot-expert choice, once per optimizer step, under any strategy.
 

@@ -259,3 +259,75 @@ def test_transformers_checkpoint_without_mtp_layers_imports_without_mtp(tmp_path
     cfg = (out / "config.json").read_text().replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
     (out / "config.json").write_text(cfg)
     assert causal_lm_from_hf(out, vocab_multiple=8).config.num_nextn_predict_layers == 0
+
+
+def test_mtp_loss_weight_schedule_in_tokens_parses_and_refuses_with_its_unit():
+    # DeepSeek-V3's switch as written in YAML (1.0e13 reads as a float): kept as an int count of tokens
+    cfg = config(1, mtp_loss_weight_schedule=[[1.0e13, 0.1]], mtp_loss_weight_schedule_unit="tokens")
+    assert cfg.mtp_loss_weight_schedule == [[10_000_000_000_000, 0.1]]
+    assert isinstance(cfg.mtp_loss_weight_schedule[0][0], int)
+    assert [cfg.mtp_loss_weight_at(n) for n in (0, 10**13 - 1, 10**13)] == [0.3, 0.3, 0.1]
+    with pytest.raises(ValueError, match=r"tokens must increase: 100 .* follows 200.* \[token, weight\] pairs"):
+        config(1, mtp_loss_weight_schedule=[[200, 0.1], [100, 0.0]], mtp_loss_weight_schedule_unit="tokens")
+    with pytest.raises(ValueError, match=r"token 2.5 .* is not an integer"):
+        config(1, mtp_loss_weight_schedule=[[2.5, 0.1]], mtp_loss_weight_schedule_unit="tokens")
+    with pytest.raises(ValueError, match=r"step 10000000000000.0 .* is not an integer"):  # steps stay integers
+        config(1, mtp_loss_weight_schedule=[[1.0e13, 0.1]])
+    with pytest.raises(ValueError, match="mtp_loss_weight_schedule_unit='samples' is unknown; use 'steps' or 'tokens'"):
+        config(1, mtp_loss_weight_schedule_unit="samples")
+
+
+def _token_schedule_fit(steps: int, ckpt_dir, ckpt_path=None) -> tuple[list[float], int, str]:
+    """One process, Lightning's default strategy: a tiny llama with one MTP module, 2 samples of 16 tokens per batch
+    and 2 batches per step (64 tokens a step), MTP weight 0.3 switching to 0.1 at 150 tokens (the start of step 3:
+    192 tokens done). Returns each step's weight, ``tokens_trained`` and the checkpoint written at the end."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale.models import CausalLMModule
+    from tests.strategies._lm import TokenDataset, tiny_config
+
+    cfg = tiny_config(
+        num_nextn_predict_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_schedule=[[150, 0.1]],
+        mtp_loss_weight_schedule_unit="tokens",
+    )  # fmt: skip
+    weights: list[float] = []
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            weights.append(pl_module.model.mtp_loss_weight)
+
+    torch.manual_seed(0)
+    module = CausalLMModule(cfg, optimizer="sgd", learning_rate=0.1, warmup_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+    )  # fmt: skip
+    trainer.fit(
+        module,
+        DataLoader(TokenDataset(cfg.vocab_size, num_samples=64), batch_size=2),
+        ckpt_path=ckpt_path,
+        weights_only=False,
+    )
+    path = str(ckpt_dir / f"step{steps}.ckpt")
+    trainer.save_checkpoint(path)
+    return weights, module.tokens_trained, path
+
+
+def test_mtp_loss_weight_switches_at_tokens_and_the_count_resumes_exactly(tmp_path):
+    # The count is the global batch's samples x sequence length, accumulation included (64 a step); it travels in
+    # the checkpoint, so a run resumed after 2 steps (128 tokens) switches at step 3 as the uninterrupted one does.
+    from lightning_flagscale.models.lightning import TOKENS_TRAINED_KEY
+
+    weights, tokens, _ = _token_schedule_fit(5, tmp_path)
+    assert weights == [0.3, 0.3, 0.3, 0.1, 0.1] and tokens == 5 * 64
+    _, tokens, saved = _token_schedule_fit(2, tmp_path)
+    assert tokens == 128 and torch.load(saved, weights_only=False)[TOKENS_TRAINED_KEY] == 128
+    weights, tokens, _ = _token_schedule_fit(5, tmp_path, ckpt_path=saved)
+    assert weights == [0.3, 0.1, 0.1] and tokens == 5 * 64
+    # A checkpoint written before the count existed: the token schedule cannot know where it stands, and says so
+    old = torch.load(saved, weights_only=False)
+    del old[TOKENS_TRAINED_KEY]
+    torch.save(old, tmp_path / "old.ckpt")
+    with pytest.raises(ValueError, match=r"without 'tokens_trained'.*mtp_loss_weight_schedule_unit='steps'"):
+        _token_schedule_fit(5, tmp_path, ckpt_path=str(tmp_path / "old.ckpt"))
