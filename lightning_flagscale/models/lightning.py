@@ -311,9 +311,12 @@ class CausalLMModule(L.LightningModule):
         # Multi-token prediction (DeepSeek-V3): trained through the loss's backward, not part of train_loss, logged
         # apart as the global token mean on every rank (under PP the last stage's, broadcast with the loss): see
         # _mtp_group.
-        mtp = self._pop_mtp_loss(self._mtp_group())
+        group = self._mtp_group()
+        mtp = self._pop_mtp_loss(group)
         if mtp is not None:
-            self.log("mtp_loss", mtp, prog_bar=True)
+            # Under Lightning's own strategies each rank holds its own token mean: their mean over ranks (sync_dist,
+            # as train_loss there) is the MTP term of the objective those strategies train (issue 39).
+            self.log("mtp_loss", mtp, prog_bar=True, sync_dist=group is None)
         now = time.perf_counter()
         if self._last_step_time is not None:
             rate = tokens / max(now - self._last_step_time, 1e-9)
