@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_flagscale.checkpoint import consolidate_checkpoint, is_sharded_checkpoint, read_meta
-from tests.strategies._lm import assert_rel_close, reference_run, tiny_config, trainer_run
+from lightning_flagscale.models.lightning import TOKENS_TRAINED_KEY
+from tests.strategies._lm import GLOBAL_BATCH, SEQ, assert_rel_close, reference_run, tiny_config, trainer_run
 
 # 12 samples, global batch 4: one epoch is 3 steps, so the checkpoint sits on an epoch boundary.
 NUM_SAMPLES = 12
@@ -29,6 +30,8 @@ def test_checkpoint_is_complete_and_consolidates(saved, tmp_path):
     assert is_sharded_checkpoint(saved)
     meta = read_meta(saved)
     assert meta["global_step"] == 3
+    # the tokens of 3 global batches (TP 2 x DP 2: each rank's batch x its 2 data ranks), for a token MTP schedule
+    assert meta[TOKENS_TRAINED_KEY] == 3 * GLOBAL_BATCH * SEQ
     assert meta["parallel_config"]["tensor_parallel_size"] == 2
     out = consolidate_checkpoint(saved, tmp_path / "full.pt")
     full = torch.load(out, weights_only=False)
@@ -43,9 +46,14 @@ def test_checkpoint_is_complete_and_consolidates(saved, tmp_path):
 @pytest.mark.parametrize(
     "layout", [dict(tensor_parallel_size=1, zero_stage=0), dict(zero_stage=3)], ids=["tp1xdp4", "zero3"]
 )
-def test_resume_under_other_layout_matches_uninterrupted(launcher, saved, uninterrupted, layout):
+def test_resume_under_other_layout_matches_uninterrupted(launcher, saved, uninterrupted, layout, tmp_path):
     ref_losses, ref_params = uninterrupted
-    results = launcher(4, trainer_run, layout, tiny_config(), 6, max_epochs=2, num_samples=NUM_SAMPLES, ckpt_path=saved)
+    end = str(tmp_path / "end.ckpt")
+    results = launcher(
+        4, trainer_run, layout, tiny_config(), 6, max_epochs=2, num_samples=NUM_SAMPLES, ckpt_path=saved, save_path=end
+    )
+    # the token count went on from the checkpoint's (issue 39: a token MTP schedule switches where it would have)
+    assert read_meta(end)[TOKENS_TRAINED_KEY] == 6 * GLOBAL_BATCH * SEQ
     for losses, params in results:
         assert len(losses) == 3, "the resumed run must continue at step 4, not start over"
         for got, want in zip(losses, ref_losses[3:]):
