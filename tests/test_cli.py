@@ -30,7 +30,16 @@ def test_recipe_parses(name, capsys):
     assert (model["preset"] if isinstance(model, dict) else model) in presets
     if name == "deepseek_v3_tiny":  # trains with DeepSeek-V3's MTP module and its weight switch 0.3 -> 0.1 (issue 39)
         assert (model["num_nextn_predict_layers"], model["mtp_loss_weight"]) == (1, 0.3)
-        assert model["mtp_loss_weight_schedule"] == [[100, 0.1]]
+        # in tokens (DeepSeek's unit), at the tokens of 100 global batches: data batch x seq len x data ranks
+        assert (model["mtp_loss_weight_schedule"], model["mtp_loss_weight_schedule_unit"]) == (
+            [[204800, 0.1]],
+            "tokens",
+        )
+        data, trainer = config["data"]["init_args"], config["trainer"]
+        layout = strategy["init_args"]
+        model_parallel = layout["tensor_parallel_size"] * layout["pipeline_parallel_size"]
+        dp = trainer["devices"] // (model_parallel * layout["context_parallel_size"])
+        assert 100 * data["batch_size"] * data["seq_len"] * dp == 204800 and trainer["max_steps"] == 150
     assert config["data"]["class_path"].endswith(("LMDataModule", "VLMDataModule"))
 
 

@@ -202,7 +202,10 @@ def test_recipe_lines_are_generated_from_what_the_recipe_sets():
     assert "FSDP2" not in describe_recipe(RECIPES_DIR / "zero3.yaml")  # the engine is zero3_impl's choice
     # A preset with overrides reads as the preset and its settings, not as a Python dict.
     deepseek = describe_recipe(RECIPES_DIR / "deepseek_v3_tiny.yaml")
-    settings = "num_nextn_predict_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_schedule=[[100, 0.1]]"
+    settings = (
+        "num_nextn_predict_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_schedule=[[204800, 0.1]],"
+        " mtp_loss_weight_schedule_unit=tokens"
+    )
     model = f"deepseek-v3-tiny ({settings})"
     assert model in deepseek and "{" not in deepseek
 
