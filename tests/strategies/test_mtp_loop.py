@@ -1,6 +1,7 @@
 """DeepSeek-V3 multi-token prediction inside Trainer.fit matches the single-process fp32 SGD run (ragged labels,
 3 steps, weights, updates, router biases, the MTP weight switching at step 2, and the logged mtp_loss on every rank,
-rank 0's logger included) under ZeRO-3 on FSDP2, EP 2 x PP 2 and a two-mesh hetero layout (TP 2 -> DP 2); DualPipeV
+rank 0's logger included) under ZeRO-3 on FSDP2, EP 2 x PP 2 and a two-mesh hetero layout (TP 2 -> DP 2); the FSDP2
+and hetero runs give the switch in tokens (2 global batches' worth), EP 2 x PP 2 in steps; DualPipeV
 (with EP 2 and overlapped pairs) in ``test_dualpipe_overlap.py``. Under pipelines the MTP modules run on the last stage
 with a synchronised copy of the first stage's embedding: on another rank (EP 2 x PP 2), on the same rank (DualPipeV's
 V puts the last stage on rank 0) or on another mesh (hetero). TP 2 (+SP), flat ZeRO-3 and CP 2 (ring, Ulysses) with
@@ -19,6 +20,7 @@ from lightning_flagscale.models.decoder import CausalLM, mtp_labels
 from lightning_flagscale.parallel.context_parallel.attention import load_balanced_indices, shard_batch_for_cp
 from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups
 from tests.moe._trainer import assert_sgd_parity, sgd_reference, sgd_trainer_run
+from tests.strategies._lm import GLOBAL_BATCH, SEQ
 from tests.strategies.test_deepseek_v3_loop import mla_config
 
 STEPS = 3
@@ -30,6 +32,12 @@ def mtp_config(**overrides: Any):
     return mla_config(
         **{"num_nextn_predict_layers": 2, "mtp_loss_weight": 0.5, "mtp_loss_weight_schedule": [[2, 0.1]], **overrides}
     )
+
+
+def mtp_token_config():
+    """``mtp_config``'s switch given in tokens (issue 39): 2 global batches of GLOBAL_BATCH x SEQ tokens, so the same
+    step 2 on every rank as the oracle's step switch, if each rank counts the global batch's tokens."""
+    return mtp_config(mtp_loss_weight_schedule=[[2 * GLOBAL_BATCH * SEQ, 0.1]], mtp_loss_weight_schedule_unit="tokens")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,7 @@ def _assert_logged_mtp_loss(results: list[dict[str, Any]], ref: dict[str, Any], 
 
 
 def test_mtp_under_fsdp2_zero3(launcher, mtp_ref):
-    results = launcher(2, sgd_trainer_run, dict(zero_stage=3, zero3_impl="fsdp2"), mtp_config(), STEPS)
+    results = launcher(2, sgd_trainer_run, dict(zero_stage=3, zero3_impl="fsdp2"), mtp_token_config(), STEPS)
     assert_sgd_parity(results, mtp_ref, "deepseek-v3 mtp zero3 fsdp2")
     _assert_logged_mtp_loss(results, mtp_ref, "deepseek-v3 mtp zero3 fsdp2 (dp 2)")
     moved = mtp_ref["params"]["mtp.layers.1.eh_proj.weight"] - mtp_ref["init"]["mtp.layers.1.eh_proj.weight"]
@@ -84,10 +92,10 @@ def test_mtp_under_hetero_meshes(launcher, mtp_ref):
     # micro-batch per step, so the routing statistics are the whole batch's as in the oracle.
     meshes = [dict(tensor_parallel_size=2, data_parallel_size=1), dict(data_parallel_size=2)]
     kwargs = dict(hetero_meshes=meshes, hetero_layers=[2, 1], micro_batch_size=4)
-    results = launcher(4, sgd_trainer_run, kwargs, mtp_config(), STEPS, batch_size=4, logger=True)
+    results = launcher(4, sgd_trainer_run, kwargs, mtp_token_config(), STEPS, batch_size=4, logger=True)
     assert [("mtp.embed_tokens.weight" in r["params"]) for r in results] == [False, False, True, True]
     assert_sgd_parity(results, _with_last_stage_copy(mtp_ref), "deepseek-v3 mtp hetero tp2 -> dp2", pipeline=True)
-    assert len(results[0]["logged"]) == STEPS
+    assert [m["mtp_loss_weight"] for m in results[0]["logged"]] == pytest.approx([0.5, 0.5, 0.1])  # by tokens
     _assert_logged_mtp_loss(results, mtp_ref, "deepseek-v3 mtp hetero tp2 -> dp2 (last mesh dp 2)")
 
 
