@@ -640,12 +640,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 f"{self.data_parallel_size * mp} does not match the world size {world_size}; set "
                 f"data_parallel_size={world_size // mp} or leave it None (auto)."
             )
-        if self.hetero_dp_batch_sizes == "auto" and self.pp_enabled:
-            raise ValueError(
-                "hetero_dp_batch_sizes='auto' is not supported with pipeline_parallel_size > 1: every data-parallel"
-                " rank must then run the same number of micro-batches, which speed-proportional shares of a fixed"
-                " global batch rarely allow; give the shares as a list (multiples of the micro-batch count)."
-            )
         if self.hetero_dp_batch_sizes not in (None, "auto"):
             check_hetero_batch_sizes(
                 self.hetero_dp_batch_sizes, self.dp, micro_batch_size=self.micro_batch_size, pipeline=self.pp_enabled

@@ -37,7 +37,12 @@ from lightning_flagscale.models.protocol import validate_layout
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from lightning_flagscale.parallel.mesh import MeshDim
-from lightning_flagscale.parallel.pipeline_parallel.model import PipelinedModel, defer_zero_grad, zero_grad_now
+from lightning_flagscale.parallel.pipeline_parallel.model import (
+    PipelinedModel,
+    apply_hetero_shares,
+    defer_zero_grad,
+    zero_grad_now,
+)
 from lightning_flagscale.parallel.plan import (
     RankLayout,
     check_parallelized_layout,
@@ -246,11 +251,14 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     def process_dataloader(self, dataloader: object) -> object:
         """Data layouts our parallelism needs, then the step's token count on training loaders (``_data.py``)."""
         module = self.lightning_module
-        return distribute_loader(
+        loader = distribute_loader(
             dataloader, training=module.trainer.training, parallel=self.parallel, meshes=self.meshes,
             hetero_groups=self._hetero_groups, accumulate=module.trainer.accumulate_grad_batches,
             count_tokens=uses_global_token_loss(module), dp_speeds=self._dp_speeds,
         )  # fmt: skip
+        if self._pipeline is not None and self._hetero_groups is None:  # "auto" shares are known from here on
+            apply_hetero_shares(self._pipeline.runner, self.parallel, self.meshes.local_rank(MeshDim.DP))
+        return loader
 
     # ------------------------------------------------------------------ step
     @override

@@ -17,8 +17,9 @@ layer split:
    (:func:`parallel.hetero.proportional_shares`: floors, then each left-over micro-batch to the rank that would
    finish it soonest). The shares are gathered once and compared (all ranks must agree, e.g. on the loader's batch
    size), logged on rank 0, and written into the config's ``hetero_dp_batch_sizes``, where the batch samplers and
-   the token count read them as if given by hand. Pipeline parallelism is refused by the config (equal micro-batch
-   counts per rank do not fit arbitrary proportions of a fixed global batch).
+   the token count read them as if given by hand. Under pipeline parallelism every rank runs the same number of
+   micro-batches, each of its own size (:func:`pipeline_shares` picks the count), and the pipeline runner takes the
+   sizes when the loader is built (``apply_hetero_shares``).
 3. **Resume** (:func:`resume_shares`): a checkpoint stores the resolved shares (the strategy's ``parallel_config``);
    an ``"auto"`` run resumed from it under the same data-parallel size keeps them instead of the speeds measured
    again at setup, so every rank reads the same samples as the uninterrupted run (issue 14's exact resume).
@@ -34,12 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_flagscale.config.schedules import min_microbatches
 from lightning_flagscale.models.protocol import model_config
 from lightning_flagscale.parallel.hetero_dp.batching import proportional_shares
 from lightning_flagscale.parallel.hetero_mesh.profile import _MAX_PROFILE_SEQ, time_one_block
 from lightning_flagscale.parallel.hetero_mesh.ranks import DEVICE_TYPE_ENV, local_device_type
 
-__all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds", "resume_shares"]
+__all__ = ["auto_shares", "dp_speeds_from", "gather_dp_speeds", "pipeline_shares", "resume_shares"]
 
 _log = logging.getLogger(__name__)
 
@@ -106,7 +108,14 @@ def auto_shares(parallel: Any, speeds: list[float], loader_batch: int | None) ->
             f" {loader_batch} x {dp} data-parallel ranks) must be a whole number of micro-batches of"
             f" micro_batch_size={mbs}, at least one per rank; change the batch size or micro_batch_size."
         )
-    shares = [units * mbs for units in proportional_shares(speeds, global_batch // mbs)]
+    if parallel.pipeline_parallel_size > 1:
+        shares = pipeline_shares(
+            speeds, global_batch, mbs, parallel.pipeline_parallel_size,
+            min_microbatches(parallel.pipeline_schedule, parallel.pipeline_parallel_size,
+                             parallel.virtual_pipeline_parallel_size),
+        )  # fmt: skip
+    else:
+        shares = [units * mbs for units in proportional_shares(speeds, global_batch // mbs)]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, shares)
     if any(other != shares for other in every):
@@ -121,6 +130,37 @@ def auto_shares(parallel: Any, speeds: list[float], loader_batch: int | None) ->
             [round(s / fastest, 3) for s in speeds], shares, global_batch,
         )  # fmt: skip
     return shares
+
+
+def pipeline_shares(
+    speeds: list[float], global_batch: int, micro_batch_size: int, pp: int, min_micro: int
+) -> list[int]:
+    """Shares of ``global_batch`` under pipeline parallelism, in proportion to ``speeds`` (module docstring, step 2).
+
+    Every data-parallel rank runs the same number ``n`` of micro-batches (the schedule and the collectives inside it
+    need it), each of its own size, the slowest rank's being ``micro_batch_size`` (:func:`hetero_micro_batch_sizes`):
+    for each ``n`` that divides the global batch (at least the schedule's ``min_micro``), the ranks' micro-batch sizes
+    are proportional whole samples summing to ``global_batch / n``; the ``n`` with the shortest step wins, priced as
+    1F1B's ``(n + pp - 1)`` micro-batch slots of the slowest rank's micro-batch time (fewer, larger micro-batches
+    round the proportions more finely but widen the pipeline's fill and drain); ties take more micro-batches."""
+    best: tuple[float, int, list[int]] | None = None
+    for n in range(min_micro, global_batch + 1):
+        if global_batch % n or global_batch // n < len(speeds):
+            continue
+        sizes = proportional_shares(speeds, global_batch // n)
+        if min(sizes) != micro_batch_size:
+            continue
+        step = (n + pp - 1) * max(b / v for b, v in zip(sizes, speeds))
+        if best is None or step < best[0] * (1 - 1e-9) or (step <= best[0] * (1 + 1e-9) and n > best[1]):
+            best = (step, n, [b * n for b in sizes])
+    if best is None:
+        raise ValueError(
+            f"hetero_dp_batch_sizes='auto' under pipeline parallelism: no split of the global batch of {global_batch}"
+            f" samples gives every data-parallel rank the same number (at least {min_micro}) of micro-batches with the"
+            f" slowest rank's of micro_batch_size={micro_batch_size} samples at speeds {[round(v, 3) for v in speeds]};"
+            " raise the DataLoader batch size or give hetero_dp_batch_sizes as a list."
+        )
+    return best[2]
 
 
 def resume_shares(parallel: Any, saved: Any, dp: int) -> None:

@@ -29,6 +29,7 @@ from lightning_flagscale.parallel.pipeline_parallel.runner import PipelineRunner
 
 __all__ = [
     "PipelinedModel",
+    "apply_hetero_shares",
     "build_pipelined_model",
     "defer_zero_grad",
     "deferred_zero_grad",
@@ -167,18 +168,24 @@ def build_pipelined_model(
 ) -> PipelinedModel:
     """Cut ``inner`` into this rank's stages; the caller puts the result in place of the module's model."""
     holder: list[PipelinedModel] = []
-    mbs = n_micro = None
-    if config.hetero_dp_batch_sizes is not None:  # equal micro-batch counts, per-rank micro-batch sizes
-        shares = config.hetero_dp_batch_sizes
-        mbs = hetero_micro_batch_sizes(shares, config.micro_batch_size)[meshes.local_rank("dp")]
-        n_micro = min(shares) // config.micro_batch_size
     runner = build_pipeline(
         inner, meshes["pp"], config, loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
-        balance=config.pipeline_balance, device=device, micro_batch_size=mbs, num_microbatches=n_micro,
+        balance=config.pipeline_balance, device=device,
     )  # fmt: skip
+    apply_hetero_shares(runner, config, meshes.local_rank("dp"))  # "auto": once the first training loader sets them
     pipelined = PipelinedModel(runner, inner, mtp_group=meshes.group(MeshDim.DP_CP))
     holder.append(pipelined)
     return pipelined
+
+
+def apply_hetero_shares(runner: PipelineRunner, config: ParallelConfig, dp_rank: int) -> None:
+    """Heterogeneous data-parallel shares under PP: every rank runs the same number of micro-batches, each of its own
+    size (:func:`hetero_micro_batch_sizes`). Nothing to do without shares or while they are still ``"auto"``."""
+    shares = config.hetero_dp_batch_sizes
+    if not isinstance(shares, list):
+        return
+    runner.micro_batch_size = hetero_micro_batch_sizes(shares, config.micro_batch_size)[dp_rank]
+    runner.num_microbatches = min(shares) // config.micro_batch_size
 
 
 def exclude_tied_copy_from_norm(pipelined: PipelinedModel) -> None:

@@ -290,6 +290,9 @@ class PipelineRunner:
     """Activations a ``zbv`` rank may hold (forwards whose W has not run); None: 2p, a 1F1B rank's. With I > W, 4p
     lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``);
     ``build_pipeline`` sets it from ``ParallelConfig.pipeline_max_activations``."""
+    eval_micro_batch_size: int | None = None
+    """Micro-batch size of evaluation batches (``ParallelConfig.micro_batch_size``; ``None``: ``micro_batch_size``):
+    heterogeneous data-parallel shares set a per-rank training micro-batch size that evaluation does not use."""
     overlap_moe_comm: bool = False
     """``ParallelConfig.overlap_moe_expert_parallel_comm``: DualPipeV's paired forward and backward run at once."""
     loss_stat: Callable[[], Any] | None = None
@@ -391,19 +394,24 @@ class PipelineRunner:
         return self.num_microbatches or max(batch_size // self.micro_batch_size, 1)
 
     def _inputs(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: torch.Tensor | None
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: torch.Tensor | None, train: bool = True
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any, int]:
-        """Place the batch on the device and count micro-batches; only the first stage takes ``args``."""
+        """Place the batch on the device and count micro-batches; only the first stage takes ``args``.
+
+        Heterogeneous data-parallel shares give training its own per-rank micro-batch size and pinned count; the
+        evaluation loaders are not shared out by speed (every rank reads the same batch size), so evaluation splits
+        them by the config's ``micro_batch_size`` (``eval_micro_batch_size``)."""
         size = target.shape[0]
-        if size % self.micro_batch_size:
+        mbs = self.micro_batch_size if train else (self.eval_micro_batch_size or self.micro_batch_size)
+        if size % mbs:
             raise ValueError(
                 f"Batch size {size} per data-parallel rank is not a multiple of micro_batch_size="
-                f"{self.micro_batch_size}; make the DataLoader batch size a multiple of it."
+                f"{mbs}; make the DataLoader batch size a multiple of it."
             )
-        n = size // self.micro_batch_size
-        if self.num_microbatches is not None and n != self.num_microbatches:
+        n = size // mbs
+        if train and self.num_microbatches is not None and n != self.num_microbatches:
             raise ValueError(
-                f"This rank's batch of {size} gives {n} micro-batches of {self.micro_batch_size}, but every data-"
+                f"This rank's batch of {size} gives {n} micro-batches of {mbs}, but every data-"
                 f"parallel rank must run {self.num_microbatches}; check hetero_dp_batch_sizes and micro_batch_size."
             )
         move = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -464,7 +472,7 @@ class PipelineRunner:
         """Forward-only pipeline over the micro-batches; returns the sum of the micro-batch losses on every PP rank."""
         self._num_items = (target != -100).sum() if num_items is None else num_items
         shape = tuple(target.shape)  # every pipeline rank gets the labels: the same key everywhere
-        args, kwargs, target, n = self._inputs(args, kwargs, target)
+        args, kwargs, target, n = self._inputs(args, kwargs, target, train=False)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         self._schedule(n, train=False, shape=shape).eval(*args, target=target, losses=losses, **kwargs)
         return self._reduce_losses(losses)
@@ -596,6 +604,7 @@ def build_pipeline(
         num_microbatches=num_microbatches,
     )
     runner.overlap_moe_comm = config.overlap_moe_expert_parallel_comm
+    runner.eval_micro_batch_size = config.micro_batch_size
     if config.pipeline_chunk_costs is not None:
         runner.zbv_costs = config.pipeline_chunk_costs
     runner.zbv_max_activations = config.pipeline_max_activations
