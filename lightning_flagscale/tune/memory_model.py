@@ -19,6 +19,10 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
   stage), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
   (ZeRO-1/2 reduce-scatter outputs, gloo's input copies, FSDP2's unsharded unit and its gradients under ZeRO-3)
   replace the activations when larger;
+- under ZeRO-3 on FSDP2, its **gathers** (``_fsdp2_gathered_bytes``): the root unit unsharded through forward and
+  backward, the last block unsharded at the end of its forward and at the start of its backward with the next
+  block's prefetched all-gather (gloo: all-gather outputs and gloo's copy), the head's unsharded gradients; measured
+  within 0.1% of the tests' and ``bench/lora.py``'s FSDP2 peaks (flat ZeRO-3 keeps the terms above);
 - the **optimizer step** (AdamW's temporaries: two fp32 copies of one bucket's main parameters per tensor on CPU,
   one fp32 copy of all of them with foreach on GPUs), whose peak replaces the backward one when it is higher.
 
@@ -93,10 +97,13 @@ class RankMemory:
 
     reduction: float = 0.0
     """Buffers of the gradient reduction, alive at the end of backward once the activations are gone."""
+    gathered: float = 0.0
+    """ZeRO-3 on FSDP2: bytes above the states at its gather peaks (the loss, the end of the last block's forward,
+    the start of its backward), activations included (module docstring); 0 for other layouts."""
 
     @property
     def backward_peak(self) -> float:
-        return self.states + max(self.activations + self.transient, self.reduction)
+        return self.states + max(self.activations + self.transient, self.reduction, self.gathered)
 
     @property
     def peak(self) -> float:
@@ -143,14 +150,17 @@ def lora_rank_params(m: TransformerConfig, c: ParallelConfig, p: RankParams, lor
             f"The memory model prices LoRA on dense decoders with standard attention; {m.name!r} has "
             f"{'MoE experts' if m.is_moe else 'MLA'}. Plan it without lora=."
         )
+    return sum(_lora_layer_params(m, c, layer, lora) for layers in p.layers for layer in layers)
+
+
+def _lora_layer_params(m: TransformerConfig, c: ParallelConfig, layer: int, lora: LoRAConfig) -> float:
+    """Adapter parameters of decoder layer ``layer`` on one rank (:func:`lora_rank_params`)."""
     tp, r, total = c.tensor_parallel_size, lora.rank, 0.0
-    for layers in p.layers:
-        for layer in layers:
-            for name, (fan_in, fan_out, column) in lora_linears(m).items():
-                if not lora.matches(f"layers.{layer}.{name}"):
-                    continue
-                a, b = r * fan_in / (1 if column else tp), r * fan_out / (tp if column else 1)
-                total += a + b + (fan_out / (tp if column else 1) if lora.use_dora else 0.0)
+    for name, (fan_in, fan_out, column) in lora_linears(m).items():
+        if not lora.matches(f"layers.{layer}.{name}"):
+            continue
+        a, b = r * fan_in / (1 if column else tp), r * fan_out / (tp if column else 1)
+        total += a + b + (fan_out / (tp if column else 1) if lora.use_dora else 0.0)
     return total
 
 
@@ -249,6 +259,40 @@ def _reduction_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: 
     return 0.0
 
 
+def _fsdp2_gathered_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams, e: int, lora: LoRAConfig | None, *,
+                          activations: float, head_saved: float, transient: float, hidden: float, grads: float,
+                          padded_vocab: int, gloo: bool) -> float:  # fmt: skip
+    """Bytes above the model states at ZeRO-3 (FSDP2)'s gather peaks (issue 40; measured on CPU by ``bench/lora.py``'s
+    per-rank table and ``tests/strategies/test_lora_state_bytes.py``). FSDP2's units are the blocks and the root
+    (embedding, final norm, head; with LoRA their frozen base and adapters), each gathered in the model dtype; the
+    root stays unsharded from the root's pre-forward to its post-forward, and again from its pre-backward to the
+    end of backward. The largest of:
+
+    - the loss: every activation and the loss's temporaries with the root unsharded;
+    - the end of the last block's forward: the activations (the head's not yet), the root and the block unsharded,
+      under gloo also the block's all-gather output (its work holds it until the block is resharded), and the
+      last residual add's two ``hidden`` tensors (the MLP output and the sum);
+    - the start of the last block's backward: the same activations, the root and the block unsharded, the head's
+      unsharded gradients (full fine-tuning), the block's output gradient (``hidden``) and the next block's
+      prefetched all-gather output (under gloo with the copy gloo's ``allgather_base`` makes); the previous step's
+      gradients, part of ``grads``, were freed by ``zero_grad`` before backward (Lightning's closure), unless
+      gradients accumulate over micro-steps or a pipeline schedule runs the backward.
+    """
+    tp, ep = c.tensor_parallel_size, c.expert_shards
+    blocks = [sum(layer_params(m, i, tp=tp, ep=ep)) + (_lora_layer_params(m, c, i, lora) if lora else 0.0)
+              for ls in p.layers for i in ls]  # fmt: skip
+    root = p.frozen + p.dense + p.expert - sum(blocks)
+    block = max(blocks, default=0.0)
+    kept = activations - (head_saved if c.pipeline_parallel_size == 1 else 0.0)
+    loss = activations + transient + e * root
+    forward = kept + e * root + (2 if gloo else 1) * e * block + 2 * hidden
+    last = c.num_stages - 1 in p.stages
+    head_grads = e * min(root, padded_vocab * m.hidden_size / tp + m.hidden_size) if last and lora is None else 0.0
+    zeroed = grads if c.pipeline_parallel_size == 1 and c.gradient_accumulation_steps == 1 else 0.0
+    backward = kept - zeroed + e * root + head_grads + hidden + e * block + (2 if gloo else 1) * e * block
+    return max(loss, forward, backward)
+
+
 def memory_breakdown(
     model: TransformerConfig,
     config: ParallelConfig,
@@ -310,6 +354,13 @@ def memory_breakdown(
         transient = scale * extra
         params, grads, master, opt = _states(p, c, precision, bucket_numel)
         reduction = _reduction_bytes(m, c, p, e, bucket_numel, gloo=backend == "gloo")
+        gathered = 0.0
+        if c.zero_stage == 3 and c.resolved_zero3_impl == "fsdp2":  # flat ZeRO-3 keeps the model's old terms
+            hidden = scale * tokens * e * m.hidden_size / (tp if sp else 1)
+            head_saved = scale * head.saved if n - 1 in p.stages else 0.0
+            gathered = _fsdp2_gathered_bytes(m, c, p, e, lora, activations=activations, head_saved=head_saved,
+                                             transient=transient, hidden=hidden, grads=grads,
+                                             padded_vocab=m.padded_vocab_size(vocab_multiple), gloo=backend == "gloo")  # fmt: skip
         # torch's AdamW on CPU tensors runs per tensor (no foreach): ``exp_avg_sq.sqrt() / bias_correction`` and the
         # bf16 copy for ``sync_params`` make ~3 fp32-sized temporaries of one main parameter (one bucket shard). GPU runs default to foreach: one fp32
         # temporary of all the stepped parameters at once.
@@ -323,7 +374,7 @@ def memory_breakdown(
         out.append(RankMemory(
             pp_rank=p.pp_rank, stages=p.stages, params=params, grads=grads, master_params=master,
             optimizer_states=opt, activations=activations, live_microbatches=live, transient=transient,
-            reduction=reduction,
+            reduction=reduction, gathered=gathered,
             optimizer_step=optimizer_step,
         ))  # fmt: skip
     return MemoryBreakdown(ranks=tuple(out))
