@@ -1,6 +1,7 @@
 """LoRA against full fine-tuning on CPU: step time, the state bytes each holds and peak memory (issue 40 item 6).
 
     python bench/lora.py [--rounds 5] [--steps 3] [--ranks 8 16 64] [--out bench/results/lora.md] [--smoke]
+                         [--dist-only]
 
 One process, fp32, AdamW, a Llama-shaped decoder (``--size``); full fine-tuning and LoRA of each rank on the seven
 projections of every block (``CausalLMModule(lora=...)``), each a training step = forward + backward + optimizer
@@ -16,14 +17,15 @@ start (parameters and Adam states, no gradients) it gives the step's peak. The m
 
 Then per rank under DDP and ZeRO-3 (FSDP2) on 2 gloo processes (``FlagScaleStrategy``, fp32, AdamW, the global batch
 split over the ranks; a fresh world, every variant and layout one ``Trainer.fit`` after the other): step 0 allocates
-Adam's states, steps 1 and 2 are measured. Per rank and step: the state held at the step's start
+Adam's states, steps 1 to 3 are measured. Per rank and step: the state held at the step's start
 (``state_bytes``) plus the peak of the bytes allocated above it during the step (forward, backward, gradient
 reduction, optimizer step) from ``tune.measure.AllocationPeak`` (the allocator's events on the training thread);
-the lesser of the two steps is kept (a free on one of gloo's threads is unseen until its address is reused, so a
+the least of the steps is kept (a free on one of gloo's threads is unseen until its address is reused, so a
 reading can only be high). DDP's persistent fp32 gradient buckets, held across steps but pointed to by no ``.grad``
 at the step's start, are added to that start. Beside it: the state bytes at the optimizer step (measured, and
 ``expected_state_bytes``' formula, the frozen base as parameters only) and the tuner's predicted peak
-(``tune.memory_model.memory_breakdown(..., backend="gloo", lora=...)``).
+(``tune.memory_model.memory_breakdown(..., backend="gloo", lora=...)``) and its error against the larger rank's
+peak, in bytes. ``--dist-only`` runs this table alone and replaces its section of ``--out``, the one-process table kept.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class Variant:
 # exactly; flat ZeRO-3 adds its row padding, see docs/lora.md)
 WORLD = 2
 DIST_LAYOUTS = {"DDP": dict(zero_stage=0), "ZeRO-3": dict(zero_stage=3, zero3_impl="fsdp2")}
-MEASURED_STEPS = (1, 2)
+MEASURED_STEPS = (1, 2, 3)  # a reading can only be high: the least of three
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -226,13 +228,13 @@ def run_distributed(config: TransformerConfig, loras: dict, batch_size: int, seq
         f"## Peak memory per rank: DDP and ZeRO-3 (FSDP2), {WORLD} processes",
         "",
         f"Batch {rank_batch} x {seq} tokens per rank (global {WORLD * rank_batch}), fp32, AdamW; each rank's peak: the "
-        f"state at the step's start plus the most bytes allocated above it during the step, the lesser of steps "
-        f"{MEASURED_STEPS[0]} and {MEASURED_STEPS[1]}; the tuner's prediction is `memory_breakdown(..., "
+        f"state at the step's start plus the most bytes allocated above it during the step, the least of steps "
+        f"{MEASURED_STEPS[0]} to {MEASURED_STEPS[-1]}; the tuner's prediction is `memory_breakdown(..., "
         "backend='gloo', lora=...)` for the same layout.",
         "",
         "| layout | variant | trained params | state bytes at the step, rank 0 (measured) | formula | peak rank 0 | "
-        "peak rank 1 | peak vs full | tune's predicted peak |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "peak rank 1 | peak vs full | tune's predicted peak | tune minus the larger peak (bytes) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for layout, kwargs in DIST_LAYOUTS.items():
         c = ParallelConfig(**kwargs, micro_batch_size=rank_batch).resolve(WORLD)
@@ -247,19 +249,38 @@ def run_distributed(config: TransformerConfig, loras: dict, batch_size: int, seq
             predicted = memory_breakdown(config, c, seq, 1, precision="32-true", backend="gloo", lora=lora).peak
             lines.append(
                 f"| {layout} | {name} | {trained:,} | {per_rank[0]['state']:,.0f} | {formula:,.0f} | {peaks[0]:,.0f} | "
-                f"{peaks[1]:,.0f} | {max(peaks) / full_peak:.2f}x | {predicted:,.0f} |"
+                f"{peaks[1]:,.0f} | {max(peaks) / full_peak:.2f}x | {predicted:,.0f} | "
+                f"{predicted - max(peaks):+,.0f} ({100 * (predicted / max(peaks) - 1):+.3f}%) |"
             )
     lines += [
         "",
         "State bytes at the step: parameters + gradients + master copies + Adam states on rank 0 (+ Adam's 4-byte step "
         "counter per trained tensor, which the formula leaves out); ZeRO-3 shards all of them, LoRA's frozen base as "
-        "parameters only. Peak vs full: the larger rank's peak over full fine-tuning's in the same layout.",
+        "parameters only. Peak vs full: the larger rank's peak over full fine-tuning's in the same layout. A reading "
+        "can only be high: a block allocated before the step's profiler started (step 1: step 0's gradients) is "
+        "never seen freed, nor one freed on gloo's thread until its address comes back, so a rank's reading can "
+        "exceed the other's by the gradients' bytes.",
     ]
     return lines
 
 
 def _load() -> str:
     return "load average {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
+
+
+def _loras(ranks: list[int]) -> dict:
+    return {"full": None} | {f"LoRA r={r}": LoRAConfig(rank=r, alpha=2.0 * r, target_modules=TARGETS) for r in ranks}
+
+
+def run_dist_only(args: argparse.Namespace) -> str:
+    """The per-rank table alone, in place of its section of ``args.out`` (the one-process table above it kept)."""
+    size = dict(SIZES[args.size])
+    batch_size, seq = size.pop("batch"), size.pop("seq")
+    config = TransformerConfig.from_preset("llama-tiny", **size, max_seq_len=seq)
+    kept = (
+        args.out.read_text().split("\n## Peak memory per rank")[0].rstrip("\n").split("\n") if args.out.exists() else []
+    )
+    return "\n".join(kept + run_distributed(config, _loras(args.ranks), batch_size, seq)) + "\n"
 
 
 def run(args: argparse.Namespace) -> str:
@@ -313,10 +334,7 @@ def run(args: argparse.Namespace) -> str:
         "frees activations as gradients appear). Peak: that plus the state held at the start (parameters and Adam "
         "states, no gradients); the same batch for every variant.",
     ]
-    loras = {"full": None} | {
-        f"LoRA r={r}": LoRAConfig(rank=r, alpha=2.0 * r, target_modules=TARGETS) for r in args.ranks
-    }
-    lines += run_distributed(config, loras, batch_size, seq)
+    lines += run_distributed(config, _loras(args.ranks), batch_size, seq)
     return "\n".join(lines) + "\n"
 
 
@@ -329,10 +347,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results/lora.md"))
     parser.add_argument("--smoke", action="store_true", help="the smallest size, one round of one step")
+    parser.add_argument("--dist-only", action="store_true", help="the per-rank peak table alone, in place in --out")
     args = parser.parse_args()
     if args.smoke:
         args.size, args.rounds, args.steps, args.ranks = "smoke", 1, 1, [8]
-    report = run(args)
+    report = run_dist_only(args) if args.dist_only else run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)
