@@ -589,11 +589,12 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
 
     @property
     def etp_sequence_parallel(self) -> bool:
-        """ETP > 1 over the whole TP group under sequence parallelism (Megatron-Core's default ETP = TP): the MoE
-        block reduce-scatters the partial expert outputs over its sequence (and the input's partial gradients in
-        backward) instead of all-reducing every routed row and keeping its chunk (``MoELayer.forward``)."""
+        """ETP > 1 inside the TP group (Megatron-Core's default ETP = TP, or ETP dividing TP) under sequence
+        parallelism: the MoE block reduce-scatters the partial expert outputs over the ETP group, each rank its own
+        sequence chunk (and the input's partial gradients over TP in backward) instead of all-reducing every routed
+        row and keeping its chunk (``MoELayer.forward``, issue 39)."""
         etp = self.expert_tensor_parallel_size
-        return self.sequence_parallel and etp > 1 and etp == self.tensor_parallel_size
+        return self.sequence_parallel and etp > 1 and self.etp_tokens_replicated
 
     @property
     def expert_grad_divisor(self) -> int:

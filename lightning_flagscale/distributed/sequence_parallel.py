@@ -5,8 +5,9 @@ The sequence is dim 1 of ``[B, S, H]`` and splits evenly over the group, rank r 
 
 - :func:`gather_sequence`: all-gather the chunks; backward: this rank's chunk of the gradient, or, with
   ``partial_grad`` (each rank's gradient is a partial sum, e.g. of expert FFN chunks), a reduce-scatter;
-- :func:`scatter_sequence`: this rank's chunk; with ``partial`` (each rank holds a partial sum) a reduce-scatter;
-  backward: all-gather;
+- :func:`scatter_sequence`: this rank's chunk; with ``partial_over`` (each rank holds a partial sum over that group:
+  the whole group, or a subgroup of it, e.g. expert-tensor-parallel ranks inside a TP group) a reduce-scatter over
+  it of its members' chunks; backward: all-gather;
 - :func:`scale_grad` / :func:`scale_forward`: identity one way, a constant factor the other (a term every rank of
   a reduce-scatter holds alike enters the sum once);
 - :func:`sum_grad`: identity whose backward all-reduces the gradient (Megatron's ``copy_to_..._region``).
@@ -48,6 +49,24 @@ def _local_chunk(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _chunks(x, group)[dist.get_rank(group)]
 
 
+def _member_chunks(group: dist.ProcessGroup, sub: dist.ProcessGroup) -> list[int]:
+    """The chunk (rank in ``group``) of each rank of ``sub``, in ``sub``'s rank order."""
+    members = [dist.get_global_rank(sub, i) for i in range(dist.get_world_size(sub))]
+    inside = set(dist.get_process_group_ranks(group))
+    if not inside.issuperset(members):
+        raise ValueError(f"The partial-sum group {members} is not inside the sequence-parallel group {sorted(inside)}.")
+    return [dist.get_group_rank(group, r) for r in members]
+
+
+def _reduce_scatter_members(x: Tensor, group: dist.ProcessGroup, sub: dist.ProcessGroup) -> Tensor:
+    """This rank's chunk of the sum over ``sub``: the ranks of ``sub`` reduce-scatter only their own chunks of
+    ``group``'s split (all of them when ``sub`` is ``group``); other subgroups sum the other chunks."""
+    chunks = _chunks(x, group)
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, [chunks[c] for c in _member_chunks(group, sub)], group=sub)
+    return out
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, partial_grad: bool) -> Tensor:  # type: ignore[override]
@@ -62,9 +81,9 @@ class _GatherSequence(torch.autograd.Function):
 
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, partial: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, partial_over: dist.ProcessGroup | None) -> Tensor:  # type: ignore[override]
         ctx.group = group
-        return _reduce_scatter(x, group) if partial else _local_chunk(x, group)
+        return _local_chunk(x, group) if partial_over is None else _reduce_scatter_members(x, group, partial_over)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
@@ -111,10 +130,13 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup, *, partial_grad: bool =
     return _GatherSequence.apply(x, group, partial_grad)
 
 
-def scatter_sequence(x: Tensor, group: dist.ProcessGroup, *, partial: bool = False) -> Tensor:
-    """``[B, S, H]`` -> this rank's ``[B, S/n, H]`` chunk (``partial``: of the sum over the group, a reduce-scatter);
-    backward: the gradient all-gathered."""
-    return _ScatterSequence.apply(x, group, partial)
+def scatter_sequence(x: Tensor, group: dist.ProcessGroup, *, partial_over: dist.ProcessGroup | None = None) -> Tensor:
+    """``[B, S, H]`` -> this rank's ``[B, S/n, H]`` chunk; backward: the gradient all-gathered over ``group``.
+
+    ``partial_over``: ``x`` is a partial sum over that group (``group`` itself, or a subgroup of it whose ranks hold
+    the same sum as every other subgroup, as ETP ranks inside a TP group do), and the chunk is of the sum: a
+    reduce-scatter over ``partial_over`` of its members' chunks, ``(size - 1) / n`` of ``x`` on the wire per rank."""
+    return _ScatterSequence.apply(x, group, partial_over)
 
 
 def scale_grad(x: Tensor, factor: float) -> Tensor:

@@ -274,7 +274,7 @@ class MoELayer(nn.Module):
 
     # ---- forward ----
     def _partial_group(self) -> dist.ProcessGroup | None:
-        """The group over which the dispatcher returns partial expert outputs (ETP = TP under SP), else None."""
+        """The group over which the dispatcher returns partial expert outputs (ETP inside TP under SP), else None."""
         group = getattr(self.dispatcher, "partial_group", None)
         if group is not None and self.sequence_parallel_group is None:
             raise RuntimeError(
@@ -289,15 +289,16 @@ class MoELayer(nn.Module):
 
         Under SP the block runs on the whole sequence (all-gathered over TP), so the router, its statistics and the
         shared experts see what one process sees. Its output is this rank's chunk: a slice, or, when the experts
-        are split over the TP ranks (ETP = TP), a reduce-scatter of the partial sums (and the input's backward a
-        reduce-scatter of partial gradients), Megatron's sequence-parallel pair instead of an all-reduce of every
-        routed row followed by a slice."""
+        are split over ETP ranks inside the TP group, a reduce-scatter of the partial sums over the ETP group (of the
+        chunks of its members; with ETP = TP the whole sequence), and the input's backward a reduce-scatter of partial
+        gradients over TP: Megatron's sequence-parallel pair instead of an all-reduce of every routed row followed by
+        a slice (issue 39)."""
         group = self.sequence_parallel_group
-        partial = self._partial_group() is not None
+        partial = self._partial_group()
         if group is not None:
-            hidden = gather_sequence(hidden, group, partial_grad=partial)
+            hidden = gather_sequence(hidden, group, partial_grad=partial is not None)
         out = self._forward_maybe_recomputed(hidden)
-        return out if group is None else scatter_sequence(out, group, partial=partial)
+        return out if group is None else scatter_sequence(out, group, partial_over=partial)
 
     def _forward_maybe_recomputed(self, hidden: Tensor) -> Tensor:
         if "layer" in self._static_parts() and torch.is_grad_enabled():
@@ -312,14 +313,18 @@ class MoELayer(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         static = self._static_parts()
-        # ETP = TP under SP: the expert outputs are partial sums over the group, reduce-scattered after the combine
-        # (forward). Every rank computes the router and the shared experts alike: their input gradients enter the
-        # reduce-scatter of the input's gradient scaled by 1/k, their output enters the output's sum scaled by 1/k
-        # (exact: k identical halves, quarters, ...), and the routing weights' gradients, products with partial
-        # outputs, are summed over the group.
+        # ETP inside TP under SP: the expert outputs are partial sums over the k ETP ranks, reduce-scattered over them
+        # after the combine (forward); the output gradient comes back all-gathered over the n TP ranks, the same on
+        # each, and the input gradients are reduce-scattered over TP. Every TP rank computes the router and the
+        # shared experts alike: their input gradients enter that sum scaled by 1/n, the shared output the ETP sum
+        # scaled by 1/k (exact: identical halves, quarters, ...). The routed rows' input gradients are partial over
+        # ETP and alike on the n/k ETP groups of a TP group: scaled by k/n. The routing weights' gradients, products
+        # with partial outputs, are summed over ETP.
         partial = self._partial_group()
         k = dist.get_world_size(partial) if partial is not None else 1
-        x_rep = x if partial is None else scale_grad(x, 1.0 / k)
+        n = dist.get_world_size(self.sequence_parallel_group) if partial is not None else 1
+        x_rep = x if partial is None else scale_grad(x, 1.0 / n)
+        x_routed = x if k == n else scale_grad(x, k / n)
         route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep))
         if self.capacity_factor is None:
             plan = dropless_plan(route.topk_idx, route.topk_weight, self.num_experts)
@@ -331,7 +336,7 @@ class MoELayer(nn.Module):
             rows = inp[plan.token_idx]
             return rows if plan.valid is None else rows * plan.valid.unsqueeze(-1).to(rows.dtype)
 
-        x_perm = maybe_checkpoint("permute" in static, permute, x)
+        x_perm = maybe_checkpoint("permute" in static, permute, x_routed)
         y_perm = self.dispatcher(self, x_perm, plan.counts)
         weight = plan.weight if partial is None else sum_grad(plan.weight, partial)
         out = torch.zeros_like(x).index_add_(0, plan.token_idx, y_perm * weight.unsqueeze(-1).to(y_perm.dtype))

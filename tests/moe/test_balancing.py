@@ -75,3 +75,15 @@ def test_expert_gradient_divisor_counts_each_token_copy_once():
     assert inside.etp_tokens_replicated and inside.expert_grad_divisor == 2
     assert not across.etp_tokens_replicated and across.expert_grad_divisor == 4
     assert ParallelConfig(expert_parallel_size=2, tensor_parallel_size=2).resolve(4).expert_grad_divisor == 4
+
+
+def test_etp_inside_tp_under_sequence_parallelism_reduce_scatters():
+    # Issue 39: ETP = TP and ETP over part of a TP group (ETP dividing TP) under SP both reduce-scatter the partial
+    # expert outputs (MoELayer.forward); without SP, or with ETP over data-parallel ranks, they do not.
+    def layout(tp: int, etp: int, sp: bool = True) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=tp, expert_tensor_parallel_size=etp, sequence_parallel=sp).resolve(4)
+
+    assert layout(2, 2).etp_sequence_parallel and layout(4, 4).etp_sequence_parallel  # ETP = TP
+    assert layout(4, 2).etp_sequence_parallel  # ETP over half of each TP group
+    assert not layout(4, 2, sp=False).etp_sequence_parallel and not layout(4, 1).etp_sequence_parallel
+    assert not layout(2, 4).etp_sequence_parallel  # ETP 4 over TP 2 x DP 2: distinct rows, all-gathered

@@ -5,7 +5,9 @@ Each launch trains several layouts one after the other on the same workers (one 
 
 - ETP ranks holding different tokens (ETP over data-parallel ranks): tokens all-gathered over ETP, partial outputs
   reduce-scattered;
-- ETP inside a TP group (the TP ranks feed the MoE blocks the same tokens): the same rows split, outputs all-reduced.
+- ETP inside a TP group (the TP ranks feed the MoE blocks the same tokens): the same rows split, outputs all-reduced;
+  under sequence parallelism (ETP = TP on 2 ranks, ETP 2 over half of TP 4 on 4) reduce-scattered over ETP, each rank
+  its sequence chunk.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ LAYOUTS_4 = {
         expert_parallel_size=2, expert_tensor_parallel_size=2, tensor_parallel_size=2, zero_stage=1
     ),
     "etp2-zero2": dict(expert_tensor_parallel_size=2, zero_stage=2),  # dp 4 = edp 2 x etp 2
+    "tp4-sp-ep2xetp2": dict(  # etp < tp: each half of the TP group splits the same rows, reduce-scattered over etp
+        tensor_parallel_size=4, sequence_parallel=True, expert_parallel_size=2, expert_tensor_parallel_size=2
+    ),
 }
 # Two meshes of one layer each, ETP 2 on both: over data-parallel ranks on the first (gathered), inside TP on the
 # second (replicated); one micro-batch per step, so the aux statistics are the whole batch's as in one process.
@@ -60,22 +65,23 @@ def _hf_config():
 
 
 def _config(**overrides: Any):
-    return shrink("mixtral-tiny", **overrides)  # 8 experts, top-2, moe_intermediate_size 16, its default aux loss
+    # 8 experts, top-2, moe_intermediate_size 16, its default aux loss; 4 KV heads, which TP 4 splits
+    return shrink("mixtral-tiny", num_key_value_heads=4, **overrides)
 
 
 def run_layouts(
     layouts: dict[str, dict[str, Any]], one_layer: bool = False, hf_dir: str | None = None, hetero: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Every layout's ``sgd_trainer_run`` on this worker, in order (one launch for all of them); with ``one_layer``
-    also :func:`layer_under_etp` in both modes, with ``hf_dir`` :func:`hf_round_trip_under_etp`, with ``hetero`` the
-    :data:`HETERO` layout."""
+    """Every layout's ``sgd_trainer_run`` on this worker, in order (one launch for all of them), then
+    :func:`layer_under_etp_sequence_parallel` in both modes; with ``one_layer`` also :func:`layer_under_etp` in both
+    modes, with ``hf_dir`` :func:`hf_round_trip_under_etp`, with ``hetero`` the :data:`HETERO` layout."""
     results = {name: sgd_trainer_run(kwargs, _config(), STEPS, clip=CLIP) for name, kwargs in layouts.items()}
     if hetero:
         results["hetero"] = sgd_trainer_run(HETERO, _config(), STEPS, batch_size=2, clip=CLIP)
     if one_layer:
         results.update({f"layer-{mode}": layer_under_etp(mode == "replicated") for mode in ("gathered", "replicated")})
-        results.update({f"layer-sp-{mode}": layer_under_etp_sequence_parallel(mode == "reduce-scatter")
-                        for mode in ("all-reduce", "reduce-scatter")})  # fmt: skip
+    results.update({f"layer-sp-{mode}": layer_under_etp_sequence_parallel(mode == "reduce-scatter")
+                    for mode in ("all-reduce", "reduce-scatter")})  # fmt: skip
     if hf_dir is not None:
         results["hf"] = hf_round_trip_under_etp(hf_dir)
     return results
@@ -151,24 +157,29 @@ def test_expert_tensor_parallel_matches_single_process(launcher, reference, tmp_
             assert res["is_dtensor"] and res["gate_up_local"] and res["down_local"] and res["full"], (mode, rank, res)
             for key in ("out_err", "gate_up_grad_err", "down_grad_err", "router_grad_err"):
                 assert res[key] < REL, (mode, rank, key, res[key])
-    if world == 2:  # ETP = TP under SP: the reduce-scatter pair equals one process and moves less than all-reduces
-        for rank, res in enumerate(per_rank):
-            modes = {mode: res[f"layer-sp-{mode}"] for mode in ("all-reduce", "reduce-scatter")}
-            for mode, layer in modes.items():
-                errs = {"out": layer["out_err"], "input grad": layer["input_grad_err"], **layer["grad_errs"]}
-                assert {"mlp.gate.weight", "mlp.shared_experts.down_proj.weight", "experts.down_proj"} <= set(errs)
-                assert max(errs.values()) < REL, (mode, rank, errs)
-            old, new = modes["all-reduce"]["ops"], modes["reduce-scatter"]["ops"]
-            # before: every routed row all-reduced in forward (outputs) and backward (input gradients)
-            assert (
-                old["reduce_scatter"].calls == 0
-                and old["all_reduce"].payload_bytes == 2 * modes["all-reduce"]["row_bytes"]
-            )
-            # now: forward, the input all-gathered and the output reduce-scattered; backward, the reverse pair; left
-            # to all-reduce: the routing weights' gradients, one scalar per routed row
-            assert new["reduce_scatter"].calls == 2 and new["all_gather"].calls == 2, (rank, new)
-            assert new["all_reduce"].payload_bytes == modes["reduce-scatter"]["weight_bytes"], (rank, new)
-            assert modes["reduce-scatter"]["wire_bytes"] < modes["all-reduce"]["wire_bytes"] / 2, (rank, modes)
+    # ETP 2 inside TP under SP (world 2: ETP = TP; world 4: ETP over half of TP 4): the reduce-scatter pair equals one
+    # process and moves less than all-reduces
+    n, k = world, 2  # TP and ETP sizes
+    for rank, res in enumerate(per_rank):
+        modes = {mode: res[f"layer-sp-{mode}"] for mode in ("all-reduce", "reduce-scatter")}
+        for mode, layer in modes.items():
+            errs = {"out": layer["out_err"], "input grad": layer["input_grad_err"], **layer["grad_errs"]}
+            assert {"mlp.gate.weight", "mlp.shared_experts.down_proj.weight", "experts.down_proj"} <= set(errs)
+            assert max(errs.values()) < REL, (world, mode, rank, errs)
+        old, new = modes["all-reduce"]["ops"], modes["reduce-scatter"]["ops"]
+        x, rows, weights = (modes["all-reduce"][key] for key in ("x_bytes", "row_bytes", "weight_bytes"))
+        # before: every routed row all-reduced over ETP in forward (outputs) and backward (input gradients)
+        assert old["reduce_scatter"].calls == 0 and old["all_reduce"].payload_bytes == 2 * rows
+        assert modes["all-reduce"]["wire_bytes"] == 2 * (n - 1) / n * x + 2 * 2 * (k - 1) / k * rows
+        # now: forward, the input all-gathered over TP and the output reduce-scattered over ETP, of the k chunks of
+        # its ranks only; backward, the output gradient all-gathered over TP and the input's partial gradients
+        # reduce-scattered over TP; left to all-reduce: the routing weights' gradients, one scalar per routed row
+        assert new["reduce_scatter"].calls == 2 and new["all_gather"].calls == 2, (rank, new)
+        assert new["reduce_scatter"].payload_bytes == x * k // n + x, (rank, new)
+        assert new["all_reduce"].payload_bytes == weights, (rank, new)
+        wire = modes["reduce-scatter"]["wire_bytes"]
+        assert wire == (3 * (n - 1) + k - 1) / n * x + 2 * (k - 1) / k * weights, (rank, wire)
+        assert wire < modes["all-reduce"]["wire_bytes"] / 2, (rank, modes)
 
 
 def layer_under_etp(replicated: bool) -> dict[str, Any]:
@@ -232,11 +243,13 @@ def layer_under_etp(replicated: bool) -> dict[str, Any]:
 
 
 def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
-    """One MoE layer with a shared expert and the aux loss, ETP 2 = TP 2 under sequence parallelism (world 2, no EP):
-    each rank feeds its half of the sequence and gets its half of the output. ``reduce_scatter``: the partial expert
-    outputs reduce-scattered over the sequence, the input's partial gradients likewise (``etp_sequence_parallel``);
-    else all-reduced per routed row, then sliced. Outputs, input gradients and every parameter gradient against
-    the layer in this process, and what each mode sends over the group (``CommTracker``)."""
+    """One MoE layer with a shared expert and the aux loss, ETP 2 inside TP = world size under sequence parallelism
+    (no EP; world 2: ETP = TP; world 4: ETP over half of the TP group, the other half a second ETP group, an
+    expert-data-parallel copy): each rank feeds its chunk of the sequence and gets its chunk of the output.
+    ``reduce_scatter``: the partial expert outputs reduce-scattered over ETP (the chunks of its ranks), the input's
+    partial gradients over TP (``etp_sequence_parallel``); else all-reduced per routed row, then sliced. Outputs,
+    input gradients and every parameter gradient against the layer in this process, and what each mode sends over
+    the groups (``CommTracker``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -246,7 +259,7 @@ def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
     from lightning_flagscale.moe import build_moe
     from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     config = shrink("mixtral-tiny", num_shared_experts=1, shared_expert_intermediate_size=24)
     assert config.moe_aux_loss_coeff > 0
     torch.manual_seed(0)
@@ -263,10 +276,11 @@ def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
     model = torch.nn.ModuleDict({"mlp": build_moe(config, 0)})
     model.load_state_dict(ref.state_dict())
     set_moe_token_group(model, None)
-    apply_ep(model, init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "etp")), etp_tokens_replicated=True,
-             etp_sequence_parallel=reduce_scatter)  # fmt: skip
+    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("edp", "ep", "etp"))
+    apply_ep(model, mesh[("ep", "etp")], etp_tokens_replicated=True, etp_sequence_parallel=reduce_scatter)
     model.mlp.sequence_parallel_group = dist.group.WORLD  # what the TP plan's MoESequenceParallel sets
-    chunk = slice(rank * 4, (rank + 1) * 4)
+    piece = x.shape[1] // world
+    chunk = slice(rank * piece, (rank + 1) * piece)
     x_local = x[:, chunk].clone().requires_grad_(True)
     with CommTracker() as comm:
         out = model.mlp(x_local)
@@ -276,7 +290,7 @@ def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
         return float((got.detach() - want.detach()).norm() / want.norm())
 
     inter = config.moe_intermediate_size // 2
-    part = slice(rank * inter, (rank + 1) * inter)
+    part = slice(rank % 2 * inter, (rank % 2 + 1) * inter)
     gg, gu = ref.mlp.experts.gate_up_proj.grad.chunk(2, dim=1)
     grads = {
         name: err(p.grad, ref.get_parameter(name).grad)
@@ -294,6 +308,7 @@ def layer_under_etp_sequence_parallel(reduce_scatter: bool) -> dict[str, Any]:
         "grad_errs": grads,
         "ops": {op: comm.stats(op) for op in ("all_reduce", "all_gather", "reduce_scatter")},
         "wire_bytes": comm.total_wire_bytes(),
+        "x_bytes": x.numel() * x.element_size(),  # the block's whole input
         "row_bytes": x.numel() * config.num_experts_per_tok * x.element_size(),  # every routed row, H wide
         "weight_bytes": x.numel() // config.hidden_size * config.num_experts_per_tok * x.element_size(),
     }

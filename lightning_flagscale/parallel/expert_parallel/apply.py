@@ -29,10 +29,11 @@ through its intermediate chunk and the partial outputs are summed over the ETP g
 - ETP inside a TP group (``ParallelConfig.etp_tokens_replicated``): MoE blocks run on the whole sequence on every TP
   rank, so the ETP ranks hold the same rows; each runs them through its chunk, the partial outputs are all-reduced
   and the input gradients all-reduced in backward (Megatron's column/row-parallel pair). Under sequence parallelism
-  with ETP = TP (``ParallelConfig.etp_sequence_parallel``) the partial outputs are not reduced here: the MoE block
-  combines them and reduce-scatters its output over the sequence, and its input's all-gather reduce-scatters the
-  partial gradients in backward (Megatron's sequence-parallel pair, ``MoELayer.forward``), instead of an all-reduce
-  of every routed row, forward and backward, of which each rank keeps its sequence chunk;
+  (``ParallelConfig.etp_sequence_parallel``, ETP = TP or ETP dividing TP) the partial outputs are not reduced here:
+  the MoE block combines them and reduce-scatters its output over the ETP group (each rank its sequence chunk),
+  and its input's all-gather reduce-scatters the partial gradients over TP in backward (Megatron's
+  sequence-parallel pair, ``MoELayer.forward``), instead of an all-reduce of every routed row, forward and
+  backward, of which each rank keeps its sequence chunk;
 - otherwise the ETP ranks hold different rows: they all-gather them (per local expert), run them through their chunk
   and reduce-scatter the partial outputs back to their owners (Megatron's ETP token dispatcher).
 
@@ -164,8 +165,8 @@ class AllToAllDispatcher:
         if etp_partial_outputs and not etp_tokens_replicated:
             raise ValueError("etp_partial_outputs needs etp_tokens_replicated (ETP ranks holding the same rows).")
         self.partial_group = etp_group if etp_partial_outputs else None
-        """Set: the outputs are this rank's partial sums over the ETP group, which the MoE layer sums (ETP = TP under
-        sequence parallelism: a reduce-scatter over the sequence, ``MoELayer.forward``)."""
+        """Set: the outputs are this rank's partial sums over the ETP group, which the MoE layer sums (ETP inside TP
+        under sequence parallelism: a reduce-scatter of the ETP ranks' sequence chunks, ``MoELayer.forward``)."""
         self.replica_bytes = 0
         """Bytes of replica weights all-reduced by this rank in the last forward (hot-expert replication)."""
 
@@ -311,9 +312,9 @@ def apply_ep(
 
     ``etp_tokens_replicated``: the ETP ranks feed their MoE blocks the same tokens (ETP inside a TP group,
     ``ParallelConfig.etp_tokens_replicated``), so they split the same rows instead of all-gathering them.
-    ``etp_sequence_parallel``: moreover the ETP group is the whole TP group under sequence parallelism
-    (``ParallelConfig.etp_sequence_parallel``): the expert outputs stay partial sums, which the MoE block
-    reduce-scatters over its sequence instead of all-reducing every routed row (``MoELayer.forward``). Call it
+    ``etp_sequence_parallel``: moreover sequence parallelism is on (``ParallelConfig.etp_sequence_parallel``): the
+    expert outputs stay partial sums, which the MoE block reduce-scatters over the ETP group, each rank its sequence
+    chunk, instead of all-reducing every routed row (``MoELayer.forward``). Call it
     before ZeRO/FSDP wrapping and after TP (the rest of the block is tensor-parallel); works on meta-device models
     (materialise with ``to_empty`` + ``init_weights`` afterwards). Returns ``model``, modified in place.
     """
