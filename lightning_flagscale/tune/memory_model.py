@@ -274,7 +274,8 @@ def _fsdp2_gathered_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams
       last residual add's two ``hidden`` tensors (the MLP output and the sum);
     - the start of the last block's backward: the same activations, the root and the block unsharded, the head's
       unsharded gradients (full fine-tuning), the block's output gradient (``hidden``) and the next block's
-      prefetched all-gather output (under gloo with the copy gloo's ``allgather_base`` makes); the previous step's
+      prefetched all-gather output (under gloo with the copy gloo's ``allgather_base`` makes; under mixed precision
+      with its input, the local shard cast to the model dtype); the previous step's
       gradients, part of ``grads``, were freed by ``zero_grad`` before backward (Lightning's closure), unless
       gradients accumulate over micro-steps or a pipeline schedule runs the backward.
     """
@@ -289,7 +290,9 @@ def _fsdp2_gathered_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams
     last = c.num_stages - 1 in p.stages
     head_grads = e * min(root, padded_vocab * m.hidden_size / tp + m.hidden_size) if last and lora is None else 0.0
     zeroed = grads if c.pipeline_parallel_size == 1 and c.gradient_accumulation_steps == 1 else 0.0
-    backward = kept - zeroed + e * root + head_grads + hidden + e * block + (2 if gloo else 1) * e * block
+    # mixed precision: the prefetch's all-gather input, the local shard cast to the model dtype, is a buffer of its own
+    cast = e * block / (c.dp * c.context_parallel_size) if e != 4 else 0.0
+    backward = kept - zeroed + e * root + head_grads + hidden + e * block + (2 if gloo else 1) * e * block + cast
     return max(loss, forward, backward)
 
 
