@@ -270,8 +270,9 @@ def _fsdp2_gathered_bytes(m: TransformerConfig, c: ParallelConfig, p: RankParams
 
     - the loss: every activation and the loss's temporaries with the root unsharded;
     - the end of the last block's forward: the activations (the head's not yet), the root and the block unsharded,
-      under gloo also the block's all-gather output (its work holds it until the block is resharded), and the
-      last residual add's two ``hidden`` tensors (the MLP output and the sum);
+      under gloo also the block's all-gather output (dropped on gloo's worker thread, the allocator's events see it
+      freed only where the next all-gather reuses its address: the measured peak carries it, the true one may not),
+      and the last residual add's two ``hidden`` tensors (the MLP output and the sum);
     - the start of the last block's backward: the same activations, the root and the block unsharded, the head's
       unsharded gradients (full fine-tuning), the block's output gradient (``hidden``) and the next block's
       prefetched all-gather output (under gloo with the copy gloo's ``allgather_base`` makes; under mixed precision
