@@ -402,7 +402,8 @@ class CausalLMModule(L.LightningModule):
         loss = self._loss(batch)
         self._pop_mtp_loss()  # not a training statistic
         tokens = (batch["labels"] != -100).sum()
-        metric.update(loss.detach().float(), weight=tokens.float())
+        # a batch with no label (the padding that evens evaluation ranks out, strategies/_data.py) has a 0/0 loss
+        metric.update(torch.where(tokens > 0, loss.detach().float(), 0.0), weight=tokens.float())
         return loss
 
     def _log_eval_loss(self, stage: str, metric: MeanMetric) -> None:

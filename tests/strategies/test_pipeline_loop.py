@@ -98,6 +98,44 @@ def _validate(strategy_kwargs):
     return metrics["val_loss"]
 
 
+def _validate_set(strategy_kwargs, num_samples: int, batch_size: int):
+    """``trainer.validate`` of a set of ``num_samples`` in batches of ``batch_size``; returns val_loss."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale import FlagScaleStrategy
+    from tests.strategies._lm import TokenDataset, make_module
+
+    torch.manual_seed(0)
+    module = make_module(tiny_config(num_layers=4))
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), logger=False, enable_progress_bar=False,
+                        strategy=FlagScaleStrategy(**strategy_kwargs))  # fmt: skip
+    (metrics,) = trainer.validate(module, DataLoader(TokenDataset(256, num_samples), batch_size=batch_size))
+    return metrics["val_loss"]
+
+
+def test_validation_of_a_set_that_does_not_divide_is_its_token_mean(launcher):
+    """7 samples over 2 data-parallel ranks, one a batch: Lightning's sampler gives the second rank a fourth batch by
+    repeating sample 0, which counted twice; the padding's labels are now ignored (a batch of padding alone weighs
+    nothing), so val_loss is the token mean over the 7 samples."""
+    import torch
+
+    from tests.strategies._lm import TokenDataset, make_module
+
+    torch.manual_seed(0)
+    module = make_module(tiny_config(num_layers=4))
+    module.configure_model()
+    data = TokenDataset(256, 7)
+    with torch.no_grad():
+        want = module._loss(data.batch(torch.arange(7))).item()
+        repeated = module._loss(data.batch(torch.tensor([0, 1, 2, 3, 4, 5, 6, 0]))).item()
+    assert abs(repeated - want) > 1e-4 * want  # what the repeated sample did to it
+    for got in launcher(2, _validate_set, dict(zero_stage=1), 7, 1):
+        assert abs(got - want) <= 1e-6 * want, (got, want, repeated)
+
+
 @pytest.mark.parametrize(
     "strategy_kwargs",
     [dict(pipeline_parallel_size=2, micro_batch_size=2), dict(tensor_parallel_size=2), dict(zero_stage=3)],
