@@ -30,6 +30,7 @@ and draws each schedule's measured timeline next to its ideal one (PNG).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -218,10 +219,14 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
         runners[name] = build_pipeline(_SleepLM(opts["ms"], opts["fbw"]), mesh, cfg, device="cpu")
         runners[name].stage_cls = _stage_cls()
     out: dict[str, list] = {name: [] for name in runners}
+    if opts.get("manual_gc"):  # Python's cyclic collector between steps only (Megatron's --manual-gc)
+        gc.disable()
     # round 0 warms up every schedule's communicators and shape metadata; then rounds interleave the schedules (each
     # round runs every schedule once), so a load drift on this shared machine hits all of them alike
     for it in range(opts["iters"] + 1):
         for name, runner in runners.items():
+            if opts.get("manual_gc"):
+                gc.collect()
             dist.barrier()
             _EVENTS.clear()
             start = time.perf_counter()
@@ -461,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--only", nargs="+", default=None, help="a subset of the schedules")
     parser.add_argument("--smoke", action="store_true", help="1 ms layers, one measured iteration (seconds)")
+    parser.add_argument(
+        "--manual-gc", action="store_true", help="Python's garbage collector between steps only, not inside one"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -472,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(fbw) != 3 or min(fbw) < 0:
         parser.error(f"--fbw takes three costs F:I:W such as 1:2:1, got {args.fbw!r}")
     opts = {"m": args.m, "ms": args.ms, "fbw": fbw, "iters": args.iters, "schedules": schedules}
+    opts["manual_gc"] = args.manual_gc
     ctx = context()
     queue = ctx.Queue()
     port = free_port()
