@@ -1,9 +1,10 @@
 """Lightning callbacks: progress bar and reports, loss plot, slow-rank detection, MoE telemetry, HF export, in-memory
-checkpoints, and no empty log folder after a failed run."""
+checkpoints, garbage collection between steps, and no empty log folder after a failed run."""
 
 from lightning_flagscale.callbacks.empty_logs import DropEmptyLogDir
 from lightning_flagscale.callbacks.hf_export import HFExportCallback
 from lightning_flagscale.callbacks.loss_plot import LossCurvePlot
+from lightning_flagscale.callbacks.manual_gc import ManualGC
 from lightning_flagscale.callbacks.memory_checkpoint import MemoryCheckpoint
 from lightning_flagscale.callbacks.moe import MoETelemetry
 from lightning_flagscale.callbacks.progress import StepProgressBar
@@ -17,6 +18,7 @@ __all__ = [
     "KnownFlopsRichModelSummary",
     "LossCurvePlot",
     "LossReport",
+    "ManualGC",
     "MemoryCheckpoint",
     "MoETelemetry",
     "SlowRankDetector",
