@@ -125,6 +125,7 @@ def _rank_main(rank: int, world: int, port: int, types: list[str], spec: dict, q
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
         NODE_RANK="0", LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1",
         FLAGSCALE_DEVICE_TYPE=types[rank], FLAGSCALE_EMULATE_SLOWDOWN=spec["slowdown"],
+        FLAGSCALE_EMULATE_COST=spec.get("emulated_cost", "measured"),
     )  # fmt: skip
     import datetime
     import logging
@@ -198,7 +199,8 @@ def _start(ctx: Any, types: list[str], spec: dict, queue: Any) -> list[Any]:
 def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
     """(device type per rank, spec) of every job that one configuration runs concurrently."""
     slowdown = f"fast={args.base_slowdown},slow={args.base_slowdown * args.slowdown}"
-    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, global_batch=2 * args.rank_batch, model=_model(args))
+    base = dict(steps=args.steps, seq=args.seq, slowdown=slowdown, global_batch=2 * args.rank_batch, model=_model(args),
+                emulated_cost=getattr(args, "emulated_cost", "measured"))  # fmt: skip
     if name == "alone":  # micro-batches of the hetero job's size, accumulated up to the same global batch
         accumulate = args.rank_batch // args.micro
         strategy = dict(data_parallel_size=2, zero_stage=1, gradient_accumulation_steps=accumulate)
@@ -413,7 +415,9 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         "",
         f"`python bench/hetero.py --rounds {args.rounds} --steps {args.steps} --slowdown {args.slowdown}"
         f" --base-slowdown {args.base_slowdown} --seq {args.seq} --rank-batch {args.rank_batch} --micro {args.micro}"
-        f" --layers {_model(args)['num_layers']} --configs {','.join(_hetero(rows))}`;"
+        f" --layers {_model(args)['num_layers']} --configs {','.join(_hetero(rows))}"
+        + (" --emulated-cost least" if getattr(args, "emulated_cost", "measured") == "least" else "")
+        + "`;"
         + (
             f" load average at the end of the run: {', '.join(f'{x:.1f}' for x in args.load_at_end)}."
             if getattr(args, "load_at_end", None)
@@ -431,8 +435,13 @@ def write_report(rows: dict[str, list[dict]], args: argparse.Namespace, out: Pat
         f" step in micro-batches of {args.micro} sample(s) per rank ({args.rank_batch // args.micro} micro-batches"
         f" per step and rank: 1F1B across the two meshes; gradient accumulation for the groups alone);"
         f" {args.steps - WARMUP} timed steps after {WARMUP} warm-up steps per job. Emulated factors: fast"
-        f" {args.base_slowdown}x, slow {args.base_slowdown * args.slowdown}x one core (sleep of (factor-1) x the CPU"
-        f" time of each forward / backward), so the slow type is {args.slowdown}x slower than the fast one.",
+        f" {args.base_slowdown}x, slow {args.base_slowdown * args.slowdown}x one core ("
+        + (
+            "each forward / backward lasts the factor times the least CPU time a call of its shape took on the rank"
+            if getattr(args, "emulated_cost", "measured") == "least"
+            else "sleep of (factor-1) x the CPU time of each forward / backward"
+        )
+        + f"), so the slow type is {args.slowdown}x slower than the fast one.",
         "",
         "| configuration | blocks per stage, pipeline order | samples/s | ratio to fast alone + slow alone |",
         "|---|---|---|---|",
@@ -500,6 +509,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per job (the first 2 untimed)")
     parser.add_argument("--slowdown", type=float, default=2.0, help="slow type's time / fast type's time")
     parser.add_argument("--base-slowdown", type=float, default=10.0, help="fast type's emulated factor vs one core")
+    parser.add_argument(
+        "--emulated-cost",
+        choices=("measured", "least"),
+        default="measured",
+        help="what the factor stretches (FLAGSCALE_EMULATE_COST): each call's CPU time, or the least a call of its"
+        " shape took on the rank (the CPU-time noise of 4 processes on 2 cores is then not stretched)",
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank-batch", type=int, default=16, help="samples per data-parallel rank and step")
     parser.add_argument("--micro", type=int, default=1, help="samples per micro-batch and data-parallel rank")

@@ -15,6 +15,8 @@ from lightning_flagscale.parallel.hetero_mesh.ranks import (
     DEVICE_TYPE_ENV,
     SLOWDOWN_ENV,
     BusyTimer,
+    attach_busy_timer,
+    emulated_cost,
     emulated_slowdown,
     rank_order_by_type,
 )
@@ -74,6 +76,44 @@ def test_emulated_slowdown_spec_and_timer():
     # longer than asked, which only the wall clock would see).
     assert timer.compute_s == pytest.approx(2 * TICK, rel=1e-9)  # the forward's tick and the backward's
     assert timer.busy_s == pytest.approx(3.0 * 2 * TICK, rel=1e-9)
+
+
+@pytest.mark.parametrize("cost", ["measured", "least"])
+def test_emulated_cost_least_stretches_the_fastest_call_of_a_shape(cost):
+    """Under ``least`` a call's emulated device time is the factor times the least compute time of its module, direction
+    and input shapes so far, so noise in one call's CPU time is not stretched (issue 42 item 5); ``measured`` stretches
+    each call's own."""
+    import torch
+
+    assert emulated_cost("") == "measured" and emulated_cost(" least ") == "least"
+    with pytest.raises(ValueError, match="measured, least"):
+        emulated_cost("fixed")
+    with pytest.raises(ValueError, match="measured, least"):
+        BusyTimer(2.0, cost="fixed")
+    timer = BusyTimer(3.0, cost=cost)
+    lengths = iter([2, 1, 1, 1, 3, 2, 5, 5])  # ticks of each timed region: F, B of call 1, call 2, call 3, other shape
+    state = {"t": 0.0, "open": False}
+
+    def clock() -> float:  # readings alternate: a region's start, its end (after its given ticks)
+        if state["open"]:
+            state["t"] += next(lengths) * TICK
+        state["open"] = not state["open"]
+        return state["t"]
+
+    timer._clock = clock
+    layer = torch.nn.Linear(8, 8)
+    attach_busy_timer([layer], timer)
+    busy = []
+    for rows in (4, 4, 4, 2):
+        before = timer.busy_s
+        layer(torch.randn(rows, 8, requires_grad=True)).sum().backward()
+        busy.append(round((timer.busy_s - before) / TICK, 6))
+    # compute per call (F + B): 3, 2, 5 ticks for 4 rows, then 10 ticks for 2 rows
+    if cost == "measured":
+        assert busy == [9.0, 6.0, 15.0, 30.0]
+    else:  # F: least of 2, 1, 3 ticks; B: least of 1, 1, 2; the 2-row shape starts its own least
+        assert busy == [9.0, 6.0, 6.0, 30.0]
+    assert timer.compute_s == pytest.approx(20 * TICK, rel=1e-9)
 
 
 _SEEN: dict[str, Any] = {}

@@ -18,6 +18,14 @@ the load, while thread counts only slow a rank down if it had the cores to use t
 thread per process on a shared 2-core machine), and (2) a sleeping rank leaves the cores to the others, as a slow
 device on its own hardware would. The same hooks count each rank's busy time (compute + emulated delay), which the
 benchmark plots, and the profiling pass (``parallel/hetero_mesh/profile.py``) runs under them, so it sees the slowdown.
+
+``FLAGSCALE_EMULATE_COST=least`` makes the emulated device time of a call ``factor`` times the *least* compute time
+that call (module, forward or backward, input shapes) has taken on this rank so far, instead of this call's own (the
+default, ``measured``). A process's CPU time per call still varies with what shares its core (cache, memory
+bandwidth: 4 processes on 2 cores), and the default stretches that noise by the factor too: a slow stage of a
+heterogeneous job measured 2.3x the fast one's time per block while the same two types training alone measured 2.0x
+(issue 42 item 5). Under ``least`` a call's device time is the factor times a fixed cost once the shape has run a
+few times, whatever shares the core (a call that runs longer than that still takes its real time).
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ from torch.autograd import Variable
 from lightning_flagscale.config.hetero import HeteroMesh, StageGroup, parse_hetero_meshes
 
 __all__ = [
+    "COST_ENV",
     "DEVICE_TYPE_ENV",
     "SLOWDOWN_ENV",
     "BusyTimer",
     "_declared_type",
     "attach_busy_timer",
+    "emulated_cost",
     "emulated_slowdown",
     "gather_rank_order",
     "install_emulated_slowdown",
@@ -53,6 +63,10 @@ DEVICE_TYPE_ENV = "FLAGSCALE_DEVICE_TYPE"
 """Names this process's device type (matched against ``hetero_meshes[i].device_type``)."""
 SLOWDOWN_ENV = "FLAGSCALE_EMULATE_SLOWDOWN"
 """``type=factor`` pairs, comma-separated: compute of ranks of that device type is stretched by ``factor``."""
+COST_ENV = "FLAGSCALE_EMULATE_COST"
+"""What the factor stretches: ``measured`` (each call's own compute time, the default) or ``least`` (the least compute
+time a call of the same module, direction and input shapes has taken on this rank)."""
+_COSTS = ("measured", "least")
 _log = logging.getLogger(__name__)
 
 
@@ -107,11 +121,26 @@ def emulated_slowdown(device_type: str | None, spec: str | None = None) -> float
     return factors.get(str(device_type), 1.0)
 
 
-class BusyTimer:
-    """Forward/backward compute time of the hooked modules, stretched by ``factor`` with a sleep (module docs)."""
+def emulated_cost(spec: str | None = None) -> str:
+    """``FLAGSCALE_EMULATE_COST`` (or ``spec``): ``"measured"`` when unset. Raises ``ValueError`` on another value."""
+    spec = (os.environ.get(COST_ENV, "") if spec is None else spec).strip() or "measured"
+    if spec not in _COSTS:
+        raise ValueError(f"{COST_ENV}={spec!r}: give one of {', '.join(_COSTS)}.")
+    return spec
 
-    def __init__(self, factor: float, device: torch.device | None = None) -> None:
+
+class BusyTimer:
+    """Forward/backward compute time of the hooked modules, stretched by ``factor`` with a sleep (module docs).
+
+    ``cost="least"``: a call's device time is ``factor`` times the least compute time its module, direction and input
+    shapes have taken so far (or its own, when longer)."""
+
+    def __init__(self, factor: float, device: torch.device | None = None, cost: str = "measured") -> None:
+        if cost not in _COSTS:
+            raise ValueError(f"BusyTimer(cost={cost!r}): give one of {', '.join(_COSTS)}.")
         self.factor = factor
+        self.cost = cost
+        self._least: dict[tuple[Any, ...], float] = {}
         self._sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
         self._clock = time.perf_counter if device is not None and device.type != "cpu" else time.thread_time
         self.busy_s = 0.0
@@ -127,8 +156,12 @@ class BusyTimer:
             self._sync()
         return self._clock()
 
-    def _stretch(self, elapsed: float) -> None:
-        delay = (self.factor - 1.0) * elapsed
+    def _stretch(self, elapsed: float, key: tuple[Any, ...] = ()) -> None:
+        if self.cost == "least":
+            least = self._least[key] = min(self._least.get(key, elapsed), elapsed)
+            delay = max(self.factor * least - elapsed, 0.0)
+        else:
+            delay = (self.factor - 1.0) * elapsed
         if delay > 0:
             time.sleep(delay)
         self.compute_s += elapsed
@@ -138,16 +171,25 @@ class BusyTimer:
         self._fwd_start.append(self.now())
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._stretch(self.now() - self._fwd_start.pop())
+        self.post_forward_with_kwargs(module, args, {}, output)
+
+    def post_forward_with_kwargs(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        key = (id(module), _shapes((*args, *kwargs.values())))
+        self._stretch(self.now() - self._fwd_start.pop(), ("F", *key))
         out = _first_grad_tensor(output)
         if out is not None and torch.is_grad_enabled():
-            out.register_hook(self._backward_started)
+            out.register_hook(lambda grad: self._backward_started(("B", *key)))
 
-    def _backward_started(self, grad: Tensor) -> None:
+    def _backward_started(self, key: tuple[Any, ...]) -> None:
         # The gradient of the module's output arrived: its backward starts now and ends with this backward call
         # (one stage module per backward call under pipelining), whose end the engine callback marks.
         start = self.now()
-        Variable._execution_engine.queue_callback(lambda: self._stretch(self.now() - start))
+        Variable._execution_engine.queue_callback(lambda: self._stretch(self.now() - start, key))
+
+
+def _shapes(args: Any) -> tuple[Any, ...]:
+    """The shapes of a call's tensor arguments (what a call's compute time depends on)."""
+    return tuple(tuple(a.shape) if isinstance(a, Tensor) else None for a in args)
 
 
 def _first_grad_tensor(output: Any) -> Tensor | None:
@@ -168,14 +210,14 @@ def install_emulated_slowdown(
     factor = emulated_slowdown(device_type)
     if factor is None:
         return None
-    return attach_busy_timer(modules, BusyTimer(factor, device))
+    return attach_busy_timer(modules, BusyTimer(factor, device, emulated_cost()))
 
 
 def attach_busy_timer(modules: Iterable[nn.Module], timer: BusyTimer) -> BusyTimer:
     """Hook ``timer`` onto every module (forward pre/post hooks; the backward through the output's gradient)."""
     for module in modules:
         module.register_forward_pre_hook(timer.pre_forward)
-        module.register_forward_hook(timer.post_forward)
+        module.register_forward_hook(timer.post_forward_with_kwargs, with_kwargs=True)
         module._fs_busy_timer = timer
     return timer
 
