@@ -293,9 +293,11 @@ def _block_comm(
         rows = t * model.num_experts_per_tok * h * BF16 / tp  # this rank's routed rows after the dispatch
         inter = _inter(etp, 1, hw)
         if c.etp_sequence_parallel:
-            # ETP = TP under SP: the partial outputs are reduce-scattered over the block's sequence, the input's
-            # partial gradients likewise (MoELayer.forward): the block's sequence-parallel pair, counted under "tp"
-            # above. Left: the routing weights' gradients (fp32, one per routed row) all-reduced in backward.
+            # ETP inside TP under SP (ETP = TP, or ETP dividing TP): the partial outputs are reduce-scattered over
+            # the ETP group, each rank its own sequence chunk, the input's partial gradients likewise over TP
+            # (MoELayer.forward): priced as the block's sequence-parallel pair, counted under "tp" above (at ETP < TP
+            # the reduce-scatter moves less than that; the search only tries ETP 1 or TP). Left: the routing weights'
+            # gradients (fp32, one per routed row) all-reduced in backward.
             weights = t * model.num_experts_per_tok * 4
             bwd["ep"] = bwd.get("ep", 0.0) + hw.collective_seconds("all_reduce", weights, etp, inter_node=inter)
         elif c.etp_tokens_replicated:  # partial outputs all-reduced; in backward the input gradients
