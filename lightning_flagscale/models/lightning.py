@@ -36,6 +36,8 @@ TOKENS_TRAINED_KEY = "tokens_trained"
 __all__ = [
     "TOKENS_TRAINED_KEY",
     "CausalLMModule",
+    "global_tokens",
+    "log_token_rate",
     "log_window_loss",
     "parallelize_for_lightning",
     "param_groups",
@@ -141,6 +143,27 @@ def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: fl
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def global_tokens(module: L.LightningModule, local_tokens: int) -> int:
+    """Tokens processed by all ranks this step (TP/PP ranks share a batch; DP/CP ranks hold disjoint tokens): the
+    strategy's ``global_tokens`` under ``FlagScaleStrategy``, else this rank's times the sampler's replicas."""
+    strategy = module.trainer.strategy
+    if hasattr(strategy, "global_tokens"):
+        return int(strategy.global_tokens(local_tokens))
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return local_tokens * int(kwargs.get("num_replicas", 1))
+
+
+def log_token_rate(module: L.LightningModule, tokens: int, last: float | None) -> tuple[float | None, float]:
+    """Log ``tokens_per_s``: ``tokens`` (every rank's, this batch) over the time since the previous training batch
+    (``last``, ``None`` at the first batch of an epoch: nothing logged). Returns (the rate or None, now)."""
+    now = time.perf_counter()
+    if last is None:
+        return None, now
+    rate = tokens / max(now - last, 1e-9)
+    module.log("tokens_per_s", rate, prog_bar=True)
+    return rate, now
 
 
 def log_window_loss(module: L.LightningModule, outputs: Any, batch_idx: int, window: Tensor | None) -> Tensor | None:
@@ -317,14 +340,10 @@ class CausalLMModule(L.LightningModule):
             # Under Lightning's own strategies each rank holds its own token mean: their mean over ranks (sync_dist,
             # as train_loss there) is the MTP term of the objective those strategies train (issue 39).
             self.log("mtp_loss", mtp, prog_bar=True, sync_dist=group is None)
-        now = time.perf_counter()
-        if self._last_step_time is not None:
-            rate = tokens / max(now - self._last_step_time, 1e-9)
-            self.log("tokens_per_s", rate, prog_bar=True)
-            if self._peak_flops:
-                flops = flops_per_token(self.config, self._seq_len)
-                self.log("mfu", model_flops_utilization(rate, flops, self.trainer.world_size, self._peak_flops))
-        self._last_step_time = now
+        rate, self._last_step_time = log_token_rate(self, tokens, self._last_step_time)
+        if rate is not None and self._peak_flops:
+            flops = flops_per_token(self.config, self._seq_len)
+            self.log("mfu", model_flops_utilization(rate, flops, self.trainer.world_size, self._peak_flops))
         return loss
 
     def on_fit_start(self) -> None:
@@ -376,12 +395,7 @@ class CausalLMModule(L.LightningModule):
         self._window_tokens = 0
 
     def _global_tokens(self, local_tokens: int) -> int:
-        """Tokens processed by all ranks this step (TP/PP ranks share a batch; DP/CP ranks hold disjoint tokens)."""
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "global_tokens"):
-            return int(strategy.global_tokens(local_tokens))
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        return local_tokens * int(kwargs.get("num_replicas", 1))
+        return global_tokens(self, local_tokens)
 
     def _mtp_group(self) -> Any:
         """The ranks whose MTP loss sums and label counts make the logged ``mtp_loss`` the global token mean: under

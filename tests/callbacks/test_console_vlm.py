@@ -150,6 +150,10 @@ def test_vlm_recipe_console(launcher, tmp_path):
     assert any(line.startswith("training loss (one step): first") for line in lines), lines
     csv_losses = _csv_losses(Path(log_dir) / "metrics.csv")
     assert float(step_lines[0].split()[3]) == pytest.approx(csv_losses[2], abs=5e-5)
+    # throughput from the second step on, as the text models log it (the first has no previous step to time from)
+    rows = list(csv.DictReader((Path(log_dir) / "metrics.csv").open()))
+    rates = {int(r["step"]): float(r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")}
+    assert sorted(rates) == [1, 2] and min(rates.values()) > 0, rates
     assert (Path(log_dir) / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert not [w for w in warned if "across ranks is zero" in w or "ambiguous collection" in w], warned
 

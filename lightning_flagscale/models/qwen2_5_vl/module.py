@@ -30,7 +30,9 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lightning import (
+    global_tokens,
     initialize_model_weights,
+    log_token_rate,
     log_window_loss,
     parallelize_for_lightning,
     param_groups,
@@ -126,6 +128,7 @@ class VLMModule(L.LightningModule):
         self._base_reference: dict[str, Any] | None = None  # LoRA: the base's source and hash, once
         _check_options(self.hparams)
         self.model: VisionLanguageModel | None = None
+        self._last_step_time: float | None = None  # the previous training batch's end, for tokens_per_s
         self.prealloc: PreallocState | None = None
         if preallocate:
             self.prealloc = PreallocState(
@@ -207,9 +210,17 @@ class VLMModule(L.LightningModule):
         return self.model.loss_fn(out, batch["labels"], batch.get("num_items_in_batch"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        # The batch's text sequence (image placeholder tokens included) over every data rank, before the first-batch
+        # pre-allocation pads it: ``tokens_per_s`` on the progress bar and in the logs, as CausalLMModule's.
+        tokens = global_tokens(self, batch["input_ids"].numel())
         if self.prealloc is not None:
             batch = self.prealloc.maybe_pad(batch, self.config)
-        return self._loss(batch)
+        loss = self._loss(batch)
+        _, self._last_step_time = log_token_rate(self, tokens, self._last_step_time)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_time = None  # do not count validation / epoch-boundary time as step time
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._window_loss = log_window_loss(self, outputs, batch_idx, getattr(self, "_window_loss", None))
