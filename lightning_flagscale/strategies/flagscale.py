@@ -52,6 +52,7 @@ from lightning_flagscale.parallel.plan import (
 from lightning_flagscale.parallel.step import (
     build_optimizers,
     grads_replicated,
+    move_zero_buffers,
     no_grad_sync,
     prepare_step_grads,
     reduces_after_backward,
@@ -222,9 +223,11 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._moe_layers = [layer for _, layer in moe_layers(module)]
 
     def _place(self) -> None:
-        """The precision plugin's dtype (ZeRO-3 keeps its own) and the device move, after parallelising."""
+        """The precision plugin's dtype (ZeRO-3 keeps its own) and the device move, after parallelising (flat ZeRO-3's
+        shards first: the module's parameters are views of them)."""
         if self.parallel.zero_stage < 3:
             self.model = self.precision_plugin.convert_module(self.model)
+        move_zero_buffers(self.root_device, (), self.lightning_module)
         self.model_to_device()
 
     @override
@@ -377,8 +380,10 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     def teardown(self) -> None:
         """Give the run back (issue 37 item 1), as Lightning's ``Strategy.teardown`` does, plus what only we hold: the
         ZeRO all-gathers and the checkpoint write in flight are completed, the watchdog thread stopped and joined,
-        the gradient hooks removed, module and optimizer state moved to the CPU, and this run's process groups
-        handed over to be destroyed when a run on another module starts (``_plumbing.py`` says why not now)."""
+        the gradient hooks removed, module and optimizer state moved to the CPU with what our ZeRO holds besides
+        (the main slices of ZeRO-1/2, flat ZeRO-3's shards; the gradient buckets freed), and this run's process
+        groups handed over to be destroyed when a run on another module starts (``_plumbing.py`` says why not now).
+        """
         self.wait_params()
         self.wait_for_checkpoint()
         self._stop_watchdog()
@@ -401,16 +406,25 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         cpu = torch.device("cpu")
         _optimizers_to_device(self.optimizers, cpu)
         if self.lightning_module is not None:
+            move_zero_buffers(cpu, self._dist_optimizers.values(), self.lightning_module, release_grads=True)
             self.lightning_module.cpu()
             self._offloaded = self.root_device != cpu
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # `trainer.save_checkpoint` after `fit` (the first hook it calls): the shards' collectives run on the device.
+        # The main slices also when saving during a later `validate` (its set-up brings back only the module).
+        move_zero_buffers(self.root_device, self._dist_optimizers.values(), self.lightning_module)
         if self._offloaded:
             self.model_to_device()
             _optimizers_to_device(self.optimizers, self.root_device)
         return super().lightning_module_state_dict()
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # `validate(ckpt_path=...)` after `fit` loads into the fitted optimizers' main slices, left on the CPU.
+        move_zero_buffers(self.root_device, self._dist_optimizers.values(), self.lightning_module)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:

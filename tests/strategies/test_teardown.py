@@ -7,7 +7,11 @@ parameters: a cycle through C++ tensor hooks that ``gc`` cannot see, so module, 
 ``del trainer, module`` and ``gc.collect()`` (on a GPU, every fit's weights and states stayed allocated).
 
 What the strategy holds itself is given back in ``teardown``: the watchdog thread is stopped and joined, the module is
-moved to the CPU (``.cpu()``, as Lightning's ``Strategy.teardown`` does) with the optimizer state. The groups of the
+moved to the CPU (``.cpu()``, as Lightning's ``Strategy.teardown`` does) with the optimizer state, and so is what our
+ZeRO holds outside both: the main (fp32 master) slices of DDP / ZeRO-1/2 and flat ZeRO-3's shards move to the CPU and
+the gradient buckets are freed (they stayed on the device while the caller held the module); a ``save_checkpoint``
+after ``fit`` brings them back for the write and returns them. On a CPU run the moves are no-ops, so spies record
+them, as they record ``.cpu()``. The groups of the
 run's meshes serve every later run with the same layout (a repeated layout creates none), and its other groups (here
 the asynchronous checkpoint writer's and the pipeline's tied-weight group) are destroyed when the next run on another
 module starts; both stay while the fitted module can use them (``full_tensor()``, ``trainer.save_checkpoint`` after
@@ -17,8 +21,11 @@ module starts; both stay while the fitted module can use them (``full_tensor()``
 from __future__ import annotations
 
 import gc
+import shutil
+import tempfile
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,12 +55,55 @@ def _spy_cpu(module: torch.nn.Module, calls: list[str]) -> None:
     module.cpu = spy
 
 
+def _spy_method(obj: Any, name: str, calls: list[str]) -> None:
+    """Record each ``obj.<name>(*args)`` call as ``"<name> <args>"``; holds ``obj`` weakly."""
+    ref, method = weakref.ref(obj), getattr(type(obj), name)
+
+    def spy(*args):
+        calls.append(" ".join([name, *map(str, args)]))
+        return method(ref(), *args)
+
+    setattr(obj, name, spy)
+
+
+def _zero_holders(strategy: Any, module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """What our ZeRO holds besides module and optimizer state: each ``DistributedOptimizer`` (DDP, ZeRO-1/2: gradient
+    buckets, main slices) and each flat ZeRO-3 part (flat shards, gather buffers)."""
+    from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
+    from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
+
+    holders = [("dopt", d) for d in strategy._dist_optimizers.values() if isinstance(d, DistributedOptimizer)]
+    return holders + [("flat", part) for part in find_flat_zero3(module)]
+
+
+def _still_held(holders: list[tuple[str, Any]]) -> list[str]:
+    """The buffers teardown frees that the holders still hold (what stays is moved, as the spies record)."""
+    held = []
+    for kind, holder in holders:
+        if kind == "dopt":
+            held += [f"bucket {i} gradients" for i, b in enumerate(holder.buckets) if b.buffer is not None]
+            held += [f"bucket {i} main .grad" for i, b in enumerate(holder.buckets)
+                     if b.main_param is not None and b.main_param.grad is not None]  # fmt: skip
+        else:
+            for unit in holder.units:
+                if unit.full.untyped_storage().nbytes() or unit.leaf is not None or unit.grad_acc is not None:
+                    held.append(f"flat unit {unit.index} gathered buffers")
+    return held
+
+
 def _fit_and_drop(
-    strategy_kwargs: dict[str, Any], config_overrides: dict[str, Any], steps: int, keep_params: bool
+    strategy_kwargs: dict[str, Any],
+    config_overrides: dict[str, Any],
+    steps: int,
+    keep_params: bool,
+    save_after_fit: bool = False,
 ) -> dict[str, Any]:
     """Fit, drop every reference the caller holds, collect; returns what is still alive, the groups this fit created
     (``group_name``s, still registered), its module's ``.cpu()`` calls, the devices of its optimizer state, the
-    flagscale threads still running and (``keep_params``) the full parameters after training."""
+    flagscale threads still running and (``keep_params``) the full parameters after training. ``zero_moves``: per
+    holder of ``_zero_holders`` its moves from the end of training on (teardown; with ``save_after_fit``, then a
+    ``trainer.save_checkpoint`` on the path an accelerator takes: back to the device, written, back to the CPU);
+    ``zero_held``: what teardown should have freed."""
     import lightning as L
     import torch.distributed as dist
 
@@ -68,9 +118,21 @@ def _fit_and_drop(
     calls: list[str] = []
     _spy_cpu(module, calls)
     strategy = FlagScaleStrategy(**strategy_kwargs)
+    moves: list[tuple[str, list[str]]] = []
+    holders: list[tuple[str, Any]] = []
+
+    class SpyZeroMoves(L.Callback):
+        def on_train_end(self, trainer, pl_module):  # before the strategy's teardown
+            holders.extend(_zero_holders(trainer.strategy, pl_module))
+            for kind, holder in holders:
+                moves.append((kind, []))
+                for name in ("release_grads", "to") if kind == "dopt" else ("to",):
+                    _spy_method(holder, name, moves[-1][1])
+
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[SpyZeroMoves()],
     )  # fmt: skip
     dp = strategy.parallel.data_parallel_size or world // strategy.parallel.model_parallel_size
     batch = GLOBAL_BATCH if strategy.parallel.hetero_enabled else GLOBAL_BATCH // dp  # hetero: the first mesh's DP is 1
@@ -78,7 +140,7 @@ def _fit_and_drop(
     trainer.fit(module, DataLoader(TokenDataset(config.vocab_size), batch_size=batch))
     result: dict[str, Any] = {
         "groups": [pg.group_name for pg in live_groups() if pg not in before],
-        "cpu_calls": calls,
+        "cpu_calls": list(calls),
         "state_devices": sorted(
             {
                 str(v.device)
@@ -90,7 +152,17 @@ def _fit_and_drop(
         ),
         "threads": [t.name for t in threading.enumerate() if t.name.startswith("flagscale")],
         "params": full_params(module.model) if keep_params else None,  # the groups still serve the fitted module
+        "zero_held": _still_held(holders),
+        "zero_moves": moves,
     }
+    if save_after_fit:  # as after a fit on an accelerator (a CPU run is never offloaded): moved back, saved, offloaded
+        strategy._offloaded = True
+        folder = tempfile.mkdtemp()
+        trainer.save_checkpoint(Path(folder) / "after-fit")  # rank 0's path (the strategy broadcasts it)
+        dist.barrier()
+        shutil.rmtree(folder)
+        result["zero_held_after_save"] = _still_held(holders)
+    holders.clear()
     refs = {"module": weakref.ref(module), "strategy": weakref.ref(strategy)}
     refs.update({f"optimizer {i}": weakref.ref(o) for i, o in enumerate(trainer.optimizers)})
     refs.update({f"parameter {n}": weakref.ref(p) for n, p in module.model.named_parameters()})
@@ -119,10 +191,20 @@ LAYOUTS_2 = {
 COMPARED = ("ddp", "zero1", "zero2", "zero3-flat", "zero3-fsdp2", "tp2", "cp2")
 # Layouts whose meshes an earlier one in the list built (PP x DP x CP x TP = 1 x 2 x 1 x 1 like "ddp").
 REUSE_MESHES = ("zero1", "zero2", "zero3-flat", "zero3-fsdp2", "hetero-dp")
+# What our ZeRO holds besides module and optimizer state, per layout (FSDP2 keeps its shards in the module).
+ZERO_HOLDERS = {"ddp": ["dopt"], "zero1": ["dopt"], "zero2": ["dopt"], "zero3-flat": ["flat"], "zero3-fsdp2": []}
+# Teardown: the gradient buckets freed and the main slices moved to the CPU; the flat ZeRO-3 shards moved there.
+TEARDOWN_MOVES = {"dopt": ["release_grads", "to cpu"], "flat": ["to cpu"]}
+# A save after fit (on an accelerator): back to the device (here the CPU), written, offloaded again.
+SAVE_MOVES = {"dopt": ["to cpu", "release_grads", "to cpu"], "flat": ["to cpu", "to cpu"]}
+SAVED_AFTER_FIT = ("zero1", "zero2", "zero3-flat")
 
 
 def _all_layouts(
-    layouts: dict[str, tuple[dict[str, Any], dict[str, Any]]], steps: int, compared: tuple[str, ...] = ()
+    layouts: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+    steps: int,
+    compared: tuple[str, ...] = (),
+    saved: tuple[str, ...] = (),
 ) -> dict[str, dict[str, Any]]:
     """One after the other in the same processes: each fit starts after the previous one's teardown. Adds to each
     result the groups of earlier fits still registered after it that are no mesh's (``stale``), the mesh groups it
@@ -133,7 +215,9 @@ def _all_layouts(
     initial = {pg.group_name for pg in live_groups()}  # the world's, and what earlier tasks left in this worker
     results, earlier = {}, set()
     for name, (kwargs, overrides) in layouts.items():
-        results[name] = _fit_and_drop(kwargs, overrides, steps, keep_params=name in compared)
+        results[name] = _fit_and_drop(
+            kwargs, overrides, steps, keep_params=name in compared, save_after_fit=name in saved
+        )
         live = {pg.group_name for pg in live_groups()}
         meshes = {pg.group_name for pg in mesh_groups()}
         results[name]["stale"] = sorted((earlier & live) - meshes)
@@ -164,14 +248,24 @@ def _check_teardown(
             assert got["cpu_calls"] == ["cpu"], f"{where}: teardown did not move the module to the CPU once"
             assert got["state_devices"] in ([], ["cpu"]), f"{where}: optimizer state on {got['state_devices']}"
             assert got["threads"] == [], f"{where}: threads still running after fit: {got['threads']}"
+            if name in ZERO_HOLDERS:
+                kinds = [kind for kind, _ in got["zero_moves"]]
+                assert kinds == ZERO_HOLDERS[name], f"{where}: ZeRO holders {kinds}"
+            for kind, moves in got["zero_moves"]:
+                want = TEARDOWN_MOVES[kind] + (SAVE_MOVES[kind] if "zero_held_after_save" in got else [])
+                assert moves == want, f"{where}: {kind} moved {moves}, not {want}"
+            assert got["zero_held"] == [], f"{where}: teardown left {got['zero_held']}"
+            assert got.get("zero_held_after_save", []) == [], f"{where}: after the save {got['zero_held_after_save']}"
         extra = by_layout["__end__"]["extra"]
         assert not extra, f"rank {rank}: groups alive besides the meshes' and the last fit's: {extra}"
 
 
 def test_fit_leaves_nothing_alive_under_every_layout(launcher):
     layouts = {name: v if isinstance(v, tuple) else (v, {}) for name, v in LAYOUTS_2.items()}
-    results = launcher(2, _all_layouts, layouts, STEPS, COMPARED)
+    results = launcher(2, _all_layouts, layouts, STEPS, COMPARED, SAVED_AFTER_FIT)
     _check_teardown(results, layouts, reuse=REUSE_MESHES, retired=("zero1", "pp2"))
+    for rank, by_layout in enumerate(results):
+        assert all("zero_held_after_save" in by_layout[name] for name in SAVED_AFTER_FIT), f"rank {rank}: not saved"
     # Every compared fit after the first ran on groups created after the previous fit's were destroyed.
     _, ref_params = reference_run(tiny_config(), STEPS)
     for rank, by_layout in enumerate(results):
@@ -233,9 +327,10 @@ MIB = 1 << 20
 @pytest.mark.gpu
 def test_gpu_fits_give_memory_back(tmp_path):
     """On a GPU (issue 37 item 1): right after each ``fit``, with module and trainer still held, the module's weights
-    and the optimizer's state are on the CPU and the device holds no more than before the fit (64 MiB of slack);
-    ``trainer.save_checkpoint`` after ``fit`` still writes (and gives the device back again); after ``del`` the
-    allocated memory of every fit equals the first's within 64 MiB (it grew by 12.5 GiB per fit before)."""
+    and the optimizer's state are on the CPU, and so are the ZeRO main slices and flat shards (the device holds no
+    more than before the fit, 64 MiB of slack); ``trainer.save_checkpoint`` after ``fit`` still writes (and gives the
+    device back again); after ``del`` the allocated memory of every fit equals the first's within 64 MiB (it grew by
+    12.5 GiB per fit before)."""
     import lightning as L
     from torch.distributed.tensor import DTensor
 
@@ -253,7 +348,8 @@ def test_gpu_fits_give_memory_back(tmp_path):
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()
     after_del = []
-    for i, layout in enumerate([dict(), dict(zero_stage=1), dict(zero_stage=3, zero3_impl="fsdp2"), dict()]):
+    layouts = [dict(zero_stage=1), dict(zero_stage=2)] + [dict(zero_stage=3, zero3_impl=i) for i in ("flat", "fsdp2")]
+    for i, layout in enumerate([dict(), *layouts, dict()]):
         torch.manual_seed(0)
         module = make_module(config, "adamw")
         trainer = L.Trainer(

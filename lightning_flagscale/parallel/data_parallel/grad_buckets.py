@@ -257,6 +257,12 @@ class GradBucket:
         all_gather(full, t.contiguous(), group=self.group)
         return full
 
+    def release(self) -> None:
+        """Drop the gradient buffers and a reduction left in flight (after ``fit``: the strategy's teardown gives the
+        device back); the next gradient allocates a fresh buffer, as every ZeRO-2 step does."""
+        self.buffer, self._out, self.work = None, None, None
+        self.seen = 0
+
     def zero_(self) -> None:
         """After the optimizer step: the next accumulation window starts from zero (lazily: every slot is marked
         unwritten, so the window's first gradient overwrites it and a slot without one is zeroed at launch)."""
@@ -320,6 +326,13 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def release(self) -> None:
+        """Free every bucket's gradient buffers (:meth:`GradBucket.release`); the hooks stay."""
+        for bucket in self.buckets:
+            bucket.release()
+        self._in_flight.clear()
+        self._next = 0
 
     def _syncs(self, bucket: GradBucket) -> bool:
         return self.require_sync or not bucket.persistent

@@ -172,6 +172,29 @@ class DistributedOptimizer:
             handle.remove()
         self._param_handles = []
 
+    def release_grads(self) -> None:
+        """Free the gradient buffers and the main slices' gradients (views of them, or ZeRO-2's shard), which the last
+        step consumed: ``FlagScaleStrategy.teardown`` after ``fit`` (issue 37 item 1). The next backward rebuilds
+        them; a later ``fit`` builds a new optimizer anyway."""
+        self.wait_params()
+        self.reducer.release()
+        for bucket in self.buckets:
+            if bucket.main_param is not None:
+                bucket.main_param.grad = None
+
+    def to(self, device: torch.device) -> None:
+        """Move the main (master) slices to ``device``: the CPU in the strategy's teardown, back to the compute device
+        before a checkpoint after ``fit`` reads or writes them. They stay the same parameter objects (the optimizer's
+        param groups and state are keyed by them); the state itself moves with Lightning's ``_optimizers_to_device``.
+        """
+        mains = [b.main_param for b in self.buckets if b.main_param is not None and b.main_param.device != device]
+        if mains:
+            self.wait_params()  # an all-gather in flight reads the main slice
+        for main in mains:
+            grad, main.grad = main.grad, None  # a parameter and its gradient never on two devices
+            main.data = main.data.to(device)
+            main.grad = None if grad is None else grad.to(device)
+
     @property
     def main_params(self) -> list[Tensor]:
         """The tensors the optimizer steps (and whose gradients clipping and loss scaling see)."""

@@ -233,6 +233,15 @@ class FlatZero3:
             unit.use_shards()
             unit.reshard()  # the root, and any prefetch a skipped backward left in flight
 
+    def to(self, device: torch.device) -> None:
+        """Every unit's shard to ``device`` (:meth:`FlatUnit.to`); a reduction left in flight (a backward that raised)
+        is dropped. Nothing happens where the shards already are (a checkpoint during ``fit``)."""
+        if all(unit.device == device for unit in self.units):
+            return
+        self._pending, self._callback_queued = [], False
+        for unit in self.units:
+            unit.to(device)
+
     # ---- whole-model access ----------------------------------------------------------------------------------
     @contextmanager
     def full_params(self) -> Iterator[None]:

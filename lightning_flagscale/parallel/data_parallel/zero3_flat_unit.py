@@ -148,8 +148,8 @@ class FlatUnit:
             for module, attr in s.aliases:
                 module._parameters[attr] = s.shard
 
-    def _shard_view(self, s: _Slot) -> Tensor:
-        flat = self.flat_shard[s.pos : s.pos + s.hi - s.lo]
+    def _shard_view(self, s: _Slot, flat_shard: Tensor | None = None) -> Tensor:
+        flat = (self.flat_shard if flat_shard is None else flat_shard)[s.pos : s.pos + s.hi - s.lo]
         rows = (s.hi - s.lo) // s.row
         return flat.view(rows, *s.shape[1:]) if s.shape else flat.view(rows)
 
@@ -161,6 +161,31 @@ class FlatUnit:
                 with torch.no_grad():
                     view.copy_(s.shard.detach())
                 s.shard.data = view
+
+    def to(self, device: torch.device) -> None:
+        """Move this rank's shard to ``device``, the shard parameters (views of it, the module's parameters outside
+        forward) and their gradients with it, and drop what only a step in progress holds (the gathered buffer, the
+        flat leaf, a deferred gradient sum): the CPU in the strategy's teardown after ``fit`` (issue 37 item 1), the
+        compute device again in its ``setup`` and before a checkpoint. The parameters stay the same objects (the
+        optimizer's state is keyed by them). Nothing happens where the shard already is (a checkpoint during ``fit``).
+        """
+        if device == self.device:
+            return
+        self.reshard()
+        self.leaf, self.grad_acc, self._src = None, None, None
+        flat = self.flat_shard.to(device)
+        for s in self.slots:
+            shard = s.shard
+            view = self._shard_view(s, flat)
+            if shard.numel() and shard.data_ptr() != self._shard_view(s).data_ptr():  # replaced (``p.data = ...``)
+                with torch.no_grad():
+                    view.copy_(shard.detach())
+            grad, shard.grad = shard.grad, None  # a parameter and its gradient never on two devices
+            shard.data = view
+            shard.grad = None if grad is None else grad.to(device)
+        self.flat_shard, self.device = flat, device
+        self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
+        self._free_storage()
 
     # ---- collectives -----------------------------------------------------------------------------------------
     def _free_storage(self) -> None:
