@@ -23,7 +23,8 @@ class Hops:
     """The parameter (and rank) with that error."""
 
 
-def run_hops(launcher, tmp_path, hops: list[dict], world: int = 2, config=None) -> Hops:
+def run_hops(launcher, tmp_path, hops: list[dict], world: int = 2, config=None, callbacks=None) -> Hops:
+    """``callbacks``: Lightning callbacks every hop's ``Trainer`` gets (checks run inside the workers)."""
     config = config or tiny_config()
     _, ref_params = reference_run(config, STEPS_PER_HOP * len(hops), num_samples=NUM_SAMPLES, optimizer="adamw")
     previous, steps = None, []
@@ -31,7 +32,7 @@ def run_hops(launcher, tmp_path, hops: list[dict], world: int = 2, config=None) 
         path = str(tmp_path / f"hop{hop}.ckpt")
         results = launcher(
             world, trainer_run, layout, config, STEPS_PER_HOP * hop, max_epochs=hop, num_samples=NUM_SAMPLES,
-            ckpt_path=previous, save_path=path if hop < len(hops) else None, optimizer="adamw",
+            ckpt_path=previous, save_path=path if hop < len(hops) else None, optimizer="adamw", callbacks=callbacks,
         )  # fmt: skip
         steps.append({len(losses) for losses, _ in results})
         previous = path

@@ -33,7 +33,7 @@ class _Slot:
     shape: torch.Size  # local (TP-local) shape
     offset: int  # start in the full flat buffer
     row: int  # elements per dim-0 row
-    dtensor: DTensor | None  # the original TP DTensor (mesh, placements, global shape), None for plain tensors
+    dtensor: DTensor | None  # the original TP DTensor's layout (mesh, placements, global shape) over a meta tensor
     region: int = 0  # the unit's region holding it (0: trainable, 1: frozen, when a unit has both)
     shard: nn.Parameter | None = None  # this rank's rows, a view of the flat shard: what the optimizer steps
     lo: int = 0  # this rank's part of the parameter in the flat buffer: [lo, hi)
@@ -47,6 +47,13 @@ class _Slot:
 
 def _param(uses: list[tuple[str, nn.Module, str]]) -> nn.Parameter:
     return uses[0][1]._parameters[uses[0][2]]
+
+
+def _layout(p: DTensor) -> DTensor:
+    """``p``'s layout (mesh, placements, global shape and stride) over a meta local tensor: the slot keeps no reference
+    to the original parameter, whose storage (the whole TP-local weight) is freed once the shard holds its rows."""
+    local = torch.empty(p.to_local().shape, dtype=p.dtype, device="meta")
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _row(shape: torch.Size) -> int:
@@ -85,7 +92,7 @@ class FlatUnit:
                 uses = params[id(p)]
                 self.slots.append(_Slot(name=name, aliases=[(m, a) for _, m, a in uses], shape=local.shape,
                                         offset=base + offset, row=row, region=region,
-                                        dtensor=p if isinstance(p, DTensor) else None))  # fmt: skip
+                                        dtensor=_layout(p) if isinstance(p, DTensor) else None))  # fmt: skip
                 offset += local.numel()
             shard = max(1, math.ceil(offset / self.world / lcm)) * lcm
             self.regions.append((base, shard, shard_base))
