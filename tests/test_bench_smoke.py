@@ -3,8 +3,10 @@ or prints its result, so an API change that breaks a benchmark breaks a test. Th
 measure, they assert nothing.
 
 The ranks are forked (``BENCH_START_METHOD=fork``, read by ``bench/_procs.py``) instead of spawned: a spawned rank
-re-imports torch and Lightning, about 4 s of CPU each, which on 2 cores would be most of this file's time. A script
-added to ``bench/`` must get an entry here (``test_every_script_is_listed``).
+re-imports torch and Lightning, about 4 s of CPU each, which on 2 cores would be most of this file's time. Most
+scripts then run on one core at a time (the parent's imports, one rank's work), so the scripts of the selected tests
+run two at a time, started together when the first of them runs (``bench_runs``); each test waits for its own script.
+A script added to ``bench/`` must get an entry here (``test_every_script_is_listed``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests._background import background, selected
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -86,6 +90,25 @@ def _run(script: str, args: str, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _timed_run(script: str, out: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    proc = _run(script, SMOKE[script][0], out)
+    return proc, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def bench_runs(request, launcher, tmp_path_factory):
+    """script -> (its output folder, a handle on its run): the selected scripts, two at a time in test order."""
+    launcher.close()  # own processes (as the marker does for each test): no idle shared workers on the cores
+    scripts = [item.callspec.params["script"] for item in selected(request, "test_bench_script_runs")]
+    with background(workers=2) as jobs:
+        folders = {}
+        for script in scripts:
+            folders[script] = tmp_path_factory.mktemp(script.removesuffix(".py"))
+            jobs.submit(script, _timed_run, script, folders[script])
+        yield {script: (folders[script], jobs) for script in scripts}
+
+
 def test_every_script_is_listed():
     scripts = {p.name for p in BENCH.glob("*.py")}
     assert scripts == set(SMOKE) | set(HELPERS) | set(SKIPPED), "give each new bench/ script a smoke setting here"
@@ -93,14 +116,13 @@ def test_every_script_is_listed():
 
 @pytest.mark.own_processes
 @pytest.mark.parametrize("script", sorted(SMOKE))
-def test_bench_script_runs(script, tmp_path):
-    args, expected = SMOKE[script]
-    start = time.perf_counter()
-    proc = _run(script, args, tmp_path)
-    seconds = time.perf_counter() - start
+def test_bench_script_runs(script, bench_runs):
+    _, expected = SMOKE[script]
+    out, jobs = bench_runs[script]
+    proc, seconds = jobs.result(script)
     assert proc.returncode == 0, f"{script} exited {proc.returncode} after {seconds:.0f} s:\n{proc.stderr[-4000:]}"
     for item in expected:
-        written = list(tmp_path.rglob(item))
+        written = list(out.rglob(item))
         assert written or item in proc.stdout, f"{script} wrote no {item} and did not print it:\n{proc.stdout[-2000:]}"
 
 

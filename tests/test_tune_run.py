@@ -5,7 +5,6 @@ measurement is depends on the machine's load; what the code does with it is test
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 
@@ -18,6 +17,7 @@ from lightning_flagscale.tune import HardwareProfile, estimate_step, load_profil
 from lightning_flagscale.tune.calibrate import _busy_seconds, _run_world, calibrate, fit_alpha_beta
 from lightning_flagscale.tune.hardware import COLLECTIVES
 from lightning_flagscale.tune.search import describe_layout
+from tests._world_ranks import world_rank
 
 pytestmark = pytest.mark.own_processes
 
@@ -160,26 +160,6 @@ def test_a_gpu_calibration_times_a_kernel_bound_reference():
     assert seconds(references("cpu")[0]) < 1e-3
 
 
-def _world_rank(rank: int, mode: str, results, reported=None) -> None:
-    """A calibration world's rank for the tests below: rank 1 hangs, fails or aborts (before rank 0 reports, or
-    after: ``reported`` is set once it has), rank 0 reports."""
-    if rank == 1 and mode == "hang":
-        time.sleep(3600)
-    if rank == 1 and mode == "fail":
-        raise RuntimeError("rank 1 broke")
-    if rank == 1 and mode == "abort_after":
-        reported.wait(120)
-        os.abort()
-    if rank == 1 and mode == "abort_before":
-        os.abort()
-    if rank == 0 and mode == "abort_before":
-        time.sleep(3600)
-    if rank == 0:
-        results.put(("done", mode))
-        if reported is not None:
-            reported.set()
-
-
 def test_a_calibration_world_that_hangs_is_killed_and_named(monkeypatch):
     import signal
     import types
@@ -196,9 +176,9 @@ def test_a_calibration_world_that_hangs_is_killed_and_named(monkeypatch):
     monkeypatch.setattr(calibrate_module.mp, "start_processes", recorded)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    assert _run_world(_world_rank, ("ok", results), 2, results, timeout=300) == ("done", "ok")
+    assert _run_world(world_rank, ("ok", results), 2, results, timeout=300) == ("done", "ok")
     with pytest.raises(TimeoutError, match="calibration world of 2 ranks did not finish within 3 s"):
-        _run_world(_world_rank, ("hang", results), 2, ctx.Queue(), timeout=3)
+        _run_world(world_rank, ("hang", results), 2, ctx.Queue(), timeout=3)
     # killed, not waited for: the hung rank (asleep for an hour) ended by SIGKILL, nothing of the world alive
     hung = worlds[-1].processes
     assert not any(p.is_alive() for p in hung) and hung[1].exitcode == -signal.SIGKILL, [p.exitcode for p in hung]
@@ -219,14 +199,14 @@ def test_a_calibration_world_that_hangs_is_killed_and_named(monkeypatch):
 
     monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(monotonic=monotonic))
     with pytest.raises(TimeoutError, match="did not exit within 300 s after the world reported"):
-        _run_world(_world_rank, ("hang", shared), 2, Reported(), timeout=300)
+        _run_world(world_rank, ("hang", shared), 2, Reported(), timeout=300)
     assert worlds[-1].processes[1].exitcode == -signal.SIGKILL
 
 
 def test_a_calibration_rank_that_fails_fails_the_calibration():
     ctx = mp.get_context("spawn")
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke"):
-        _run_world(_world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=300)
+        _run_world(world_rank, ("fail", ctx.Queue()), 2, ctx.Queue(), timeout=300)
 
 
 def test_a_rank_that_aborts_while_exiting_after_the_report_is_named_and_the_results_kept():
@@ -234,12 +214,12 @@ def test_a_rank_that_aborts_while_exiting_after_the_report_is_named_and_the_resu
     ctx = mp.get_context("spawn")
     results, reported = ctx.Queue(), ctx.Event()
     with pytest.warns(UserWarning, match="process 1 terminated with signal SIGABRT after its world reported"):
-        assert _run_world(_world_rank, ("abort_after", results, reported), 2, results, timeout=300) == (
+        assert _run_world(world_rank, ("abort_after", results, reported), 2, results, timeout=300) == (
             "done",
             "abort_after",
         )
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
-        _run_world(_world_rank, ("abort_before", ctx.Queue()), 2, ctx.Queue(), timeout=300)
+        _run_world(world_rank, ("abort_before", ctx.Queue()), 2, ctx.Queue(), timeout=300)
 
 
 def test_four_rank_calibration_times_every_group_size():

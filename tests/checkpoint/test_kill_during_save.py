@@ -3,7 +3,8 @@
 Each case runs ``_save_kill`` (one process, real DCP saves, retention as ``ModelCheckpoint(save_top_k=1,
 save_last=True)`` does it) and kills it at one step of the second round; afterwards ``clean_interrupted`` removes
 (or restores) what the crash left, and every checkpoint ``list_checkpoints`` returns loads, with the newest one at
-step 6 exactly when the kill came after ``step6.ckpt`` was complete.
+step 6 exactly when the kill came after ``step6.ckpt`` was complete. The selected cases' processes (one core each)
+run two at a time, started together when the first case runs (``killed``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from lightning_flagscale.checkpoint import load_sharded
 from lightning_flagscale.checkpoint.recovery import clean_interrupted, find_latest_checkpoint, list_checkpoints
+from tests._background import background, selected
 
 pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
 
@@ -47,10 +49,25 @@ def _run(folder: Path, mode: str, event: str) -> int:
     return proc.returncode
 
 
+@pytest.fixture(scope="module")
+def killed(request, launcher, tmp_path_factory):
+    """(mode, event) -> (its folder, the jobs): the selected cases' killed runs, two at a time in test order."""
+    launcher.close()  # own processes (as the marker does for each test): no idle shared workers on the cores
+    cases = [(item.callspec.params["mode"], item.callspec.params["event"])
+             for item in selected(request, "test_kill_during_save_leaves_a_loadable_checkpoint")]  # fmt: skip
+    with background(workers=2) as jobs:
+        folders = {}
+        for mode, event in cases:
+            folders[mode, event] = tmp_path_factory.mktemp(f"{mode}-{event}")
+            jobs.submit((mode, event), _run, folders[mode, event], mode, event)
+        yield {case: (folder, jobs) for case, folder in folders.items()}
+
+
 @pytest.mark.parametrize(("mode", "event", "step6_complete", "leftover"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path, mode, event, step6_complete, leftover):
-    _run(tmp_path, mode, event)
-    ckpt = tmp_path / "ckpt"
+def test_kill_during_save_leaves_a_loadable_checkpoint(killed, mode, event, step6_complete, leftover):
+    folder, jobs = killed[mode, event]
+    jobs.result((mode, event))  # SIGKILLed at that event
+    ckpt = folder / "ckpt"
     if not step6_complete:  # retention must not have deleted the previous top-k checkpoint before step 6 completed
         assert (ckpt / "step3.ckpt" / "COMPLETE").is_file(), sorted(p.name for p in ckpt.iterdir())
     if leftover:

@@ -16,6 +16,9 @@ resumed from ``last.ckpt``. Two chains, each against its own uninterrupted run:
 - MoE under expert parallelism (``mixtral-tiny``, ``expert_parallel_size=2``, aux-loss-free router biases updated
   every step, one hot expert replicated): killed in the backward of step 4; resumed to step 6. The router biases
   (buffers) and the replicated-expert choice (kept in ``meta.pt``) must be restored for the losses to match.
+
+A launch is mostly one rank importing torch and Lightning while the other waits, so the selected tests' chains and
+their uninterrupted runs all start together when the first test runs (``runs``), each test asserting on its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 import torch
 
 from lightning_flagscale.checkpoint import read_meta
+from tests._background import background, selected
 from tests.strategies._kill import final_weights, launch_killed, launch_ok, losses
 
 pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
@@ -47,22 +51,55 @@ def _assert_same_run(got_dir, want_dir, steps: int) -> None:
         assert torch.equal(weights[name], value), name
 
 
-def test_kills_in_optimizer_step_and_in_forward_mid_accumulation_under_hetero_dp(tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    launch_ok({**HETERO, "out": str(ref)})
+def _hetero_chain(out) -> None:
     last = str(out / "ckpt" / "last.ckpt")
     launch_killed({**HETERO, "out": str(out), "fault": ["optimizer", 3, 0]})
     assert sorted(losses(out)) == [1, 2]
     launch_killed({**HETERO, "out": str(out), "fault": ["forward", 3, 1], "ckpt_path": last})
     assert read_meta(last)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 4
     launch_ok({**HETERO, "out": str(out), "ckpt_path": last})
-    _assert_same_run(out, ref, 9)
 
 
-def test_kill_in_backward_under_expert_parallelism(tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    launch_ok({**MOE, "out": str(ref)})
+def _moe_chain(out) -> None:
     launch_killed({**MOE, "out": str(out), "fault": ["backward", 4, 0]})
     assert sorted(losses(out)) == [1, 2, 3]
     launch_ok({**MOE, "out": str(out), "ckpt_path": str(out / "ckpt" / "last.ckpt")})
-    _assert_same_run(out, ref, 6)
+
+
+# test -> (the spec of its uninterrupted run, its kill/resume chain)
+CHAINS = {
+    "test_kills_in_optimizer_step_and_in_forward_mid_accumulation_under_hetero_dp": (HETERO, _hetero_chain),
+    "test_kill_in_backward_under_expert_parallelism": (MOE, _moe_chain),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, launcher, tmp_path_factory):
+    """test name -> (uninterrupted run's folder, chain's folder, the jobs): every selected chain and uninterrupted
+    run started at once."""
+    launcher.close()  # own processes (as the marker does for each test): no idle shared workers on the cores
+    wanted = [test for test in CHAINS if selected(request, test)]
+    with background(workers=2 * len(wanted)) as jobs:
+        folders = {}
+        for test in wanted:
+            spec, chain = CHAINS[test]
+            folder = tmp_path_factory.mktemp("fault")
+            folders[test] = (folder / "ref", folder / "run", jobs)
+            jobs.submit((test, "ref"), launch_ok, {**spec, "out": str(folder / "ref")})
+            jobs.submit((test, "chain"), chain, folder / "run")
+        yield folders
+
+
+def _check(runs, test: str, steps: int) -> None:
+    ref, out, jobs = runs[test]
+    jobs.result((test, "chain"))  # its own assertions between the launches
+    jobs.result((test, "ref"))
+    _assert_same_run(out, ref, steps)
+
+
+def test_kills_in_optimizer_step_and_in_forward_mid_accumulation_under_hetero_dp(runs):
+    _check(runs, "test_kills_in_optimizer_step_and_in_forward_mid_accumulation_under_hetero_dp", 9)
+
+
+def test_kill_in_backward_under_expert_parallelism(runs):
+    _check(runs, "test_kill_in_backward_under_expert_parallelism", 6)

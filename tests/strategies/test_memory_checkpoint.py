@@ -10,7 +10,7 @@ same workers resumes with ``ckpt_path="last"`` (the newest of memory and disk, c
   match the single-process oracle within 1e-5 (the layouts sum in other orders), as a disk checkpoint does.
 
 One real SIGKILL (own processes, the main recipe's module with AdamW, warmup + cosine, ``LMDataModule``): a snapshot
-newer than the last disk checkpoint is restored, bit-exact.
+newer than the last disk checkpoint is restored, bit-exact (its uninterrupted run trains beside the killed one).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_flagscale.checkpoint.in_memory import (
     run_folder,
     snapshot_path,
 )
+from tests._background import background
 from tests.strategies._kill import final_weights, launch, launch_ok, losses
 from tests.strategies._lm import GRAD_NORMS, assert_matches_reference, reference_run, tiny_config, trainer_run
 
@@ -124,12 +125,13 @@ SPEC = dict(max_steps=8, every_n_steps=4, memory_every=1, layout=dict(zero_stage
 def test_sigkill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path):
     """SIGKILL every rank once the step-7 snapshot is written (disk: step 4); the restart resumes from memory."""
     ref, out = tmp_path / "ref", tmp_path / "run"
-    launch_ok({**SPEC, "out": str(ref)})
-    assert not run_folder(default_snapshot_root(), str((ref / "ckpt").resolve())).exists(), "removed at fit end"
-
     folder = run_folder(default_snapshot_root(), str((out / "ckpt").resolve()))
     try:
-        killed = launch({**SPEC, "out": str(out), "kill_after_snapshot": 7, "resume": "auto"})
+        with background(workers=1) as jobs:
+            jobs.submit("ref", launch_ok, {**SPEC, "out": str(ref)})
+            killed = launch({**SPEC, "out": str(out), "kill_after_snapshot": 7, "resume": "auto"})
+            jobs.result("ref")
+        assert not run_folder(default_snapshot_root(), str((ref / "ckpt").resolve())).exists(), "removed at fit end"
         assert killed.returncode == -9, killed.stderr[-3000:]
         assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("epoch")) == ["epoch=0-step=4.ckpt"]
         # The two newest are kept (step 5's deletion, queued behind step 7's write, may not have run before the kill).

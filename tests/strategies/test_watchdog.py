@@ -4,6 +4,9 @@ Each case launches ``_hang_run`` (2 processes, Lightning's launcher) with a shor
 watchdog the surviving rank would wait for the process group's 30-minute timeout. No elapsed time is asserted: what
 ended the run is read from the ranks' messages (the watchdog's hang diagnosis, the SIGTERM path and not the hang
 timeout); ``_finish``'s limit only keeps a broken run from blocking the suite.
+
+The three runs mostly wait (for the hang timeout, a dead peer, the SIGTERM grace), so the selected ones start together
+when the first test runs (``runs``), each driven to its end on a thread of its own; each test asserts on its own run.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests._background import background, selected
 
 pytestmark = pytest.mark.own_processes  # starts its own jobs (see tests/conftest.py)
 
@@ -50,11 +55,45 @@ def _wait_for_step(out: Path, rank: int, step: int, limit: float = 180.0) -> Non
     raise AssertionError(f"rank {rank} never reached step {step}")
 
 
-def test_hung_rank_makes_every_rank_exit_naming_the_phase(tmp_path):
-    out = tmp_path / "steps"
+def _hang(out: Path) -> tuple[int, str]:
     proc = _start("hang", 6.0, out)
     _wait_for_step(out, 1, 2)
-    code, err = _finish(proc, 300)
+    return _finish(proc, 300)
+
+
+def _die(out: Path) -> tuple[int, str]:
+    proc = _start("die", 6.0, out)
+    return _finish(proc, 180)
+
+
+def _sigterm(out: Path) -> tuple[int, str]:
+    proc = _start("hang", 120.0, out)  # the hang timeout is far away: only SIGTERM can end this run quickly
+    _wait_for_step(out, 1, 2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    return _finish(proc, 300)
+
+
+RUNS = {
+    "test_hung_rank_makes_every_rank_exit_naming_the_phase": _hang,
+    "test_dead_rank_is_named": _die,
+    "test_sigterm_during_a_hang_is_honoured": _sigterm,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, launcher, tmp_path_factory):
+    """test name -> its run's ``(exit code, stderr)``, awaited: the selected tests' runs, all started at once."""
+    launcher.close()  # own processes (as the marker does for each test): no idle shared workers on the cores
+    wanted = [test for test in RUNS if selected(request, test)]
+    with background(workers=len(RUNS)) as jobs:
+        for test in wanted:
+            jobs.submit(test, RUNS[test], tmp_path_factory.mktemp("watchdog") / "steps")
+        yield jobs
+
+
+def test_hung_rank_makes_every_rank_exit_naming_the_phase(runs):
+    code, err = runs.result("test_hung_rank_makes_every_rank_exit_naming_the_phase")
     assert code != 0, err[-3000:]
     # Whichever watchdog fires first names the hang and the phases of both ranks (rank 1 is stuck "between steps",
     # in the callback; rank 0 in the next collective); the other rank then exits too, naming what it saw.
@@ -64,10 +103,8 @@ def test_hung_rank_makes_every_rank_exit_naming_the_phase(tmp_path):
         assert f"[FlagScale watchdog, rank {rank}]" in err, err[-3000:]
 
 
-def test_dead_rank_is_named(tmp_path):
-    out = tmp_path / "steps"
-    proc = _start("die", 6.0, out)
-    code, err = _finish(proc, 180)
+def test_dead_rank_is_named(runs):
+    code, err = runs.result("test_dead_rank_is_named")
     assert code != 0, err[-3000:]
     # Named by the watchdog's diagnosis of the failed collective, or by Lightning's child-process observer on the
     # launching rank (whichever comes first; both name rank 1).
@@ -75,13 +112,8 @@ def test_dead_rank_is_named(tmp_path):
     assert any(text in err for text in named), err[-3000:]
 
 
-def test_sigterm_during_a_hang_is_honoured(tmp_path):
-    out = tmp_path / "steps"
-    proc = _start("hang", 120.0, out)  # the hang timeout is far away: only SIGTERM can end this run quickly
-    _wait_for_step(out, 1, 2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGTERM)
-    code, err = _finish(proc, 300)
+def test_sigterm_during_a_hang_is_honoured(runs):
+    code, err = runs.result("test_sigterm_during_a_hang_is_honoured")
     assert code != 0, err[-3000:]
     # The SIGTERM path ended it, not the hang timeout (120 s; the rank sleeps for an hour).
     assert "SIGTERM received" in err and "hung for" not in err, err[-3000:]
