@@ -147,7 +147,10 @@ def warmup_cosine_lambda(warmup_steps: int, total_steps: float, min_lr_ratio: fl
 
 def global_tokens(module: L.LightningModule, local_tokens: int) -> int:
     """Tokens processed by all ranks this step (TP/PP ranks share a batch; DP/CP ranks hold disjoint tokens): the
-    strategy's ``global_tokens`` under ``FlagScaleStrategy``, else this rank's times the sampler's replicas."""
+    strategy's ``global_tokens`` under ``FlagScaleStrategy``, else this rank's times the sampler's replicas; a module
+    not attached to a ``Trainer`` (a step called by hand, as ``bench/vlm.py`` does) counts its own."""
+    if module._trainer is None:
+        return local_tokens
     strategy = module.trainer.strategy
     if hasattr(strategy, "global_tokens"):
         return int(strategy.global_tokens(local_tokens))
@@ -157,9 +160,10 @@ def global_tokens(module: L.LightningModule, local_tokens: int) -> int:
 
 def log_token_rate(module: L.LightningModule, tokens: int, last: float | None) -> tuple[float | None, float]:
     """Log ``tokens_per_s``: ``tokens`` (every rank's, this batch) over the time since the previous training batch
-    (``last``, ``None`` at the first batch of an epoch: nothing logged). Returns (the rate or None, now)."""
+    (``last``, ``None`` at the first batch of an epoch: nothing logged; nothing either without a ``Trainer`` to log
+    to). Returns (the rate or None, now)."""
     now = time.perf_counter()
-    if last is None:
+    if last is None or module._trainer is None:
         return None, now
     rate = tokens / max(now - last, 1e-9)
     module.log("tokens_per_s", rate, prog_bar=True)
