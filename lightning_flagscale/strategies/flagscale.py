@@ -36,6 +36,7 @@ from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.models.protocol import validate_layout
 from lightning_flagscale.moe.balance import moe_layers
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
+from lightning_flagscale.parallel.hetero_mesh.ranks import emulated_cost, emulated_slowdown
 from lightning_flagscale.parallel.mesh import MeshDim
 from lightning_flagscale.parallel.pipeline_parallel.model import (
     PipelinedModel,
@@ -121,6 +122,10 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         if parallel is None:
             parallel = ParallelConfig(**layout)  # the layout keywords are ParallelConfig's fields (_signature.py)
         check_options(resume, watchdog_timeout)
+        # CPU emulation of slow devices (parallel/hetero_mesh/ranks.py): a malformed setting fails here, before the
+        # ranks start, instead of in every rank when the hooks are installed.
+        emulated_slowdown(None)
+        emulated_cost()
         self.parallel = parallel
         # Heterogeneous meshes: the user's layout; `parallel` becomes this rank's stage-group layout in setup.
         self.hetero_parallel: ParallelConfig | None = parallel if parallel.hetero_enabled else None

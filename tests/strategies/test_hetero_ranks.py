@@ -12,6 +12,7 @@ from lightning_flagscale.config.hetero import parse_hetero_meshes
 from lightning_flagscale.config.layer_split import plan_stage_groups, speed_aware_layers
 from lightning_flagscale.parallel.hetero_mesh.build import boundary_transfers, group_of_rank
 from lightning_flagscale.parallel.hetero_mesh.ranks import (
+    COST_ENV,
     DEVICE_TYPE_ENV,
     SLOWDOWN_ENV,
     BusyTimer,
@@ -90,6 +91,15 @@ def test_emulated_cost_least_stretches_the_fastest_call_of_a_shape(cost):
         emulated_cost("fixed")
     with pytest.raises(ValueError, match="measured, least"):
         BusyTimer(2.0, cost="fixed")
+    from lightning_flagscale import FlagScaleStrategy
+
+    for env, value in ((SLOWDOWN_ENV, "slow=0.5"), (COST_ENV, "fixed")):  # refused when the strategy is created
+        os.environ[env] = value
+        try:
+            with pytest.raises(ValueError, match=env):
+                FlagScaleStrategy()
+        finally:
+            del os.environ[env]
     timer = BusyTimer(3.0, cost=cost)
     lengths = iter([2, 1, 1, 1, 3, 2, 5, 5])  # ticks of each timed region: F, B of call 1, call 2, call 3, other shape
     state = {"t": 0.0, "open": False}
