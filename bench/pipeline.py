@@ -52,16 +52,23 @@ P, LAYERS, HIDDEN = 4, 8, 16
 
 
 ZBV_4P = "zbv_4p"
-"""``zbv`` running the order generated for --fbw with 4p activations per rank (``pipeline_chunk_costs``,
-``pipeline_max_activations``)."""
+GENERATED = {
+    ZBV_4P: ("zbv", 4 * P),  # ZB-V with 4p activations
+    "dualpipev_gen": ("dualpipev", None),
+    "dualpipev_3p": ("dualpipev", 3 * P),
+}
+"""Rows running an order generated for --fbw (``pipeline_chunk_costs``): name -> (schedule, activations per rank,
+``pipeline_max_activations``; None: torch's order's own). ``zbv_4p``: ZB-V with 4p; ``dualpipev_gen``: DualPipeV at
+torch's memory (2p + 1); ``dualpipev_3p``: DualPipeV with 3p."""
 
 
 def _schedules() -> list[tuple[str, int]]:
-    """Every schedule at its default virtual size (interleaved 1F1B with 2 chunks per rank), then ``zbv_4p``."""
+    """Every schedule at its default virtual size (interleaved 1F1B with 2 chunks per rank), then the generated
+    orders (``GENERATED``)."""
     from lightning_flagscale.config.schedules import SCHEDULE_NAMES, default_virtual_size
 
     out = [(name, 2 if name == "interleaved_1f1b" else default_virtual_size(name, P)) for name in SCHEDULE_NAMES]
-    return [*out, (ZBV_4P, 2)]
+    return [*out, *((name, 2) for name in GENERATED)]
 
 
 # ---- a model of known cost ------------------------------------------------------------------------------------------
@@ -210,9 +217,9 @@ def _run_rank(rank: int, port: int, opts: dict, queue: Any) -> None:
     x, target = torch.randn(m, HIDDEN, generator=gen), torch.randn(m, HIDDEN, generator=gen)
     runners = {}
     for name, v in opts["schedules"]:
-        schedule = "zbv" if name == ZBV_4P else name
-        # zbv_4p: the order generated for the layers' costs with 4p activations, set as a user sets it
-        knobs = dict(pipeline_chunk_costs=opts["fbw"], pipeline_max_activations=4 * P) if name == ZBV_4P else {}
+        schedule, cap = GENERATED.get(name, (name, None))
+        # the generated rows: the order generated for the layers' costs, set as a user sets it
+        knobs = dict(pipeline_chunk_costs=opts["fbw"], pipeline_max_activations=cap) if name in GENERATED else {}
         cfg = ParallelConfig(
             pipeline_parallel_size=P, virtual_pipeline_parallel_size=v, pipeline_schedule=schedule, **knobs
         )
@@ -259,12 +266,20 @@ def _theory(name: str, v: int, m: int, fbw: tuple[float, float, float]) -> float
     GPipe / 1F1B: (p-1)(F+I+W) idle per rank; interleaved 1F1B the same with chunk costs; ZB-H1 (p-1)(F+I-W);
     ZB-V and DualPipeV: torch's own action order replayed with these chunk costs and free host and P2P
     (``orders.simulate``): ZB-V's is (p-1)F when I = W (the least any V order can idle), DualPipeV's has no closed form
-    without F&B overlap; ``zbv_4p``: the order ``orders.zbv_order`` generates for these costs with 4p activations."""
-    from lightning_flagscale.parallel.pipeline_parallel.orders import simulate, torch_v_order, zbv_order
+    without F&B overlap; the ``GENERATED`` rows: the order ``orders.zbv_order`` / ``orders.dualpipev_order``
+    generates for these costs, replayed the same way."""
+    from lightning_flagscale.parallel.pipeline_parallel.orders import (
+        dualpipev_order,
+        simulate,
+        torch_v_order,
+        zbv_order,
+    )
 
     f, i, w = _chunk_costs(v, fbw)
-    if name == ZBV_4P:
-        return simulate(zbv_order(P, m, (f, i, w), 4 * P), P * v, (f, i, w)).bubble
+    if name in GENERATED:
+        schedule, cap = GENERATED[name]
+        generate = zbv_order if schedule == "zbv" else dualpipev_order
+        return simulate(generate(P, m, (f, i, w), cap), P * v, (f, i, w)).bubble
     if name in ("zbv", "dualpipev"):
         return simulate(torch_v_order(name, P, m), P * v, (f, i, w)).bubble
     busy = m * v * (f + i + w)
@@ -376,7 +391,9 @@ def _table(rows: list[dict], opts: dict) -> list[str]:
         " (p-1)(F+I-W); ZB-V and DualPipeV: torch's action order replayed with these costs and free host and P2P"
         " (`orders.simulate`); zbv_4p: `zbv` running the order `orders.zbv_order` generates for these costs with up"
         " to 4p activations per rank (2x 1F1B's; `ParallelConfig(pipeline_chunk_costs=..., pipeline_max_activations=16)`),"
-        " replayed the same way. No V schedule whose ranks start together idles less than (p-1)F per rank (the last"
+        " dualpipev_gen / dualpipev_3p: `dualpipev` running the order `orders.dualpipev_order` generates for these costs"
+        " (torch's pairs and sequence, each backward split into its input gradient and a weight gradient placed in a"
+        " wait) at torch's memory (2p + 1 = 9 activations per rank) / with up to 3p = 12, replayed the same way. No V schedule whose ranks start together idles less than (p-1)F per rank (the last"
         f" rank's first forward waits for p-1 others, and every rank carries 2m(F+I+W)): {_v_bound(m, opts['fbw']) * 100:.1f}%"
         " here, the 'V bound'.",
         "",
@@ -474,8 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.ms, args.iters = 1.0, 1
     schedules = [s for s in _schedules() if args.only is None or s[0] in args.only]
-    if args.smoke:  # the smoke run covers the runner's six schedules; zbv_4p is zbv with another order
-        schedules = [s for s in schedules if s[0] != ZBV_4P]
+    if args.smoke:  # the smoke run covers the runner's six schedules and one generated DualPipeV order
+        schedules = [s for s in schedules if s[0] not in GENERATED or s[0] == "dualpipev_gen"]
     fbw = tuple(float(x) for x in args.fbw.split(":"))
     if len(fbw) != 3 or min(fbw) < 0:
         parser.error(f"--fbw takes three costs F:I:W such as 1:2:1, got {args.fbw!r}")

@@ -175,13 +175,15 @@ class PipelineConfig:
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
     Needs ``pipeline_schedule="dualpipev"``, ``expert_parallel_size > 1``, and no TP, CP, ZeRO-3 or hetero meshes."""
     pipeline_chunk_costs: tuple[float, float, float] | None = None
-    """``zbv`` only: relative forward : input-gradient : weight-gradient cost of one model chunk for one micro-batch,
-    e.g. ``[1, 2, 1]``; the schedule runs the action order generated for them (``orders.zbv_order``: torch's own
-    unless another is strictly faster). ``None``: equal costs."""
+    """``zbv`` and ``dualpipev`` only: relative forward : input-gradient : weight-gradient cost of one model chunk for
+    one micro-batch, e.g. ``[1, 2, 1]``; the schedule runs the action order generated for them (``orders.zbv_order``,
+    ``orders.dualpipev_order``: torch's own unless another is strictly faster). ``None``: equal costs."""
     pipeline_max_activations: int | None = None
-    """``zbv`` only: activations one pipeline rank may hold (forwards whose weight gradient has not run), at least 2;
-    ``None``: 2p, what a 1F1B rank holds (p: pipeline ranks, or stage groups with ``hetero_meshes``). With input
-    gradients dearer than weight gradients, 4p lets the order idle only the (p-1)F no V schedule avoids."""
+    """``zbv`` and ``dualpipev`` only: activations one pipeline rank may hold (forwards whose weight gradient has not
+    run), at least 2; ``None``: what torch's order holds, 2p for ZB-V (a 1F1B rank's), 2p + 1 for DualPipeV (p:
+    pipeline ranks, or stage groups with ``hetero_meshes``). With input gradients dearer than weight gradients, more
+    lets the order idle less: ZB-V at 4p idles only the (p-1)F no V schedule avoids; DualPipeV keeps its pairs and
+    places its weight gradients in its waits."""
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -198,9 +200,9 @@ class PipelineConfig:
             )
         if self.pipeline_balance not in ("even", "cost"):
             raise ValueError(f"pipeline_balance={self.pipeline_balance!r}; use 'even' or 'cost'.")
-        self._check_zbv_order()
+        self._check_v_order()
 
-    def _check_zbv_order(self) -> None:
+    def _check_v_order(self) -> None:
         costs, cap = self.pipeline_chunk_costs, self.pipeline_max_activations
         if costs is not None:
             if not isinstance(costs, (tuple, list)) or len(costs) != 3 or any(
@@ -217,10 +219,10 @@ class PipelineConfig:
                 " chunks of the first rank run before any backward) or None (2p, what a 1F1B rank holds)."
             )
         knobs = [n for n in ("pipeline_chunk_costs", "pipeline_max_activations") if getattr(self, n) is not None]
-        if knobs and self.pipeline_schedule != "zbv":
+        if knobs and self.pipeline_schedule not in ("zbv", "dualpipev"):
             raise ValueError(
-                f"{' and '.join(knobs)}: only pipeline_schedule='zbv' generates its action order from them, got"
-                f" pipeline_schedule={self.pipeline_schedule!r}; set pipeline_schedule='zbv' or leave"
+                f"{' and '.join(knobs)}: only pipeline_schedule='zbv' or 'dualpipev' generates its action order from"
+                f" them, got pipeline_schedule={self.pipeline_schedule!r}; set one of those or leave"
                 f" {' and '.join(knobs)} at None."
             )
 

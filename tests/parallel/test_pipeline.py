@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.schedules import min_microbatches
 from lightning_flagscale.models.decoder import CausalLM
-from lightning_flagscale.parallel.pipeline_parallel.orders import torch_v_order, zbv_order
+from lightning_flagscale.parallel.pipeline_parallel.orders import dualpipev_order, torch_v_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.recompute import (
     _selective_contexts,
     apply_recompute,
@@ -377,14 +377,24 @@ def test_selective_mm_is_refused_on_moe_blocks():
     [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 def test_schedule_matches_single_process(launcher, schedule, vpp):
-    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), set as a
-    # user sets it (ParallelConfig fields), which differs from torch's; torch's own zbv order is the default that the
-    # tied, TP and Lightning-loop tests run
-    knobs = {"pipeline_chunk_costs": [1, 2, 1], "pipeline_max_activations": 8} if schedule == "zbv" else None
+    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), dualpipev
+    # the one generated for those costs at torch's memory (orders.dualpipev_order: its backwards split, weight
+    # gradients in its waits), both set as a user sets them (ParallelConfig fields) and differing from torch's;
+    # torch's own orders are the default that the tied, TP and Lightning-loop tests run
+    knobs = {
+        "zbv": {"pipeline_chunk_costs": [1, 2, 1], "pipeline_max_activations": 8},
+        "dualpipev": {"pipeline_chunk_costs": [1, 2, 1]},
+    }.get(schedule)
     results = launcher(2, _pipeline_parity, schedule, vpp, order_knobs=knobs)
     _check(results)
-    if schedule == "zbv":
-        generated, torchs = _plain(zbv_order(2, 4, (1.0, 2.0, 1.0), 8)), _plain(torch_v_order("zbv", 2, 4))
+    if schedule in ("zbv", "dualpipev"):
+        if schedule == "zbv":
+            generated = _plain(zbv_order(2, 4, (1.0, 2.0, 1.0), 8))
+        else:  # the runner runs each pair's forward, then its input gradient (no overlap here)
+            order = dualpipev_order(2, 4, (1.0, 2.0, 1.0))
+            generated = _plain({r: [s for a in acts for s in (a.sub_actions or (a,))] for r, acts in order.items()})
+        torchs = _plain({r: [s for a in acts if a for s in (a.sub_actions or (a,))]
+                         for r, acts in torch_v_order(schedule, 2, 4).items()})  # fmt: skip
         assert generated != torchs
         for r in results:
             assert r["train_orders"] and all(order == generated for order in r["train_orders"])

@@ -107,14 +107,15 @@ ZBV = dict(pipeline_parallel_size=2, pipeline_schedule="zbv")
         (dict(ZBV, pipeline_max_activations=1), "pipeline_max_activations=1: give an integer >= 2"),
         (dict(ZBV, pipeline_max_activations=8.0), "pipeline_max_activations=8.0: give an integer >= 2"),
         (dict(pipeline_parallel_size=2, pipeline_max_activations=8),
-         "pipeline_max_activations: only pipeline_schedule='zbv' generates .* got pipeline_schedule='1f1b'"),
-        (dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", pipeline_chunk_costs=[1, 2, 1],
+         "pipeline_max_activations: only pipeline_schedule='zbv' or 'dualpipev' generates .* got"
+         " pipeline_schedule='1f1b'"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", pipeline_chunk_costs=[1, 2, 1],
               pipeline_max_activations=8),
-         "pipeline_chunk_costs and pipeline_max_activations: only pipeline_schedule='zbv'.* leave pipeline_chunk_costs"
-         " and pipeline_max_activations at None"),
+         "pipeline_chunk_costs and pipeline_max_activations: only pipeline_schedule='zbv' or 'dualpipev'.* leave"
+         " pipeline_chunk_costs and pipeline_max_activations at None"),
     ],
 )  # fmt: skip
-def test_zbv_order_knobs_are_checked_at_creation(kwargs, match):
+def test_v_order_knobs_are_checked_at_creation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParallelConfig(**kwargs)
     with pytest.raises(ValueError, match=match):  # the strategy fails in its constructor, before any process starts

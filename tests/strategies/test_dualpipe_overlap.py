@@ -48,6 +48,14 @@ def _overlap_run(kwargs: dict[str, Any], config: Any, steps: int) -> dict[str, A
         return original_send(ops, *args, **kwargs)
 
     overlap._batch_p2p = send
+    backwards: list[str] = []  # the kind of every paired backward: full, or an input gradient (generated orders)
+    original_backward = overlap._backward
+
+    def backward(schedule: Any, action: Any) -> None:
+        backwards.append(action.computation_type.value)
+        original_backward(schedule, action)
+
+    overlap._backward = backward
     groups: list[list[tuple[int, ...]]] = []
     original_separate = overlap.separate_chunk_groups
 
@@ -66,13 +74,18 @@ def _overlap_run(kwargs: dict[str, Any], config: Any, steps: int) -> dict[str, A
     finally:
         overlap._forward = original
         overlap._batch_p2p = original_send
+        overlap._backward = original_backward
         plan.separate_chunk_groups = original_separate
-    return {**result, "threads": threads, "groups": groups, "sends": sends}
+    return {**result, "threads": threads, "groups": groups, "sends": sends, "backwards": backwards}
 
 
-def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
+@pytest.mark.parametrize("generated", [False, True], ids=["torch-order", "generated-order"])
+def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch, generated):
+    # generated: the order orders.dualpipev_order generates for I = 2F = 2W, whose pairs run a forward beside an
+    # input gradient (the weight gradient later, in a wait); torch's pairs run a full backward
     config = mtp_config(num_layers=4)
-    results = launcher(4, _overlap_run, OVERLAP, config, STEPS)
+    kwargs = {**OVERLAP, "pipeline_chunk_costs": [1, 2, 1]} if generated else OVERLAP
+    results = launcher(4, _overlap_run, kwargs, config, STEPS)
     # DualPipeV needs 2 x PP micro-batches: four of one row on each of the two data-parallel ranks, so global batches
     # of 8 in the oracle too, split into the same four micro-batches (micro-batch i = rows 2i and 2i + 1 of the
     # global batch: Lightning's sampler deals the batch's rows out to the ranks in turn)
@@ -91,6 +104,7 @@ def test_overlapped_dualpipev_trains_as_one_process(launcher, monkeypatch):
         # backward, where torch's lowering puts the send): every rank pairs forwards of stage 0 or 2, whose next
         # stage is on the other rank
         assert res["sends"] and set(res["sends"]) == {"flagscale-overlap-forward"}, (rank, res["sends"])
+        assert set(res["backwards"]) == ({"I"} if generated else {"B"}), (rank, res["backwards"])
         # chunks (V placement): pipeline rank 0 holds stages 0 (the dense first_k_dense_replace block: no experts)
         # and 3, rank 1 stages 1 and 2; the second chunk's EP group is a twin of the first's: same ranks, own group
         first, second = res["groups"]

@@ -64,18 +64,19 @@ def test_zero_bubble_across_meshes(launcher, virtual, zero_stage):
          rename=TIED if virtual == 2 else None)  # fmt: skip
 
 
-class ZBVOrderRan(Callback):
-    """Fails the run unless each rank's stage group trained (4 micro-batches, 2 groups) on torch's ZB-V order, or with
-    ``generated`` on the order ``orders.zbv_order`` generates for the config's ``pipeline_chunk_costs`` [1, 2, 1] and
-    ``pipeline_max_activations`` 8, which is not torch's."""
+class VOrderRan(Callback):
+    """Fails the run unless each rank's stage group trained (4 micro-batches, 2 groups) on torch's ``schedule``
+    order, or with ``generated`` on the order ``orders.zbv_order`` / ``orders.dualpipev_order`` generates for the
+    config's ``pipeline_chunk_costs`` [1, 2, 1] (and ``pipeline_max_activations`` 8 for ZB-V), which is not torch's."""
 
-    def __init__(self, generated: bool) -> None:
-        self.generated = generated
+    def __init__(self, schedule: str, generated: bool) -> None:
+        self.schedule, self.generated = schedule, generated
 
     def on_train_end(self, trainer, pl_module):
         g = pl_module.model.runner.group.index
-        theirs = schedule_order("zbv", 2, g, 2, 4, train=True)
-        ours = schedule_order("zbv", 2, g, 2, 4, train=True, costs=(1.0, 2.0, 1.0), cap=8)
+        cap = 8 if self.schedule == "zbv" else None
+        theirs = schedule_order(self.schedule, 2, g, 2, 4, train=True)
+        ours = schedule_order(self.schedule, 2, g, 2, 4, train=True, costs=(1.0, 2.0, 1.0), cap=cap)
         assert ours != theirs
         assert pl_module.model.runner._orders[(4, True)] == (ours if self.generated else theirs)
 
@@ -86,9 +87,10 @@ class ZBVOrderRan(Callback):
         # ZB-V on the order generated for I = 2F = 2W with 4 activations per group (issue 42), set as the user sets it
         ("zbv", [TP2, DP2], dict(zero_stage=1, pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8)),
         ("zbv", [DP2, TP2], dict(zero_stage=2)),  # torch's own order, the default
-        ("dualpipev", [DP2, TP2], dict(zero_stage=3, recompute="selective")),
+        # DualPipeV on the order generated for I = 2F = 2W at torch's memory (weight gradients in its waits)
+        ("dualpipev", [DP2, TP2], dict(zero_stage=3, recompute="selective", pipeline_chunk_costs=[1, 2, 1])),
     ],
-    ids=["zbv-tp2-dp2-zero1-generated-order", "zbv-dp2-tp2-zero2", "dualpipev-dp2-tp2-zero3-selective"],
+    ids=["zbv-tp2-dp2-zero1-generated-order", "zbv-dp2-tp2-zero2", "dualpipev-dp2-tp2-zero3-selective-generated"],
 )
 def test_v_shaped_schedules_across_meshes(launcher, schedule, meshes, kwargs):
     """ZB-V / DualPipeV across meshes: mesh 0 runs stages 0 and 3 (embedding, and the tied head with the loss), mesh 1
@@ -99,7 +101,7 @@ def test_v_shaped_schedules_across_meshes(launcher, schedule, meshes, kwargs):
     micro = 2 // meshes[0].get("data_parallel_size", 1)
     strategy = dict(hetero_meshes=meshes, hetero_layers=[2, 2], micro_batch_size=micro, pipeline_schedule=schedule,
                     **kwargs)  # fmt: skip
-    callbacks = [ZBVOrderRan("pipeline_chunk_costs" in kwargs)] if schedule == "zbv" else None
+    callbacks = [VOrderRan(schedule, "pipeline_chunk_costs" in kwargs)]
     results = _run(launcher, strategy, config, 8, f"{schedule} {meshes} {kwargs}", rename=TIED, callbacks=callbacks)
     for rank, (_, params) in enumerate(results):  # the V: mesh 0 (ranks 0, 1) holds blocks 0 and 3, mesh 1 blocks 1, 2
         blocks = {int(name.split("layers.")[1].split(".")[0]) for name in params if "layers." in name}

@@ -70,7 +70,7 @@ OVERLAP = dict(
     overlap_moe_expert_parallel_comm=True,
 )  # fmt: skip
 
-# The ZB-V order knobs need pipeline_schedule="zbv" (ParallelConfig._check_zbv_order).
+# The V order knobs need pipeline_schedule="zbv" or "dualpipev" (ParallelConfig._check_v_order).
 ZBV_ORDER = dict(
     pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_chunk_costs=(1.0, 2.0, 1.0), pipeline_max_activations=8
 )

@@ -105,7 +105,7 @@ def build_hetero_pipelined_model(
         micro_batch_size=config.micro_batch_size, device=device, tied=tied_across_stages(model, plan),
         loss_fn=lambda out, target, n: holder[0].scaled_stage_loss(out, target, n),
         token_group=meshes.group(MeshDim.DP_CP) if meshes.size(MeshDim.DP_CP) > 1 else None,
-        zbv_costs=config.pipeline_chunk_costs, zbv_max_activations=config.pipeline_max_activations,
+        order_costs=config.pipeline_chunk_costs, order_max_activations=config.pipeline_max_activations,
     )  # fmt: skip
     pipelined = PipelinedModel(runner, model, mtp_group=meshes.group(MeshDim.DP_CP))
     holder.append(pipelined)

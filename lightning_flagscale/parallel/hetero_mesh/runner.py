@@ -25,8 +25,8 @@ activations (and, backwards, their gradients) with the resliced P2P of ``hetero_
 * **V-shaped schedules** (``zbv``, ``dualpipev``): two chunks per group, stage ``g`` going down the groups and stage
   ``2G - 1 - g`` coming back up, in torch's per-rank orders for ZB-V and DualPipeV (computed for ``G`` groups; a
   DualPipeV overlapped forward+backward runs as its forward then its backward); with ``pipeline_chunk_costs`` or
-  ``pipeline_max_activations``, ZB-V runs the order ``orders.zbv_order`` generates for them instead (as without
-  hetero meshes; the same costs on every group). The turn of the V (stage ``G - 1`` to
+  ``pipeline_max_activations``, ZB-V / DualPipeV run the order ``orders.zbv_order`` / ``orders.dualpipev_order``
+  generates for them instead (as without hetero meshes; the same costs on every group). The turn of the V (stage ``G - 1`` to
   ``G``) stays on the last group: the activation and its gradient are handed over in memory, no P2P. The last stage,
   hence the loss and the loss scale, is on the first group.
 * **Tied weights** between the first and the last stage: ``hetero_tied.py`` (the same group under a V: both copies
@@ -48,7 +48,7 @@ from lightning_flagscale.config.hetero import StageGroup
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, stage_placement
 from lightning_flagscale.parallel.hetero_mesh.boundary import BoundaryComm, boundary_transfers, gradient_transfers
 from lightning_flagscale.parallel.hetero_mesh.tied import TiedAcrossMeshes
-from lightning_flagscale.parallel.pipeline_parallel.orders import zbv_order
+from lightning_flagscale.parallel.pipeline_parallel.orders import dualpipev_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.plan import StagePlan
 from lightning_flagscale.parallel.pipeline_parallel.runner import merge_param_groups, param_groups_overlap
 
@@ -69,8 +69,8 @@ def schedule_order(
     costs: tuple[float, float, float] | None = None,
     cap: int | None = None,
 ) -> list[Action]:
-    """The actions group ``group`` runs, in order (module docstring); ``costs`` and ``cap``: ``zbv`` only, the
-    chunk costs and activation cap the training order is generated for (``ParallelConfig.pipeline_chunk_costs``,
+    """The actions group ``group`` runs, in order (module docstring); ``costs`` and ``cap``: ``zbv`` and
+    ``dualpipev`` only, the chunk costs and activation cap the training order is generated for (``ParallelConfig.pipeline_chunk_costs``,
     ``pipeline_max_activations``)."""
     G, v = num_groups, virtual
     if SCHEDULE_SPECS[schedule].placement == "v":
@@ -109,8 +109,9 @@ def _v_order(
     schedule: str, num_groups: int, group: int, n: int, *, train: bool, costs: Any = None, cap: int | None = None
 ) -> list[Action]:
     """ZB-V or DualPipeV over ``num_groups`` stage groups: torch's order for pipeline rank ``group`` (the schedule
-    classes compute every rank's order from the rank count, stage count and micro-batch count alone), or for ZB-V
-    with ``costs`` or ``cap`` the order ``orders.zbv_order`` generates; forward-only, each chunk's forwards in turn
+    classes compute every rank's order from the rank count, stage count and micro-batch count alone), or with
+    ``costs`` or ``cap`` the order ``orders.zbv_order`` / ``orders.dualpipev_order`` generates; forward-only, each
+    chunk's forwards in turn
     (the first chunk's go down the groups, then the second's come back up)."""
     G = num_groups
     if not train:
@@ -121,9 +122,12 @@ def _v_order(
             f"pipeline_schedule={schedule!r} across {G} heterogeneous stage groups needs at least {need} micro-batches"
             f" per step, got {n}; raise the batch size or lower micro_batch_size."
         )
-    if schedule == "zbv" and (costs is not None or cap is not None):
-        actions = zbv_order(G, n, costs or (1.0, 1.0, 1.0), cap)[group]
-        return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
+    if costs is not None or cap is not None:
+        generate = zbv_order if schedule == "zbv" else dualpipev_order
+        actions = generate(G, n, costs or (1.0, 1.0, 1.0), cap)[group]
+        # OVERLAP_F_B: its forward, then its backward
+        subs = [s for a in actions for s in (a.sub_actions or (a,))]
+        return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in subs]
     from torch.distributed.pipelining import schedules as torch_schedules
 
     cls = getattr(torch_schedules, SCHEDULE_SPECS[schedule].torch_class)
@@ -199,12 +203,13 @@ class HeteroPipelineRunner:
         device: torch.device,
         token_group: dist.ProcessGroup | None,
         tied: tuple[str, str] | None = None,
-        zbv_costs: tuple[float, float, float] | None = None,
-        zbv_max_activations: int | None = None,
+        order_costs: tuple[float, float, float] | None = None,
+        order_max_activations: int | None = None,
     ) -> None:
         self.groups, self.group, self.plan = groups, group, plan
-        # ZB-V's generated order (PipelineRunner.zbv_costs / zbv_max_activations), per (micro-batches, train)
-        self.zbv_costs, self.zbv_max_activations = zbv_costs, zbv_max_activations
+        # ZB-V's / DualPipeV's generated order (PipelineRunner.order_costs / order_max_activations), per
+        # (micro-batches, train)
+        self.order_costs, self.order_max_activations = order_costs, order_max_activations
         self._orders: dict[tuple[int, bool], list[Action]] = {}
         self.virtual = plan.num_stages // len(groups)
         self.stage_ids = stage_ids
@@ -267,10 +272,10 @@ class HeteroPipelineRunner:
                 f" {self.micro_batch_size}."
             )
         n = rows // self.micro_batch_size
-        if (n, train) not in self._orders:  # a generated ZB-V order takes a search: once per micro-batch count
+        if (n, train) not in self._orders:  # a generated V order takes a search: once per micro-batch count
             self._orders[(n, train)] = schedule_order(
                 self.schedule_name, len(self.groups), self.group.index, self.virtual, n, train=train,
-                costs=self.zbv_costs, cap=self.zbv_max_activations,
+                costs=self.order_costs, cap=self.order_max_activations,
             )  # fmt: skip
         order = self._orders[(n, train)]
         if num_items is None:  # evaluation without a step normaliser: the token mean of the whole global batch

@@ -43,6 +43,7 @@ from lightning_flagscale.moe.balance import moe_layers
 
 __all__ = ["OverlappedPairs", "check_pairs_cross_chunks", "separate_chunk_groups"]
 
+_BACKWARDS = (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT)
 _DEFAULT = "default"  # MoELayer.token_group's "the default process group" marker (moe/layer.py DEFAULT_GROUP)
 
 
@@ -94,19 +95,20 @@ def separate_chunk_groups(stage_modules: list[nn.Module]) -> list[dist.ProcessGr
 
 
 def check_pairs_cross_chunks(pipeline_order: dict[int, list[_Action | None]], stage_to_rank: dict[int, int]) -> None:
-    """Every ``OVERLAP_F_B`` action pairs a forward and a backward of the rank's two different chunks (what lets each
-    chunk keep its own process groups)."""
+    """Every ``OVERLAP_F_B`` action pairs a forward and a backward (full, or its input gradient in an order generated
+    for chunk costs: ``orders.dualpipev_order``) of the rank's two different chunks (what lets each chunk keep its own
+    process groups)."""
     for rank, actions in pipeline_order.items():
         for action in actions:
             if action is None or action.computation_type != _ComputationType.OVERLAP_F_B:
                 continue
             kinds = [(a.computation_type, a.stage_index) for a in action.sub_actions or ()]
             forward = [s for k, s in kinds if k == _ComputationType.FORWARD]
-            backward = [s for k, s in kinds if k == _ComputationType.FULL_BACKWARD]
+            backward = [s for k, s in kinds if k in _BACKWARDS]
             if len(kinds) != 2 or len(forward) != 1 or len(backward) != 1 or forward[0] == backward[0]:
                 raise ValueError(
-                    f"overlap_moe_expert_parallel_comm: rank {rank}'s {action} is not a forward and a full backward of"
-                    " the rank's two different chunks; this schedule cannot overlap them."
+                    f"overlap_moe_expert_parallel_comm: rank {rank}'s {action} is not a forward and a backward of the"
+                    " rank's two different chunks; this schedule cannot overlap them."
                 )
             if {stage_to_rank[forward[0]], stage_to_rank[backward[0]]} != {rank}:
                 raise ValueError(
@@ -148,17 +150,21 @@ def _forward(schedule: Any, action: _Action, ctx: _PipelineContext) -> None:
         stages[index + 1].set_local_fwd_input(output, mb)
 
 
-def _full_backward(schedule: Any, action: _Action) -> None:
-    """torch's ``FULL_BACKWARD`` action, for a paired backward."""
+def _backward(schedule: Any, action: _Action) -> None:
+    """torch's ``FULL_BACKWARD`` or ``BACKWARD_INPUT`` action, for a paired backward (the input gradient leaves its
+    weight gradient to a later ``BACKWARD_WEIGHT``, which counts the stage's backwards then)."""
     stages = _stages(schedule)
     index, mb = action.stage_index, action.microbatch_index
     stage = stages[index]
     if not stage.is_last and index + 1 not in stages:
         _wait_batch_p2p(schedule.bwd_recv_ops.pop((index, mb)))
     loss = schedule._maybe_get_loss(stage, mb)
-    schedule.backward_counter[index] += 1
-    last = schedule.backward_counter[index] == schedule._n_microbatches
-    stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+    full = action.computation_type == _ComputationType.FULL_BACKWARD
+    last = False
+    if full:
+        schedule.backward_counter[index] += 1
+        last = schedule.backward_counter[index] == schedule._n_microbatches
+    stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last)
     if index - 1 in stages:
         stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
@@ -185,7 +191,7 @@ class OverlappedPairs:
     def __call__(self, action: _Action, ctx: _PipelineContext) -> None:
         subs = action.sub_actions or ()
         forward = next(a for a in subs if a.computation_type == _ComputationType.FORWARD)
-        backward = next(a for a in subs if a.computation_type == _ComputationType.FULL_BACKWARD)
+        backward = next(a for a in subs if a.computation_type in _BACKWARDS)
         enter, error = _thread_state(), []
 
         def side() -> None:
@@ -202,7 +208,7 @@ class OverlappedPairs:
         thread = threading.Thread(target=side, name="flagscale-overlap-forward", daemon=True)
         thread.start()
         try:
-            _full_backward(self.schedule, backward)
+            _backward(self.schedule, backward)
         finally:
             thread.join()
         if error:

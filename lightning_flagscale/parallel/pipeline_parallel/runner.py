@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
-from lightning_flagscale.parallel.pipeline_parallel.orders import zbv_order
+from lightning_flagscale.parallel.pipeline_parallel.orders import dualpipev_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.overlap import OverlappedPairs, check_pairs_cross_chunks
 from lightning_flagscale.parallel.pipeline_parallel.plan import (
     StagePlan,
@@ -118,15 +118,21 @@ def _make_forward_only(schedule: PipelineScheduleMulti) -> None:
     )
 
 
-def _use_zbv_order(
-    schedule: PipelineScheduleMulti, p: int, m: int, costs: tuple[float, float, float], cap: int | None
+def _use_generated_order(
+    schedule: PipelineScheduleMulti,
+    name: str,
+    p: int,
+    m: int,
+    costs: tuple[float, float, float],
+    cap: int | None,
 ) -> None:
-    """Give torch's ZB-V schedule the order generated for ``costs`` under ``cap`` (``orders.zbv_order``).
+    """Give torch's ZB-V or DualPipeV schedule the order generated for ``costs`` under ``cap``
+    (``orders.zbv_order`` / ``orders.dualpipev_order``).
 
-    ``zbv_order`` keeps torch's own order unless another is strictly faster for these costs (never at equal costs
-    and 1F1B's memory: then this changes nothing). ``_prepare_schedule_with_comms`` is the lowering torch runs on
-    its own order (send/recv, reduce-grad); private torch API, pinned by the ZB-V parity tests."""
-    order = zbv_order(p, m, costs, cap)
+    Both keep torch's own order unless another is strictly better for these costs (ZB-V: never at equal costs and
+    1F1B's memory; then this changes nothing). ``_prepare_schedule_with_comms`` is the lowering torch runs on its own
+    order (send/recv, reduce-grad); private torch API, pinned by the ZB-V and DualPipeV parity tests."""
+    order = (zbv_order if name == "zbv" else dualpipev_order)(p, m, costs, cap)
     if order != {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}:
         schedule.pipeline_order = dict(order)
         schedule._prepare_schedule_with_comms(schedule.pipeline_order)
@@ -283,13 +289,17 @@ class PipelineRunner:
 
     stage_cls: type[PipelineStage] = StatelessInferenceStage
     """Stage wrapper; a subclass can instrument the stages (``bench/pipeline.py`` times every action)."""
-    zbv_costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    """Relative F, I, W cost of one ``zbv`` chunk that its action order is generated for (``orders.zbv_order``);
-    ``build_pipeline`` sets it from ``ParallelConfig.pipeline_chunk_costs``."""
-    zbv_max_activations: int | None = None
-    """Activations a ``zbv`` rank may hold (forwards whose W has not run); None: 2p, a 1F1B rank's. With I > W, 4p
-    lets the order idle only the (p-1)F no V schedule can avoid (issue 42 item 2, ``docs/pipeline.md``);
-    ``build_pipeline`` sets it from ``ParallelConfig.pipeline_max_activations``."""
+    order_costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Relative F, I, W cost of one ``zbv`` / ``dualpipev`` chunk that its action order is generated for
+    (``orders.zbv_order`` / ``orders.dualpipev_order``); ``build_pipeline`` sets it from
+    ``ParallelConfig.pipeline_chunk_costs``."""
+    order_max_activations: int | None = None
+    """Activations a ``zbv`` / ``dualpipev`` rank may hold (forwards whose W has not run); None: 2p for ZB-V (a 1F1B
+    rank's), torch's own 2p+1 for DualPipeV. With I > W, more lets the order idle less (issue 42 item 2,
+    ``docs/pipeline.md``); ``build_pipeline`` sets it from ``ParallelConfig.pipeline_max_activations``."""
+    order_knobs_set: bool = False
+    """Whether either knob was set (``ParallelConfig``): ZB-V runs torch's order unless the generated one is strictly
+    faster for the costs; DualPipeV runs torch's order unless a knob is set."""
     eval_micro_batch_size: int | None = None
     """Micro-batch size of evaluation batches (``ParallelConfig.micro_batch_size``; ``None``: ``micro_batch_size``):
     heterogeneous data-parallel shares set a per-rank training micro-batch size that evaluation does not use."""
@@ -377,8 +387,11 @@ class PipelineRunner:
             else:
                 assert issubclass(cls, PipelineScheduleMulti)
                 sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
-                if self.schedule_name == "zbv":
-                    _use_zbv_order(sched, self._pp, n_microbatches, self.zbv_costs, self.zbv_max_activations)
+                if self.schedule_name in ("zbv", "dualpipev") and self.order_knobs_set:
+                    _use_generated_order(
+                        sched, self.schedule_name, self._pp, n_microbatches, self.order_costs,
+                        self.order_max_activations,
+                    )  # fmt: skip
             if not train and isinstance(sched, PipelineScheduleMulti):
                 _make_forward_only(sched)
             elif self.overlap_moe_comm:  # DualPipeV's pairs run their forward and backward at once (overlap.py)
@@ -606,6 +619,7 @@ def build_pipeline(
     runner.overlap_moe_comm = config.overlap_moe_expert_parallel_comm
     runner.eval_micro_batch_size = config.micro_batch_size
     if config.pipeline_chunk_costs is not None:
-        runner.zbv_costs = config.pipeline_chunk_costs
-    runner.zbv_max_activations = config.pipeline_max_activations
+        runner.order_costs = config.pipeline_chunk_costs
+    runner.order_max_activations = config.pipeline_max_activations
+    runner.order_knobs_set = config.pipeline_chunk_costs is not None or config.pipeline_max_activations is not None
     return runner
