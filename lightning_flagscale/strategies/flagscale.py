@@ -59,6 +59,7 @@ from lightning_flagscale.parallel.step import (
     reduces_after_backward,
 )
 from lightning_flagscale.precision.flagscale import check_precision_layout
+from lightning_flagscale.precision.fp32_weights import keep_fp32_weights, masters_from_kept, restore_fp32_weights
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
 from lightning_flagscale.strategies._plumbing import (
@@ -148,6 +149,10 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._expert_grad_scale = 1.0
         self._created_groups: list[dist.ProcessGroup] = []  # this run's, handed to `retire_groups` in teardown
         self._offloaded = False  # teardown moved module and optimizer state from an accelerator to the CPU
+        # Megatron's half layout: the module's fp32 tensors the stage's cast replaced, and whether the optimizers'
+        # masters are this stage's (precision/fp32_weights.py: teardown gives the module back in fp32)
+        self._kept_fp32: dict[str, Tensor] | None = None
+        self._masters_current = False
         self.num_nodes = 1
 
     def global_tokens(self, local_tokens: int) -> int:
@@ -200,6 +205,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             check_predict_layout(self.hetero_parallel or self.parallel)
         self.accelerator.setup(trainer)
         self._offloaded = False  # `_place` moves the module to the device again (`validate` after `fit`)
+        self._kept_fp32, self._masters_current = None, False
         p = self.parallel
         apply_accumulation(p, trainer)
         module = self.lightning_module
@@ -224,6 +230,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._kept_fp32 is not None:  # the masters start from the fp32 weights, not from their rounding
+                self._kept_fp32 = masters_from_kept(module, self._kept_fp32, self._dist_optimizers.values())
+            self._masters_current = True
         self.setup_precision_plugin()
         self._moe_layers = [layer for _, layer in moe_layers(module)]
 
@@ -231,6 +240,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         """The precision plugin's dtype (ZeRO-3 keeps its own) and the device move, after parallelising (flat ZeRO-3's
         shards first: the module's parameters are views of them)."""
         if self.parallel.zero_stage < 3:
+            if self.precision_plugin.master_weights:
+                self._kept_fp32 = keep_fp32_weights(self.lightning_module)
             self.model = self.precision_plugin.convert_module(self.model)
         move_zero_buffers(self.root_device, (), self.lightning_module)
         self.model_to_device()
@@ -385,7 +396,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     def teardown(self) -> None:
         """Give the run back (issue 37 item 1), as Lightning's ``Strategy.teardown`` does, plus what only we hold: the
         ZeRO all-gathers and the checkpoint write in flight are completed, the watchdog thread stopped and joined,
-        the gradient hooks removed, module and optimizer state moved to the CPU with what our ZeRO holds besides
+        the gradient hooks removed, under Megatron's half layout the module cast back to fp32 holding the masters
+        (``precision/fp32_weights.py``), module and optimizer state moved to the CPU with what our ZeRO holds besides
         (the main slices of ZeRO-1/2, flat ZeRO-3's shards; the gradient buckets freed), and this run's process
         groups handed over to be destroyed when a run on another module starts (``_plumbing.py`` says why not now).
         """
@@ -394,6 +406,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._stop_watchdog()
         for dopt in self._dist_optimizers.values():
             dopt.close()  # its hooks on every parameter; `state_dict()` still serves a save after `fit`
+        self._restore_fp32()
         self._offload()
         group = self._checkpoint_group  # MemoryCheckpoint creates it during training (`ensure_checkpoint_group`)
         if group is not None and group not in self._created_groups and group != dist.GroupMember.WORLD:
@@ -406,6 +419,18 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _restore_fp32(self) -> None:
+        """Megatron's half layout: the module back in fp32, holding the masters after ``fit`` and its values from
+        before the stage otherwise (``precision/fp32_weights.py``). The gradient buckets are freed first, so the fp32
+        copy fits where they were."""
+        kept, self._kept_fp32 = self._kept_fp32, None
+        if kept is None or self.lightning_module is None:
+            return
+        for dopt in self._dist_optimizers.values():
+            if isinstance(dopt, DistributedOptimizer):
+                dopt.release_grads()
+        restore_fp32_weights(self.lightning_module, kept, self._dist_optimizers.values(), masters=self._masters_current)
 
     def _offload(self) -> None:
         cpu = torch.device("cpu")
@@ -429,7 +454,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # `validate(ckpt_path=...)` after `fit` loads into the fitted optimizers' main slices, left on the CPU.
         move_zero_buffers(self.root_device, self._dist_optimizers.values(), self.lightning_module)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self._masters_current = True  # the optimizers' masters hold the checkpoint's weights
+        return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Precision: fp16 loss scaling agrees across ranks; bf16-mixed keeps fp32 master weights; Lightning flags map."""
+"""Precision: fp16 loss scaling agrees across ranks; bf16-mixed keeps fp32 master weights, which the module holds after
+fit (fit -> fit continues from them); Lightning flags map."""
 
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def _registry_and_precision_flag():
 
 def test_strategy_registry_name_and_lightning_precision_flag(launcher):
     for is_ours, precision, dtype in launcher(2, _registry_and_precision_flag):
-        assert is_ours and precision == "bf16-mixed" and dtype == torch.bfloat16
+        # bf16 weights during fit (test_bf16_mixed_trains_close_to_fp32_with_fp32_masters); after it the module is
+        # back in fp32 and holds the masters (test_fit_again_continues_from_the_fp32_masters_under_every_layout)
+        assert is_ours and precision == "bf16-mixed" and dtype == torch.float32
 
 
 def _collectives_on_the_mesh():
@@ -143,3 +146,108 @@ def test_reduce_broadcast_barrier_and_sampler_on_the_mesh(launcher):
     for rank, (mean, total, obj, sampler) in enumerate(results):
         assert (mean, total, obj) == (1.5, 6.0, {"from": 0})
         assert sampler == {"num_replicas": 2, "rank": rank // 2}  # TP pairs (0,1), (2,3) share a data shard
+
+
+# fit -> fit under Megatron's bf16 layout: DDP's whole-bucket masters, ZeRO-1/2 slices (TP's DTensor parameters with
+# ZeRO-2, a pipeline stage's with ZeRO-1), and flat ZeRO-3 (the default engine: fp32 shards, never cast)
+FIT_AGAIN_LAYOUTS: dict[str, dict] = {
+    "ddp": dict(zero_stage=0),
+    "zero1": dict(zero_stage=1),
+    "tp2-zero2": dict(tensor_parallel_size=2, zero_stage=2),
+    "pp2-zero1": dict(pipeline_parallel_size=2, micro_batch_size=1, zero_stage=1),
+    "zero3-flat": dict(zero_stage=3, zero3_impl="flat"),
+}
+FIT_STEPS = 3  # one epoch of 3 global batches; the Trainer fitting on starts its next epoch, as the longer fit does
+
+
+def _full_params(module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
+    """Each parameter's dtype and values: whole tensors, except flat ZeRO-3's fp32 row ranges (gathering them gives
+    the bf16 compute copy)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.dtype, (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone())
+        for name, p in module.named_parameters()
+    }
+
+
+def _bf16_trainer(kwargs: dict, steps: int, callbacks: list):
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_flagscale import FlagScaleStrategy
+
+    return L.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=FlagScaleStrategy(**kwargs),
+        plugins=[FlagScalePrecision("bf16-mixed")], max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+    )  # fmt: skip
+
+
+def _fit_then_fit(layouts: dict[str, dict]) -> dict[str, dict]:
+    from functools import partial
+
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader
+
+    from lightning_flagscale.config import ParallelConfig
+    from tests.strategies._lm import GLOBAL_BATCH, TokenDataset, make_module
+
+    class ComputeDtype(Callback):
+        def __init__(self) -> None:
+            self.seen: set[torch.dtype] = set()
+
+        def on_validation_start(self, trainer, pl_module):
+            self.seen |= {p.dtype for p in pl_module.parameters()}
+
+    config = tiny_config()
+    out: dict[str, dict] = {}
+    for name, kwargs in layouts.items():
+        dp = dist.get_world_size() // ParallelConfig(**kwargs).model_parallel_size
+        data = DataLoader(TokenDataset(config.vocab_size, FIT_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp)
+        val = DataLoader(TokenDataset(config.vocab_size, 4), batch_size=4 // dp)
+        dtypes = ComputeDtype()
+        trainer = partial(_bf16_trainer, kwargs, callbacks=[dtypes])
+        torch.manual_seed(0)
+        split = make_module(config)
+        first = trainer(FIT_STEPS)
+        first.fit(split, data)
+        after_fit = _full_params(split)
+        # What `trainer.save_checkpoint` writes as the model: the masters, where the optimizers hold them.
+        saved = first.strategy.lightning_module_state_dict()
+        saved = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in saved.items()}
+        first.validate(split, val, verbose=False)
+        after_validate = _full_params(split)
+        first.fit_loop.epoch_loop.max_steps = 2 * FIT_STEPS  # the same Trainer fits on: its next epoch's batches
+        first.fit(split, data)
+        torch.manual_seed(0)
+        whole = make_module(config)
+        trainer(2 * FIT_STEPS).fit(whole, data)
+        out[name] = dict(
+            after_fit=after_fit, saved=saved, after_validate=after_validate, validated_in=dtypes.seen,
+            split=_full_params(split), whole=_full_params(whole),
+        )  # fmt: skip
+    return out
+
+
+def test_fit_again_continues_from_the_fp32_masters_under_every_layout(launcher):
+    """bf16-mixed, Megatron's layout: after `fit` the module is back in fp32 and holds the masters (what the
+    checkpoint saves), validate runs in bf16 and gives it back as it came, and fit(3), validate, fit on to 6 equals
+    one fit of 6 steps on the same batches, bit for bit (plain SGD: no optimizer state to lose between fits).
+    Before, the module stayed in bf16 and the second fit rebuilt its masters from that rounding."""
+    for rank, results in enumerate(launcher(2, _fit_then_fit, FIT_AGAIN_LAYOUTS)):
+        for name, r in results.items():
+            where = f"{name} rank {rank}"
+            assert {dtype for dtype, _ in r["after_fit"].values()} == {torch.float32}, f"{where}: not fp32 after fit"
+            if not name.startswith("zero3"):  # ZeRO-3 holds fp32 shards and gathers bf16 copies for compute
+                assert r["validated_in"] == {torch.bfloat16}, f"{where}: validate ran in {r['validated_in']}"
+                for key, (_, value) in r["after_fit"].items():
+                    torch.testing.assert_close(value, r["saved"][key], rtol=0, atol=0, msg=f"{where} {key}: saved")
+            for key, (dtype, value) in r["after_validate"].items():
+                assert dtype == torch.float32, f"{where} {key}: {dtype} after validate"
+                torch.testing.assert_close(value, r["after_fit"][key][1], rtol=0, atol=0, msg=f"{where} {key}")
+            assert r["split"].keys() == r["whole"].keys()
+            for key, (_, value) in r["split"].items():
+                torch.testing.assert_close(value, r["whole"][key][1], rtol=0, atol=0, msg=f"{where} {key}: 3+3 != 6")

@@ -317,6 +317,18 @@ class DistributedOptimizer:
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
 
+    def write_master_weights(self) -> None:
+        """Copy the main (master) weights, gathered over the shard group, into the model parameters (the reverse of
+        :meth:`load_master_weights`): the strategy's teardown, after it cast the module back to fp32, so that the
+        module keeps the masters after ``fit`` instead of their bf16/fp16 rounding. Collective under ZeRO."""
+        if not self.master_weights:
+            return
+        for bucket in self.buckets:
+            full = bucket.gather_state(bucket.main_param.detach())
+            with torch.no_grad():
+                for p, off, n, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
+                    local_tensor(p).copy_(full[off : off + n].view(shape))
+
     def load_master_state_dict(self, masters: dict[str, Tensor]) -> None:
         """Set the main slices from full-precision per-parameter tensors (checkpoint model weights)."""
         if not self.master_weights:
