@@ -23,6 +23,9 @@ skipped everywhere or nowhere. ``fp8`` runs the linear layers through transforme
 | bf16-true   | bf16    | -              | fp32 (then bf16) | -          |
 | 16-mixed    | fp16    | fp32           | fp32             | dynamic    |
 | fp8         | bf16 (+fp8 GEMMs in TE) | fp32 | fp32         | -          |
+
+With fp32 masters the module is in bf16/fp16 only during a trainer stage: teardown casts it back to fp32 holding the
+masters, and the next ``fit`` starts its masters from those fp32 weights (``precision/fp32_weights.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Precision parity (issue 10): the mixed-precision layouts train like the fp32 run within stated tolerances, with
 plain SGD and ragged labels so that a gradient of the wrong scale fails (the gradient norms are compared too).
 
-Tolerances follow each format's unit roundoff u (bf16: 2^-8 = 3.9e-3, fp16: 2^-11 = 4.9e-4): parameters (the
-half-precision copies the model computes with) within ~1.3u of the fp32 run after 3 steps, gradient norms within a
-few u, losses within 1e-3."""
+Tolerances follow each format's unit roundoff u (bf16: 2^-8 = 3.9e-3, fp16: 2^-11 = 4.9e-4): parameters (what the
+module holds after fit: the fp32 masters under the mixed layouts, the bf16 weights under bf16-true) within ~1.3u of
+the fp32 run after 3 steps, gradient norms within a few u, losses within 1e-3."""
 
 from __future__ import annotations
 
