@@ -184,7 +184,7 @@ def _bf16_trainer(kwargs: dict, steps: int, callbacks: list):
     )  # fmt: skip
 
 
-def _fit_then_fit(layouts: dict[str, dict]) -> dict[str, dict]:
+def _fit_then_fit(layouts: dict[str, dict], folder: str) -> dict[str, dict]:
     from functools import partial
 
     import torch.distributed as dist
@@ -218,6 +218,7 @@ def _fit_then_fit(layouts: dict[str, dict]) -> dict[str, dict]:
         # What `trainer.save_checkpoint` writes as the model: the masters, where the optimizers hold them.
         saved = first.strategy.lightning_module_state_dict()
         saved = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in saved.items()}
+        first.save_checkpoint(f"{folder}/{name}")
         first.validate(split, val, verbose=False)
         after_validate = _full_params(split)
         first.fit_loop.epoch_loop.max_steps = 2 * FIT_STEPS  # the same Trainer fits on: its next epoch's batches
@@ -229,15 +230,18 @@ def _fit_then_fit(layouts: dict[str, dict]) -> dict[str, dict]:
             after_fit=after_fit, saved=saved, after_validate=after_validate, validated_in=dtypes.seen,
             split=_full_params(split), whole=_full_params(whole),
         )  # fmt: skip
+        first.validate(split, val, ckpt_path=f"{folder}/{name}", verbose=False)  # the first fit's masters, in bf16
+        out[name]["reloaded"] = _full_params(split)
     return out
 
 
-def test_fit_again_continues_from_the_fp32_masters_under_every_layout(launcher):
+def test_fit_again_continues_from_the_fp32_masters_under_every_layout(launcher, tmp_path):
     """bf16-mixed, Megatron's layout: after `fit` the module is back in fp32 and holds the masters (what the
     checkpoint saves), validate runs in bf16 and gives it back as it came, and fit(3), validate, fit on to 6 equals
-    one fit of 6 steps on the same batches, bit for bit (plain SGD: no optimizer state to lose between fits).
-    Before, the module stayed in bf16 and the second fit rebuilt its masters from that rounding."""
-    for rank, results in enumerate(launcher(2, _fit_then_fit, FIT_AGAIN_LAYOUTS)):
+    one fit of 6 steps on the same batches, bit for bit (plain SGD: no optimizer state to lose between fits); a
+    later validate from the first fit's checkpoint leaves the module holding that checkpoint's masters. Before, the
+    module stayed in bf16 and the second fit rebuilt its masters from that rounding."""
+    for rank, results in enumerate(launcher(2, _fit_then_fit, FIT_AGAIN_LAYOUTS, str(tmp_path))):
         for name, r in results.items():
             where = f"{name} rank {rank}"
             assert {dtype for dtype, _ in r["after_fit"].values()} == {torch.float32}, f"{where}: not fp32 after fit"
@@ -251,3 +255,6 @@ def test_fit_again_continues_from_the_fp32_masters_under_every_layout(launcher):
             assert r["split"].keys() == r["whole"].keys()
             for key, (_, value) in r["split"].items():
                 torch.testing.assert_close(value, r["whole"][key][1], rtol=0, atol=0, msg=f"{where} {key}: 3+3 != 6")
+            for key, (dtype, value) in r["reloaded"].items():
+                assert dtype == torch.float32, f"{where} {key}: {dtype} after validate(ckpt_path)"
+                torch.testing.assert_close(value, r["after_fit"][key][1], rtol=0, atol=0, msg=f"{where} {key}: ckpt")
