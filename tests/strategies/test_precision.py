@@ -258,3 +258,28 @@ def test_fit_again_continues_from_the_fp32_masters_under_every_layout(launcher, 
             for key, (dtype, value) in r["reloaded"].items():
                 assert dtype == torch.float32, f"{where} {key}: {dtype} after validate(ckpt_path)"
                 torch.testing.assert_close(value, r["after_fit"][key][1], rtol=0, atol=0, msg=f"{where} {key}: ckpt")
+
+
+def test_a_stage_gives_back_the_fp32_values_it_left_unchanged_and_casts_the_ones_it_changed():
+    """``precision/fp32_weights.py`` on its own (one process, no optimizer): what a validate/test/predict does to a
+    module under Megatron's half layout, and to the buffers a fit updates (MoE router statistics)."""
+    from torch import nn
+
+    from lightning_flagscale.precision.fp32_weights import keep_fp32_weights, restore_fp32_weights
+
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    module.register_buffer("stat", torch.randn(3))
+    module.register_buffer("count", torch.arange(3))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    kept = keep_fp32_weights(module)
+    module.to(torch.bfloat16)  # the stage's cast (FlagScalePrecision.convert_module)
+    with torch.no_grad():
+        module.stat.add_(1.0)  # a buffer the stage updates
+    restore_fp32_weights(module, kept, [], masters=False)
+    assert (module.weight.dtype, module.bias.dtype, module.stat.dtype, module.count.dtype) == (
+        torch.float32, torch.float32, torch.float32, torch.int64,
+    )  # fmt: skip
+    assert torch.equal(module.weight, before["weight"]) and torch.equal(module.bias, before["bias"])
+    assert torch.equal(module.stat, (before["stat"].bfloat16() + 1.0).float())  # the stage's value, in fp32
+    assert torch.equal(module.count, before["count"])
