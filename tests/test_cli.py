@@ -52,7 +52,7 @@ def test_command_line_overrides_any_field(capsys):
     assert config["model"]["init_args"]["learning_rate"] == 0.01
 
 
-def test_zbv_order_knobs_parse_from_the_command_line(capsys):
+def test_v_order_knobs_parse_from_the_command_line(capsys):
     # a list on the command line (or in YAML) fills the strategy's tuple field (issue 42)
     with pytest.raises(SystemExit):
         main(["fit", "--config", "pipeline", "--trainer.strategy.init_args.pipeline_schedule", "zbv",
@@ -60,6 +60,11 @@ def test_zbv_order_knobs_parse_from_the_command_line(capsys):
               "--trainer.strategy.init_args.pipeline_max_activations", "8", "--print_config"])  # fmt: skip
     init_args = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
     assert (init_args["pipeline_chunk_costs"], init_args["pipeline_max_activations"]) == ([1.0, 2.0, 1.0], 8)
+    with pytest.raises(SystemExit):  # or measured in training
+        main(["fit", "--config", "pipeline", "--trainer.strategy.init_args.pipeline_schedule", "dualpipev",
+              "--trainer.strategy.init_args.pipeline_chunk_costs", "auto", "--print_config"])  # fmt: skip
+    init_args = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
+    assert init_args["pipeline_chunk_costs"] == "auto"
 
 
 def test_unknown_recipe_names_the_shipped_ones():

@@ -174,10 +174,12 @@ class PipelineConfig:
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
     Needs ``pipeline_schedule="dualpipev"``, ``expert_parallel_size > 1``, and no TP, CP, ZeRO-3 or hetero meshes."""
-    pipeline_chunk_costs: tuple[float, float, float] | None = None
+    pipeline_chunk_costs: tuple[float, float, float] | Literal["auto"] | None = None
     """``zbv`` and ``dualpipev`` only: relative forward : input-gradient : weight-gradient cost of one model chunk for
     one micro-batch, e.g. ``[1, 2, 1]``; the schedule runs the action order generated for them (``orders.zbv_order``,
-    ``orders.dualpipev_order``: torch's own unless another is strictly faster). ``None``: equal costs."""
+    ``orders.dualpipev_order``: torch's own unless another is strictly faster). ``"auto"``: measured on the second
+    training step (torch's order runs the first two), averaged over every rank, then the generated order runs; not with
+    ``hetero_meshes``. ``None``: equal costs."""
     pipeline_max_activations: int | None = None
     """``zbv`` and ``dualpipev`` only: activations one pipeline rank may hold (forwards whose weight gradient has not
     run), at least 2; ``None``: what torch's order holds, 2p for ZB-V (a 1F1B rank's), 2p + 1 for DualPipeV (p:
@@ -204,13 +206,13 @@ class PipelineConfig:
 
     def _check_v_order(self) -> None:
         costs, cap = self.pipeline_chunk_costs, self.pipeline_max_activations
-        if costs is not None:
+        if costs is not None and costs != "auto":
             if not isinstance(costs, (tuple, list)) or len(costs) != 3 or any(
                 not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c < float("inf") for c in costs
             ):  # fmt: skip
                 raise ValueError(
                     f"pipeline_chunk_costs={costs!r}: give three positive finite numbers, the forward, input-gradient"
-                    " and weight-gradient cost of one model chunk, e.g. [1, 2, 1]."
+                    " and weight-gradient cost of one model chunk, e.g. [1, 2, 1], or 'auto' (measured in training)."
                 )
             self.pipeline_chunk_costs = tuple(float(c) for c in costs)  # a YAML list, or ints, compare equal
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 2):
@@ -251,6 +253,13 @@ class HeteroConfig:
     where the order puts it (last stage group; first under ``zbv`` / ``dualpipev``), so a faster mesh takes it. Each
     mesh keeps its ranks; ``micro_batch_size`` and the loader's batch size stay per data-parallel rank of
     ``hetero_meshes[0]`` as listed. Needs ``hetero_device_speed``."""
+    hetero_warmup: Literal["1f1b", "speed"] = "1f1b"
+    """1F1B warm-up forwards of the first stage group of ``hetero_meshes``: the standard ``G - 1`` (``"1f1b"``), or
+    ``"speed"``: enough that, at the ``hetero_device_speed`` stage times, the first group does not wait for the first
+    micro-batch's gradient nor, at the end, for the last one's (``config/layer_split.py::speed_warmup``). It pays where
+    the first mesh sets the pace (a slower first mesh, as ``hetero_mesh_order="speed"`` makes it when the head goes
+    to the faster one); each extra warm-up holds one more micro-batch's activations on the first mesh. Needs
+    ``hetero_device_speed`` and ``pipeline_schedule="1f1b"`` without virtual stages."""
     hetero_dp_batch_sizes: list[int] | Literal["auto"] | None = None
     """Heterogeneous data parallelism: samples per step for each data-parallel rank (stronger devices take more),
     e.g. ``[6, 2]``; ``"auto"``: shares of the usual global batch (DataLoader batch size x DP) in proportion to each
@@ -267,6 +276,25 @@ class HeteroConfig:
             raise ValueError("hetero_device_speed needs hetero_meshes or hetero_dp_batch_sizes='auto'.")
         self._check_auto_shares()
         self._check_mesh_order()
+        self._check_warmup()
+
+    def _check_warmup(self) -> None:
+        warmup = self.hetero_warmup
+        if warmup not in ("1f1b", "speed"):
+            raise ValueError(f"hetero_warmup={warmup!r}; use '1f1b' (G - 1 warm-up forwards) or 'speed'.")
+        if warmup == "1f1b":
+            return
+        if self.hetero_meshes is None or self.hetero_device_speed is None:
+            raise ValueError(
+                "hetero_warmup='speed' sets the first stage group's warm-up from the stage times at"
+                " hetero_device_speed; give hetero_meshes and hetero_device_speed, or use hetero_warmup='1f1b'."
+            )
+        if self.pipeline_schedule != "1f1b" or self.virtual_pipeline_parallel_size not in (None, 1):
+            raise ValueError(
+                f"hetero_warmup='speed' sets 1F1B's warm-up; pipeline_schedule={self.pipeline_schedule!r} with"
+                f" virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} orders its own. Use"
+                " pipeline_schedule='1f1b' without virtual stages, or hetero_warmup='1f1b'."
+            )
 
     def _check_mesh_order(self) -> None:
         order = self.hetero_mesh_order
@@ -325,6 +353,11 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         self._check_zero3_impl()
         self._check_expert_tensor_parallel()
         self._check_moe_comm_overlap()
+        if self.pipeline_chunk_costs == "auto" and self.hetero_meshes is not None:
+            raise ValueError(
+                "pipeline_chunk_costs='auto' is not measured across hetero_meshes (each mesh's stages run at their own"
+                " speed); give the costs, e.g. pipeline_chunk_costs=[1, 2, 1], or leave it at None."
+            )
         if self.sequence_parallel and self.tensor_parallel_size == 1 and self.hetero_meshes is None:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1 (it shards activations over the TP group);"
@@ -501,7 +534,7 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             parse_hetero_meshes(self.hetero_meshes), self.hetero_layers, num_layers, self.hetero_device_speed,
             rank_order, virtual=self.virtual_pipeline_parallel_size, sequence_parallel=self.sequence_parallel,
             schedule=self.pipeline_schedule, extra_blocks=self.hetero_extra_blocks(model),
-            mesh_order=self.hetero_mesh_order,
+            mesh_order=self.hetero_mesh_order, warmup=self.hetero_warmup,
         )  # fmt: skip
 
     def stage_group_configs(self, num_layers: int, model: TransformerConfig | None = None) -> list[ParallelConfig]:

@@ -207,6 +207,7 @@ def _pipeline_parity(
         "ref_keys": sorted(model.state_dict()),
         # the compute order every training schedule ran (one per batch shape), as (stage, kind, micro-batch)
         "train_orders": [_plain(s.pipeline_order) for (_, train, _), s in runner._schedules.items() if train],
+        "order_costs": runner.order_costs,
     }
 
 
@@ -377,25 +378,29 @@ def test_selective_mm_is_refused_on_moe_blocks():
     [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 def test_schedule_matches_single_process(launcher, schedule, vpp):
-    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), dualpipev
-    # the one generated for those costs at torch's memory (orders.dualpipev_order: its backwards split, weight
-    # gradients in its waits), both set as a user sets them (ParallelConfig fields) and differing from torch's;
-    # torch's own orders are the default that the tied, TP and Lightning-loop tests run
+    # zbv runs the order generated for I = 2F = 2W with 4p activations (orders.zbv_order; issue 42 item 2), set as a
+    # user sets it (ParallelConfig fields), which differs from torch's; dualpipev measures its chunk costs
+    # (pipeline_chunk_costs="auto": torch's order for two steps, the second timed, then orders.dualpipev_order's for
+    # the costs averaged over both ranks), so the third step runs another order. torch's own orders are the default
+    # that the tied, TP and Lightning-loop tests run
     knobs = {
         "zbv": {"pipeline_chunk_costs": [1, 2, 1], "pipeline_max_activations": 8},
-        "dualpipev": {"pipeline_chunk_costs": [1, 2, 1]},
+        "dualpipev": {"pipeline_chunk_costs": "auto"},
     }.get(schedule)
     results = launcher(2, _pipeline_parity, schedule, vpp, order_knobs=knobs)
     _check(results)
     if schedule in ("zbv", "dualpipev"):
         if schedule == "zbv":
             generated = _plain(zbv_order(2, 4, (1.0, 2.0, 1.0), 8))
+            torchs = _plain(torch_v_order(schedule, 2, 4))
+            assert generated != torchs
         else:  # the runner runs each pair's forward, then its input gradient (no overlap here)
-            order = dualpipev_order(2, 4, (1.0, 2.0, 1.0))
+            costs = results[0]["order_costs"]
+            f, i, w = costs
+            assert f == 1.0 and i > 0 and w > 0 and costs != (1.0, 1.0, 1.0)
+            assert all(r["order_costs"] == costs for r in results)  # one measurement: every rank the same order
+            order = dualpipev_order(2, 4, costs)
             generated = _plain({r: [s for a in acts for s in (a.sub_actions or (a,))] for r, acts in order.items()})
-        torchs = _plain({r: [s for a in acts if a for s in (a.sub_actions or (a,))]
-                         for r, acts in torch_v_order(schedule, 2, 4).items()})  # fmt: skip
-        assert generated != torchs
         for r in results:
             assert r["train_orders"] and all(order == generated for order in r["train_orders"])
     # Stages of both ranks together are exactly the full model's state dict.

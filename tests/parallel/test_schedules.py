@@ -122,6 +122,20 @@ def test_v_order_knobs_are_checked_at_creation(kwargs, match):
         FlagScaleStrategy(**kwargs)
 
 
+def test_chunk_costs_auto_is_kept_and_refused_where_it_is_not_measured():
+    # "auto": the runner measures F, I, W on the second training step (tests/parallel/test_pipeline.py's DualPipeV case)
+    assert ParallelConfig(**ZBV, pipeline_chunk_costs="auto").pipeline_chunk_costs == "auto"
+    with pytest.raises(ValueError, match="only pipeline_schedule='zbv' or 'dualpipev' generates"):
+        FlagScaleStrategy(pipeline_parallel_size=2, pipeline_chunk_costs="auto")
+    with pytest.raises(ValueError, match="pipeline_chunk_costs='auto' is not measured across hetero_meshes"):
+        FlagScaleStrategy(hetero_meshes=[{"data_parallel_size": 1}, {"data_parallel_size": 1}],
+                          pipeline_schedule="dualpipev", pipeline_chunk_costs="auto")  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"pipeline_chunk_costs='fast': give three positive finite numbers.* or 'auto'"
+    ):
+        ParallelConfig(**ZBV, pipeline_chunk_costs="fast")
+
+
 def test_zbv_order_knobs_are_kept_as_three_floats():
     # a YAML / CLI list and ints compare equal to the tuple of floats the order is generated for
     cfg = ParallelConfig(**ZBV, pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8)

@@ -205,12 +205,19 @@ class OverlappedPairs:
             except BaseException as exc:  # re-raised on the schedule's thread
                 error.append(exc)
 
+        # the two halves share the rank: not a cost of either (pipeline_chunk_costs="auto" times the other actions)
+        stages = _stages(self.schedule)
+        timed = [(stage, stage.__dict__.pop("action_seconds", None)) for stage in
+                 {id(s): s for s in (stages[forward.stage_index], stages[backward.stage_index])}.values()]  # fmt: skip
         thread = threading.Thread(target=side, name="flagscale-overlap-forward", daemon=True)
         thread.start()
         try:
             _backward(self.schedule, backward)
         finally:
             thread.join()
+            for stage, record in timed:
+                if record is not None:
+                    stage.action_seconds = record
         if error:
             raise error[0]
 

@@ -24,6 +24,8 @@ batch dict (as Lightning does anyway: all ranks of a pipeline read the same data
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -87,6 +89,7 @@ SCHEDULES: dict[str, tuple[type, str]] = {
 }
 # Schedules kept per runner (one per micro-batch count, train/eval and batch shape), least recently used dropped.
 _MAX_SCHEDULES = 8
+log = logging.getLogger(__name__)
 # Run input- and weight-gradients as two autograd passes (the first stage does one full pass in the W step).
 _SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.split_backward)
 
@@ -242,6 +245,34 @@ class StatelessInferenceStage(PipelineStage):
 
     _one_weight_pass: bool | None = None
     """Whether this stage's weight gradients need one merged pass (:func:`param_groups_overlap`); set on first use."""
+    action_seconds: dict[str, list[float]] | None = None
+    """When set, the seconds each forward (``F``), input gradient (``I``), weight gradient (``W``) and full backward
+    (``B``) of this stage take are appended here (``pipeline_chunk_costs="auto"``; the device is synchronised around
+    each, so only the profiled step pays for it)."""
+
+    def _timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        record = self.action_seconds
+        if record is None:
+            return fn(*args, **kwargs)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        record.setdefault(kind, []).append(time.perf_counter() - start)
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("F", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+        fn = super().backward_one_chunk
+        return self._timed(
+            "B" if full_backward else "I", fn, bwd_chunk_id, *args, full_backward=full_backward, **kwargs
+        )
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("W", super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buf, buf.detach().clone()) for buf in self.submod.buffers() if not buf.is_meta]
@@ -300,6 +331,10 @@ class PipelineRunner:
     order_knobs_set: bool = False
     """Whether either knob was set (``ParallelConfig``): ZB-V runs torch's order unless the generated one is strictly
     faster for the costs; DualPipeV runs torch's order unless a knob is set."""
+    order_auto: bool = False
+    """``pipeline_chunk_costs="auto"``: the first two training steps run torch's order, the second timed on every
+    rank; :attr:`order_costs` becomes the mean F, I, W of a chunk over every rank (one all-reduce), and the following
+    steps run the order generated for them (:meth:`_measure_costs`)."""
     eval_micro_batch_size: int | None = None
     """Micro-batch size of evaluation batches (``ParallelConfig.micro_batch_size``; ``None``: ``micro_batch_size``):
     heterogeneous data-parallel shares set a per-rank training micro-batch size that evaluation does not use."""
@@ -342,6 +377,7 @@ class PipelineRunner:
             s: r for r in range(self._pp) for s in stage_ids_for_rank(r, self._pp, plan.num_stages, style)
         }
         self._schedules: dict[tuple[int, bool, tuple[int, ...]], Any] = {}
+        self._auto_steps = 0  # training steps run towards pipeline_chunk_costs="auto"'s measurement
         self.has_first_stage = 0 in stage_ids
         self.has_last_stage = plan.num_stages - 1 in stage_ids
         self._tied_group: dist.ProcessGroup | None = None
@@ -387,7 +423,7 @@ class PipelineRunner:
             else:
                 assert issubclass(cls, PipelineScheduleMulti)
                 sched = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
-                if self.schedule_name in ("zbv", "dualpipev") and self.order_knobs_set:
+                if self.schedule_name in ("zbv", "dualpipev") and self.order_knobs_set and not self._profiling_left:
                     _use_generated_order(
                         sched, self.schedule_name, self._pp, n_microbatches, self.order_costs,
                         self.order_max_activations,
@@ -468,11 +504,66 @@ class PipelineRunner:
         args, kwargs, target, n = self._inputs(args, kwargs, target)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         sched = self._schedule(n, train=True, shape=shape)
+        profile = self._profiling_left == 1  # the second step: the first one builds and warms up
+        if profile:
+            for stage in sched._stages:
+                stage.action_seconds = {}
         sched.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         pairs = getattr(sched, "_comp_type_to_function_map", {}).get(_ComputationType.OVERLAP_F_B)
         if isinstance(pairs, OverlappedPairs):
             pairs.finish()  # the paired forwards' outputs it sent itself
+        if self._profiling_left:
+            self._auto_steps += 1
+            if profile:
+                self._measure_costs(sched._stages)
         return self._reduce_losses(losses, self.loss_stat)
+
+    @property
+    def _profiling_left(self) -> int:
+        """Training steps before ``pipeline_chunk_costs="auto"`` has its costs (0: measured, or not asked for)."""
+        return max(0, 2 - self._auto_steps) if self.order_auto else 0
+
+    def _measure_costs(self, stages: list[Any]) -> None:
+        """Set :attr:`order_costs` from the profiled step: per kind, the seconds summed over every stage of every
+        rank (one all-reduce over the world, so every rank generates the same order), over their count. The first
+        stage's input gradient is empty and its weight gradient the whole backward (torch's stage), so I and W come
+        from the other stages; actions of overlapped pairs are not timed (they share the rank). Without both in the
+        profiled step, torch's order stays (or the one generated for equal costs under a given cap). Training
+        schedules are rebuilt on the next step with the generated order."""
+        totals = torch.zeros(8, dtype=torch.float64)
+        for stage in stages:
+            for k, kind in enumerate("FIWB"):
+                seconds = (stage.action_seconds or {}).get(kind, [])
+                if kind != "F" and stage.stage_index == 0:
+                    continue
+                totals[2 * k] += sum(seconds)
+                totals[2 * k + 1] += len(seconds)
+            stage.action_seconds = None
+        if dist.is_initialized():
+            totals = totals.to(self.device)
+            dist.all_reduce(totals)
+            totals = totals.cpu()
+        f, i, w, b = (float(totals[2 * k] / totals[2 * k + 1]) if totals[2 * k + 1] else 0.0 for k in range(4))
+        if f <= 0 or i <= 0 or w <= 0:
+            log.warning(
+                "pipeline_chunk_costs='auto': the profiled %s step ran no separate input and weight gradient on the"
+                " stages after the first (F %.4g s, I %.4g s, W %.4g s, B %.4g s per chunk); torch's order stays.",
+                self.schedule_name, f, i, w, b,
+            )  # fmt: skip
+            self.order_auto = False
+            self.order_knobs_set = self.order_max_activations is not None  # a cap alone still generates an order
+            if self.order_knobs_set:
+                self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
+            return
+        self.order_costs = (1.0, i / f, w / f)
+        self.order_auto = False
+        self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info(
+                "pipeline_chunk_costs='auto': measured F : I : W = 1 : %.3g : %.3g per chunk (%.4g s forward); the"
+                " %s order generated for them runs from the next step.",
+                i / f, w / f, f, self.schedule_name,
+            )  # fmt: skip
 
     @torch.no_grad()
     def eval_step(
@@ -618,7 +709,8 @@ def build_pipeline(
     )
     runner.overlap_moe_comm = config.overlap_moe_expert_parallel_comm
     runner.eval_micro_batch_size = config.micro_batch_size
-    if config.pipeline_chunk_costs is not None:
+    runner.order_auto = config.pipeline_chunk_costs == "auto"
+    if config.pipeline_chunk_costs is not None and not runner.order_auto:
         runner.order_costs = config.pipeline_chunk_costs
     runner.order_max_activations = config.pipeline_max_activations
     runner.order_knobs_set = config.pipeline_chunk_costs is not None or config.pipeline_max_activations is not None
