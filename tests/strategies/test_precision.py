@@ -149,13 +149,15 @@ def test_reduce_broadcast_barrier_and_sampler_on_the_mesh(launcher):
 
 
 # fit -> fit under Megatron's bf16 layout: DDP's whole-bucket masters, ZeRO-1/2 slices (TP's DTensor parameters with
-# ZeRO-2, a pipeline stage's with ZeRO-1), and flat ZeRO-3 (the default engine: fp32 shards, never cast)
+# ZeRO-2, a pipeline stage's with ZeRO-1), flat ZeRO-3 (the default engine: fp32 shards, never cast), and an MoE model
+# under EP x CP (expert masters reduced over their own group, router statistics buffers)
 FIT_AGAIN_LAYOUTS: dict[str, dict] = {
     "ddp": dict(zero_stage=0),
     "zero1": dict(zero_stage=1),
     "tp2-zero2": dict(tensor_parallel_size=2, zero_stage=2),
     "pp2-zero1": dict(pipeline_parallel_size=2, micro_batch_size=1, zero_stage=1),
     "zero3-flat": dict(zero_stage=3, zero3_impl="flat"),
+    "ep2-cp2": dict(expert_parallel_size=2, context_parallel_size=2),
 }
 FIT_STEPS = 3  # one epoch of 3 global batches; the Trainer fitting on starts its next epoch, as the longer fit does
 
@@ -202,9 +204,10 @@ def _fit_then_fit(layouts: dict[str, dict], folder: str) -> dict[str, dict]:
         def on_validation_start(self, trainer, pl_module):
             self.seen |= {p.dtype for p in pl_module.parameters()}
 
-    config = tiny_config()
     out: dict[str, dict] = {}
     for name, kwargs in layouts.items():
+        moe = "expert_parallel_size" in kwargs
+        config = tiny_config(num_experts=4, num_experts_per_tok=2) if moe else tiny_config()
         dp = dist.get_world_size() // ParallelConfig(**kwargs).model_parallel_size
         data = DataLoader(TokenDataset(config.vocab_size, FIT_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp)
         val = DataLoader(TokenDataset(config.vocab_size, 4), batch_size=4 // dp)
