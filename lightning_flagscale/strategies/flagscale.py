@@ -398,8 +398,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         ZeRO all-gathers and the checkpoint write in flight are completed, the watchdog thread stopped and joined,
         the gradient hooks removed, under Megatron's half layout the module cast back to fp32 holding the masters
         (``precision/fp32_weights.py``), module and optimizer state moved to the CPU with what our ZeRO holds besides
-        (the main slices of ZeRO-1/2, flat ZeRO-3's shards; the gradient buckets freed), and this run's process
-        groups handed over to be destroyed when a run on another module starts (``_plumbing.py`` says why not now).
+        (the main slices of ZeRO-1/2, flat ZeRO-3's shards; the gradient buckets freed; the pipeline schedules'
+        receive buffers and caches dropped), and this run's process groups handed over to be destroyed when a run on
+        another module starts (``_plumbing.py`` says why not now).
         """
         self.wait_params()
         self.wait_for_checkpoint()
@@ -439,6 +440,8 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
             move_zero_buffers(cpu, self._dist_optimizers.values(), self.lightning_module, release_grads=True)
             self.lightning_module.cpu()
             self._offloaded = self.root_device != cpu
+        if self._pipeline is not None:  # the schedules' receive buffers and caches, rebuilt on the next step
+            self._pipeline.runner.release_buffers()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

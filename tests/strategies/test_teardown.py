@@ -154,6 +154,7 @@ def _fit_and_drop(
         "params": full_params(module.model) if keep_params else None,  # the groups still serve the fitted module
         "zero_held": _still_held(holders),
         "zero_moves": moves,
+        "pipeline_held": _pipeline_held(trainer.strategy),
     }
     if save_after_fit:  # as after a fit on an accelerator (a CPU run is never offloaded): moved back, saved, offloaded
         strategy._offloaded = True
@@ -170,6 +171,23 @@ def _fit_and_drop(
     gc.collect()
     result["alive"] = sorted(name for name, ref in refs.items() if ref() is not None)
     return result
+
+
+def _pipeline_held(strategy: Any) -> list[str]:
+    """What the pipeline runner still holds after ``fit`` besides the module: cached schedules (their stages' receive
+    buffers for every micro-batch, forward caches, output chunks) and, across meshes, the last step's activations and
+    hand-overs; ``release_buffers`` drops them in teardown."""
+    pipeline = strategy._pipeline
+    if pipeline is None:
+        return []
+    runner = pipeline.runner
+    held = [f"schedule {key}" for key in getattr(runner, "_schedules", {})]
+    held += [
+        f"{name}: {len(getattr(runner, name))}"
+        for name in ("_saved", "_weight_work", "_local")
+        if getattr(runner, name, None)
+    ]
+    return held + [name for name in ("_num_items", "stat") if torch.is_tensor(getattr(runner, name, None))]
 
 
 LAYOUTS_2 = {
@@ -255,6 +273,7 @@ def _check_teardown(
                 want = TEARDOWN_MOVES[kind] + (SAVE_MOVES[kind] if "zero_held_after_save" in got else [])
                 assert moves == want, f"{where}: {kind} moved {moves}, not {want}"
             assert got["zero_held"] == [], f"{where}: teardown left {got['zero_held']}"
+            assert got["pipeline_held"] == [], f"{where}: the pipeline runner still holds {got['pipeline_held']}"
             assert got.get("zero_held_after_save", []) == [], f"{where}: after the save {got['zero_held_after_save']}"
         extra = by_layout["__end__"]["extra"]
         assert not extra, f"rank {rank}: groups alive besides the meshes' and the last fit's: {extra}"

@@ -250,6 +250,15 @@ class HeteroPipelineRunner:
         if params:
             self._tied_sync.sync_params(params)
 
+    def release_buffers(self) -> None:
+        """Drop the tensors the last step left (after ``fit``: issue 37 item 1): an evaluation step's forward
+        activations and outputs (kept for a backward that does not come), the turn of the V's hand-overs, the loss
+        scale and statistic (``PipelineRunner.release_buffers``)."""
+        self._saved, self._weight_work = {}, {}
+        self._local.clear()
+        self._num_items = None
+        self.stat = None
+
     def sync_tied_grads(self) -> None:
         """Sum the tied weight's gradient over both copies (once per optimizer step, before the DP reduction)."""
         params = self._tied_params()

@@ -608,6 +608,15 @@ class PipelineRunner:
             first = dist.get_global_rank(self._group, self._stage_to_rank[0])
             dist.broadcast(_local(params[0]), src=first, group=self._tied_group)
 
+    def release_buffers(self) -> None:
+        """Drop what the cached schedules hold on the device between steps (after ``fit``: issue 37 item 1): each
+        stage's receive buffers for every micro-batch (activations and their gradients), its forward cache and
+        output chunks, and the last step's loss tensors. The next step or evaluation rebuilds its schedule (one
+        metadata forward per stage, as on the first step)."""
+        self._schedules.clear()
+        self._num_items = None
+        self.stat = None
+
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the tied embedding / LM-head copies on the first and last stage.
 
