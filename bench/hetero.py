@@ -17,7 +17,9 @@ not the layout. The slow type is F times slower than the fast one. Configuration
 * ``aware``: the same with ``hetero_layers=None``: the profiling pass measures both types and splits by speed.
 * ``given``: the split from ``hetero_device_speed`` (the known slowdown), counting the LM head; ``ordered``: the same
   with ``hetero_mesh_order="speed"`` (the planner also chooses which mesh is the last stage, the one with the LM head
-  and loss); ``aware_rev``: ``aware`` with the meshes listed slow then fast.
+  and loss); ``warmup``: ``ordered`` with ``hetero_warmup="speed"`` (the first mesh's 1F1B warm-up from the stage
+  times, so the slow first mesh does not wait for the first and last gradients); ``aware_rev``: ``aware`` with the
+  meshes listed slow then fast.
 
 Ratio = hetero samples/s / (fast alone + slow alone samples/s), per round (the alone pair of the same round).
 Per-stage busy time (compute + emulated delay over the timed steps' wall time) comes from the same hooks. Writes a
@@ -216,10 +218,12 @@ def _jobs(name: str, args: argparse.Namespace) -> list[tuple[list[str], dict]]:
         hetero_meshes=meshes, hetero_layers=[half, half] if name == "even" else None, micro_batch_size=args.micro,
         pipeline_schedule="1f1b", zero_stage=1,
     )  # fmt: skip
-    if name in ("given", "ordered"):
+    if name in ("given", "ordered", "warmup"):
         strategy["hetero_device_speed"] = {"fast": args.slowdown, "slow": 1.0}
-    if name == "ordered":  # the planner picks the mesh order too (issue 42 item 5): the head on the faster mesh
-        strategy["hetero_mesh_order"] = "speed"
+    if name in ("ordered", "warmup"):  # the planner picks the mesh order too (issue 42 item 5): the head on the faster
+        strategy["hetero_mesh_order"] = "speed"  # mesh
+    if name == "warmup":  # and the first (slow) mesh's 1F1B warm-up from the stage times: no fill / drain wait
+        strategy["hetero_warmup"] = "speed"
     return [(["fast", "fast", "slow", "slow"], dict(base, strategy=strategy, loader_batch=args.rank_batch))]
 
 
@@ -259,6 +263,7 @@ LABELS = {
     "aware": "hetero, speed-aware split (profiled, `hetero_layers=None`)",
     "given": "hetero, speed-aware split (`hetero_device_speed`)",
     "ordered": "hetero, speed-aware split and mesh order (`hetero_device_speed`, `hetero_mesh_order='speed'`)",
+    "warmup": "hetero, speed-aware split, mesh order and first-mesh warm-up (`ordered` + `hetero_warmup='speed'`)",
     "aware_rev": "hetero, speed-aware split (profiled), meshes slow then fast: LM head + loss on the fast mesh",
 }
 TYPES = ("fast", "slow")  # stage 0 is the fast mesh, stage 1 the slow one (unless the row names its stage types)
@@ -522,8 +527,8 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="even,aware",
-        help="hetero configurations: even, aware, given, ordered (given + hetero_mesh_order='speed'), aware_rev (slow"
-        " mesh first)",
+        help="hetero configurations: even, aware, given, ordered (given + hetero_mesh_order='speed'), warmup (ordered +"
+        " hetero_warmup='speed'), aware_rev (slow mesh first)",
     )
     parser.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder blocks of the model")
     parser.add_argument("--note", help="how the machine was loaded (replaces the default 'measured under load')")

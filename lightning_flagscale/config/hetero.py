@@ -92,6 +92,9 @@ class StageGroup:
     global_ranks: tuple[int, ...] = ()
     """The group's global ranks in its (dp, cp, tp) order when they are not ``first_rank ...`` (see
     ``rank_order_by_type``); empty = contiguous."""
+    warmup: int | None = None
+    """1F1B warm-up forwards of this group when not the standard ``G - index - 1`` (``hetero_warmup="speed"``,
+    ``config/layer_split.py::speed_warmup``); ``None``: the standard."""
 
     @property
     def size(self) -> int:

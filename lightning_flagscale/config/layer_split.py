@@ -4,6 +4,7 @@ builds stages from the same functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -198,6 +199,28 @@ def _min_slowest(weights: list[float], extra: list[float], num_layers: int, min_
     return counts
 
 
+def speed_warmup(times: Sequence[float], backward_share: float = 2 / 3) -> int:
+    """1F1B warm-up forwards of the first stage group so that it does not wait for the first micro-batch's gradient,
+    from every group's time per micro-batch (forward + backward; ``hetero_warmup="speed"``, issue 42 item 5).
+
+    Group 0 reaches the backward of micro-batch 0 after ``w + 1`` forwards, and its gradient is back after one forward
+    of group 0 and the forward + backward of every later group (which are idle when it arrives): no wait once
+    ``w x forward_0 >= sum(later times)``. The same ``w`` covers the drain: group 0 then has ``w`` backwards
+    (each longer than a forward) to run while the last micro-batch goes down and back. Never fewer than the standard
+    ``G - 1``; the runner caps it at the micro-batch count. ``backward_share``: the backward's share of a group's time
+    (a GEMM's backward is twice its forward: 2/3). Each extra warm-up keeps one more micro-batch's activations alive
+    on the first group; it pays where that group sets the pace (a slower first mesh), and costs only memory elsewhere.
+    With one group there is nothing to wait for: 0.
+    """
+    if len(times) < 2:
+        return 0
+    if min(times) <= 0 or not 0 < backward_share < 1:
+        raise ValueError(f"speed_warmup needs positive stage times and 0 < backward_share < 1, got {times}, "
+                         f"{backward_share}.")  # fmt: skip
+    forward = (1 - backward_share) * times[0]
+    return max(len(times) - 1, math.ceil(sum(times[1:]) / forward - 1e-9))
+
+
 def split_into_chunks(layers: list[int], stages: int, virtual: int, schedule: str) -> list[tuple[int, ...]]:
     """Per stage group, the blocks of each model chunk: given per virtual stage in pipeline order (global stage ``s``
     is chunk ``k`` of group ``g``, ``(g, k) = stage_placement(s)``: ``k G + g`` looped, ``g`` / ``2G - 1 - g`` in a
@@ -231,6 +254,7 @@ def plan_stage_groups(
     schedule: str = "1f1b",
     extra_blocks: Sequence[float] | None = None,
     mesh_order: Literal["given", "speed"] = "given",
+    warmup: Literal["1f1b", "speed"] = "1f1b",
 ) -> list[StageGroup]:
     """The stage groups in pipeline order: mesh by mesh, each mesh's pipeline stages in order (``schedule`` places the
     model chunks of per-virtual-stage ``layers``). ``extra_blocks``: with ``layers=None``, each stage group's
@@ -240,6 +264,8 @@ def plan_stage_groups(
 
     ``rank_order[p]`` is the global rank at position ``p`` of the world laid out mesh by mesh in the given order (from
     ``rank_order_by_type``); ``None`` = rank order. A reordered mesh keeps its ranks (:func:`pipeline_rank_order`).
+    ``warmup="speed"`` (1F1B, ``device_speed``): the first group's warm-up forwards from the modelled stage times
+    (:func:`speed_warmup`, ``StageGroup.warmup``).
     """
     if rank_order is not None and sorted(rank_order) != list(range(sum(m.size for m in meshes))):
         raise ValueError(f"rank_order={rank_order} is not a permutation of the {sum(m.size for m in meshes)} ranks.")
@@ -272,7 +298,26 @@ def plan_stage_groups(
             groups.append(group)
             rank += group.size
             index += 1
+    if warmup == "speed":
+        groups[0] = _with_speed_warmup(groups, ordered, device_speed, extra_blocks, schedule)
     return groups
+
+
+def _with_speed_warmup(
+    groups: list[StageGroup], ordered: list[HeteroMesh], device_speed: dict[str, float] | None,
+    extra_blocks: Sequence[float] | None, schedule: str,
+) -> StageGroup:  # fmt: skip
+    """The first group with :func:`speed_warmup`'s warm-up from the modelled times ``(blocks + extra) / (speed x
+    ranks)`` (``_slowest``'s model)."""
+    if schedule != "1f1b" or device_speed is None or any(len(g.chunk_layers) > 1 for g in groups):
+        raise ValueError(
+            "hetero_warmup='speed' sets the warm-up of pipeline_schedule='1f1b' without virtual stages from"
+            f" hetero_device_speed; got pipeline_schedule={schedule!r}, hetero_device_speed={device_speed}."
+        )
+    extra = [0.0] * len(groups) if extra_blocks is None else list(extra_blocks)
+    weights = _stage_weights(ordered, device_speed)
+    times = [(g.num_layers + e) / w for g, e, w in zip(groups, extra, weights, strict=True)]
+    return dataclasses.replace(groups[0], warmup=speed_warmup(times))
 
 
 def _padding_order(num_stages: int) -> list[int]:

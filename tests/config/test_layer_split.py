@@ -225,3 +225,55 @@ def test_bad_mesh_order_combinations_are_refused(kwargs, message):
     kwargs = {"hetero_mesh_order": "speed", **kwargs}
     with pytest.raises(ValueError, match=message):
         ParallelConfig(micro_batch_size=1, **kwargs)
+
+
+# ---- hetero_warmup="speed": the first group's 1F1B warm-up covers the first micro-batch's round trip (issue 42 item 5)
+
+
+def test_speed_warmup_covers_the_round_trip_of_the_later_groups():
+    """Group 0 waits for micro-batch 0's gradient unless its ``w`` warm-up forwards (a third of its time each) last
+    as long as every later group's forward + backward; never fewer than 1F1B's ``G - 1``."""
+    from lightning_flagscale.config.layer_split import speed_warmup
+
+    assert speed_warmup([1.0, 1.0]) == 3  # 3 forwards of 1/3 cover the other group's 1
+    assert speed_warmup([1.0, 1.045]) == 4
+    assert speed_warmup([2.0, 1.0]) == 2  # a slow first group: 1F1B's 1 leaves a wait of 1 - 2/3
+    assert speed_warmup([3.0, 1.0]) == 1  # a forward of 1 covers it: the standard
+    assert speed_warmup([1.0, 1.0, 1.0]) == 6
+    assert speed_warmup([10.0, 1.0, 1.0]) == 2  # never fewer than G - 1
+    assert speed_warmup([1.0, 1.0], backward_share=0.6) == 3  # ceil(1 / 0.4)
+    assert speed_warmup([1.0]) == 0
+    with pytest.raises(ValueError, match="positive stage times"):
+        speed_warmup([1.0, 0.0])
+
+
+def test_speed_warmup_is_set_on_the_first_group_of_the_plan():
+    """The bench's case: slow mesh first (2 blocks over 2 ranks: 1.0), fast mesh last with the head (4.18 blocks at
+    2 x 2: 1.045): the slow group runs 4 warm-up forwards instead of 1; the others keep 1F1B's; '1f1b' sets none."""
+    model = TransformerConfig.from_preset("llama-tiny", **SHAPE, max_seq_len=SEQ)
+    groups = _parallel(FAST_SLOW, "speed", hetero_warmup="speed").stage_groups(6, model)
+    assert [(g.device_type, g.num_layers, g.warmup) for g in groups] == [("slow", 2, 4), ("fast", 4, None)]
+    assert [g.warmup for g in _parallel(FAST_SLOW, "speed").stage_groups(6, model)] == [None, None]
+    three = [dict(device_type="slow"), dict(device_type="fast"), dict(device_type="fast")]
+    groups = plan_stage_groups(parse_hetero_meshes(three), None, 8, SPEED, warmup="speed")
+    # [2, 3, 3] blocks at speeds 1, 2, 2: times 2, 1.5, 1.5; forward 2/3 -> ceil(3 / (2/3)) = 5
+    assert [(g.num_layers, g.warmup) for g in groups] == [(2, 5), (3, None), (3, None)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(hetero_meshes=FAST_SLOW, hetero_layers=[4, 2]), "give hetero_meshes and hetero_device_speed"),
+        (dict(hetero_device_speed=SPEED, hetero_dp_batch_sizes="auto"), "give hetero_meshes and hetero_device_speed"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, pipeline_schedule="gpipe"), "sets 1F1B's warm-up"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, virtual_pipeline_parallel_size=2), "sets 1F1B's"),
+        (dict(hetero_meshes=FAST_SLOW, hetero_device_speed=SPEED, hetero_warmup="eager"), "use '1f1b'"),
+    ],
+    ids=["no-speed", "no-meshes", "gpipe", "interleaved", "bad-name"],
+)
+def test_bad_warmup_combinations_are_refused(kwargs, message):
+    from lightning_flagscale.config import ParallelConfig
+
+    kwargs = {"hetero_warmup": "speed", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(micro_batch_size=1, **kwargs)

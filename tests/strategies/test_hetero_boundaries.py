@@ -220,3 +220,31 @@ def test_chunk_layers_split_per_group_or_per_virtual_stage():
 def test_refused_boundary_layouts_are_named_before_spawn(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FlagScaleStrategy(**kwargs)
+
+
+def test_first_group_warmup_runs_more_forwards_before_its_backwards():
+    """``hetero_warmup="speed"`` (``StageGroup.warmup``): group 0 runs ``w`` forwards, then 1F1B pairs, then its
+    last ``w`` backwards; the order still runs without deadlock against the other groups' standard 1F1B orders, and
+    the runner asks for it in training only (issue 42 item 5)."""
+    from types import SimpleNamespace
+
+    from lightning_flagscale.parallel.hetero_mesh.runner import HeteroPipelineRunner
+
+    n = 6
+    eager = schedule_order("1f1b", 2, 0, 1, n, train=True, warmup=3)
+    assert eager == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3), ("B", 0, 0), ("F", 0, 4), ("B", 0, 1),
+                     ("F", 0, 5), ("B", 0, 2), ("B", 0, 3), ("B", 0, 4), ("B", 0, 5)]  # fmt: skip
+    assert schedule_order("1f1b", 2, 0, 1, n, train=True, warmup=None) == schedule_order("1f1b", 2, 0, 1, n, train=True)
+    assert schedule_order("1f1b", 2, 0, 1, n, train=True, warmup=9)[:n] == [("F", 0, m) for m in range(n)]  # capped
+    for G, w in ((2, 3), (3, 5), (4, 3)):
+        simulate([schedule_order("1f1b", G, g, 1, n, train=True, warmup=w if g == 0 else None) for g in range(G)], G)
+    for bad in (dict(schedule="gpipe", warmup=3), dict(schedule="1f1b", warmup=0)):
+        with pytest.raises(ValueError, match="warm-up of"):
+            schedule_order(bad["schedule"], 2, 0, 1, n, train=True, warmup=bad["warmup"])
+    # the runner's order comes from its group's warm-up when training, plain 1F1B forwards when evaluating
+    group = StageGroup(0, 0, 0, tensor_parallel_size=1, data_parallel_size=1, context_parallel_size=1,
+                       expert_parallel_size=1, num_layers=1, warmup=3)  # fmt: skip
+    runner = SimpleNamespace(schedule_name="1f1b", groups=[group, group], group=group, virtual=1,
+                             order_costs=None, order_max_activations=None, _orders={})  # fmt: skip
+    assert HeteroPipelineRunner._order(runner, n, True) == eager
+    assert HeteroPipelineRunner._order(runner, n, False) == [("F", 0, m) for m in range(n)]

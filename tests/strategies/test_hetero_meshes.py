@@ -28,18 +28,19 @@ def _config():
         ([TP2, DP2], [3, 1], dict(micro_batch_size=2, pipeline_schedule="1f1b"), 4),  # TP 2 -> 1, DP 1 -> 2, uneven
         ([DP2, TP2], [1, 3], dict(micro_batch_size=1, pipeline_schedule="gpipe", zero_stage=1), 4),  # TP 1 -> 2
         # 4 micro-batches through 1F1B, ZeRO-3; listed TP 2 then DP 2, run DP 2 -> TP 2 (ranks 2, 3 then 0, 1): the
-        # planner puts the faster mesh last, where the LM head is (hetero_mesh_order="speed", issue 42 item 5)
+        # planner puts the faster mesh last, where the LM head is (hetero_mesh_order="speed", issue 42 item 5); the
+        # slow first mesh runs all 4 forwards before its backwards (hetero_warmup="speed": 4 > 1F1B's 1)
         ([dict(TP2, device_type="fast"), dict(DP2, device_type="slow")], None,
          dict(micro_batch_size=2, zero_stage=3, hetero_device_speed={"fast": 3.0, "slow": 1.0},
-              hetero_mesh_order="speed"), 8),
+              hetero_mesh_order="speed", hetero_warmup="speed"), 8),
     ],
-    ids=["tp2-to-dp2-1f1b", "dp2-to-tp2-gpipe-zero1", "tp2-dp2-speed-ordered-zero3"],
+    ids=["tp2-to-dp2-1f1b", "dp2-to-tp2-gpipe-zero1", "tp2-dp2-speed-ordered-warmup-zero3"],
 )  # fmt: skip
 def test_hetero_meshes_match_single_process(launcher, meshes, layers, kwargs, global_batch):
     strategy = dict(hetero_meshes=meshes, hetero_layers=layers, **kwargs)
     if kwargs.get("hetero_mesh_order") == "speed":  # the plan the strategy runs (it passes the module's config)
         groups = ParallelConfig(**strategy).stage_groups(_config().num_layers, _config())
-        assert [(g.mesh, g.ranks, g.num_layers) for g in groups] == [(1, [2, 3], 1), (0, [0, 1], 3)]
+        assert [(g.mesh, g.ranks, g.num_layers, g.warmup) for g in groups] == [(1, [2, 3], 1, 4), (0, [0, 1], 3, None)]
     first_dp = meshes[0].get("data_parallel_size", 1)
     reference = reference_run(_config(), STEPS, clip=1.0, global_batch=global_batch)
     results = launcher(4, trainer_run, strategy, _config(), STEPS, clip=1.0, batch_size=global_batch // first_dp)

@@ -62,6 +62,7 @@ HETERO_SPEED = dict(
     hetero_meshes=[dict(tensor_parallel_size=2, device_type="a"), dict(data_parallel_size=2, device_type="b")],
     hetero_device_speed={"a": 2.0, "b": 1.0},
     hetero_mesh_order="speed",
+    hetero_warmup="speed",
 )
 
 # DualPipeV's overlap needs EP without TP or CP (ParallelConfig._check_moe_comm_overlap).

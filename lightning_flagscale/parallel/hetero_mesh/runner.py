@@ -68,11 +68,18 @@ def schedule_order(
     train: bool,
     costs: tuple[float, float, float] | None = None,
     cap: int | None = None,
+    warmup: int | None = None,
 ) -> list[Action]:
     """The actions group ``group`` runs, in order (module docstring); ``costs`` and ``cap``: ``zbv`` and
     ``dualpipev`` only, the chunk costs and activation cap the training order is generated for (``ParallelConfig.pipeline_chunk_costs``,
-    ``pipeline_max_activations``)."""
+    ``pipeline_max_activations``); ``warmup``: ``1f1b`` only, the group's warm-up forwards instead of ``G - group -
+    1`` (``StageGroup.warmup``, ``hetero_warmup="speed"``), at most ``n``."""
     G, v = num_groups, virtual
+    if warmup is not None and (schedule != "1f1b" or v != 1 or warmup < G - group - 1):
+        raise ValueError(
+            f"A warm-up of {warmup} forwards needs pipeline_schedule='1f1b' without virtual stages and at least the"
+            f" {G - group - 1} of 1F1B for group {group} of {G}; got {schedule!r} with {v} chunk(s) per group."
+        )
     if SCHEDULE_SPECS[schedule].placement == "v":
         return _v_order(schedule, G, group, n, train=train, costs=costs, cap=cap)
     if schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and v > 1):
@@ -97,7 +104,7 @@ def schedule_order(
         if not train:
             return fwd
         bwd = [("B", group, m) for m in range(n)]
-        warmup = n if schedule == "gpipe" else min(G - group - 1, n)
+        warmup = n if schedule == "gpipe" else min(G - group - 1 if warmup is None else warmup, n)
     order = fwd[:warmup]
     for i in range(len(fwd) - warmup):
         order += [fwd[warmup + i], bwd[i]]
@@ -281,12 +288,7 @@ class HeteroPipelineRunner:
                 f" {self.micro_batch_size}."
             )
         n = rows // self.micro_batch_size
-        if (n, train) not in self._orders:  # a generated V order takes a search: once per micro-batch count
-            self._orders[(n, train)] = schedule_order(
-                self.schedule_name, len(self.groups), self.group.index, self.virtual, n, train=train,
-                costs=self.order_costs, cap=self.order_max_activations,
-            )  # fmt: skip
-        order = self._orders[(n, train)]
+        order = self._order(n, train)
         if num_items is None:  # evaluation without a step normaliser: the token mean of the whole global batch
             num_items = (target != -100).sum().to(self.device)
             if self._token_group is not None:
@@ -318,6 +320,15 @@ class HeteroPipelineRunner:
             for module in self.stage_modules:
                 _reduce_fsdp_grads(module)
         return self._reduce_losses(losses, train)
+
+    def _order(self, n: int, train: bool) -> list[Action]:
+        """This group's actions for ``n`` micro-batches (with its ``StageGroup.warmup`` when training)."""
+        if (n, train) not in self._orders:  # a generated V order takes a search: once per micro-batch count
+            self._orders[(n, train)] = schedule_order(
+                self.schedule_name, len(self.groups), self.group.index, self.virtual, n, train=train,
+                costs=self.order_costs, cap=self.order_max_activations, warmup=self.group.warmup if train else None,
+            )  # fmt: skip
+        return self._orders[(n, train)]
 
     def _neighbour(self, stage: int) -> StageGroup:
         """The stage group that runs global ``stage``."""
