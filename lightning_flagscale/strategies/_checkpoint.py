@@ -44,6 +44,9 @@ __all__ = [
     "CheckpointHooks",
 ]
 
+MEASURED_CHUNK_COSTS = "pipeline_chunk_costs_measured"
+"""Checkpoint key: the F, I, W chunk costs ``pipeline_chunk_costs="auto"`` measured (``PipelineRunner.measured_costs``)."""
+
 
 class CheckpointHooks:
     """The strategy's checkpoint hooks: every rank writes its shards of one DCP folder (optionally in the
@@ -108,6 +111,9 @@ class CheckpointHooks:
             state[f"optimizer_{i}"] = opt_state
         checkpoint.update(training_meta(self.lightning_module, self.optimizers, self.world_size))
         checkpoint["parallel_config"] = vars(self.parallel).copy()
+        measured = getattr(getattr(getattr(self, "_pipeline", None), "runner", None), "measured_costs", None)
+        if measured is not None:  # pipeline_chunk_costs="auto": the order the run went on with
+            checkpoint[MEASURED_CHUNK_COSTS] = list(measured)
         base = base_reference(self)  # LoRA: the checkpoint holds the adapters, this names (and hashes) the base
         if base is not None:
             checkpoint["base_weights"] = base
@@ -162,6 +168,10 @@ class CheckpointHooks:
         load_training_state(path, self.model, self.optimizers, self._dist_opt, strict=strict)
         restore_training_meta(meta, self.lightning_module, self.optimizers, self.global_rank, self.world_size)
         saved_config = meta.pop("parallel_config", None) or {}
+        measured = meta.pop(MEASURED_CHUNK_COSTS, None)
+        runner = getattr(getattr(self, "_pipeline", None), "runner", None)
+        if measured is not None and getattr(runner, "order_auto", False):  # the same order as the saved run, at once
+            runner.use_measured_costs(tuple(measured))
 
         resume_shares(self.parallel, saved_config.get("hetero_dp_batch_sizes"), self.meshes.size("dp"))
         return meta

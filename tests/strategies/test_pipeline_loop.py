@@ -81,6 +81,48 @@ def test_checkpoint_reshards_across_pipeline_sizes(launcher, pp2_checkpoint, wor
             assert_rel_close(value, ref_params[name], 1e-5, name)
 
 
+def _auto_costs_run(kwargs, steps: int, **run_kw):
+    """``trainer_run`` recording, at the start of each training step, whether the runner still profiles
+    (``pipeline_chunk_costs="auto"``) and the costs it runs the order for."""
+    from lightning.pytorch.callbacks import Callback
+
+    seen = []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            runner = trainer.strategy._pipeline.runner
+            seen.append((runner.order_auto, runner.measured_costs))
+
+    losses, params = trainer_run(kwargs, tiny_config(num_layers=4), steps, callbacks=[Watch()], **run_kw)
+    return losses, params, seen
+
+
+def test_measured_chunk_costs_are_kept_by_a_checkpoint(launcher, tmp_path):
+    """DualPipeV with ``pipeline_chunk_costs="auto"`` in the Lightning loop: torch's order for two steps, then the order
+    generated for the costs measured on the second; the checkpoint keeps those costs, so the resumed run runs that
+    order from its first step (no new measurement: other costs could give another order, another summation order)
+    and both match the single-process run."""
+    from lightning_flagscale.checkpoint import read_meta
+    from lightning_flagscale.strategies._checkpoint import MEASURED_CHUNK_COSTS
+
+    kwargs = dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", micro_batch_size=1,
+                  pipeline_chunk_costs="auto")  # fmt: skip
+    path = str(tmp_path / "auto.ckpt")
+    first = launcher(2, _auto_costs_run, kwargs, 3, max_epochs=1, num_samples=NUM_SAMPLES, save_path=path)
+    measured = tuple(read_meta(path)[MEASURED_CHUNK_COSTS])
+    assert measured[0] == 1.0 and min(measured) > 0
+    for _, _, seen in first:  # profiling before steps 1 and 2, the measured costs from step 3
+        assert seen == [(True, None), (True, None), (False, measured)], seen
+    second = launcher(2, _auto_costs_run, kwargs, 6, max_epochs=2, num_samples=NUM_SAMPLES, ckpt_path=path)
+    ref_losses, ref_params = reference_run(tiny_config(num_layers=4), 6, num_samples=NUM_SAMPLES)
+    for (losses, params, seen), (first_losses, _, _) in zip(second, first):
+        assert seen == [(False, measured)] * 3, seen
+        for got, want in zip(first_losses + losses, ref_losses):
+            assert abs(got - want) <= 1e-5 * abs(want), (first_losses + losses, ref_losses)
+        for name, value in params.items():
+            assert_rel_close(value, ref_params[name], 1e-5, name)
+
+
 def _validate(strategy_kwargs):
     import lightning as L
     import torch

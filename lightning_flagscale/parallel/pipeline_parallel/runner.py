@@ -335,6 +335,9 @@ class PipelineRunner:
     """``pipeline_chunk_costs="auto"``: the first two training steps run torch's order, the second timed on every
     rank; :attr:`order_costs` becomes the mean F, I, W of a chunk over every rank (one all-reduce), and the following
     steps run the order generated for them (:meth:`_measure_costs`)."""
+    measured_costs: tuple[float, float, float] | None = None
+    """The costs ``"auto"`` measured (None before, or without ``"auto"``); a checkpoint keeps them, so a resumed run
+    runs the same order from its first step (:meth:`use_measured_costs`), as the uninterrupted run does."""
     eval_micro_batch_size: int | None = None
     """Micro-batch size of evaluation batches (``ParallelConfig.micro_batch_size``; ``None``: ``micro_batch_size``):
     heterogeneous data-parallel shares set a per-rank training micro-batch size that evaluation does not use."""
@@ -555,9 +558,7 @@ class PipelineRunner:
             if self.order_knobs_set:
                 self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
             return
-        self.order_costs = (1.0, i / f, w / f)
-        self.order_auto = False
-        self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
+        self.use_measured_costs((1.0, i / f, w / f))
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info(
                 "pipeline_chunk_costs='auto': measured F : I : W = 1 : %.3g : %.3g per chunk (%.4g s forward); the"
@@ -607,6 +608,13 @@ class PipelineRunner:
         elif self._tied_group is not None:
             first = dist.get_global_rank(self._group, self._stage_to_rank[0])
             dist.broadcast(_local(params[0]), src=first, group=self._tied_group)
+
+    def use_measured_costs(self, costs: tuple[float, float, float]) -> None:
+        """Run the order generated for ``costs`` from the next training step on (``"auto"``'s measurement, or the one
+        a checkpoint kept); rebuilds the training schedules."""
+        self.order_costs = self.measured_costs = tuple(float(c) for c in costs)
+        self.order_auto = False
+        self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
 
     def release_buffers(self) -> None:
         """Drop what the cached schedules hold on the device between steps (after ``fit``: issue 37 item 1): each
