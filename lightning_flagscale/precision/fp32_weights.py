@@ -10,10 +10,11 @@ from that rounding, so fit -> fit lost what the first fit's fp32 masters had acc
   new ones, these are the old ones kept alive).
 - :func:`masters_from_kept`, in ``fit``'s setup: the masters start from those fp32 weights, not from their rounding,
   so fit -> fit continues exactly as one longer fit.
-- :func:`restore_fp32_weights`, in teardown: the module is cast back to fp32; parameters with masters take the masters,
-  tensors the stage left unchanged take their kept value (``validate`` / ``test`` / ``predict`` give the module back
-  as it came), the rest (buffers a fit updated, e.g. MoE router statistics; parameters no optimizer steps) the value
-  they have in half precision.
+- :func:`gather_masters` (teardown, on the device, one bucket at a time) and :func:`restore_fp32_weights` (after the
+  module went to the CPU, so no fp32 copy of it is ever on the device): the module is cast back to fp32; parameters
+  with masters take the masters, tensors the stage left unchanged take their kept value (``validate`` / ``test`` /
+  ``predict`` give the module back as it came), the rest (buffers a fit updated, e.g. MoE router statistics;
+  parameters no optimizer steps) the value they have in half precision.
 
 ZeRO-3 (FSDP2 and flat) is not cast: its sharded parameters are the fp32 masters already.
 """
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from lightning_flagscale.distributed.dtensor import local_tensor
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer
 
-__all__ = ["keep_fp32_weights", "masters_from_kept", "restore_fp32_weights"]
+__all__ = ["gather_masters", "keep_fp32_weights", "masters_from_kept", "restore_fp32_weights"]
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -63,22 +64,27 @@ def masters_from_kept(
     return {name: t for name, t in kept.items() if name in buffers}
 
 
+def gather_masters(
+    module: nn.Module, dist_optimizers: Iterable[object], device: torch.device
+) -> list[tuple[nn.Parameter, Tensor]]:
+    """The masters of ``module``'s parameters on ``device`` (collective under ZeRO: the slices are gathered)."""
+    return [pair for dopt in _with_masters(module, dist_optimizers) for pair in dopt.gathered_master_weights(device)]
+
+
 def restore_fp32_weights(
-    module: nn.Module, kept: dict[str, Tensor], dist_optimizers: Iterable[object], *, masters: bool
+    module: nn.Module, kept: dict[str, Tensor], masters: Iterable[tuple[nn.Parameter, Tensor]] = ()
 ) -> None:
-    """Cast ``module`` back to fp32 after a stage: unchanged tensors take their ``kept`` values, then (``masters``:
-    the optimizers' masters are this stage's, from ``fit`` or a checkpoint it loaded) parameters take the masters.
-    Collective under ZeRO (the masters are gathered)."""
+    """Cast ``module`` back to fp32 after a stage: unchanged tensors take their ``kept`` values, then the parameters in
+    ``masters`` (from :func:`gather_masters`, when the optimizers' masters are this stage's) take theirs."""
     current = dict(_named_tensors(module))
     unchanged = [
         name for name, value in kept.items()
         if name in current and torch.equal(local_tensor(current[name]), value.to(current[name].device, current[name].dtype))
     ]  # fmt: skip
-    module.to(torch.float32)
-    current = dict(_named_tensors(module))  # the cast replaced the buffers
+    module.to(torch.float32)  # parameters stay the same objects (the masters are keyed by them); buffers are replaced
+    current = dict(_named_tensors(module))
     with torch.no_grad():
         for name in unchanged:
             local_tensor(current[name]).copy_(kept[name])
-    if masters:
-        for dopt in _with_masters(module, dist_optimizers):
-            dopt.write_master_weights()
+        for param, value in masters:
+            local_tensor(param).copy_(value)

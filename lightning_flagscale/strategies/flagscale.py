@@ -59,7 +59,12 @@ from lightning_flagscale.parallel.step import (
     reduces_after_backward,
 )
 from lightning_flagscale.precision.flagscale import check_precision_layout
-from lightning_flagscale.precision.fp32_weights import keep_fp32_weights, masters_from_kept, restore_fp32_weights
+from lightning_flagscale.precision.fp32_weights import (
+    gather_masters,
+    keep_fp32_weights,
+    masters_from_kept,
+    restore_fp32_weights,
+)
 from lightning_flagscale.strategies._checkpoint import CheckpointHooks
 from lightning_flagscale.strategies._data import distribute_loader, shard_for_cp
 from lightning_flagscale.strategies._plumbing import (
@@ -407,8 +412,9 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self._stop_watchdog()
         for dopt in self._dist_optimizers.values():
             dopt.close()  # its hooks on every parameter; `state_dict()` still serves a save after `fit`
-        self._restore_fp32()
+        masters = self._fp32_masters()
         self._offload()
+        self._restore_fp32(masters)
         group = self._checkpoint_group  # MemoryCheckpoint creates it during training (`ensure_checkpoint_group`)
         if group is not None and group not in self._created_groups and group != dist.GroupMember.WORLD:
             self._created_groups.append(group)
@@ -421,17 +427,19 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    def _restore_fp32(self) -> None:
-        """Megatron's half layout: the module back in fp32, holding the masters after ``fit`` and its values from
-        before the stage otherwise (``precision/fp32_weights.py``). The gradient buckets are freed first, so the fp32
-        copy fits where they were."""
+    def _fp32_masters(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Under Megatron's half layout, when the optimizers' masters are this stage's (``fit``, or a checkpoint it
+        loaded): each parameter's, gathered on the device and moved to the CPU one bucket at a time."""
+        if self._kept_fp32 is None or not self._masters_current or self.lightning_module is None:
+            return []
+        return gather_masters(self.lightning_module, self._dist_optimizers.values(), torch.device("cpu"))
+
+    def _restore_fp32(self, masters: list[tuple[nn.Parameter, Tensor]]) -> None:
+        """Megatron's half layout: the module back in fp32 (on the CPU, after ``_offload``), holding the masters after
+        ``fit`` and its values from before the stage otherwise (``precision/fp32_weights.py``)."""
         kept, self._kept_fp32 = self._kept_fp32, None
-        if kept is None or self.lightning_module is None:
-            return
-        for dopt in self._dist_optimizers.values():
-            if isinstance(dopt, DistributedOptimizer):
-                dopt.release_grads()
-        restore_fp32_weights(self.lightning_module, kept, self._dist_optimizers.values(), masters=self._masters_current)
+        if kept is not None and self.lightning_module is not None:
+            restore_fp32_weights(self.lightning_module, kept, masters)
 
     def _offload(self) -> None:
         cpu = torch.device("cpu")

@@ -279,7 +279,7 @@ def test_a_stage_gives_back_the_fp32_values_it_left_unchanged_and_casts_the_ones
     module.to(torch.bfloat16)  # the stage's cast (FlagScalePrecision.convert_module)
     with torch.no_grad():
         module.stat.add_(1.0)  # a buffer the stage updates
-    restore_fp32_weights(module, kept, [], masters=False)
+    restore_fp32_weights(module, kept)
     assert (module.weight.dtype, module.bias.dtype, module.stat.dtype, module.count.dtype) == (
         torch.float32, torch.float32, torch.float32, torch.int64,
     )  # fmt: skip

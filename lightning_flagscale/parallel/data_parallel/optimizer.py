@@ -317,17 +317,19 @@ class DistributedOptimizer:
             with torch.no_grad():
                 bucket.main_param.copy_(flat[bucket.shard_start : bucket.shard_start + bucket.shard_numel])
 
-    def write_master_weights(self) -> None:
-        """Copy the main (master) weights, gathered over the shard group, into the model parameters (the reverse of
-        :meth:`load_master_weights`): the strategy's teardown, after it cast the module back to fp32, so that the
-        module keeps the masters after ``fit`` instead of their bf16/fp16 rounding. Collective under ZeRO."""
+    def gathered_master_weights(self, device: torch.device) -> list[tuple[nn.Parameter, Tensor]]:
+        """Each model parameter with its main (master) weights, local shape, gathered over the shard group one bucket
+        at a time and moved to ``device`` (the reverse of :meth:`load_master_weights`): the strategy's teardown
+        writes them into the module once it is back in fp32 on the CPU, so that the module keeps the masters after
+        ``fit`` instead of their bf16/fp16 rounding. Collective under ZeRO; empty without masters."""
         if not self.master_weights:
-            return
+            return []
+        out = []
         for bucket in self.buckets:
-            full = bucket.gather_state(bucket.main_param.detach())
-            with torch.no_grad():
-                for p, off, n, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
-                    local_tensor(p).copy_(full[off : off + n].view(shape))
+            full = bucket.gather_state(bucket.main_param.detach()).to(device)
+            for p, off, n, shape in zip(bucket.params, bucket.offsets, bucket.numels, bucket.shapes):
+                out.append((p, full[off : off + n].view(shape)))
+        return out
 
     def load_master_state_dict(self, masters: dict[str, Tensor]) -> None:
         """Set the main slices from full-precision per-parameter tensors (checkpoint model weights)."""
