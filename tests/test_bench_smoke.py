@@ -60,6 +60,7 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
     # "--rounds 1 --steps 3 --seq 16 --rank-batch 2 --layers 2 --configs even"; its ranks' code (_start, _rank_main)
     # runs in tune_hetero_validation's smoke run below, so here the report is rendered from the committed run
     "hetero.py": ("--from-json bench/results/hetero.json --out {out}/hetero.md", ["hetero.md"]),
+    "hetero_call_cost.py": ("--reps 2 --pause-ms 1 --seq 16 --out {out}/call_cost.md", ["call_cost.md"]),
     # its measured run is 18 jobs of 4 Trainer ranks (minutes; "--smoke" alone is one minute here): the library path
     # it times is tests/strategies/test_dualpipe_overlap.py's, so here the report is rendered from the committed run
     "dualpipe_overlap.py": (
