@@ -353,6 +353,14 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         self._check_zero3_impl()
         self._check_expert_tensor_parallel()
         self._check_moe_comm_overlap()
+        cap = self.pipeline_max_activations
+        ranks = self._hetero_stage_count() if self.hetero_enabled else self.pipeline_parallel_size
+        if self.pipeline_schedule == "dualpipev" and cap is not None and ranks > 1 and cap < 2 * ranks + 1:
+            raise ValueError(
+                f"pipeline_max_activations={cap}: DualPipeV's order over {ranks} pipeline ranks holds {2 * ranks + 1}"
+                f" activations on a rank before its first backward (p + 1 forwards of the first chunk, p of the"
+                f" second); give at least {2 * ranks + 1} or None."
+            )
         if self.pipeline_chunk_costs == "auto" and self.hetero_meshes is not None:
             raise ValueError(
                 "pipeline_chunk_costs='auto' is not measured across hetero_meshes (each mesh's stages run at their own"

@@ -247,6 +247,15 @@ def test_dualpipev_order_idles_less_when_i_exceeds_w(m):
         assert same_memory.own_bubble < 0.03
 
 
+@pytest.mark.parametrize("p", range(1, 7))
+def test_dualpipev_order_needs_2p_plus_1_activations_at_every_micro_batch_count(p):
+    # what ParallelConfig checks at creation (it does not know m yet)
+    for m in (2 * p, 2 * p + 1, 4 * p):
+        assert _peak_activations(dualpipev_order(p, m, (1.0, 2.0, 1.0), cap=2 * p + 1)) <= 2 * p + 1
+        with pytest.raises(ValueError, match=f"need {2 * p + 1}"):
+            dualpipev_order(p, m, (1.0, 2.0, 1.0), cap=2 * p)
+
+
 def test_dualpipev_order_refuses_a_cap_below_torchs_first_backward():
     # in torch's sequence the last rank runs 2p + 1 forwards (p + 1 of its first chunk, p of the V's way back) before
     # its first backward

@@ -122,6 +122,17 @@ def test_v_order_knobs_are_checked_at_creation(kwargs, match):
         FlagScaleStrategy(**kwargs)
 
 
+def test_dualpipev_cap_below_its_first_backward_is_refused_at_creation():
+    # orders.dualpipev_order needs 2p + 1 activations at every p and m (tests/parallel/test_pipeline_orders.py): the
+    # strategy says so before any process starts, not when the first schedule is built
+    with pytest.raises(ValueError, match=r"pipeline_max_activations=8: .* over 4 pipeline ranks holds 9 .* at least 9"):
+        FlagScaleStrategy(pipeline_parallel_size=4, pipeline_schedule="dualpipev", pipeline_max_activations=8)
+    assert ParallelConfig(pipeline_parallel_size=4, pipeline_schedule="dualpipev", pipeline_max_activations=9)
+    with pytest.raises(ValueError, match="over 2 pipeline ranks holds 5"):
+        ParallelConfig(hetero_meshes=[{"data_parallel_size": 1}, {"data_parallel_size": 1}],
+                       pipeline_schedule="dualpipev", pipeline_max_activations=4)  # fmt: skip
+
+
 def test_chunk_costs_auto_is_kept_and_refused_where_it_is_not_measured():
     # "auto": the runner measures F, I, W on the second training step (tests/parallel/test_pipeline.py's DualPipeV case)
     assert ParallelConfig(**ZBV, pipeline_chunk_costs="auto").pipeline_chunk_costs == "auto"
