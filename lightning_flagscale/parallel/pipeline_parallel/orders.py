@@ -322,10 +322,10 @@ def _place_weights(
     order: dict[int, list[_Action]] = {r: [] for r in range(p)}
     blocked: set[int] = set()
 
-    def needs(a: _Action, unit: tuple[_Action, ...]) -> list[tuple[str, int, int]]:
+    def needs(a: _Action) -> list[tuple[str, int, int]]:
         s, mb = a.stage_index, a.microbatch_index
         if a.computation_type == _F:
-            return [("F", s - 1, mb)] if s > 0 and not any(u is not a and u.stage_index == s - 1 for u in unit) else []
+            return [("F", s - 1, mb)] if s > 0 else []
         return [("F", s, mb)] + ([("G", s + 1, mb)] if s < n - 1 else [])
 
     while True:
@@ -339,7 +339,7 @@ def _place_weights(
         unit = units[r][pos[r]] if pos[r] < len(units[r]) else None
         ready_at = None
         if unit is not None:
-            deps = [d for a in unit for d in needs(a, unit)]
+            deps = [d for a in unit for d in needs(a)]  # a pair's halves never feed each other
             if all(d in done for d in deps):
                 ready_at = max((done[d] for d in deps), default=0.0)
         forwards = sum(a.computation_type == _F for a in unit) if unit else 0
