@@ -265,14 +265,15 @@ class StatelessInferenceStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         return self._timed("F", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> Any:
         fn = super().backward_one_chunk
-        return self._timed(
-            "B" if full_backward else "I", fn, bwd_chunk_id, *args, full_backward=full_backward, **kwargs
-        )
+        kind = "B" if full_backward else "I"
+        return self._timed(kind, fn, bwd_chunk_id, loss, full_backward, last_backward)
 
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        return self._timed("W", super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        return self._timed("W", super().backward_weight_one_chunk, bwd_chunk_id, last_backward)
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buf, buf.detach().clone()) for buf in self.submod.buffers() if not buf.is_meta]
