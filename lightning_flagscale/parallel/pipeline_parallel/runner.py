@@ -557,7 +557,7 @@ class PipelineRunner:
             self.order_auto = False
             self.order_knobs_set = self.order_max_activations is not None  # a cap alone still generates an order
             if self.order_knobs_set:
-                self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
+                self._drop_training_schedules()
             return
         self.use_measured_costs((1.0, i / f, w / f))
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -615,6 +615,10 @@ class PipelineRunner:
         a checkpoint kept); rebuilds the training schedules."""
         self.order_costs = self.measured_costs = tuple(float(c) for c in costs)
         self.order_auto = False
+        self._drop_training_schedules()
+
+    def _drop_training_schedules(self) -> None:
+        """Forget the training schedules: the next step builds one on the order the knobs now give."""
         self._schedules = {key: sched for key, sched in self._schedules.items() if not key[1]}
 
     def release_buffers(self) -> None:
