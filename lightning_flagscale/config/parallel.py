@@ -354,12 +354,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         self._check_expert_tensor_parallel()
         self._check_moe_comm_overlap()
         cap = self.pipeline_max_activations
-        knobs = [n for n in ("pipeline_chunk_costs", "pipeline_max_activations") if getattr(self, n) is not None]
-        if knobs and not self.pp_enabled and not self.hetero_enabled:
-            raise ValueError(
-                f"{' and '.join(knobs)} shape a pipeline schedule's order, but pipeline_parallel_size=1 runs none;"
-                f" set pipeline_parallel_size > 1 or leave {' and '.join(knobs)} at None."
-            )
         ranks = self._hetero_stage_count() if self.hetero_enabled else self.pipeline_parallel_size
         if self.pipeline_schedule == "dualpipev" and cap is not None and ranks > 1 and cap < 2 * ranks + 1:
             raise ValueError(
