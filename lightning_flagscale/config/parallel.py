@@ -170,6 +170,12 @@ class PipelineConfig:
     recompute: RecomputeMode | list[RecomputeMode] = "none"
     """Activation recompute per block: ``none``, ``selective`` (norms, activations), ``selective_mm`` (that and every
     second matmul, torchtitan's op-level policy; dense blocks) or ``full``; or one per stage."""
+    torch_compile: bool = False
+    """Compile each decoder block and the loss with ``torch.compile`` (in place: parameter names unchanged), after
+    TP / CP / EP / recompute and before ZeRO-3, as torchtitan does. Fuses the norms, rotary, SwiGLU and the loss's
+    fp32 cast into few kernels (one GPU, 1B Llama: ``docs/gpu.md``); under ``selective`` recompute the op policy runs
+    once at compile time instead of at every op. The first step pays the compilation. Not with pipeline parallelism or
+    ``hetero_meshes``."""
     overlap_moe_expert_parallel_comm: bool = False
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
@@ -380,6 +386,13 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             # Every schedule rule that needs only the layout (chunks per rank, V placement); the micro-batch count is
             # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
             validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
+        if self.torch_compile and (self.pp_enabled or self.hetero_enabled):
+            raise ValueError(
+                "torch_compile=True compiles the blocks of a model that runs whole on each rank; with"
+                f" pipeline_parallel_size={self.pipeline_parallel_size}"
+                f"{' and hetero_meshes' if self.hetero_enabled else ''} each stage's blocks run inside a pipeline"
+                " schedule, which it does not compile yet. Set torch_compile=False or drop the pipeline."
+            )
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
         if not isinstance(self.recompute, str) and len(modes) != stages:

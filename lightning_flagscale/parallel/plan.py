@@ -12,7 +12,8 @@ knowing. The order, and why:
 4. **EP** shards experts over the expert mesh, and under ETP each expert's FFN over its "etp" dim (after TP: the
    rest of the block is tensor-parallel; experts follow the expert mesh's folding, not TP's).
 5. **Recompute** wraps whole blocks, after TP/CP/EP changed what runs inside them (under PP the pipeline builder
-   applies it per stage, with the replayable variant split-backward schedules need).
+   applies it per stage, with the replayable variant split-backward schedules need); then ``torch_compile`` compiles
+   each (recompute-wrapped) block and the loss in place.
 6. **ZeRO-3** (FSDP2) last: it shards whatever TP/EP left local (experts first, over the expert data-parallel
    ranks, each in its own unit inside its block's), and wraps the recompute-wrapped blocks.
 7. **Materialise and initialise**: parameters were on the meta device until now; each rank allocates only its
@@ -49,6 +50,7 @@ from lightning_flagscale.models.protocol import (
     model_config,
 )
 from lightning_flagscale.moe.balance import moe_layers, set_moe_sequence_group
+from lightning_flagscale.parallel.compile import apply_compile
 from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
@@ -377,6 +379,8 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
         # each block twice (input, then weight gradients).
         replayable = SCHEDULE_SPECS[p.pipeline_schedule].split_backward
         apply_recompute(part, resolve_recompute(p.recompute, 1)[0], replayable=replayable, blocks=_blocks(part))
+    if p.torch_compile:
+        apply_compile(part, _blocks(part))
 
 
 def _blocks(model: nn.Module) -> list[nn.Module] | None:

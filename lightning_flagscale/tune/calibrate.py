@@ -89,6 +89,7 @@ from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.distributed.collectives import all_gather, reduce_scatter
 from lightning_flagscale.models import CausalLM, CausalLMModule
+from lightning_flagscale.models.lightning import adamw_impl
 from lightning_flagscale.parallel.context_parallel.kernels import get_attention_kernel
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL
 from lightning_flagscale.parallel.data_parallel.optimizer import clip_grad_norm_, grads_finite
@@ -615,7 +616,10 @@ def measure_optimizer_step(
     for p in params:
         p.grad = torch.randn_like(p)
     weights = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1)
+    # the implementation training picks (fused on CUDA: models/lightning.py adamw_impl)
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.1, **adamw_impl([{"params": params}])
+    )
 
     def step() -> None:
         bool(grads_finite(params))

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_flagscale.config.lora import LoRAConfig
 from lightning_flagscale.models.lightning import (
+    adamw_impl,
     global_tokens,
     initialize_model_weights,
     log_token_rate,
@@ -254,7 +255,7 @@ class VLMModule(L.LightningModule):
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=hp.learning_rate)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), **adamw_impl(groups))
         total = float(self.trainer.estimated_stepping_batches) if self._trainer is not None else math.inf
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_cosine_lambda(hp.warmup_steps, total, hp.min_lr_ratio)

@@ -1,0 +1,31 @@
+"""``torch.compile`` of a model's repeated blocks and its loss, in place (``ParallelConfig.torch_compile``).
+
+Each block is compiled with ``nn.Module.compile``, which keeps the module and its parameter names (no ``_orig_mod``
+prefix): checkpoints, HF export and the optimizer's parameter groups see the same model. Blocks are compiled after
+TP / CP / EP and recompute have changed what runs inside them, and before ZeRO-3 shards them, as torchtitan orders it:
+the compiled region is the block's math, recompute's checkpoint included (under ``selective`` recompute the op policy
+is then applied once, while tracing, not at every op of every step). The model's ``loss_fn`` is compiled too: the
+fp32 cast of the logits, the log-softmax and the gather become a few fused kernels instead of an fp32 copy of the
+logits (4 GiB for a 128k vocabulary at 8k tokens) and its gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["apply_compile"]
+
+
+def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+    """Compile every block of ``model`` (default: ``model.layers``) and its ``loss_fn``, in place; returns ``model``."""
+    for block in model.layers.values() if blocks is None else blocks:
+        if getattr(block, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"{type(block).__name__} is already compiled; apply torch_compile once.")
+        block.compile()
+    loss_fn = getattr(model, "loss_fn", None)
+    if loss_fn is not None and not hasattr(loss_fn, "_torchdynamo_orig_callable"):
+        model.loss_fn = torch.compile(loss_fn)  # instance attribute: the class's method stays the eager one
+    return model
