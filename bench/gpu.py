@@ -39,9 +39,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's lightning_flagscale
 
 ROWS = [
-    "hf-llama", "fs-none", "fs-selective", "fs-selective_mm", "fs-full", "lightning-auto",
+    "hf-llama", "fs-none", "fs-compile", "fs-selective", "fs-selective_mm", "fs-full", "fs-selective-compile",
+    "fs-full-compile", "lightning-auto",
     "hf-mixtral", "fs-moe", "fs-fp8", "two-fits",
 ]  # fmt: skip
+PROFILE: Path | None = None  # --profile: the last timed step of each row is traced into this folder
 H100_PEAK = 989e12
 
 DENSE = dict(hidden_size=2048, num_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
@@ -81,6 +83,43 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+class _StepProfile:
+    """torch.profiler over one step: kernel time by op, and how much of the step's wall time the GPU was busy."""
+
+    def __init__(self, row: str) -> None:
+        self.row, self.prof, self.start = row, None, 0.0
+
+    def __enter__(self):
+        import torch
+
+        if PROFILE is None:
+            return self
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is None:
+            return
+        import torch
+
+        _sync(_device())
+        wall = time.perf_counter() - self.start
+        self.prof.__exit__(*exc)
+        events = self.prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        key = "self_device_time_total" if kernels else "self_cpu_time_total"
+        text = events.table(sort_by=key, row_limit=40, max_name_column_width=90)
+        PROFILE.mkdir(parents=True, exist_ok=True)
+        with open(PROFILE / "profile.txt", "a") as f:
+            f.write(f"\n===== {self.row}: step wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms\n{text}\n")
+
+
 def _memory(device) -> dict[str, float]:
     import torch
 
@@ -112,22 +151,33 @@ def run_hf(kind: str, s: dict[str, Any], steps: int, warmup: int) -> dict[str, A
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     times = []
-    for batch in _batches(cfg["vocab_size"], s["batch"], s["seq"], warmup + steps, device):
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    for i, batch in enumerate(_batches(cfg["vocab_size"], s["batch"], s["seq"], warmup + steps + 1, device)):
+        last = i == warmup + steps  # one more step, traced when --profile, not timed
+        if last and PROFILE is None:
+            break
+        with _StepProfile(kind) if last else _nothing():
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+        if not last:
+            times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     return {"step_s": statistics.median(times[warmup:]), "loss": float(loss), "params": params, **_memory(device)}
 
 
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int, *, strategy: Any,
-                 precision: str = "bf16-mixed") -> dict[str, Any]:  # fmt: skip
+                 precision: str = "bf16-mixed", row: str = "") -> dict[str, Any]:  # fmt: skip
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -138,22 +188,30 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
     device = _device()
     times: list[float] = []
 
+    total = warmup + steps + (1 if PROFILE is not None else 0)
+
     class Clock(L.Callback):
-        def on_train_batch_start(self, trainer, *args):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.profile = None
+            if batch_idx == total - 1 and PROFILE is not None:
+                self.profile = _StepProfile(row).__enter__()
             _sync(device)
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, *args):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _sync(device)
-            times.append(time.perf_counter() - self.start)
+            if self.profile is not None:
+                self.profile.__exit__(None, None, None)
+            else:
+                times.append(time.perf_counter() - self.start)
 
     module = CausalLMModule(TransformerConfig(**cfg), learning_rate=1e-4, warmup_steps=0)
-    data = [b for b in _batches(cfg["vocab_size"], 1, s["seq"], s["batch"] * (warmup + steps), "cpu")]
+    data = [b for b in _batches(cfg["vocab_size"], 1, s["seq"], s["batch"] * total, "cpu")]
     samples = [{k: v[0] for k, v in b.items()} for b in data]
     plugins = [FlagScalePrecision(precision)] if strategy is not None and not isinstance(strategy, str) else []
     trainer = L.Trainer(
         accelerator=device.type, devices=1, strategy=strategy if strategy is not None else "auto",
-        precision=None if plugins else precision, plugins=plugins, max_steps=warmup + steps, logger=False,
+        precision=None if plugins else precision, plugins=plugins, max_steps=total, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
         callbacks=[Clock()],
     )  # fmt: skip
@@ -185,17 +243,19 @@ def run_row(name: str, smoke: bool, steps: int, warmup: int) -> dict[str, Any]:
     if name in ("hf-llama", "hf-mixtral"):
         return run_hf(name, s, steps, warmup)
     if name == "fs-moe":
-        return _trainer_fit(dict(s["moe"]), s, steps, warmup, strategy=FlagScaleStrategy())
+        return _trainer_fit(dict(s["moe"]), s, steps, warmup, strategy=FlagScaleStrategy(), row=name)
     if name == "lightning-auto":
-        return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=None)
+        return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=None, row=name)
     if name == "fs-fp8":
         return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=FlagScaleStrategy(), precision="fp8")
     if name == "two-fits":
         first = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
         second = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
         return {"first": first, "second": second}
-    recompute = name.removeprefix("fs-")
-    out = _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=FlagScaleStrategy(recompute=recompute))
+    compiled = name.endswith("compile")
+    recompute = name.removeprefix("fs-").removesuffix("compile").rstrip("-") or "none"
+    strategy = FlagScaleStrategy(recompute=recompute, torch_compile=compiled)
+    out = _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=strategy, row=name)
     return {**out, **_prediction(dict(s["dense"]), s, recompute)}
 
 
@@ -203,6 +263,8 @@ def _row_in_fresh_process(name: str, args: argparse.Namespace, out_dir: Path) ->
     result = out_dir / f".gpu_row_{name}.json"
     cmd = [sys.executable, __file__, "--row", name, "--row-out", str(result), "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+    if args.profile:
+        cmd += ["--profile", args.profile]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not result.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -251,11 +313,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 steps (CPU without a GPU)")
+    parser.add_argument("--profile", help="trace one extra step of each row into PROFILE/profile.txt")
+    parser.add_argument("--budget", type=float, default=None, help="stop starting rows after this many seconds")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = 2, 1
+    global PROFILE
+    PROFILE = Path(args.profile) if args.profile else None
     if args.row:  # a worker: one row in this (fresh) process
         Path(args.row_out).write_text(json.dumps(run_row(args.row, args.smoke, args.steps, args.warmup)))
         return
@@ -264,7 +330,11 @@ def main(argv: list[str]) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
+    began = time.perf_counter()
     for name in args.only or ROWS:
+        if args.budget is not None and time.perf_counter() - began > args.budget:
+            rows[name] = {"error": f"not run: --budget {args.budget:.0f} s spent"}
+            continue
         start = time.perf_counter()
         rows[name] = _row_in_fresh_process(name, args, out_dir)
         print(f"{name}: {rows[name]} ({time.perf_counter() - start:.0f}s)", flush=True)
