@@ -37,7 +37,10 @@ def test_compile_keeps_parameter_names_and_compiles_once():
         apply_compile(model)
 
 
-@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}])])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(pipeline_parallel_size=2), dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}])],
+)
 def test_compile_is_refused_under_a_pipeline(layout):
     with pytest.raises(ValueError, match="torch_compile=True"):
         ParallelConfig(torch_compile=True, **layout).resolve(2)
