@@ -8,7 +8,8 @@ Rows (same model, data, batch and optimizer within a pair; bf16 autocast, AdamW,
 - ``hf-llama``: ``transformers`` ``LlamaForCausalLM`` in a plain loop (SDPA, autocast, fused AdamW): the peer.
 - ``fs-none`` / ``fs-selective`` / ``fs-selective_mm`` / ``fs-full``: ``Trainer(strategy=FlagScaleStrategy(recompute=...))``
   with ``CausalLMModule``, next to ``tune``'s prediction of the same layout on the built-in ``h100`` profile (step
-  time and peak memory).
+  time and peak memory); ``fs-compile`` / ``fs-selective-compile`` / ``fs-full-compile`` the same with
+  ``torch_compile=True`` (``tune`` models the eager run).
 - ``lightning-auto``: ``CausalLMModule`` under Lightning's own default strategy (issue 37 item 2).
 - ``hf-mixtral`` / ``fs-moe``: the MoE pair (Mixtral shape, aux loss off on both sides).
 - ``fs-fp8``: ``FlagScalePrecision("fp8")``; its error is reported as the row's result where fp8 does not run.
@@ -19,8 +20,8 @@ Shape: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, FFN 8192, vocab 128256 
 MFU = tokens/s x (6 N + 6 L h s) / peak (989 TFLOP/s dense bf16 on H100 SXM). Timings compare only within one run
 on one machine; the median step after ``--warmup`` steps is reported. Writes ``gpu_<device>.json`` and ``.md``.
 
-A GPU run has not been made with this script yet (2026-11-27): the numbers in issue 37 come from an earlier session's
-ad-hoc scripts. ``--smoke`` proves every row's code path on the CPU.
+First GPU run: one H200, 2026-11-28, ``bench/results/gpu_h200.md``. ``--smoke`` proves every row's code path on the
+CPU. ``--rounds N`` interleaves the rows over N rounds (median step; each round's ratio to the same round's peer).
 """
 
 from __future__ import annotations
@@ -274,12 +275,40 @@ def _row_in_fresh_process(name: str, args: argparse.Namespace, out_dir: Path) ->
     return data
 
 
+def _combine_rounds(runs: dict[str, list[dict[str, Any]]], budget: float | None) -> dict[str, dict[str, Any]]:
+    """One row per configuration: the median step over rounds, and each round's ratio to the same round's peer."""
+    peers = {"hf-mixtral": "hf-mixtral", "fs-moe": "hf-mixtral"}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, results in runs.items():
+        good = [r for r in results if "step_s" in r]
+        if not results:
+            rows[name] = {"error": f"not run: --budget {budget:.0f} s spent"}
+        elif not good:
+            rows[name] = results[0]
+        else:
+            row = dict(good[0])
+            row["step_s_rounds"] = [r["step_s"] for r in good]
+            row["step_s"] = statistics.median(row["step_s_rounds"])
+            peer = runs.get(peers.get(name, "hf-llama"), [])
+            pairs = [(p["step_s"], r["step_s"]) for p, r in zip(peer, results) if "step_s" in p and "step_s" in r]
+            if pairs and name not in ("hf-llama", "hf-mixtral"):
+                row["ratio_rounds"] = [a / b for a, b in pairs]
+            rows[name] = row
+    return rows
+
+
+def _ratio(r: dict[str, Any]) -> str:
+    ratios = r.get("ratio_rounds", [])
+    if len(ratios) > 1:
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return f"{ratios[0]:.2f}x" if ratios else ""
+
+
 def _fmt(rows: dict[str, dict[str, Any]], s: dict[str, Any], peak: float) -> str:
     tokens = s["batch"] * s["seq"]
     layers, hidden = s["dense"]["num_layers"], s["dense"]["hidden_size"]
-    base = rows.get("hf-llama", {}).get("step_s")
     lines = [
-        "| row | tokens/s | vs hf-llama | MFU | peak GiB | tune step s | tune GiB | note |",
+        "| row | tokens/s | vs hf-llama (per round: median (min-max)) | MFU | peak GiB | tune step s | tune GiB | note |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in rows.items():
@@ -295,12 +324,13 @@ def _fmt(rows: dict[str, dict[str, Any]], s: dict[str, Any], peak: float) -> str
         mfu = ""
         if "params" in r and name not in ("hf-mixtral", "fs-moe"):
             mfu = f"{tps * (6 * r['params'] + 6 * layers * hidden * s['seq']) / peak:.1%}"
-        ratio = f"{base / r['step_s']:.2f}x" if base and name not in ("hf-mixtral", "fs-moe") else ""
-        if name == "fs-moe" and rows.get("hf-mixtral", {}).get("step_s"):
-            ratio = f"{rows['hf-mixtral']['step_s'] / r['step_s']:.2f}x hf-mixtral"
+        ratio = ("1.00x" if name == "hf-llama" else _ratio(r)) + (
+            " hf-mixtral" if name == "fs-moe" and _ratio(r) else ""
+        )
+        note = "tune: eager (compile not modelled)" if name.endswith("compile") else ""
         lines.append(
             f"| {name} | {tps:,.0f} | {ratio} | {mfu} | {r.get('peak_gib', float('nan')):.2f} |"
-            f" {r.get('predicted_step_s', float('nan')):.3f} | {r.get('predicted_gib', float('nan')):.2f} | |"
+            f" {r.get('predicted_step_s', float('nan')):.3f} | {r.get('predicted_gib', float('nan')):.2f} | {note} |"
         )
     return "\n".join(lines)
 
@@ -315,6 +345,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 steps (CPU without a GPU)")
     parser.add_argument("--profile", help="trace one extra step of each row into PROFILE/profile.txt")
     parser.add_argument("--budget", type=float, default=None, help="stop starting rows after this many seconds")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (median step, ratio min-max)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -329,15 +360,16 @@ def main(argv: list[str]) -> None:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.only or ROWS}
     began = time.perf_counter()
-    for name in args.only or ROWS:
-        if args.budget is not None and time.perf_counter() - began > args.budget:
-            rows[name] = {"error": f"not run: --budget {args.budget:.0f} s spent"}
-            continue
-        start = time.perf_counter()
-        rows[name] = _row_in_fresh_process(name, args, out_dir)
-        print(f"{name}: {rows[name]} ({time.perf_counter() - start:.0f}s)", flush=True)
+    for round_ in range(args.rounds):  # interleaved: every row once per round, in the same order
+        for name in runs:
+            if args.budget is not None and time.perf_counter() - began > args.budget:
+                continue
+            start = time.perf_counter()
+            runs[name].append(_row_in_fresh_process(name, args, out_dir))
+            print(f"round {round_} {name}: {runs[name][-1]} ({time.perf_counter() - start:.0f}s)", flush=True)
+    rows = _combine_rounds(runs, args.budget)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     header = (f"# bench/gpu.py on {device}\n\ntorch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')},"
               f" {'smoke shapes' if args.smoke else 'Llama-3.2-1B shape, micro-batch 4 x 2048'}\n\n")  # fmt: skip

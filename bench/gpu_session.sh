@@ -4,11 +4,11 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-TESTS_S=${TESTS_S:-150}; BENCH_BUDGET_S=${BENCH_BUDGET_S:-230}; ROWS=${ROWS:-}
+TESTS_S=${TESTS_S:-150}; BENCH_BUDGET_S=${BENCH_BUDGET_S:-230}; ROWS=${ROWS:-}; ROUNDS=${ROUNDS:-1}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, lightning, transformers; print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
   date -u; } > "$OUT/env.txt" 2>&1
-python3 bench/gpu.py --out "$OUT" --profile "$OUT" --steps 8 --warmup 3 --timeout 150 --budget "$BENCH_BUDGET_S" \
+python3 bench/gpu.py --out "$OUT" --profile "$OUT" --steps 8 --warmup 3 --timeout 150 --budget "$BENCH_BUDGET_S" --rounds "$ROUNDS" \
   ${ROWS:+--only $ROWS} 2>&1 | tee "$OUT/bench_log.txt"
 if [ "$TESTS_S" -gt 0 ]; then
   timeout "$TESTS_S" python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -n 6 -v -rA --tb=short \

@@ -51,7 +51,7 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
         "--from-json bench/results/tune_validation.json --out {out}/tune_validation",
         ["tune_validation.md"],
     ),
-    "gpu.py": ("--smoke --only fs-none --out {out}", ["gpu_smoke.md", "gpu_smoke.json"]),
+    "gpu.py": ("--smoke --only fs-none --out {out} --profile {out}", ["gpu_smoke.md", "gpu_smoke.json", "profile.txt"]),
     "compare_strategies.py": (
         "--quick --world 4 --steps 1 --warmup 1 --only FS-DDP --out {out}",
         ["compare_strategies_quick_subset.md", "compare_strategies_quick_subset.json"],
