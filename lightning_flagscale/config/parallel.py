@@ -545,6 +545,17 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             schedule=self.pipeline_schedule,
         )  # fmt: skip
 
+    def check_user_layout(self) -> None:
+        """Rules for a layout a user gives, not for the per-stage-group configs built from it (those run one
+        pipeline stage group each, pp = 1, and carry the order knobs of the hetero pipeline they belong to)."""
+        knobs = [n for n in ("pipeline_chunk_costs", "pipeline_max_activations") if getattr(self, n) is not None]
+        if knobs and not self.pp_enabled and not self.hetero_enabled:
+            named = " and ".join(knobs)
+            raise ValueError(
+                f"{named} shape a pipeline schedule's order, but pipeline_parallel_size=1 runs none; set"
+                f" pipeline_parallel_size > 1 or leave {named} at None."
+            )
+
     def stage_groups(
         self, num_layers: int, model: TransformerConfig | None = None, rank_order: list[int] | None = None
     ) -> list[StageGroup]:

@@ -127,6 +127,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         super().__init__()
         if parallel is None:
             parallel = ParallelConfig(**layout)  # the layout keywords are ParallelConfig's fields (_signature.py)
+        parallel.check_user_layout()
         check_options(resume, watchdog_timeout)
         # CPU emulation of slow devices (parallel/hetero_mesh/ranks.py): a malformed setting fails here, before the
         # ranks start, instead of in every rank when the hooks are installed.

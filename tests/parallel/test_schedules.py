@@ -122,6 +122,24 @@ def test_v_order_knobs_are_checked_at_creation(kwargs, match):
         FlagScaleStrategy(**kwargs)
 
 
+def test_order_knobs_without_a_pipeline_are_refused_not_ignored():
+    # Checked on the user's layout (the strategy's), not in ParallelConfig itself: each hetero stage group's own config
+    # is pp = 1 and carries the knobs by design (stage_group_configs), and must stay valid.
+    with pytest.raises(
+        ValueError, match="pipeline_chunk_costs shape a pipeline schedule's order, but pipeline_parallel"
+    ):
+        FlagScaleStrategy(pipeline_schedule="zbv", pipeline_chunk_costs=[1, 2, 1])
+    with pytest.raises(ValueError, match=r"pipeline_max_activations shape .* leave pipeline_max_activations at None"):
+        FlagScaleStrategy(parallel=ParallelConfig(pipeline_schedule="dualpipev", pipeline_max_activations=9))
+    hetero = ParallelConfig(
+        hetero_meshes=[{"data_parallel_size": 1}, {"data_parallel_size": 1}], pipeline_schedule="zbv",
+        pipeline_chunk_costs=[1, 2, 1],
+    )  # fmt: skip
+    FlagScaleStrategy(parallel=hetero)
+    for group in hetero.stage_group_configs(num_layers=4):
+        assert group.pipeline_chunk_costs == (1, 2, 1) or group.pipeline_chunk_costs == [1, 2, 1]
+
+
 def test_dualpipev_cap_below_its_first_backward_is_refused_at_creation():
     # orders.dualpipev_order needs 2p + 1 activations at every p and m (tests/parallel/test_pipeline_orders.py): the
     # strategy says so before any process starts, not when the first schedule is built
