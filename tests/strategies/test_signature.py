@@ -71,6 +71,9 @@ OVERLAP = dict(
     overlap_moe_expert_parallel_comm=True,
 )  # fmt: skip
 
+# torch_compile is refused under pipeline parallelism and hetero meshes (ParallelConfig.__post_init__).
+COMPILE = dict(torch_compile=True, tensor_parallel_size=2, recompute="selective")
+
 # The V order knobs need pipeline_schedule="zbv" or "dualpipev" (ParallelConfig._check_v_order).
 ZBV_ORDER = dict(
     pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_chunk_costs=(1.0, 2.0, 1.0), pipeline_max_activations=8
@@ -78,13 +81,14 @@ ZBV_ORDER = dict(
 
 
 def test_every_kwarg_reaches_the_config():
-    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | set(OVERLAP) | set(ZBV_ORDER)
+    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | set(OVERLAP) | set(ZBV_ORDER) | set(COMPILE)
     assert covered == set(_fields()), "give every ParallelConfig field a non-default value here"
-    for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS, **ZBV_ORDER}.items():
+    for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS, **ZBV_ORDER, **COMPILE}.items():
         assert value != _default(_fields()[name]), name
     assert FlagScaleStrategy(**NON_DEFAULTS).parallel == ParallelConfig(**NON_DEFAULTS)
     assert FlagScaleStrategy(**HETERO_NON_DEFAULTS).parallel == ParallelConfig(**HETERO_NON_DEFAULTS)
     assert FlagScaleStrategy(**HETERO_SPEED).parallel == ParallelConfig(**HETERO_SPEED)
     assert FlagScaleStrategy(**OVERLAP).parallel == ParallelConfig(**OVERLAP)
     assert FlagScaleStrategy(**ZBV_ORDER).parallel == ParallelConfig(**ZBV_ORDER)
+    assert FlagScaleStrategy(**COMPILE).parallel == ParallelConfig(**COMPILE)
     assert FlagScaleStrategy().parallel == ParallelConfig()
