@@ -4,7 +4,7 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-TESTS_S=${TESTS_S:-150}; BENCH_BUDGET_S=${BENCH_BUDGET_S:-230}; ROWS=${ROWS:-}; ROUNDS=${ROUNDS:-1}
+TESTS_S=${TESTS_S:-200}; BENCH_BUDGET_S=${BENCH_BUDGET_S:-230}; ROWS=${ROWS:-}; ROUNDS=${ROUNDS:-1}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, lightning, transformers; print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
   date -u; } > "$OUT/env.txt" 2>&1
