@@ -174,8 +174,9 @@ class PipelineConfig:
     """Compile each decoder block and the loss with ``torch.compile`` (in place: parameter names unchanged), after
     TP / CP / EP / recompute and before ZeRO-3, as torchtitan does. Fuses the norms, rotary, SwiGLU and the loss's
     fp32 cast into few kernels (one GPU, 1B Llama: ``docs/gpu.md``); under ``selective`` recompute the op policy runs
-    once at compile time instead of at every op. The first step pays the compilation. Not with pipeline parallelism or
-    ``hetero_meshes``."""
+    once at compile time instead of at every op. The first step pays the compilation (and the first step whose label
+    count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), CP and every recompute mode; refused with pipeline
+    parallelism, ``hetero_meshes``, TP and MoE models."""
     overlap_moe_expert_parallel_comm: bool = False
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
@@ -392,6 +393,12 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 f" pipeline_parallel_size={self.pipeline_parallel_size}"
                 f"{' and hetero_meshes' if self.hetero_enabled else ''} each stage's blocks run inside a pipeline"
                 " schedule, which it does not compile yet. Set torch_compile=False or drop the pipeline."
+            )
+        if self.torch_compile and self.tp_enabled:
+            raise ValueError(
+                f"torch_compile=True with tensor_parallel_size={self.tensor_parallel_size} is not supported yet: the"
+                " compiled blocks' backward hands the TP layers' DTensor redistributions plain gradients. Set"
+                " torch_compile=False, or use data / context parallelism and ZeRO with compile."
             )
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()

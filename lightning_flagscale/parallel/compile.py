@@ -16,11 +16,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lightning_flagscale.moe.balance import moe_layers
+
 __all__ = ["apply_compile"]
 
 
 def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
-    """Compile every block of ``model`` (default: ``model.layers``) and its ``loss_fn``, in place; returns ``model``."""
+    """Compile every block of ``model`` (default: ``model.layers``) and its ``loss_fn``, in place; returns ``model``.
+
+    MoE models are refused: their expert GEMMs take a routing-dependent number of tokens each step (a shape the
+    compiler would specialise on or guard, and recompile for), and the expert-parallel all-to-all is not traced."""
+    if moe_layers(model):
+        raise ValueError(
+            "torch_compile=True is not supported for MoE models yet (per-expert token counts change every step);"
+            " set torch_compile=False."
+        )
     for block in model.layers.values() if blocks is None else blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"{type(block).__name__} is already compiled; apply torch_compile once.")

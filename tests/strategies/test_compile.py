@@ -17,13 +17,26 @@ from tests.strategies._lm import assert_matches_reference, reference_run, tiny_c
 STEPS = 3
 
 
-def test_compiled_blocks_and_loss_train_like_the_eager_single_process_run(launcher):
+LAYOUTS = {
     # ZeRO-1 (fp32 masters in flat buckets, gradient hooks on the compiled blocks' parameters) and selective recompute
-    # (its op policy traced by the compiler) under compile, on ragged labels with plain SGD and clipping.
-    reference = reference_run(tiny_config(), STEPS, clip=1.0)
-    kwargs = dict(zero_stage=1, recompute="selective", torch_compile=True)
+    # (its op policy traced by the compiler)
+    "zero1-selective": dict(zero_stage=1, recompute="selective"),
+    # ring attention inside the compiled blocks, FSDP2 units around them (compiled before sharding), full recompute
+    "cp2-fsdp2-full": dict(context_parallel_size=2, zero_stage=3, zero3_impl="fsdp2", recompute="full"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(tiny_config(), STEPS, clip=1.0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compiled_blocks_and_loss_train_like_the_eager_single_process_run(launcher, reference, layout):
+    # on ragged labels with plain SGD and clipping: weights and losses after 3 steps = the eager one-process run
+    kwargs = dict(LAYOUTS[layout], torch_compile=True)
     results = launcher.shared(2, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0)
-    assert_matches_reference(results, reference, "zero1-selective-compile", every_rank_holds_all=True)
+    assert_matches_reference(results, reference, f"{layout}-compile", every_rank_holds_all=True)
 
 
 def test_compile_keeps_parameter_names_and_compiles_once():
@@ -39,11 +52,21 @@ def test_compile_keeps_parameter_names_and_compiles_once():
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(pipeline_parallel_size=2), dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}])],
+    [
+        dict(pipeline_parallel_size=2),
+        dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}]),
+        dict(tensor_parallel_size=2),
+    ],
 )
-def test_compile_is_refused_under_a_pipeline(layout):
+def test_compile_is_refused_where_it_is_not_supported(layout):
     with pytest.raises(ValueError, match="torch_compile=True"):
         ParallelConfig(torch_compile=True, **layout).resolve(2)
+
+
+def test_compile_refuses_moe_models():
+    model = CausalLM(tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    with pytest.raises(ValueError, match="not supported for MoE models"):
+        apply_compile(model)
 
 
 def test_adamw_is_fused_on_cuda_parameters_only():

@@ -72,7 +72,7 @@ OVERLAP = dict(
 )  # fmt: skip
 
 # torch_compile is refused under pipeline parallelism and hetero meshes (ParallelConfig.__post_init__).
-COMPILE = dict(torch_compile=True, tensor_parallel_size=2, recompute="selective")
+COMPILE = dict(torch_compile=True, context_parallel_size=2, recompute="selective")
 
 # The V order knobs need pipeline_schedule="zbv" or "dualpipev" (ParallelConfig._check_v_order).
 ZBV_ORDER = dict(
