@@ -81,7 +81,9 @@ ZBV_ORDER = dict(
 
 
 def test_every_kwarg_reaches_the_config():
-    covered = set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | set(OVERLAP) | set(ZBV_ORDER) | set(COMPILE)
+    covered = (
+        set(NON_DEFAULTS) | set(HETERO_NON_DEFAULTS) | set(HETERO_SPEED) | set(OVERLAP) | set(ZBV_ORDER) | set(COMPILE)
+    )
     assert covered == set(_fields()), "give every ParallelConfig field a non-default value here"
     for name, value in {**NON_DEFAULTS, **HETERO_NON_DEFAULTS, **ZBV_ORDER, **COMPILE}.items():
         assert value != _default(_fields()[name]), name
