@@ -12,7 +12,10 @@ Rows (same model, data, batch and optimizer within a pair; bf16 autocast, AdamW,
   ``torch_compile=True`` (``tune`` models the eager run).
 - ``lightning-auto``: ``CausalLMModule`` under Lightning's own default strategy (issue 37 item 2).
 - ``hf-mixtral`` / ``fs-moe``: the MoE pair (Mixtral shape, aux loss off on both sides).
-- ``fs-fp8``: ``FlagScalePrecision("fp8")``; its error is reported as the row's result where fp8 does not run.
+- ``fs-fp8``: ``FlagScalePrecision("fp8")`` (torchao's float8 linears where transformer-engine is absent: carry the
+  torchao wheel, ``bench/gpu_session.sh``); its error is reported as the row's result where fp8 does not run.
+- ``fp8-loss``: bf16 and fp8 over 100 steps on the same 8 sequences: the largest relative loss gap (issue 37 item 6:
+  within 2%), and fp8's step time against bf16's.
 - ``two-fits``: two ``Trainer.fit`` in one process; memory allocated after each (after ``del`` + ``gc``), which must
   not grow (item 1: within 64 MiB).
 
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 ROWS = [
     "hf-llama", "fs-none", "fs-compile", "fs-selective", "fs-selective_mm", "fs-full", "fs-selective-compile",
-    "fs-full-compile", "lightning-auto",
+    "fs-full-compile", "lightning-auto", "fp8-loss",
     "hf-mixtral", "fs-moe", "fs-fp8", "two-fits",
 ]  # fmt: skip
 PROFILE: Path | None = None  # --profile: the last timed step of each row is traced into this folder
@@ -178,7 +181,7 @@ def _nothing():
 
 
 def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int, *, strategy: Any,
-                 precision: str = "bf16-mixed", row: str = "") -> dict[str, Any]:  # fmt: skip
+                 precision: str = "bf16-mixed", row: str = "", pool: int = 0) -> dict[str, Any]:  # fmt: skip
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -188,6 +191,7 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
 
     device = _device()
     times: list[float] = []
+    losses: list[float] = []
 
     total = warmup + steps + (1 if PROFILE is not None else 0)
 
@@ -201,6 +205,7 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _sync(device)
+            losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
             if self.profile is not None:
                 self.profile.__exit__(None, None, None)
             else:
@@ -209,6 +214,8 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
     module = CausalLMModule(TransformerConfig(**cfg), learning_rate=1e-4, warmup_steps=0)
     data = [b for b in _batches(cfg["vocab_size"], 1, s["seq"], s["batch"] * total, "cpu")]
     samples = [{k: v[0] for k, v in b.items()} for b in data]
+    if pool:  # a few sequences over and over: a loss that falls (random tokens stay at ln(vocab))
+        samples = [samples[i % pool] for i in range(len(samples))]
     plugins = [FlagScalePrecision(precision)] if strategy is not None and not isinstance(strategy, str) else []
     trainer = L.Trainer(
         accelerator=device.type, devices=1, strategy=strategy if strategy is not None else "auto",
@@ -218,7 +225,7 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
     )  # fmt: skip
     trainer.fit(module, DataLoader(samples, batch_size=s["batch"]))
     params = sum(p.numel() for p in module.parameters())
-    out = {"step_s": statistics.median(times[warmup:]), "params": params, **_memory(device)}
+    out = {"step_s": statistics.median(times[warmup:]), "params": params, "losses": losses, **_memory(device)}
     del trainer, module
     gc.collect()
     if device.type == "cuda":
@@ -249,6 +256,14 @@ def run_row(name: str, smoke: bool, steps: int, warmup: int) -> dict[str, Any]:
         return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=None, row=name)
     if name == "fs-fp8":
         return _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=FlagScaleStrategy(), precision="fp8")
+    if name == "fp8-loss":  # issue 37 item 6: fp8's loss against bf16's over 100 steps, same data and seed
+        n = 3 if smoke else 100
+        runs = {p: _trainer_fit(dict(s["dense"]), s, n, 0, strategy=FlagScaleStrategy(), precision=p, pool=8)
+                for p in ("bf16-mixed", "fp8")}  # fmt: skip
+        ref, got = runs["bf16-mixed"]["losses"], runs["fp8"]["losses"]
+        gaps = [abs(g - r) / r for g, r in zip(got, ref)]
+        return {"max_gap": max(gaps), "last_gap": gaps[-1], "bf16_first_last": (ref[0], ref[-1]),
+                "fp8_first_last": (got[0], got[-1]), "fp8_vs_bf16_step": runs["bf16-mixed"]["step_s"] / runs["fp8"]["step_s"]}  # fmt: skip
     if name == "two-fits":
         first = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
         second = _trainer_fit(dict(s["dense"]), s, 1, 1, strategy=FlagScaleStrategy(zero_stage=1))
@@ -314,6 +329,12 @@ def _fmt(rows: dict[str, dict[str, Any]], s: dict[str, Any], peak: float) -> str
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {name} | | | | | | | error: {r['error'][:160]} |")
+            continue
+        if name == "fp8-loss":
+            note = (f"fp8 vs bf16 loss: max gap {r['max_gap']:.2%}, last {r['last_gap']:.2%}; bf16"
+                    f" {r['bf16_first_last'][0]:.2f} -> {r['bf16_first_last'][1]:.2f}, fp8 {r['fp8_first_last'][0]:.2f}"
+                    f" -> {r['fp8_first_last'][1]:.2f}; fp8 step {r['fp8_vs_bf16_step']:.2f}x bf16's")  # fmt: skip
+            lines.append(f"| {name} | | | | | | | {note} |")
             continue
         if name == "two-fits":
             a, b = r["first"].get("after_fit_allocated_gib"), r["second"].get("after_fit_allocated_gib")

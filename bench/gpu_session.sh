@@ -4,6 +4,11 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+# Wheels the device image lacks (torchao for fp8, docs/gpu.md says how to download them), carried in .whl/
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 TESTS_S=${TESTS_S:-200}; BENCH_BUDGET_S=${BENCH_BUDGET_S:-230}; ROWS=${ROWS:-}; ROUNDS=${ROUNDS:-1}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, lightning, transformers; print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"

@@ -14,7 +14,9 @@ Two layouts, chosen per module when the strategy sets up (:meth:`FlagScalePrecis
   buffer meets a bf16 weight and the matmul fails), hence the opt-in.
 
 In both layouts ``16-mixed`` adds a dynamic loss scale whose inf/nan check is agreed by every rank, so a step is
-skipped everywhere or nowhere. ``fp8`` runs the linear layers through transformer-engine. The Megatron layout:
+skipped everywhere or nowhere. ``fp8`` runs the linear layers' GEMMs in float8: through transformer-engine where it
+is installed, else through torchao's ``Float8Linear`` (dynamic per-tensor scales, e4m3 forward, e5m2 gradients;
+:attr:`FlagScalePrecision.fp8_backend`). The Megatron layout:
 
 | precision   | params  | master weights | grads reduced in | loss scale |
 |-------------|---------|----------------|------------------|------------|
@@ -22,7 +24,7 @@ skipped everywhere or nowhere. ``fp8`` runs the linear layers through transforme
 | bf16-mixed  | bf16    | fp32           | fp32             | -          |
 | bf16-true   | bf16    | -              | fp32 (then bf16) | -          |
 | 16-mixed    | fp16    | fp32           | fp32             | dynamic    |
-| fp8         | bf16 (+fp8 GEMMs in TE) | fp32 | fp32         | -          |
+| fp8         | bf16 (+fp8 GEMMs)       | fp32 | fp32         | -          |
 
 With fp32 masters the module is in bf16/fp16 only during a trainer stage: teardown casts it back to fp32 holding the
 masters, and the next ``fit`` starts its masters from those fp32 weights (``precision/fp32_weights.py``).
@@ -49,6 +51,7 @@ __all__ = [
     "LAYOUT_ATTRIBUTE",
     "DynamicLossScaler",
     "FlagScalePrecision",
+    "Fp8Backend",
     "PrecisionLayout",
     "PrecisionName",
     "as_flagscale_precision",
@@ -56,6 +59,7 @@ __all__ = [
 ]
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
+Fp8Backend = Literal["auto", "transformer_engine", "torchao"]
 PrecisionLayout = Literal["auto", "megatron", "lightning"]
 LAYOUT_ATTRIBUTE = "precision_layout"  # class attribute by which a module declares its layout
 _DTYPES = {
@@ -117,6 +121,11 @@ class FlagScalePrecision(Precision):
             when absent); ``"megatron"`` or ``"lightning"`` force one (see the module docstring).
         loss_scale: initial dynamic loss scale for ``16-mixed``.
         loss_scale_window: clean steps before the scale grows.
+        fp8_backend: for ``fp8``: ``"transformer_engine"`` (TE's ``Linear`` with delayed scaling; a CUDA GPU),
+            ``"torchao"`` (torchao's ``Float8Linear``: every ``nn.Linear`` whose sizes are multiples of 16, the LM
+            head excepted, as torchtitan; runs wherever ``torch._scaled_mm`` does, the CPU included), or ``"auto"``:
+            transformer-engine where it is installed and a GPU is present, else torchao. Either way a CUDA device
+            older than compute capability 8.9 (no fp8 tensor cores) is refused.
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class FlagScalePrecision(Precision):
         layout: PrecisionLayout = "auto",
         loss_scale: float = 2.0**16,
         loss_scale_window: int = 1000,
+        fp8_backend: Fp8Backend = "auto",
     ) -> None:
         name = _ALIASES.get(str(precision))
         if name is None:
@@ -133,8 +143,7 @@ class FlagScalePrecision(Precision):
                 f"FlagScalePrecision does not support precision={precision!r}; use one of {sorted(set(_ALIASES.values()))}."
             )
         _check_layout(layout, "FlagScalePrecision(layout=...)")
-        if name == "fp8":
-            _require_transformer_engine()
+        self.fp8_backend: Fp8Backend | None = _resolve_fp8_backend(fp8_backend) if name == "fp8" else None
         self.precision = name  # type: ignore[assignment]
         self.layout: PrecisionLayout = layout
         # Until a module is attached (`select_layout`), "auto" answers as Megatron: the layout this plugin had before
@@ -184,15 +193,17 @@ class FlagScalePrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.precision == "fp8":
+        if self.fp8_backend == "transformer_engine":
             module = _swap_linear_for_te(module)
+        elif self.fp8_backend == "torchao":
+            module = _convert_to_torchao_float8(module)
         if self.param_dtype != torch.float32:
             module = module.to(dtype=self.param_dtype)
         return module
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp8":
+        if self.fp8_backend == "transformer_engine":
             import transformer_engine.pytorch as te
             from transformer_engine.common.recipe import DelayedScaling, Format
 
@@ -313,8 +324,9 @@ def _to_bf16_if_floating(t: Tensor) -> Tensor:
 def check_precision_layout(precision: str, parallel: Any) -> None:
     """Refuse precision/layout combinations that are not implemented (called before any process group exists).
 
-    fp8 swaps ``nn.Linear`` for transformer-engine's after parallelisation: that is not written for TP's DTensor
-    weights, pipeline stage copies or FSDP2's sharded parameters yet, so those layouts are refused, not ignored.
+    fp8 swaps ``nn.Linear`` for transformer-engine's or torchao's after parallelisation: that is not written for TP's
+    DTensor weights, pipeline stage copies or FSDP2's sharded parameters yet, so those layouts are refused, not
+    ignored.
     """
     if precision != "fp8":
         return
@@ -328,9 +340,59 @@ def check_precision_layout(precision: str, parallel: Any) -> None:
     ]  # fmt: skip
     if unsupported:
         raise ValueError(
-            f"precision='fp8' with {', '.join(unsupported)} is not supported yet (transformer-engine layers are"
-            " swapped in after parallelisation only for DP / ZeRO-1/2); use 'bf16-mixed' or a DP/ZeRO-1/2 layout."
+            f"precision='fp8' with {', '.join(unsupported)} is not supported yet (fp8 linears are swapped in"
+            " after parallelisation only for DP / ZeRO-1/2); use 'bf16-mixed' or a DP/ZeRO-1/2 layout."
         )
+
+
+def _has(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _resolve_fp8_backend(choice: str) -> Fp8Backend:
+    """The fp8 backend ``choice`` names (``"auto"``: transformer-engine where it can run, else torchao), checked
+    here, before any process starts: installed, and a device with fp8 GEMMs."""
+    if choice not in ("auto", "transformer_engine", "torchao"):
+        raise ValueError(f"fp8_backend={choice!r}; use 'auto', 'transformer_engine' or 'torchao'.")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise ValueError(
+                f"precision='fp8' needs fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell);"
+                f" this {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}. Choose 'bf16-mixed'."
+            )
+    if choice == "transformer_engine" or (
+        choice == "auto" and _has("transformer_engine") and torch.cuda.is_available()
+    ):
+        _require_transformer_engine()
+        return "transformer_engine"
+    if not _has("torchao"):
+        raise ValueError(
+            "precision='fp8' runs through torchao's float8 linears or transformer-engine, and neither is installed"
+            " here. Install torchao (pip install 'lightning-flagscale[fp8]') or transformer-engine (the `gpu` extra),"
+            " or choose precision='bf16-mixed'."
+        )
+    return "torchao"
+
+
+def _fp8_linear(module: nn.Module, fqn: str) -> bool:
+    """torchao's filter: every linear but the LM head (its 128k-wide output in fp8 costs accuracy for little time, as
+    torchtitan leaves it out), and only sizes fp8 GEMMs take (multiples of 16)."""
+    if not isinstance(module, nn.Linear) or fqn.split(".")[-1] == "lm_head":
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def _convert_to_torchao_float8(module: nn.Module) -> nn.Module:
+    """Swap the linears ``_fp8_linear`` picks for torchao's ``Float8Linear`` (same parameters, same names)."""
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(module, module_filter_fn=_fp8_linear)
 
 
 def _require_transformer_engine() -> None:

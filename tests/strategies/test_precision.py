@@ -89,11 +89,40 @@ def test_lightning_precision_flags_map_onto_flagscale_precision():
     assert FlagScalePrecision("bf16-mixed").master_weights and not FlagScalePrecision("bf16-true").master_weights
 
 
-def test_fp8_without_transformer_engine_is_a_clear_error():
+def test_fp8_backend_is_chosen_and_checked_before_start(monkeypatch):
+    import lightning_flagscale.precision.flagscale as flagscale
+
+    assert FlagScalePrecision("fp8").fp8_backend == "torchao"  # transformer-engine is not installed here
+    assert FlagScalePrecision("bf16-mixed").fp8_backend is None
     with pytest.raises(ValueError, match=r"transformer-engine, which is not installed"):
-        FlagScalePrecision("fp8")
+        FlagScalePrecision("fp8", fp8_backend="transformer_engine")
+    with pytest.raises(ValueError, match=r"fp8_backend='te'; use 'auto'"):
+        FlagScalePrecision("fp8", fp8_backend="te")
     with pytest.raises(ValueError, match=r"does not support precision='64-true'"):
         FlagScalePrecision("64-true")
+    monkeypatch.setattr(flagscale, "_has", lambda package: False)
+    with pytest.raises(ValueError, match=r"torchao's float8 linears or transformer-engine, and neither is installed"):
+        FlagScalePrecision("fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU without fp8 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*A100-SXM4-80GB has 8.0"):
+        FlagScalePrecision("fp8", fp8_backend="torchao")
+
+
+def test_fp8_through_torchao_swaps_every_linear_but_the_head_and_keeps_names():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_flagscale.models import CausalLM
+    from tests.strategies._lm import tiny_config
+
+    model = CausalLM(tiny_config(intermediate_size=72))  # 72 is no multiple of 16: the MLP stays in bf16
+    names = list(model.state_dict())
+    FlagScalePrecision("fp8").convert_module(model)
+    assert list(model.state_dict()) == names
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert fp8 == {n for n in linears if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))}, sorted(fp8)
 
 
 def _registry_and_precision_flag():

@@ -92,3 +92,18 @@ def test_fp8_trains_with_transformer_engine_on_a_gpu():
     losses, _ = trainer_run(dict(zero_stage=1), tiny_config(hidden_size=64, intermediate_size=128), 3, clip=1.0,
                             precision=FlagScalePrecision("fp8").precision)  # fmt: skip
     assert losses[-1] < losses[0]
+
+
+def test_fp8_through_torchao_trains_like_bf16(launcher):
+    """Issue 37 item 6 on CPU: fp8 GEMMs (torchao's Float8Linear: e4m3 forward, e5m2 gradients, dynamic per-tensor
+    scales; the same quantisation ``torch._scaled_mm`` runs on an H100) under DP 2 with ZeRO-1 and fp32 masters stay
+    within 0.5% of the bf16 run's loss at every one of 12 steps (0.03% measured; the issue's bar is 2% over 100 steps
+    of the 1B shape, `bench/gpu.py`'s ``fp8-loss`` row), differ from it (fp8 ran), and the loss falls."""
+    steps = 12
+    bf16 = launcher.shared(2, trainer_run, dict(zero_stage=1), tiny_config(), steps, clip=1.0, precision="bf16-mixed")
+    fp8 = launcher.shared(2, trainer_run, dict(zero_stage=1), tiny_config(), steps, clip=1.0, precision="fp8")
+    (ref, _), (got, _) = bf16[0], fp8[0]
+    gaps = [abs(g - r) / r for g, r in zip(got, ref)]
+    assert max(gaps) < 0.005, [f"{x:.2%}" for x in gaps]
+    assert max(gaps) > 0, "fp8 ran exactly as bf16: the float8 linears were not used"
+    assert got[-1] < got[0] - 0.2 and ref[-1] < ref[0] - 0.2, (got, ref)
