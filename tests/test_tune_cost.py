@@ -4,16 +4,27 @@ backward, exposed TP traffic, MoE active FLOPs and MFU, on profiles whose every 
 from __future__ import annotations
 
 import pytest
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from lightning_flagscale.accounting.flops import flops_per_token
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.models.decoder import CausalLM
 from lightning_flagscale.parallel.data_parallel.grad_buckets import bucket_runs
+from lightning_flagscale.parallel.pipeline_parallel.orders import action_cost, simulate, torch_v_order
 from lightning_flagscale.tune import HardwareProfile, LinkPoint, estimate_step
 from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhead
-from lightning_flagscale.tune.cost import _bucket_sizes, _overlap_saving, _rank_params, _rank_pass
+from lightning_flagscale.tune.cost import (
+    _bubble,
+    _bucket_sizes,
+    _overlap_saving,
+    _Pass,
+    _rank_params,
+    _rank_pass,
+    _replay,
+    _steady_bubble,
+)
 from lightning_flagscale.tune.hardware import COLLECTIVES
-from lightning_flagscale.tune.inflight import overlapped_pairs
+from lightning_flagscale.tune.inflight import overlapped_pairs, schedule_live_peak
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 _TINY = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
@@ -39,18 +50,98 @@ def test_bubbles_follow_each_schedule():
         c = _layout(pipeline_parallel_size=p, pipeline_schedule=schedule, virtual_pipeline_parallel_size=v)
         one = _rank_pass(MODEL, c, 4096, hw)
         assert len(one.others) == p - 1  # the pipeline fills and drains through the other ranks
+        bubbles[schedule] = estimate_step(MODEL, c, 4096, gb, hw).bubble_seconds
+        if v == 2 and schedule in ("zbv", "dualpipev"):
+            # V schedules: torch's order replayed with every stage's own F, I and W (the first stage's backward all
+            # in W, torch's stage), less the heaviest rank's busy time; rank 0 holds the embedding and the head
+            stages = [(f, b - w, w) for f, b, w in one.stages]
+            sim = simulate(torch_v_order(schedule, p, 8), 2 * p, lambda a, st=stages: action_cost(a, st[a.stage_index]))
+            assert one.rank == 0 and bubbles[schedule] == pytest.approx(sim.makespan - sim.busy(0), rel=1e-12)
+            continue
         want = 0.0
         for f, b, w in one.others:
             f, b, w = f / v, b / v, w / v
-            want += {"1f1b": f + b, "interleaved_1f1b": f + b, "zero_bubble": f + b - 2 * w, "zbv": f + b - 2 * w,
-                     "dualpipev": f + 2 * b - 3 * w}[schedule]  # fmt: skip
-        bubbles[schedule] = estimate_step(MODEL, c, 4096, gb, hw).bubble_seconds
+            want += {"1f1b": f + b, "interleaved_1f1b": f + b, "zero_bubble": f + b - 2 * w}[schedule]
         assert bubbles[schedule] == pytest.approx(want)
     # interleaving halves the 1F1B bubble; splitting weight gradients (zero-bubble family) shrinks it further
     assert bubbles["1f1b"] == pytest.approx(2 * bubbles["interleaved_1f1b"], rel=0.02)
     assert bubbles["zero_bubble"] < bubbles["interleaved_1f1b"] and bubbles["zbv"] < bubbles["interleaved_1f1b"]
+    assert bubbles["zbv"] < bubbles["dualpipev"] < bubbles["zero_bubble"]
     no_pp = estimate_step(MODEL, _layout(), 4096, gb, hw)
     assert no_pp.bubble_seconds == 0.0
+
+
+@pytest.mark.parametrize("chunk", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0)])
+def test_v_bubbles_are_the_replayed_order_the_runner_runs(chunk):
+    # p = 4, m = 8, every chunk costing F : I : W = chunk (units): the closed form (p-1)(f+2b-3w) priced torch's
+    # DualPipeV order at 6 and 12 units (issue 42), its replay idles 3 and 8, what the bench measures
+    # (bench/results/pipeline_gen*.md); ZB-V's order 3 and 6. With pipeline_chunk_costs / pipeline_max_activations
+    # the runner runs the generated order (orders.zbv_order / dualpipev_order), priced from its own replay.
+    f, i, w = chunk
+    one = _Pass(f=2 * f, b=2 * (i + w), w=2 * w, comm={})  # a rank's two chunks; no per-stage split: even stages
+
+    def bubble(schedule: str, **knobs) -> float:
+        return _bubble(_layout(pipeline_parallel_size=4, pipeline_schedule=schedule, **knobs), one, m=8)
+
+    heavy = i > w
+    assert bubble("dualpipev") == (8.0 if heavy else 3.0)
+    assert bubble("zbv") == (6.0 if heavy else 3.0)
+    # generated for the chunk's costs: DualPipeV's weight gradients placed in its waits (5 at torch's 2p + 1
+    # activations and at 3p); ZB-V only gains from more memory (4p: the (p-1)F no V order beats)
+    assert bubble("dualpipev", pipeline_chunk_costs=chunk) == (5.0 if heavy else 3.0)
+    assert bubble("dualpipev", pipeline_chunk_costs=chunk, pipeline_max_activations=12) == (5.0 if heavy else 3.0)
+    assert bubble("zbv", pipeline_chunk_costs=chunk) == (6.0 if heavy else 3.0)
+    assert bubble("zbv", pipeline_chunk_costs=chunk, pipeline_max_activations=16) == 3.0
+    # "auto": the order generated for the measured costs, here the model's own
+    assert bubble("dualpipev", pipeline_chunk_costs="auto") == bubble("dualpipev", pipeline_chunk_costs=chunk)
+    # DualPipeV's overlapped pairs run fused (both outputs sent when the pair ends): nothing to hide, the fill and
+    # drain cost twice the apart order at F = I = W (p = 4, m = 8: 11.1% of the step instead of 5.9%)
+    fused = _bubble(_layout(pipeline_parallel_size=4, pipeline_schedule="dualpipev"), one, overlap=True, m=8)
+    assert fused == (11.0 if heavy else 6.0)
+
+
+def test_v_bubble_settles_after_the_warm_up_as_the_search_prices_it():
+    # The search prices m up to 60p micro-batches from the replays at 3p and 4p when they agree (_replayed_bubble):
+    # DeepSeek-V3's stages (MoE, MLA, the MTP module on the last stage, embedding and head on rank 0) on PP 8, with
+    # and without DualPipeV's fused pairs, give the replay of m itself at 10p and 40p
+    model, hw = TransformerConfig.from_preset("deepseek-v3"), _profile(bandwidth=5e10, latency=1e-5)
+    for schedule, overlap in (("zbv", False), ("dualpipev", False), ("dualpipev", True)):
+        c = ParallelConfig(pipeline_parallel_size=8, pipeline_schedule=schedule, expert_parallel_size=8,
+                           recompute="full", overlap_moe_expert_parallel_comm=overlap).resolve(64)  # fmt: skip
+        one = _rank_pass(model, c, 4096, hw)
+        for m in (80, 320):
+            exact = _replay.__wrapped__(schedule, 8, m, None, None, *_replay_args(one, overlap))
+            assert _bubble(c, one, overlap, m) == pytest.approx(exact, rel=1e-9)
+        assert _steady_bubble(schedule, 8, *_replay_args(one, overlap)) is not None  # the shortcut was taken
+
+
+def _replay_args(one: _Pass, overlap: bool) -> tuple:
+    stages = tuple((f, b - w, w) for f, b, w in one.stages)
+    hidden = None
+    if overlap:
+        ranks = [*one.others[: one.rank], (one.f, one.b, one.w), *one.others[one.rank :]]
+        eps = [*one.others_ep[: one.rank], one.ep, *one.others_ep[one.rank :]]
+        hidden = tuple(_overlap_saving(f / 2, b / 2, ef / 2, eb / 2) for (f, b, _), (ef, eb) in zip(ranks, eps))
+    return stages, hidden, one.rank
+
+
+def test_generated_v_orders_hold_the_activations_of_the_order_the_runner_runs():
+    # p = 4, m = 8, one activation a stage: torch's ZB-V order holds 2p, its DualPipeV order 2p + 1 on every rank;
+    # the order generated for I = 2F = 2W under a larger cap uses it (tune.memory_model walks what runs)
+    unit = dict.fromkeys(range(8), 1.0)
+
+    def live(schedule: str, weight: dict = unit, **knobs) -> list[tuple[float, int]]:
+        return [schedule_live_peak(schedule, 4, 2, 8, r, weight, **knobs) for r in range(4)]
+
+    assert [n for _, n in live("zbv")] == [8] * 4 and [n for _, n in live("dualpipev")] == [9] * 4
+    assert [n for _, n in live("dualpipev", costs=(1.0, 2.0, 1.0), cap=12)] == [12, 11, 12, 12]
+    assert [n for _, n in live("zbv", costs=(1.0, 2.0, 1.0), cap=16)] == [13, 13, 14, 16]
+    assert live("zbv", costs=(1.0, 2.0, 1.0)) == live("zbv")  # the cap left at 2p: torch's memory
+    # "auto": the costs are measured in training; the order never holds more than its cap, each at the rank's
+    # heaviest stage (the last stage, on rank 0, carries the head)
+    heavy = {**unit, 7: 3.0}
+    assert live("dualpipev", heavy, costs="auto") == [(27.0, 9), (9.0, 9), (9.0, 9), (9.0, 9)]
+    assert live("zbv", heavy, costs="auto", cap=12)[0] == (36.0, 12)
 
 
 def test_uneven_split_fills_through_the_light_stages():
@@ -634,9 +725,10 @@ def test_an_overlapped_pair_hides_each_all_to_all_under_the_other_chunks_compute
 
 
 def test_dualpipev_overlap_hides_the_expert_all_to_alls_of_its_pairs():
-    # Mixtral 8x7B (4 layers) on PP 2 x EP 4, DualPipeV, 8 micro-batches: with the overlap on, the heaviest rank's
-    # busy time and exposed EP time drop by (its pairs) x (one pair's hidden seconds), and the bubble's F&B terms
-    # by one pair's hidden seconds of each other rank; everything else is unchanged.
+    # Mixtral 8x7B (4 layers) on PP 2 x EP 4, DualPipeV, 4 micro-batches a replica: with the overlap on, the heaviest
+    # rank's busy time and exposed EP time drop by (its pairs) x (one pair's hidden seconds); the bubble is torch's
+    # order replayed with each pair as one action (the pair's hidden seconds off, both outputs sent when it ends:
+    # torch's lowering of the pair function), everything else is unchanged.
     model = TransformerConfig.from_preset("mixtral-8x7b", num_layers=4)
     hw = _profile(bandwidth=2e10, latency=1e-5)
     kw = dict(pipeline_parallel_size=2, pipeline_schedule="dualpipev", expert_parallel_size=4, zero_stage=1)
@@ -648,12 +740,31 @@ def test_dualpipev_overlap_hides_the_expert_all_to_alls_of_its_pairs():
     per_pair = _overlap_saving(f, b, ep_f, ep_b)
     assert 0 < per_pair <= ep_f + ep_b
     pairs = overlapped_pairs("dualpipev", 2, 4)[one.rank]
-    (of, ob, ow), (oep_f, oep_b) = (x / 2 for x in one.others[0]), (x / 2 for x in one.others_ep[0])
-    bubble_cut = min(of + 2 * ob - 3 * ow, _overlap_saving(of, ob, oep_f, oep_b))
+    # the fused replay by hand: rank r's pair costs its forward + backward less its hidden seconds, in one action
+    rank_pass = {one.rank: (one.f, one.b, one.ep), 1 - one.rank: (*one.others[0][:2], one.others_ep[0])}
+    hidden = {r: _overlap_saving(rf / 2, rb / 2, ep[0] / 2, ep[1] / 2) for r, (rf, rb, ep) in rank_pass.items()}
+    stages = [(sf, sb - sw, sw) for sf, sb, sw in one.stages]
+    fused = {}
+    for r, actions in torch_v_order("dualpipev", 2, 4).items():
+        seq_r = []
+        for act in filter(None, actions):
+            if act.sub_actions:
+                fwd, bwd = act.sub_actions
+                cost = sum(action_cost(x, stages[x.stage_index]) for x in (fwd, bwd)) - hidden[r]
+                act = _Action(fwd.stage_index, _ComputationType.FORWARD, fwd.microbatch_index)
+                seq_r += [(act, cost), (bwd, 0.0)]  # the forward's output leaves with the pair's end
+            else:
+                seq_r.append((act, action_cost(act, stages[act.stage_index])))
+        fused[r] = seq_r
+    costs = {(a.computation_type, a.stage_index, a.microbatch_index): t for seq_r in fused.values() for a, t in seq_r}
+    sim = simulate({r: [a for a, _ in seq_r] for r, seq_r in fused.items()}, 4,
+                   lambda a: costs[a.computation_type, a.stage_index, a.microbatch_index])  # fmt: skip
     a, o = estimate_step(model, plain, seq, batch, hw), estimate_step(model, overlap, seq, batch, hw)
     assert a.comm["ep"] - o.comm["ep"] == pytest.approx(pairs * per_pair, rel=1e-12)
-    assert a.bubble_seconds - o.bubble_seconds == pytest.approx(bubble_cut, rel=1e-12)
-    assert a.step_seconds - o.step_seconds == pytest.approx(pairs * per_pair + bubble_cut, rel=1e-9)
+    assert o.bubble_seconds == pytest.approx(sim.makespan - sim.busy(one.rank), rel=1e-12)
+    assert a.step_seconds - o.step_seconds == pytest.approx(
+        pairs * per_pair + a.bubble_seconds - o.bubble_seconds, rel=1e-9
+    )
     assert {k: v for k, v in a.comm.items() if k != "ep"} == {k: v for k, v in o.comm.items() if k != "ep"}
     # ranks sharing a few cores (CPU processes): gloo's copies compete with the compute, nothing is hidden
     shared = hw.replace(compute_units_per_node=2, devices_per_node=8)

@@ -25,15 +25,19 @@ over TP, whose latents' gradients are all-reduced in backward) and ``Q K^T`` ove
 ``v_head_dim``. The last stage runs each multi-token-prediction module: ``eh_proj``, one block (never recomputed)
 and the LM head again with its collectives.
 
-The pipeline adds its **bubble** per schedule, from the per-chunk forward ``f``, full backward ``b`` and
-weight-gradient part ``w`` of each of the other ``p - 1`` ranks the heaviest one waits on while the pipeline fills
-and drains (``v`` chunks; the DualPipe README's bubble table,
-https://github.com/deepseek-ai/DualPipe, and Qi et al., "Zero Bubble Pipeline Parallelism", 2023):
-for an even split gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble and ZBV ``(p-1)(f+b-2w)``, DualPipeV
-``(p-1)(f+2b-3w)``; plus the P2P sends of each micro-batch. DualPipeV with ``overlap_moe_expert_parallel_comm`` runs
-each fused forward-backward pair of its steady state (torch's ``OVERLAP_F_B``) at once: each chunk's expert
-all-to-alls hide under the other's compute (``_overlap_saving``), off the heaviest rank's busy time and the bubble's
-F&B terms (not on shared cores). Data parallelism reduces fp32 gradients over
+The pipeline adds its **bubble** per schedule. GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1): closed forms
+in the per-chunk forward ``f``, full backward ``b`` and weight-gradient part ``w`` of each of the other ``p - 1`` ranks
+the heaviest one waits on while the pipeline fills and drains (``v`` chunks; Qi et al., "Zero Bubble Pipeline
+Parallelism", 2023): gpipe / 1F1B ``(p-1)(F+B)``, interleaved ``(p-1)(f+b)``, zero-bubble ``(p-1)(f+b-2w)``, each
+equal to torch's order replayed with every stage's own times (checked for Llama-3-8B at p = 4 and 8). ZB-V and
+DualPipeV: the order the runner runs (torch's, or the one generated for ``pipeline_chunk_costs`` /
+``pipeline_max_activations``) replayed by ``orders.simulate`` with every stage's forward, input- and weight-gradient
+seconds, less the heaviest rank's busy time (``_v_bubble``; the closed form ``(p-1)(f+2b-3w)`` from the DualPipe
+README priced torch's DualPipeV order at twice its replay, issue 42); plus the P2P sends of each micro-batch.
+DualPipeV with ``overlap_moe_expert_parallel_comm`` runs each fused forward-backward pair of its steady state
+(torch's ``OVERLAP_F_B``) at once: each chunk's expert all-to-alls hide under the other's compute
+(``_overlap_saving``), off the heaviest rank's busy time and off each pair of the replay, which sends both of a pair's
+outputs when it ends, as torch lowers it (not on shared cores). Data parallelism reduces fp32 gradients over
 data x context ranks (``parallel/data_parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
@@ -55,13 +59,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from lightning_flagscale.accounting.flops import flops_per_token
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
-from lightning_flagscale.config.schedules import SCHEDULE_SPECS
+from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches
 from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCKET_NUMEL, cut_runs
+from lightning_flagscale.parallel.pipeline_parallel.orders import action_cost, simulate
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
-from lightning_flagscale.tune.inflight import overlapped_pairs, schedule_actions
+from lightning_flagscale.tune.inflight import overlapped_pairs, runner_v_order, schedule_actions
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
 from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params
 
@@ -472,29 +478,121 @@ def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) ->
         total[k] = total.get(k, 0.0) + times * v
 
 
-def _bubble(c: ParallelConfig, one: _Pass, overlap: bool = False) -> float:
-    """Idle time of one schedule run on the heaviest rank (see the module docstring): the fill and drain run through
-    the *other* ranks' chunks, so each of the ``p - 1`` bubble slots costs that rank's time, not the heaviest's
-    (equal for an even split; an uneven split's light stages fill faster)."""
+def _bubble(c: ParallelConfig, one: _Pass, overlap: bool = False, m: int | None = None) -> float:
+    """Idle time of one schedule run of ``m`` micro-batches on the heaviest rank (see the module docstring).
+
+    ZB-V and DualPipeV: the order the runner runs, replayed (:func:`_v_bubble`). The others, closed forms: the fill
+    and drain run through the *other* ranks' chunks, so each of the ``p - 1`` bubble slots costs that rank's time, not
+    the heaviest's (equal for an even split; an uneven split's light stages fill faster)."""
     p, v = c.pipeline_parallel_size, c.virtual_pipeline_parallel_size
     if p == 1:
         return 0.0
-    others = one.others or ((one.f, one.b, one.w),) * (p - 1)
-    others_ep = one.others_ep or (one.ep,) * len(others)
     name = c.pipeline_schedule
+    if SCHEDULE_SPECS[name].placement == "v":
+        return _v_bubble(c, one, overlap, m)
+    others = one.others or ((one.f, one.b, one.w),) * (p - 1)
     total = 0.0
-    for (f, b, w), ep in zip(others, others_ep):
+    for f, b, w in others:
         f, b, w = f / v, b / v, w / v
-        if name in ("gpipe", "1f1b", "interleaved_1f1b"):
-            total += f + b
-        elif name in ("zero_bubble", "zbv"):
-            total += max(0.0, f + b - 2 * w)
-        else:
-            # DualPipeV is DualPipe (2p ranks, bubble (2p/2-1)(F&B+B-3W)) cut in half onto p ranks; F&B = f + b,
-            # less what the pair hides when it overlaps its expert all-to-alls (overlap_moe_expert_parallel_comm)
-            hidden = _overlap_saving(f, b, ep[0] / v, ep[1] / v) if overlap else 0.0
-            total += max(0.0, f + 2 * b - 3 * w - hidden)
+        total += f + b if name in ("gpipe", "1f1b", "interleaved_1f1b") else max(0.0, f + b - 2 * w)
     return total
+
+
+def _v_bubble(c: ParallelConfig, one: _Pass, overlap: bool, m: int | None) -> float:
+    """ZB-V / DualPipeV: the makespan of the order the runner runs (``inflight.runner_v_order``: torch's, or the one
+    generated for ``pipeline_chunk_costs`` / ``pipeline_max_activations``), replayed by ``orders.simulate`` with each
+    stage's forward, input-gradient and weight-gradient seconds, less the heaviest rank's busy time.
+
+    The closed form ``(p-1)(f+2b-3w)`` this replaces priced torch's DualPipeV order at about twice its replay (p = 4,
+    F = I = W: 6 F against 3 F; I = 2F = 2W: 12 F against 8 F), ranking DualPipeV below ZB-V (issue 42). ``"auto"``
+    costs: the order generated for this model's mean chunk costs (what the runner measures; its first two steps,
+    on torch's order, are not priced). ``m`` None (the hetero planner's call): 2p, where torch's orders are past
+    their warm-up (ZB-V idles more below about 2p micro-batches; from there the replay does not change with m). With ``overlap`` each fused pair (``OVERLAP_F_B``) runs as one
+    action, the pair's hidden all-to-all seconds off (``_overlap_saving``, the rank's per-chunk average, as the busy
+    time takes them) and both outputs sent when it ends (torch's lowering of a custom pair function); without it the
+    runner runs the pair's halves apart, as the replay does."""
+    p, name = c.pipeline_parallel_size, c.pipeline_schedule
+    m = max(m or 2 * p, min_microbatches(name, p, 2))
+    uniform = (one.f / 2, (one.b - one.w) / 2, one.w / 2)
+    stages = tuple((f, b - w, w) for f, b, w in one.stages) if one.stages else (uniform,) * (2 * p)
+    costs = c.pipeline_chunk_costs
+    if costs == "auto":  # mean per chunk over every stage; the first stage's I and W are not its own (action_cost)
+        f = sum(s[0] for s in stages) / len(stages)
+        costs = (1.0, *(sum(s[k] for s in stages[1:]) / (len(stages) - 1) / f for k in (1, 2)))
+    hidden = None
+    if overlap:
+        ranks = list(one.others or ((one.f, one.b, one.w),) * (p - 1))
+        eps = list(one.others_ep or (one.ep,) * (p - 1))
+        ranks.insert(one.rank, (one.f, one.b, one.w))
+        eps.insert(one.rank, one.ep)
+        hidden = tuple(_overlap_saving(f / 2, b / 2, ef / 2, eb / 2) for (f, b, _), (ef, eb) in zip(ranks, eps))
+    return _replayed_bubble(name, p, m, costs, c.pipeline_max_activations, stages, hidden, one.rank)
+
+
+def _replayed_bubble(
+    name: str,
+    p: int,
+    m: int,
+    costs: tuple[float, float, float] | None,
+    cap: int | None,
+    stages: tuple[tuple[float, float, float], ...],
+    hidden: tuple[float, ...] | None,
+    rank: int,
+) -> float:
+    """:func:`_v_bubble`'s replay. torch's orders repeat one pattern per micro-batch once warmed up, so their bubble
+    settles within ~3p micro-batches (``tests/test_tune_cost.py`` checks DeepSeek-V3's stages at m up to 40p): beyond
+    4p, when the replays at 3p and 4p agree, that is the bubble at m (a search prices m up to 60p, ~15x the replay's
+    time); when they do not (a bubble still growing), m itself is replayed."""
+    if costs is None and cap is None and m > 4 * p:
+        steady = _steady_bubble(name, p, stages, hidden, rank)
+        if steady is not None:
+            return steady
+    return _replay(name, p, m, costs, cap, stages, hidden, rank)
+
+
+@lru_cache(maxsize=4096)
+def _steady_bubble(
+    name: str, p: int, stages: tuple[tuple[float, float, float], ...], hidden: tuple[float, ...] | None, rank: int
+) -> float | None:
+    """The bubble of torch's order once it no longer changes with m (replays at 3p and 4p agree), else None."""
+    early, late = (_replay(name, p, k * p, None, None, stages, hidden, rank) for k in (3, 4))
+    return late if math.isclose(early, late, rel_tol=1e-9, abs_tol=1e-12) else None
+
+
+@lru_cache(maxsize=4096)
+def _replay(
+    name: str,
+    p: int,
+    m: int,
+    costs: tuple[float, float, float] | None,
+    cap: int | None,
+    stages: tuple[tuple[float, float, float], ...],
+    hidden: tuple[float, ...] | None,
+    rank: int,
+) -> float:
+    """Makespan less ``rank``'s busy time of the runner's order (``runner_v_order``) replayed with each stage's
+    (F, I, W) seconds, each overlapped pair fused (``hidden``: per rank, the seconds a pair hides) or, without
+    ``hidden``, run apart. Cached: a search prices the same order with the same stage times for every ZeRO stage and
+    DP degree that leaves the micro-batch count alone."""
+    order = runner_v_order(name, p, m, costs, cap)
+    fused: dict[tuple, float] = {}  # (kind, stage, micro-batch) -> seconds, for the halves of overlapped pairs
+    if hidden is not None:
+        for r, actions in order.items():
+            for a in actions:
+                if a.sub_actions:
+                    fwd, bwd = a.sub_actions  # torch's pairs and orders.dualpipev_order's: the forward first
+                    pair = action_cost(fwd, stages[fwd.stage_index]) + action_cost(bwd, stages[bwd.stage_index])
+                    fused[_key(fwd)], fused[_key(bwd)] = pair - hidden[r], 0.0
+
+    def seconds(a) -> float:
+        return fused.get(_key(a), action_cost(a, stages[a.stage_index]))
+
+    sim = simulate(order, 2 * p, seconds)
+    return sim.makespan - sim.busy(rank)
+
+
+def _key(a) -> tuple:
+    return a.computation_type, a.stage_index, a.microbatch_index
 
 
 def _overlap_saving(f: float, b: float, ep_f: float, ep_b: float) -> float:
@@ -698,7 +796,7 @@ def estimate_step(
     # what their expert all-to-alls hide leaves the heaviest rank's busy time, its exposed comm and the bubble's F&B
     # terms. Not on shared cores: there gloo copies and reduces on the cores the compute needs.
     overlap = c.overlap_moe_expert_parallel_comm and p > 1 and not _shared_ranks(c, hw)
-    bubble = gas * _bubble(c, one, overlap)
+    bubble = gas * _bubble(c, one, overlap, m_total // gas)
     busy = m_total * (one.f + one.b)
     comm = {k: m_total * val for k, val in one.comm.items()}
     if overlap:

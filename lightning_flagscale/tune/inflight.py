@@ -15,27 +15,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cache, lru_cache
 from types import SimpleNamespace
+from typing import Literal
 
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, validate_schedule
+from lightning_flagscale.parallel.pipeline_parallel.orders import dualpipev_order, torch_v_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.plan import stage_ids_for_rank
 
 __all__ = [
     "live_activation_peak",
     "max_live_microbatches",
     "overlapped_pairs",
+    "runner_v_order",
     "schedule_actions",
     "schedule_live_peak",
 ]
 
 
 @lru_cache(maxsize=256)
-def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+def schedule_actions(
+    schedule: str, p: int, v: int, m: int, costs: tuple[float, float, float] | None = None, cap: int | None = None
+) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per pipeline rank, the compute actions ``(kind, stage, microbatch)`` in execution order; kind is F, B, I or W
-    (a DualPipeV overlapped F+B is its forward then its backward)."""
+    (a DualPipeV overlapped F+B is its forward then its backward). ``costs`` / ``cap``
+    (``ParallelConfig.pipeline_chunk_costs`` / ``pipeline_max_activations``, ZB-V and DualPipeV): the order generated
+    for them, which the runner runs instead of torch's (:func:`runner_v_order`)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     validate_schedule(schedule, p, v, m)
     spec = SCHEDULE_SPECS[schedule]
+    if costs is not None or cap is not None:
+        return tuple(_kinds(acts) for acts in runner_v_order(schedule, p, m, costs, cap).values())
     if spec.stages_per_rank == 1:
         return tuple(_single_stage_actions(schedule, p, r, m) for r in range(p))
     n = p * v
@@ -44,20 +53,38 @@ def schedule_actions(schedule: str, p: int, v: int, m: int) -> tuple[tuple[tuple
     stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=n, stage_index=s, is_first=s == 0,
                               is_last=s == n - 1, submod=None) for s in stage_ids_for_rank(0, p, n, spec.placement)]  # fmt: skip
     sched = _order_only(getattr(torch_schedules, spec.torch_class))(stages, m, loss_fn=lambda out, target: out)
-    ranks = []
-    for rank in range(p):
-        actions = []
-        for action in sched.pipeline_order[rank]:
-            if action is None:
-                continue
-            for sub in action.sub_actions or (action,):
-                kind = str(sub.computation_type)
-                kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
-                    kind.rsplit(".", 1)[-1], kind
-                )
-                actions.append((kind, sub.stage_index, sub.microbatch_index))
-        ranks.append(tuple(actions))
-    return tuple(ranks)
+    return tuple(_kinds(sched.pipeline_order[rank]) for rank in range(p))
+
+
+def _kinds(order) -> tuple[tuple[str, int, int], ...]:
+    """One rank's torch actions as ``(kind, stage, microbatch)``, an overlapped pair as its two halves."""
+    actions = []
+    for action in order:
+        if action is None:
+            continue
+        for sub in action.sub_actions or (action,):
+            kind = str(sub.computation_type)
+            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
+                kind.rsplit(".", 1)[-1], kind
+            )
+            actions.append((kind, sub.stage_index, sub.microbatch_index))
+    return tuple(actions)
+
+
+@lru_cache(maxsize=64)
+def runner_v_order(
+    schedule: str, p: int, m: int, costs: tuple[float, float, float] | None = None, cap: int | None = None
+) -> dict[int, tuple]:
+    """Per pipeline rank, the compute actions (torch ``_Action``s, DualPipeV's pairs as ``OVERLAP_F_B``) that the
+    pipeline runner runs for ``"zbv"`` or ``"dualpipev"`` over ``p`` ranks and ``m`` micro-batches, as
+    ``PipelineRunner._schedule`` chooses: torch's own order, or, when ``costs`` (a chunk's forward, input-gradient and
+    weight-gradient cost: ``ParallelConfig.pipeline_chunk_costs``) or ``cap`` (``pipeline_max_activations``) is set,
+    the order ``orders.zbv_order`` / ``orders.dualpipev_order`` generates for them (``costs`` None: equal costs).
+    Cached: a search asks for the same few (p, m) many times; the result must not be changed."""
+    if costs is None and cap is None:
+        return {r: tuple(a for a in acts if a is not None) for r, acts in torch_v_order(schedule, p, m).items()}
+    generate = {"zbv": zbv_order, "dualpipev": dualpipev_order}[schedule]
+    return {r: tuple(acts) for r, acts in generate(p, m, costs or (1.0, 1.0, 1.0), cap).items()}
 
 
 @cache
@@ -107,15 +134,33 @@ def live_activation_peak(actions: Sequence[tuple[str, int, int]], weight: dict[i
     return _weigh(*_live_counts(tuple(actions)), weight)
 
 
-def schedule_live_peak(schedule: str, p: int, v: int, m: int, rank: int, weight: dict[int, float]) -> tuple[float, int]:
-    """:func:`live_activation_peak` of rank ``rank`` of ``schedule_actions(schedule, p, v, m)``, its walk cached by
-    those integers (a search weighs the same few schedules ~10^5 times; hashing their action lists was most of it)."""
-    return _weigh(*_schedule_live_counts(schedule, p, v, m)[rank], weight)
+def schedule_live_peak(
+    schedule: str,
+    p: int,
+    v: int,
+    m: int,
+    rank: int,
+    weight: dict[int, float],
+    costs: tuple[float, float, float] | Literal["auto"] | None = None,
+    cap: int | None = None,
+) -> tuple[float, int]:
+    """:func:`live_activation_peak` of rank ``rank`` of ``schedule_actions(schedule, p, v, m, costs, cap)``, its walk
+    cached by those arguments (a search weighs the same few schedules ~10^5 times; hashing their action lists was most
+    of it). ``costs="auto"``: the order is generated for costs measured in training, unknown here; it never holds more
+    than its cap (``cap``, or 2p for ZB-V and torch's 2p + 1 for DualPipeV), priced at the rank's heaviest stage."""
+    if costs == "auto":
+        if cap is None:
+            cap = 2 * p if schedule == "zbv" else max(max_live_microbatches(schedule, p, v, m))
+        top = max(weight.get(s, 0.0) for s in stage_ids_for_rank(rank, p, p * v, SCHEDULE_SPECS[schedule].placement))
+        return top * cap, cap
+    return _weigh(*_schedule_live_counts(schedule, p, v, m, costs, cap)[rank], weight)
 
 
 @lru_cache(maxsize=1024)
-def _schedule_live_counts(schedule: str, p: int, v: int, m: int) -> tuple:
-    return tuple(_live_counts(actions) for actions in schedule_actions(schedule, p, v, m))
+def _schedule_live_counts(
+    schedule: str, p: int, v: int, m: int, costs: tuple[float, float, float] | None, cap: int | None
+) -> tuple:
+    return tuple(_live_counts(actions) for actions in schedule_actions(schedule, p, v, m, costs, cap))
 
 
 def _weigh(stages: tuple[int, ...], counts: tuple[tuple[int, ...], ...], weight: dict[int, float]) -> tuple[float, int]:
