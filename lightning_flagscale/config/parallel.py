@@ -175,8 +175,9 @@ class PipelineConfig:
     TP / CP / EP / recompute and before ZeRO-3, as torchtitan does. Fuses the norms, rotary, SwiGLU and the loss's
     fp32 cast into few kernels (one GPU, 1B Llama: ``docs/gpu.md``); under ``selective`` recompute the op policy runs
     once at compile time instead of at every op. The first step pays the compilation (and the first step whose label
-    count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), CP and every recompute mode; refused with pipeline
-    parallelism, ``hetero_meshes``, TP and MoE models."""
+    count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), CP, 1F1B pipelines and recompute; refused with
+    pipeline     parallelism's split-backward schedules (``zero_bubble``, ``zbv``, ``dualpipev``), ``hetero_meshes``, TP and MoE
+    models."""
     overlap_moe_expert_parallel_comm: bool = False
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
@@ -387,12 +388,16 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             # Every schedule rule that needs only the layout (chunks per rank, V placement); the micro-batch count is
             # checked by the pipeline runner once the batch size is known. Without PP the schedule is never run.
             validate_schedule(self.pipeline_schedule, self.pipeline_parallel_size, self.virtual_pipeline_parallel_size)
-        if self.torch_compile and (self.pp_enabled or self.hetero_enabled):
+        if self.torch_compile and self.hetero_enabled:
             raise ValueError(
-                "torch_compile=True compiles the blocks of a model that runs whole on each rank; with"
-                f" pipeline_parallel_size={self.pipeline_parallel_size}"
-                f"{' and hetero_meshes' if self.hetero_enabled else ''} each stage's blocks run inside a pipeline"
-                " schedule, which it does not compile yet. Set torch_compile=False or drop the pipeline."
+                "torch_compile=True is not supported with hetero_meshes yet (each stage group's blocks are built by"
+                " the hetero pipeline, which does not compile them). Set torch_compile=False."
+            )
+        if self.torch_compile and self.pp_enabled and SCHEDULE_SPECS[self.pipeline_schedule].split_backward:
+            raise ValueError(
+                f"torch_compile=True with pipeline_schedule={self.pipeline_schedule!r} is not supported: a compiled"
+                " block's backward computes input and weight gradients in one graph, which a split-backward schedule"
+                " would run twice. Use 'gpipe', '1f1b' or 'interleaved_1f1b' with compile, or torch_compile=False."
             )
         if self.torch_compile and self.tp_enabled:
             raise ValueError(

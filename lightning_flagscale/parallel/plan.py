@@ -379,7 +379,7 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
         # each block twice (input, then weight gradients).
         replayable = SCHEDULE_SPECS[p.pipeline_schedule].split_backward
         apply_recompute(part, resolve_recompute(p.recompute, 1)[0], replayable=replayable, blocks=_blocks(part))
-    if p.torch_compile:
+    if p.torch_compile and not p.pp_enabled:  # under PP, build_pipeline compiles each stage's blocks
         apply_compile(part, _blocks(part))
 
 

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.config import ParallelConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS, min_microbatches, validate_schedule
+from lightning_flagscale.parallel.compile import apply_compile
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
 from lightning_flagscale.parallel.pipeline_parallel.orders import dualpipev_order, zbv_order
 from lightning_flagscale.parallel.pipeline_parallel.overlap import OverlappedPairs, check_pairs_cross_chunks
@@ -713,6 +714,8 @@ def build_pipeline(
         module = build_stage_module(model, plan.units[s])
         blocks = [module.get_submodule(u) for u in plan.units[s] if is_layer_unit(u)]
         apply_recompute(module, recompute[s], replayable=split_backward, blocks=blocks)
+        if config.torch_compile:  # split-backward schedules are refused with it (ParallelConfig)
+            apply_compile(module, blocks)
         modules.append(module)
     tied = tied_across_stages(model, plan)
     if device is None:
