@@ -78,6 +78,37 @@ here). Under TP the heads split; the down projections and their norms run replic
 sequence. ``selective`` keeps the outputs of q_a, q_b (or q), kv_a, kv_b and o plus the kernel's (math path: the
 two fp32 ``bmm`` outputs ``4n*(s + v)``); ``selective_mm`` every other matmul output in the order the block runs
 them. The MTP modules (:func:`mtp_activation_bytes`) run on the last stage and are never recomputed.
+
+Under ``torch_compile`` (``parallel/compile.py``: each block compiled after recompute wrapping, and the loss) what a
+block keeps is what AOTAutograd's min-cut partitioner hands from the compiled forward to the compiled backward (read
+off its graphs, ``TORCH_LOGS=aot_graphs``; ``SavedActivations`` sees them, ``ctx.save_for_backward``): it saves the
+block input and the statistics of both norms and recomputes the cheap pointwise ops (the norms' fp32 copies and
+``x_hat``, RoPE, ``silu``, the residual sum from the o projection's output) in backward:
+
+=======================================  ===========================  =======================================
+compiled block, ``recompute``            saved for backward           bytes per token
+=======================================  ===========================  =======================================
+``none``                                 block input, 2 rsqrt, norm   ``E*(4h + 2q + 2k + 3i) + 8 + 4a``
+                                         outputs, q/k after RoPE, v,
+                                         SDPA out + lse, o output,
+                                         gate, up, ``silu(g)*u``
+``selective``                            block input, q/k/v (before   ``E*(2h + 2q + 2k + 2i) + 4a``
+                                         RoPE), SDPA out + lse, o,
+                                         gate, up (not down: nothing
+                                         in backward reads it)
+``selective_mm``                         block input, q, v, SDPA out  ``E*(h + 2q + k + i) + 4a``
+                                         + lse, gate
+``full``                                 block input, RNG state       ``E*h`` + 5056 B per block
+=======================================  ===========================  =======================================
+
+(``i = intermediate_size``; no RNG state under the selective modes.) The compiled loss keeps the head's output,
+padded columns included, in the model dtype (``E*V_pad``: the fp32 copy and the fp32 log-probabilities are never
+written), the int64 targets, the row max and log-sum-exp (``8``) and the clamped label count (8 bytes once); its
+backward writes the logits' gradient in the model dtype in one fused kernel (``E*V_pad``, the only transient).
+Measured on CPU to the byte (bf16 and fp32, ``tests/test_tune_compile.py``). On CUDA, inductor's partitioner sees
+the same joint graph; the attention op is cuDNN's or flash's instead of the CPU flash kernel, which save the same
+q, k, v, out and fp32 lse (plus two 8-byte philox scalars) in the same bshd layout. Compiled blocks are priced for
+dense decoders with standard attention (TP, PP and MoE are refused by ``ParallelConfig`` / ``apply_compile``).
 """
 
 from __future__ import annotations
@@ -168,11 +199,14 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: RecomputeMode = "none",
     attention_keys: float | None = None,
+    compiled: bool = False,
 ) -> tuple[float, float]:
     """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
     over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring. ``attention_keys``:
     the key length when torch's math SDPA runs the core attention (:func:`math_attention_keys`), None for a fused
-    kernel."""
+    kernel. ``compiled``: the block runs compiled (``torch_compile``; dense blocks, standard attention, no TP)."""
+    if compiled:
+        return _compiled_layer_bytes(m, tokens, layer=layer, act_bytes=act_bytes, tp=tp, recompute=recompute)
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sequence_parallel else tokens
     norms = 2 * _norm(h, norm_tokens, e)
@@ -202,6 +236,35 @@ def layer_activation_bytes(
         kept = block_input + sum(outputs) + core  # + the core attention's outputs (SDPA out and lse)
         return kept, kept + full
     raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
+
+
+def _compiled_layer_bytes(
+    m: TransformerConfig, tokens: float, *, layer: int, act_bytes: int, tp: int, recompute: RecomputeMode
+) -> tuple[float, float]:
+    """:func:`layer_activation_bytes` of a compiled block (module docstring's second table)."""
+    if m.is_mla or m.is_moe_layer(layer) or tp != 1:
+        raise ValueError(
+            "The memory model prices torch_compile=True for dense blocks with standard attention and no tensor"
+            f" parallelism (the layouts torch_compile runs); {m.name!r} layer {layer} has"
+            f" {'MLA' if m.is_mla else 'MoE experts' if m.is_moe_layer(layer) else f'tensor_parallel_size={tp}'}."
+        )
+    e, h, a, i = act_bytes, m.hidden_size, m.num_attention_heads, m.intermediate_size
+    q, kv = a * m.head_dim, m.num_key_value_heads * m.head_dim
+    block_input = tokens * e * h
+    # the norms' inputs are recomputed from the block input and the o projection's output; their outputs are kept
+    full = block_input + tokens * (e * (3 * h + 2 * q + 2 * kv + 3 * i) + 8 + 4 * a)
+    if recompute == "none":
+        return full, full
+    if recompute == "full":
+        return block_input + CHECKPOINT_RNG_BYTES, block_input + CHECKPOINT_RNG_BYTES + full
+    if recompute not in ("selective", "selective_mm"):
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
+    outputs = [q, kv, kv, h, i, i, h]  # q, k, v, o, gate, up, down in the order the block runs them
+    if recompute == "selective_mm":
+        outputs = outputs[::2]
+    # the down projection's output only feeds the residual sum: backward never reads it, the partitioner drops it
+    kept = block_input + tokens * (e * (sum(outputs[:-1]) + q) + 4 * a)  # + SDPA out and lse
+    return kept, kept + full
 
 
 LORA_LINEARS = {
@@ -327,13 +390,21 @@ def head_bytes(
     tp: int = 1,
     sp: bool = False,
     frozen: bool = False,
+    compiled: bool = False,
 ) -> HeadBytes:
     """Final norm + LM head + loss on ``tokens`` tokens (module docstring); the LM head sees the whole sequence.
     ``frozen``: the norm's weight and the LM head are frozen (LoRA): the norm keeps its statistics only, the head
-    nothing."""
+    nothing. ``compiled``: the loss runs compiled (``torch_compile``; no TP): it keeps the logits in the model dtype
+    and its backward writes their gradient in the model dtype, nothing in fp32."""
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sp else tokens
     norm = norm_tokens * (4 * h + 4) if frozen else _norm(h, norm_tokens, e) + tokens * e * h  # + the head's input
+    if compiled:
+        if tp > 1:
+            raise ValueError(f"torch_compile=True runs without tensor parallelism; got tensor_parallel_size={tp}.")
+        logits = tokens * e * padded_vocab  # the head's output, padded columns included
+        # + int64 targets, the row max and log-sum-exp (fp32), and the clamped label count (one int64)
+        return HeadBytes(saved=norm + logits + tokens * 16 + 8, forward_transient=0.0, backward_transient=logits)
     if tp > 1:  # vocab-parallel cross-entropy (parallel/tensor_parallel/apply.py): fp32 softmax of the shard is kept
         local = padded_vocab / tp
         saved = norm + tokens * (4 * local + 10)

@@ -14,6 +14,8 @@
   bounds how much the peak may still be overstated.
 * :class:`SavedActivations` counts the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
   each storage once and parameters excluded: the quantity the activation formulas of ``tune.activations`` predict.
+  It sees what ``torch.compile``d regions keep too: AOTAutograd's compiled function saves its forward graph's outputs
+  for backward through ``ctx.save_for_backward``, which the hooks pack (``tests/test_tune_compile.py``).
 """
 
 from __future__ import annotations

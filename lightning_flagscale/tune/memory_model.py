@@ -14,9 +14,10 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
   forward/backward), or the (stage, micro-batch) pairs the pipeline schedule keeps alive (``tune.inflight``, read off
   torch's own schedules), each stage weighing its own layers, its boundary tensors and, on the last stage, the loss
   and the MTP modules (DeepSeek-V3; never recomputed); ``backend="gloo"`` prices torch's CPU attention kernels
-  (MLA with ``v_head_dim != qk head dim`` runs the math path there);
+  (MLA with ``v_head_dim != qk head dim`` runs the math path there); under ``torch_compile`` what the compiled
+  blocks and loss keep (``tune.activations``: no fp32 norm copies, no fp32 logits or log-probabilities);
 - **transients** on top of that peak: the loss's fp32 ``[tokens, vocab]`` temporaries (on the rank holding the last
-  stage), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
+  stage; compiled: the logits' gradient in the model dtype), the re-materialised layer under recompute; at the end of backward the **gradient reduction**'s buffers
   (ZeRO-1/2 reduce-scatter outputs, gloo's input copies, FSDP2's unsharded unit and its gradients under ZeRO-3)
   replace the activations when larger;
 - under ZeRO-3 on FSDP2, its **gathers** (``_fsdp2_gathered_bytes``): the root unit unsharded through forward and
@@ -211,7 +212,7 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
         kinds[False] = (layers[0], len(layers))
     for first, n in kinds.values():
         k, full = layer_activation_bytes(m, tokens, layer=first, act_bytes=e, tp=tp, sequence_parallel=sp,
-                                         recompute=recompute, attention_keys=keys)  # fmt: skip
+                                         recompute=recompute, attention_keys=keys, compiled=c.torch_compile)  # fmt: skip
         kept, extra = kept + n * k, max(extra, full - k)
     boundary = tokens * e * m.hidden_size / (tp if sp else 1)
     if stage > 0:
@@ -318,16 +319,23 @@ def memory_breakdown(
     (:func:`lora_rank_params`) with all of them; the gradient reduction and the optimizer step then see the
     adapters only, and the activations are what the frozen model keeps (``tune.activations``: the adapters' inputs,
     ``r``-wide outputs, dropout copies and DoRA's products, no input of a frozen linear; recompute ``none`` or
-    ``full``; ``backend="gloo"`` prices dropout's CPU mask)."""
+    ``full``; ``backend="gloo"`` prices dropout's CPU mask). ``config.torch_compile``: the blocks and the loss run
+    compiled (``tune.activations``; full fine-tuning of dense decoders with standard attention)."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
+    if c.torch_compile and (lora is not None or m.num_nextn_predict_layers):
+        raise ValueError(
+            "The memory model prices torch_compile=True for full fine-tuning without MTP modules; what compiled"
+            f" {'LoRA blocks' if lora is not None else 'MTP losses'} keep is not modelled. Plan it with"
+            " torch_compile=False (the eager model's bytes)."
+        )
     e = _ACT_BYTES[precision]
     tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
     tokens = c.micro_batch_size * seq_len / c.context_parallel_size
     batch = max(1, num_microbatches // c.gradient_accumulation_steps)  # without PP: one forward/backward of it
     head = head_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp, sp=sp,
-                      frozen=lora is not None)  # fmt: skip
+                      frozen=lora is not None, compiled=c.torch_compile)  # fmt: skip
     # gloo: CPU processes, torch's CPU SDPA kernels; ring CP runs its own kernel (q, k, v, out, lse kept), Ulysses
     # the model's core attention on the gathered sequence
     keys = math_attention_keys(m, seq_len, cpu=backend == "gloo") if c.ring_size == 1 else None
