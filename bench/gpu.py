@@ -234,12 +234,14 @@ def _trainer_fit(cfg: dict[str, Any], s: dict[str, Any], steps: int, warmup: int
     return out
 
 
-def _prediction(cfg: dict[str, Any], s: dict[str, Any], recompute: str) -> dict[str, Any]:
+def _prediction(cfg: dict[str, Any], s: dict[str, Any], recompute: str, torch_compile: bool = False) -> dict[str, Any]:
+    """``tune``'s step time and peak memory of the row's layout; the memory model prices the compiled blocks and
+    loss of the ``*-compile`` rows (``tune.activations``), the step time is the eager cost model's."""
     from lightning_flagscale.config import ParallelConfig, TransformerConfig
     from lightning_flagscale.tune import estimate_memory, estimate_step, load_profile
 
     model = TransformerConfig(**cfg)
-    layout = ParallelConfig(recompute=recompute, micro_batch_size=s["batch"]).resolve(1)
+    layout = ParallelConfig(recompute=recompute, micro_batch_size=s["batch"], torch_compile=torch_compile).resolve(1)
     cost = estimate_step(model, layout, s["seq"], s["batch"], load_profile("h100"))
     return {"predicted_step_s": cost.step_seconds, "predicted_gib": estimate_memory(model, layout, s["seq"], 1) / 2**30}
 
@@ -280,7 +282,7 @@ def run_row(name: str, smoke: bool, steps: int, warmup: int) -> dict[str, Any]:
     recompute = name.removeprefix("fs-").removesuffix("compile").rstrip("-") or "none"
     strategy = FlagScaleStrategy(recompute=recompute, torch_compile=compiled)
     out = _trainer_fit(dict(s["dense"]), s, steps, warmup, strategy=strategy, row=name)
-    return {**out, **_prediction(dict(s["dense"]), s, recompute)}
+    return {**out, **_prediction(dict(s["dense"]), s, recompute, torch_compile=compiled)}
 
 
 def _row_in_fresh_process(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
