@@ -142,6 +142,8 @@ def test_generated_v_orders_hold_the_activations_of_the_order_the_runner_runs():
     heavy = {**unit, 7: 3.0}
     assert live("dualpipev", heavy, costs="auto") == [(27.0, 9), (9.0, 9), (9.0, 9), (9.0, 9)]
     assert live("zbv", heavy, costs="auto", cap=12)[0] == (36.0, 12)
+    with pytest.raises(ValueError, match="only 'zbv' and 'dualpipev' run an order built here"):
+        schedule_live_peak("zero_bubble", 4, 2, 8, 0, unit, costs=(1.0, 2.0, 1.0))
 
 
 def test_uneven_split_fills_through_the_light_stages():

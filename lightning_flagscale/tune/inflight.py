@@ -81,6 +81,8 @@ def runner_v_order(
     weight-gradient cost: ``ParallelConfig.pipeline_chunk_costs``) or ``cap`` (``pipeline_max_activations``) is set,
     the order ``orders.zbv_order`` / ``orders.dualpipev_order`` generates for them (``costs`` None: equal costs).
     Cached: a search asks for the same few (p, m) many times; the result must not be changed."""
+    if schedule not in ("zbv", "dualpipev"):
+        raise ValueError(f"schedule={schedule!r}: only 'zbv' and 'dualpipev' run an order built here.")
     if costs is None and cap is None:
         return {r: tuple(a for a in acts if a is not None) for r, acts in torch_v_order(schedule, p, m).items()}
     generate = {"zbv": zbv_order, "dualpipev": dualpipev_order}[schedule]
