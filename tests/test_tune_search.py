@@ -578,7 +578,7 @@ def test_hetero_mesh_planner_tries_every_schedule():
         for v, il in ((2, il2), (4, il4)):
             assert one.step_seconds - il.step_seconds == pytest.approx((stages - 1) * slowest * (1 - 1 / v), rel=1e-9)
         assert zb2.step_seconds < il2.step_seconds and zb4.step_seconds < il4.step_seconds
-        assert zbv.step_seconds < dpv.step_seconds  # w < b: f + b - 2w < f + 2b - 3w (above f + b once b > 3w)
+        assert zbv.step_seconds < dpv.step_seconds  # w < b: torch's DualPipeV order idles more than ZB-V's (replayed)
         checked += 1
     assert checked > 0
     # the schedule's live micro-batches decide memory: interleaving holds more on the first stage group than 1F1B

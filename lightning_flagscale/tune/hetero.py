@@ -289,7 +289,7 @@ def _plan_meshes(
     n, one, pace = layers[slowest], passes[slowest], times[slowest]
     pipeline = ParallelConfig(pipeline_parallel_size=stages, pipeline_schedule=schedule,
                               virtual_pipeline_parallel_size=v)  # fmt: skip
-    run = m * pace + _bubble(pipeline, _Pass(f=pace - n * one.b, b=n * one.b, w=n * one.w, comm={}))
+    run = m * pace + _bubble(pipeline, _Pass(f=pace - n * one.b, b=n * one.b, w=n * one.w, comm={}), m=m)
     return HeteroPlan(kind="meshes", parallel=parallel, stage_seconds=times,
                       step_seconds=run + 2 * (m * v + stages - 1) * hop + reduction + optimizer,
                       memory_bytes=memory)  # fmt: skip
