@@ -530,12 +530,28 @@ def _assert_balanced_with_head(model, groups, plan, *, seq_len):
     return [e if e > 1e-9 * max(plan.stage_seconds) else 0.0 for e in priced]
 
 
+def test_hetero_mesh_plans_price_the_fill_and_drain_for_their_own_micro_batch_count(monkeypatch):
+    # The V schedules' bubble is a replay of m micro-batches (tune/cost.py::_v_bubble); without m it priced 2p.
+    import lightning_flagscale.tune.hetero as hetero
+
+    seen, real = [], hetero._bubble
+
+    def spy(c, one, overlap=False, m=None):
+        seen.append(m)
+        return real(c, one, overlap, m)
+
+    monkeypatch.setattr(hetero, "_bubble", spy)
+    kw = dict(seq_len=4096, global_batch=16, micro_batch_size=1, zero_stage=1, recompute="none", schedule="zbv")
+    plans = plan_hetero(TransformerConfig.from_preset("llama3-8b"), _h100_a100(), **kw)
+    assert plans and seen and all(isinstance(m, int) and 1 <= m <= 16 for m in seen), seen
+
+
 def test_hetero_mesh_planner_tries_every_schedule():
     # With v model chunks per stage group the fill and drain shrink: with free links and the same layers, the
     # interleaved 1F1B step is the 1F1B step less (S - 1)(1 - 1/v) slowest-stage slots (v = 2 and 4), zero-bubble
     # fills what is left of each slot with deferred weight gradients (ZBV, two chunks, the same as zero-bubble's two),
-    # DualPipeV leaves f + 2b - 3w of a slot (more than zero-bubble's f + b - 2w, and more than a whole slot when TP's
-    # exposed collectives make b > 3w). Every plan validates as the strategy's config.
+    # DualPipeV's order (replayed, as ZB-V's) idles more than ZB-V's while w < b. Every plan validates as the
+    # strategy's config.
     from lightning_flagscale.tune.hardware import COLLECTIVES, LinkPoint
 
     free = [LinkPoint(group_size=2, latency=0.0, bus_bandwidth=float("inf"))]
