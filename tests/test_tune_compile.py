@@ -110,6 +110,30 @@ def test_memory_breakdown_reads_torch_compile(compiled_run, mode):
     )
 
 
+def test_compiled_memory_model_under_context_parallelism():
+    """Ring CP: the compiled formulas without recompute and under ``full``; under the selective modes the ring's
+    graph break runs the checkpoint eagerly, priced as the eager block (both measured on 2 gloo ranks, not here:
+    one more multi-process launch). Ulysses is refused."""
+    config = TransformerConfig(**SHAPE, num_layers=2)
+
+    def activations(mode: str, compiled: bool, cp_mode: str = "ring") -> float:
+        layout = ParallelConfig(recompute=mode, context_parallel_size=2, context_parallel_mode=cp_mode,
+                                torch_compile=compiled).resolve(2)  # fmt: skip
+        return memory_breakdown(config, layout, SEQ, 1).heaviest.activations
+
+    head = head_bytes(config, SEQ / 2, padded_vocab=config.padded_vocab_size(64), compiled=True).saved
+    eager_head = head_bytes(config, SEQ / 2, padded_vocab=config.padded_vocab_size(64)).saved
+    for mode in RECOMPUTE_MODES:
+        compiled, eager = activations(mode, True) - head, activations(mode, False) - eager_head
+        if mode in ("selective", "selective_mm"):
+            assert compiled == eager, mode
+        else:
+            layer = layer_activation_bytes(config, SEQ / 2, recompute=mode, compiled=True)[0]
+            assert compiled == model_edge_bytes(config, SEQ / 2) + 2 * layer, mode
+    with pytest.raises(ValueError, match="context_parallel_mode='ring'"):
+        activations("none", True, "ulysses")
+
+
 def test_compiled_memory_model_refuses_what_it_does_not_price():
     """LoRA, MTP and MoE / MLA blocks under compile are not modelled: refused, naming the fix."""
     from lightning_flagscale.config.lora import LoRAConfig
