@@ -105,15 +105,16 @@ compiled block, ``recompute``            saved for backward           bytes per 
 padded columns included, in the model dtype (``E*V_pad``: the fp32 copy and the fp32 log-probabilities are never
 written), the int64 targets, the row max and log-sum-exp (``8``) and the clamped label count (8 bytes once); its
 backward writes the logits' gradient in the model dtype in one fused kernel (``E*V_pad``, the only transient).
-Measured on CPU to the byte (bf16 and fp32, ``tests/test_tune_compile.py``). On CUDA, inductor's partitioner sees
-the same joint graph; the attention op is cuDNN's or flash's instead of the CPU flash kernel, which save the same
-q, k, v, out and fp32 lse (plus two 8-byte philox scalars) in the same bshd layout. Compiled blocks are priced for
-dense decoders with standard attention (TP, PP and MoE are refused by ``ParallelConfig`` / ``apply_compile``).
+Measured on CPU to the byte (bf16: ``tests/test_tune_compile.py``; fp32 the same way, by hand). On CUDA,
+inductor's partitioner sees the same joint graph; the attention op is cuDNN's or flash's instead of the CPU flash
+kernel, which save the same q, k, v, out and fp32 lse (plus two 8-byte philox scalars) in the same bshd layout.
+Compiled blocks are priced for dense decoders with standard attention (TP, PP and MoE are refused by
+``ParallelConfig`` / ``apply_compile``).
 Under ring context parallelism the ring's exchange breaks the block's graph: without recompute the pieces keep the
 bytes above, under ``full`` too, while under the selective modes the break inside the checkpointed region makes torch
 run the checkpoint eagerly and the block keeps what the eager block keeps (measured on 2 gloo ranks, equal
-allocations; ``tune.memory_model`` prices it so). Ulysses' all-to-alls split it into more graphs that keep ~40% more
-(measured): not priced.
+allocations, ``bench/results/compile_memory.md``; ``tune.memory_model`` prices it so). Ulysses' all-to-alls split it
+into more graphs that kept 46% more (measured): not priced.
 """
 
 from __future__ import annotations

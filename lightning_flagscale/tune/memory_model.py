@@ -337,8 +337,8 @@ def memory_breakdown(
         raise ValueError(
             "The memory model does not price torch_compile=True with Ulysses / hybrid context parallelism"
             f" (context_parallel_mode={c.context_parallel_mode!r}): its all-to-alls split the compiled block into"
-            " several graphs, which keep more than one graph does (measured on CPU: +40% a block). Use"
-            " context_parallel_mode='ring' or plan it with torch_compile=False."
+            " several graphs, which keep more than one graph does (measured on CPU: +46% a block,"
+            " bench/results/compile_memory.md). Use context_parallel_mode='ring' or plan it with torch_compile=False."
         )
     e = _ACT_BYTES[precision]
     tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
