@@ -246,6 +246,28 @@ def test_model_states_per_rank_match_the_trainer_run(launcher, kwargs):
             assert abs(m[key] - value) <= 512 + 2e-3 * value, (kwargs, m["rank"], key, m[key], value)
 
 
+def test_generated_v_orders_hold_their_activation_cap():
+    # With pipeline_max_activations the runner runs the generated order (orders.zbv_order), which may hold up to the
+    # cap: the memory model walks that order, not torch's (2p for ZB-V).
+    from lightning_flagscale.tune.inflight import schedule_live_peak
+
+    model = TransformerConfig(**SHAPE, num_layers=8)
+    torch_order = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="zbv").resolve(2)
+    generated = ParallelConfig(
+        pipeline_parallel_size=2, pipeline_schedule="zbv", pipeline_chunk_costs=[1, 2, 1], pipeline_max_activations=8
+    ).resolve(2)  # fmt: skip
+    weights = {s: 1.0 for s in range(4)}
+    assert (
+        schedule_live_peak("zbv", 2, 2, 16, 0, weights, (1, 2, 1), 8)[1]
+        > schedule_live_peak("zbv", 2, 2, 16, 0, weights)[1]
+    )
+    gen, tor = (
+        memory_breakdown(model, generated, 64, 16).ranks[0],
+        memory_breakdown(model, torch_order, 64, 16).ranks[0],
+    )
+    assert (gen.live_microbatches, tor.live_microbatches) == (8, 4) and gen.activations == 2 * tor.activations
+
+
 def test_uneven_pipeline_split_heaviest_stage_decides():
     model = TransformerConfig(**SHAPE, num_layers=8)
     even = ParallelConfig(pipeline_parallel_size=2).resolve(2)

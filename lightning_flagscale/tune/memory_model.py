@@ -368,8 +368,12 @@ def memory_breakdown(
         if pp == 1:  # one batch of ``batch`` micro-batches, all alive at the end of its forward
             activations, live = (weights[0] * batch, batch) if weights[0] > 0.0 else (0.0, 0)
         else:
+            # the order the runner runs: generated for pipeline_chunk_costs / pipeline_max_activations when set
+            costs = c.pipeline_chunk_costs
+            costs = tuple(costs) if isinstance(costs, list) else costs
             activations, live = schedule_live_peak(c.pipeline_schedule, pp, c.virtual_pipeline_parallel_size,
-                                                   num_microbatches, p.pp_rank, weights)  # fmt: skip
+                                                   num_microbatches, p.pp_rank, weights, costs,
+                                                   c.pipeline_max_activations)  # fmt: skip
         scale = live if pp == 1 else 1
         if n - 1 in p.stages:
             extra = max(extra, head.forward_transient, head.backward_transient)
