@@ -9,7 +9,7 @@ Rows (same model, data, batch and optimizer within a pair; bf16 autocast, AdamW,
 - ``fs-none`` / ``fs-selective`` / ``fs-selective_mm`` / ``fs-full``: ``Trainer(strategy=FlagScaleStrategy(recompute=...))``
   with ``CausalLMModule``, next to ``tune``'s prediction of the same layout on the built-in ``h100`` profile (step
   time and peak memory); ``fs-compile`` / ``fs-selective-compile`` / ``fs-full-compile`` the same with
-  ``torch_compile=True`` (``tune`` models the eager run).
+  ``torch_compile=True`` (``tune``'s memory model knows compile; its step time is the eager one).
 - ``lightning-auto``: ``CausalLMModule`` under Lightning's own default strategy (issue 37 item 2).
 - ``hf-mixtral`` / ``fs-moe``: the MoE pair (Mixtral shape, aux loss off on both sides).
 - ``fs-fp8``: ``FlagScalePrecision("fp8")`` (torchao's float8 linears where transformer-engine is absent: carry the
@@ -358,7 +358,7 @@ def _fmt(rows: dict[str, dict[str, Any]], s: dict[str, Any], peak: float) -> str
         ratio = ("1.00x" if name == "hf-llama" else _ratio(r)) + (
             " hf-mixtral" if name == "fs-moe" and _ratio(r) else ""
         )
-        note = "tune: eager (compile not modelled)" if name.endswith("compile") else ""
+        note = "tune step s: eager (compile's time not modelled)" if name.endswith("compile") else ""
         lines.append(
             f"| {name} | {tps:,.0f} | {ratio} | {mfu} | {r.get('peak_gib', float('nan')):.2f} |"
             f" {r.get('predicted_step_s', float('nan')):.3f} | {r.get('predicted_gib', float('nan')):.2f} | {note} |"
