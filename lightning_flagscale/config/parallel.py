@@ -402,8 +402,8 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         if self.torch_compile and self.tp_enabled and self.sequence_parallel:
             raise ValueError(
                 "torch_compile=True with sequence_parallel=True is not supported yet: compiled blocks on sequence"
-                " shards gave wrong gradients (18% off in the gradient norm on CPU). Set sequence_parallel=False"
-                " (TP with compile is supported) or torch_compile=False."
+                " shards gave the embedding a wrong gradient on CPU. Set sequence_parallel=False (TP with compile is"
+                " supported) or torch_compile=False."
             )
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
