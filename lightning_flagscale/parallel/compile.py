@@ -21,17 +21,6 @@ from lightning_flagscale.moe.balance import moe_layers
 __all__ = ["apply_compile"]
 
 
-def _materialize_async_inputs(module: nn.Module, args: tuple) -> tuple:
-    """A compiled block's inputs as plain tensors. TP's embedding hands the first block the output of an asynchronous
-    redistribution (``AsyncCollectiveTensor``); entering the compiled graph as such, its gradient came back to the
-    redistribution's backward as a plain tensor, not a DTensor, and backward failed. A copy made here, in eager
-    mode, keeps the autograd edge through ``to_local`` (which wraps the gradient again) and costs one activation copy
-    on the first block only."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
-
-
 def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Compile every block of ``model`` (default: ``model.layers``) and its ``loss_fn``, in place; returns ``model``.
 
@@ -45,7 +34,6 @@ def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -
     for block in model.layers.values() if blocks is None else blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             raise ValueError(f"{type(block).__name__} is already compiled; apply torch_compile once.")
-        block.register_forward_pre_hook(_materialize_async_inputs)
         block.compile()
     loss_fn = getattr(model, "loss_fn", None)
     if loss_fn is not None and not hasattr(loss_fn, "_torchdynamo_orig_callable"):

@@ -23,8 +23,6 @@ LAYOUTS = {
     "zero1-selective": dict(zero_stage=1, recompute="selective"),
     # ring attention inside the compiled blocks, FSDP2 units around them (compiled before sharding), full recompute
     "cp2-fsdp2-full": dict(context_parallel_size=2, zero_stage=3, zero3_impl="fsdp2", recompute="full"),
-    # TP's asynchronous embedding output enters the first compiled block (it crashed in backward before)
-    "tp2": dict(tensor_parallel_size=2),
     # each stage's blocks compiled, the loss on the last stage, the 1F1B schedule around them
     "pp2-1f1b-selective": dict(pipeline_parallel_size=2, micro_batch_size=1, recompute="selective"),
 }
@@ -60,7 +58,7 @@ def test_compile_keeps_parameter_names_and_compiles_once():
     [
         dict(pipeline_parallel_size=2, pipeline_schedule="zbv"),
         dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}]),
-        dict(tensor_parallel_size=2, sequence_parallel=True),
+        dict(tensor_parallel_size=2),
     ],
 )
 def test_compile_is_refused_where_it_is_not_supported(layout):
