@@ -108,8 +108,8 @@ backward writes the logits' gradient in the model dtype in one fused kernel (``E
 Measured on CPU to the byte (bf16: ``tests/test_tune_compile.py``; fp32 the same way, by hand). On CUDA,
 inductor's partitioner sees the same joint graph; the attention op is cuDNN's or flash's instead of the CPU flash
 kernel, which save the same q, k, v, out and fp32 lse (plus two 8-byte philox scalars) in the same bshd layout.
-Compiled blocks are priced for dense decoders with standard attention and no TP (MoE and sequence parallelism are
-refused with compile by ``ParallelConfig`` / ``apply_compile``; TP under compile runs but is not modelled here).
+Compiled blocks are priced for dense decoders with standard attention (TP and MoE are refused with compile by
+``ParallelConfig`` / ``apply_compile``).
 Under ring context parallelism the ring's exchange breaks the block's graph: without recompute the pieces keep the
 bytes above, under ``full`` too, while under the selective modes the break inside the checkpointed region makes torch
 run the checkpoint eagerly and the block keeps what the eager block keeps (measured on 2 gloo ranks, equal
@@ -251,7 +251,7 @@ def _compiled_layer_bytes(
     if m.is_mla or m.is_moe_layer(layer) or tp != 1:
         raise ValueError(
             "The memory model prices torch_compile=True for dense blocks with standard attention and no tensor"
-            f" parallelism (compiled TP blocks are not modelled yet); {m.name!r} layer {layer} has"
+            f" parallelism (the layouts torch_compile runs); {m.name!r} layer {layer} has"
             f" {'MLA' if m.is_mla else 'MoE experts' if m.is_moe_layer(layer) else f'tensor_parallel_size={tp}'}."
         )
     e, h, a, i = act_bytes, m.hidden_size, m.num_attention_heads, m.intermediate_size
