@@ -753,6 +753,11 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
             for group in self.stage_group_configs(config.num_layers, config):
                 group.validate_model(config)
             return
+        if self.torch_compile and config.is_moe:  # parallel/compile.py refuses it too, for models built otherwise
+            raise ValueError(
+                f"torch_compile=True is not supported for MoE models yet ({config.name!r} has"
+                f" {config.num_experts} experts: per-expert token counts change every step); set torch_compile=False."
+            )
         tp = self.tensor_parallel_size
         if config.num_attention_heads % tp:
             raise ValueError(

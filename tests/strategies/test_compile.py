@@ -66,10 +66,13 @@ def test_compile_is_refused_where_it_is_not_supported(layout):
         ParallelConfig(torch_compile=True, **layout).resolve(2)
 
 
-def test_compile_refuses_moe_models():
-    model = CausalLM(tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-    with pytest.raises(ValueError, match="not supported for MoE models"):
-        apply_compile(model)
+def test_compile_refuses_moe_models_before_start():
+    config = tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="not supported for MoE models"):  # the launcher's check (validate_layout)
+        ParallelConfig(torch_compile=True).resolve(1).validate_model(config)
+    ParallelConfig().resolve(1).validate_model(config)
+    with pytest.raises(ValueError, match="not supported for MoE models"):  # and the plan's, for models built otherwise
+        apply_compile(CausalLM(config))
 
 
 def test_adamw_is_fused_on_cuda_parameters_only():
