@@ -676,11 +676,22 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
         return self.sequence_parallel and etp > 1 and self.etp_tokens_replicated
 
     @property
+    def moe_routes_sequence_chunks(self) -> bool:
+        """Whether MoE blocks route and dispatch only their own sequence-parallel chunk (TP with SP and whole experts
+        per EP rank, ETP = 1; Megatron's layout): each token reaches its experts once per TP group. Their token group
+        then holds the TP ranks, and router and shared-expert gradients are summed over TP (``MoELayer.forward``)."""
+        return self.tp_enabled and self.sequence_parallel and self.expert_tensor_parallel_size == 1
+
+    @property
     def expert_grad_divisor(self) -> int:
         """What expert gradients summed over the expert-data-parallel ranks are divided by: how many times each
-        token of the step reached every expert shard. MoE blocks run on the whole sequence on every TP rank, so each
-        (dp, cp) token shard is dispatched by its tp ranks; ETP ranks that split the same rows
-        (``etp_tokens_replicated``) see each of those copies once per ETP group instead of once per rank."""
+        token of the step reached every expert shard. Routing its own sequence chunk (``moe_routes_sequence_chunks``)
+        each TP rank dispatches other tokens: once per (dp, cp) token shard. Otherwise MoE blocks run on the whole
+        sequence on every TP rank, so each (dp, cp) token shard is dispatched by its tp ranks; ETP ranks that split
+        the same rows (``etp_tokens_replicated``) see each of those copies once per ETP group instead of once per
+        rank."""
+        if self.moe_routes_sequence_chunks:
+            return self.dp * self.context_parallel_size
         copies = self.dp * self.context_parallel_size * self.tensor_parallel_size
         return copies // self.expert_tensor_parallel_size if self.etp_tokens_replicated else copies
 
@@ -797,6 +808,13 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 )
         if "selective_mm" in self.stage_recompute and config.is_moe:
             raise ValueError(SELECTIVE_MM_ON_MOE)
+        if self.moe_routes_sequence_chunks and config.is_moe and config.moe_capacity_factor is not None:
+            raise ValueError(
+                f"moe_capacity_factor={config.moe_capacity_factor} with tensor_parallel_size={tp} and"
+                " sequence_parallel=True: each TP rank routes its own sequence chunk, so a per-rank capacity would drop"
+                " other tokens than one process does; use dropless routing (moe_capacity_factor=None) or"
+                " sequence_parallel=False."
+            )
         if self.ep_enabled:
             if not config.is_moe:
                 raise ValueError(

@@ -10,7 +10,9 @@ The sequence is dim 1 of ``[B, S, H]`` and splits evenly over the group, rank r 
   it of its members' chunks; backward: all-gather;
 - :func:`scale_grad` / :func:`scale_forward`: identity one way, a constant factor the other (a term every rank of
   a reduce-scatter holds alike enters the sum once);
-- :func:`sum_grad`: identity whose backward all-reduces the gradient (Megatron's ``copy_to_..._region``).
+- :func:`sum_grad`: identity whose backward all-reduces the gradient (Megatron's ``copy_to_..._region``);
+  :func:`sum_grads` the same for several tensors at once (one all-reduce), e.g. the weights of a module that runs on
+  each rank's own sequence chunk (their gradients are partial sums over the group).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_sequence", "scale_forward", "scale_grad", "scatter_sequence", "sum_grad"]
+__all__ = ["gather_sequence", "scale_forward", "scale_grad", "scatter_sequence", "sum_grad", "sum_grads"]
 
 _DIM = 1
 
@@ -124,6 +126,27 @@ class _SumGrad(torch.autograd.Function):
         return grad, None
 
 
+class _SumGrads(torch.autograd.Function):
+    """Identity on several tensors whose backward all-reduces their gradients as one flat buffer."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *xs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.group, ctx.meta = group, [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        # Tensors without a gradient here still take part (zeros): every rank must send the same buffer layout.
+        parts = [g if g is not None else torch.zeros(s, dtype=d, device=v) for g, (s, d, v) in zip(grads, ctx.meta)]
+        flat = torch.cat([p.reshape(-1).to(torch.float32 if p.is_floating_point() else p.dtype) for p in parts])
+        dist.all_reduce(flat, group=ctx.group)
+        out, start = [], 0
+        for part in parts:
+            out.append(flat[start : start + part.numel()].view(part.shape).to(part.dtype))
+            start += part.numel()
+        return (None, *out)
+
+
 def gather_sequence(x: Tensor, group: dist.ProcessGroup, *, partial_grad: bool = False) -> Tensor:
     """``[B, S/n, H]`` chunks -> ``[B, S, H]`` on every rank; backward: the chunk's gradient (``partial_grad``: the
     sum of every rank's gradient of it, a reduce-scatter)."""
@@ -152,3 +175,11 @@ def scale_forward(x: Tensor, factor: float) -> Tensor:
 def sum_grad(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``x`` unchanged; its gradient summed over ``group``."""
     return _SumGrad.apply(x, group)
+
+
+def sum_grads(xs: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """``xs`` unchanged; their gradients summed over ``group`` in one all-reduce (in fp32: the sum of a few partial
+    gradients should not round more than one process's accumulation)."""
+    if not xs:
+        return []
+    return list(_SumGrads.apply(group, *xs))

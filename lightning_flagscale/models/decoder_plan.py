@@ -39,9 +39,10 @@ __all__ = ["GradAllReduce", "MoESequenceParallel", "check_decoder_tp", "decoder_
 
 class MoESequenceParallel(PrepareModuleInputOutput):
     """The MoE block under sequence parallelism: this rank's sequence chunk in and out as local tensors, and the TP
-    group handed to the block (``MoELayer.sequence_parallel_group``), which all-gathers the sequence itself and
-    returns its chunk: a slice, or a reduce-scatter of partial expert outputs when the experts are split over the TP
-    ranks (``MoELayer.forward``; the DTensor redistribution could only all-reduce and slice)."""
+    group handed to the block (``MoELayer.sequence_parallel_group``), which routes that chunk itself (ETP = 1), or
+    all-gathers the sequence and returns its chunk: a slice, or a reduce-scatter of partial expert outputs when the
+    experts are split over the TP ranks (``MoELayer.forward``; the DTensor redistribution could only all-reduce and
+    slice)."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -177,8 +178,8 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         if not block.is_moe:
             plan[p + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         elif sequence_parallel:
-            # The MoE block (router, experts, shared experts) runs on the whole sequence on every TP rank, as
-            # without SP: its parameters then get identical full gradients on every TP rank. It all-gathers its
-            # input and returns its chunk itself (a slice; a reduce-scatter under ETP = TP): MoELayer.forward.
+            # The MoE block takes and returns this rank's sequence chunk and handles the layout itself
+            # (MoELayer.forward): with ETP = 1 it routes that chunk and sums its replicated weights' gradients over
+            # TP; with experts split over ETP ranks it all-gathers the sequence and returns its chunk.
             plan[p + "mlp"] = MoESequenceParallel()
     return plan

@@ -10,11 +10,13 @@ Telemetry, refreshed by every forward (detached, never part of the graph):
 applied), ``a2a_bytes`` (bytes this rank sent in dispatch + combine). ``load_accum`` [E] sums the per-expert load
 over forwards until ``moe.balance.update_moe_state`` consumes it after the optimizer step.
 
-Token group: the ranks whose tokens together form the step's micro-batch (data x context ranks of a pipeline stage).
+Token group: the ranks whose tokens together form the step's micro-batch (data x context ranks of a pipeline stage,
+and its tensor-parallel ranks when the block routes its own sequence-parallel chunk, see ``forward``).
 Global aux/z losses and the bias-balancing counts are summed over it. ``parallel.expert.set_moe_token_group`` sets
 it; by default it is the default process group when one is initialised (right for Lightning's DDP/FSDP) and nothing
 in a single process. Sequence group: the context-parallel ranks holding the other shards of this rank's sequences,
-over which the sequence-wise balance loss sums its per-sequence statistics (``moe.balance.set_moe_sequence_group``).
+over which the sequence-wise balance loss sums its per-sequence statistics (``moe.balance.set_moe_sequence_group``;
+with the sequence-parallel group too when the block routes its own chunk).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from lightning_flagscale.config import TransformerConfig
 from lightning_flagscale.distributed.sequence_parallel import (
@@ -34,6 +37,7 @@ from lightning_flagscale.distributed.sequence_parallel import (
     scale_grad,
     scatter_sequence,
     sum_grad,
+    sum_grads,
 )
 from lightning_flagscale.moe.experts import GroupedExperts, SwiGLUMLP, maybe_checkpoint
 from lightning_flagscale.moe.router import (
@@ -156,6 +160,10 @@ class Dispatcher(Protocol):
 class LocalDispatcher:
     """All experts live in this process: no communication."""
 
+    replicated_experts = True
+    """The experts are whole on every rank that holds this layer: under sequence parallelism, where each TP rank runs
+    them on its own chunk, their gradients are summed over the TP group (``MoELayer.run_experts``)."""
+
     def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor:
         layer.record_dispatch(torch.tensor([counts]), a2a_bytes=0)
         return layer.run_experts(x_perm, counts, tokens_on_busiest_rank=sum(counts))
@@ -212,10 +220,12 @@ class MoELayer(nn.Module):
         """Context-parallel ranks holding the other shards of this rank's sequences (``None``: whole sequences)."""
         self.sequence_parallel_group: dist.ProcessGroup | None = None
         """Under sequence parallelism the TP group (set by the TP plan, ``MoESequenceParallel``): the block takes and
-        returns this rank's sequence chunk and runs on the whole sequence (see ``forward``)."""
+        returns this rank's sequence chunk; it routes that chunk, or, with experts split over ETP ranks, runs on the
+        whole sequence (see ``forward``)."""
         self.token_grad_scale: float | None = None
         """Factor on this rank's share of a global loss so the gradient reduction yields the global gradient;
-        ``None``: the token group's size (gradients averaged over the group, as DDP and ZeRO do)."""
+        ``None``: the token group's size over the sequence-parallel ranks when the block routes its own chunk
+        (gradients averaged over the group's data replicas, as DDP and ZeRO do, and summed over its TP ranks)."""
         self.recompute_level: RecomputeLevel | None = None
         self.recompute_token_threshold: int | None = None
         """Adaptive recompute: recompute only when the busiest EP rank holds more rows than this."""
@@ -254,6 +264,9 @@ class MoELayer(nn.Module):
         """Apply the local experts (or ``weights``) to rows sorted by expert; honours the recompute level."""
         parts = self._recompute_parts(tokens_on_busiest_rank) if "layer" not in self._static_parts() else frozenset()
         batched = self.capacity_factor is not None and weights is None
+        if weights is None and getattr(self.dispatcher, "replicated_experts", False):
+            # Whole experts on every TP rank, each running its own chunk's rows: partial gradients, summed over TP.
+            return self._call_summed(self.experts, x, counts, batched=batched, recompute=parts)
         return self.experts(x, counts, batched=batched, weights=weights, recompute=parts)
 
     def record_dispatch(self, counts_per_rank: Tensor, a2a_bytes: int) -> None:
@@ -273,6 +286,29 @@ class MoELayer(nn.Module):
         return RECOMPUTE_LEVELS[self.recompute_level]
 
     # ---- forward ----
+    def chunk_group(self) -> dist.ProcessGroup | None:
+        """The sequence-parallel group when this block routes and dispatches only its own sequence chunk (every
+        sequence-parallel layout but experts split over ETP ranks, which run on the whole sequence), else None."""
+        if self.sequence_parallel_group is None or getattr(self.dispatcher, "etp_size", 1) != 1:
+            return None
+        if self.capacity_factor is not None:
+            raise RuntimeError(
+                f"capacity_factor={self.capacity_factor} under sequence parallelism: each TP rank routes its own"
+                " sequence chunk, so a per-rank capacity would drop other tokens than one process does; use dropless"
+                " routing (moe_capacity_factor=None) or sequence_parallel=False."
+            )
+        return self.sequence_parallel_group
+
+    def _call_summed(self, module: nn.Module, *args, **kwargs) -> Tensor:
+        """``module(*args, **kwargs)``; when the block routes its own chunk, with the module's trainable weights'
+        gradients summed over the sequence-parallel group (one all-reduce): each TP rank saw other tokens."""
+        group = self.chunk_group()
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if group is None or not named or not torch.is_grad_enabled():
+            return module(*args, **kwargs)
+        summed = sum_grads([p for _, p in named], group)
+        return functional_call(module, {n: p for (n, _), p in zip(named, summed)}, args, kwargs)
+
     def _partial_group(self) -> dist.ProcessGroup | None:
         """The group over which the dispatcher returns partial expert outputs (ETP inside TP under SP), else None."""
         group = getattr(self.dispatcher, "partial_group", None)
@@ -287,14 +323,23 @@ class MoELayer(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """``[B, S, H] -> [B, S, H]``; under sequence parallelism this rank's ``[B, S/tp, H]`` chunk in and out.
 
-        Under SP the block runs on the whole sequence (all-gathered over TP), so the router, its statistics and the
-        shared experts see what one process sees. Its output is this rank's chunk: a slice, or, when the experts
-        are split over ETP ranks inside the TP group, a reduce-scatter of the partial sums over the ETP group (of the
-        chunks of its members; with ETP = TP the whole sequence), and the input's backward a reduce-scatter of partial
-        gradients over TP: Megatron's sequence-parallel pair instead of an all-reduce of every routed row followed by
-        a slice (issue 39)."""
+        Under SP with whole experts per EP rank (ETP = 1) each TP rank routes and dispatches only its own chunk, as
+        Megatron does: each token reaches its experts once per TP group, not once per TP rank. The router's and the
+        shared experts' weights (and whole experts without EP) then see other tokens on each TP rank: their gradients
+        are summed over TP at their use (``_call_summed``), and the statistics of the aux losses and of the bias
+        balancing are summed over a token group that holds the TP ranks (``set_moe_token_group``; per sequence
+        over the sequence-parallel group too). Capacity-limited routing is refused there (``chunk_group``).
+
+        With experts split over ETP ranks the block runs on the whole sequence (all-gathered over TP), so the router,
+        its statistics and the shared experts see what one process sees. Its output is this rank's chunk: a slice,
+        or, when the ETP group lies inside the TP group, a reduce-scatter of the partial sums over the ETP group (of
+        the chunks of its members; with ETP = TP the whole sequence), and the input's backward a reduce-scatter of
+        partial gradients over TP: Megatron's sequence-parallel pair instead of an all-reduce of every routed row
+        followed by a slice (issue 39)."""
         group = self.sequence_parallel_group
         partial = self._partial_group()
+        if group is not None and self.chunk_group() is not None:
+            return self._forward_maybe_recomputed(hidden)
         if group is not None:
             hidden = gather_sequence(hidden, group, partial_grad=partial is not None)
         out = self._forward_maybe_recomputed(hidden)
@@ -325,7 +370,10 @@ class MoELayer(nn.Module):
         n = dist.get_world_size(self.sequence_parallel_group) if partial is not None else 1
         x_rep = x if partial is None else scale_grad(x, 1.0 / n)
         x_routed = x if k == n else scale_grad(x, k / n)
-        route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep))
+        router_weight = self.gate.weight
+        if self.chunk_group() is not None and router_weight.requires_grad and torch.is_grad_enabled():
+            router_weight = sum_grads([router_weight], self.chunk_group())[0]  # each TP rank routes its own chunk
+        route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep, router_weight))
         if self.capacity_factor is None:
             plan = dropless_plan(route.topk_idx, route.topk_weight, self.num_experts)
         else:
@@ -351,9 +399,11 @@ class MoELayer(nn.Module):
 
     def _shared(self, x: Tensor) -> Tensor:
         if hasattr(self, "shared_expert"):
-            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return torch.sigmoid(self._call_summed(self.shared_expert_gate, x)) * self._call_summed(
+                self.shared_expert, x
+            )
         if hasattr(self, "shared_experts"):
-            return self.shared_experts(x)
+            return self._call_summed(self.shared_experts, x)
         return torch.zeros_like(x)
 
     def resolved_token_group(self) -> dist.ProcessGroup | None:
@@ -369,6 +419,8 @@ class MoELayer(nn.Module):
             return out
         normalize = self.gate.score_func == "sigmoid"
         group = self.resolved_token_group()
+        chunk = self.chunk_group()
+        sp = 1 if chunk is None else dist.get_world_size(chunk)
         values: dict[str, Tensor] = {}
         if self.aux_loss_scope == "global" and self.training and group is not None:
             # Only in training: inference (e.g. generation on one rank) must never wait for a collective.
@@ -381,10 +433,10 @@ class MoELayer(nn.Module):
             if self.seq_aux_loss_coeff > 0:
                 values["seq_aux_loss"], seq_share = sequence_balance_loss(
                     scores, topk_idx, sequences, coeff=self.seq_aux_loss_coeff, normalize=normalize,
-                    sequence_group=self.sequence_group, token_group=group,
+                    sequence_group=(self.sequence_group, chunk), token_group=group,
                 )  # fmt: skip
                 share = share + seq_share
-            scale = self.token_grad_scale if self.token_grad_scale is not None else dist.get_world_size(group)
+            scale = self.token_grad_scale if self.token_grad_scale is not None else dist.get_world_size(group) // sp
             attached = share * scale
         else:
             if self.aux_loss_coeff > 0:
@@ -396,7 +448,9 @@ class MoELayer(nn.Module):
                 _, values["seq_aux_loss"] = sequence_balance_loss(  # without groups the share is the loss
                     scores, topk_idx, sequences, coeff=self.seq_aux_loss_coeff, normalize=normalize
                 )
-            attached = sum(values.values())
+            # Routing its own chunk, each TP rank's value is a per-rank statistic of its chunk; their gradients add
+            # up over TP, so each enters at 1/tp: the mean of the TP ranks' values, as the data replicas' are averaged.
+            attached = sum(values.values()) / sp
         if not _in_backward():
             self.last_aux_losses = {k: v.detach() for k, v in values.items()}
         if torch.is_grad_enabled() and self.training:

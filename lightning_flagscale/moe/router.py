@@ -121,7 +121,7 @@ def sequence_balance_loss(
     *,
     coeff: float,
     normalize: bool,
-    sequence_group: dist.ProcessGroup | None = None,
+    sequence_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
     token_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DeepSeek-V3's sequence-wise balance loss over the token group's sequences: (global value, this rank's share).
@@ -130,8 +130,9 @@ def sequence_balance_loss(
     (``s'`` the affinities normalised over all experts when ``normalize``); the loss is ``coeff * mean_b sum_i f_bi
     P_bi`` over the sequences of every rank of ``token_group`` (DeepSeek-V3 report, eq. 17-20). ``scores`` [T, E] hold
     ``num_sequences`` equal slices of this rank's tokens, one per sequence; the ranks of ``sequence_group`` (context
-    parallel) hold other tokens of the same sequences, and their counts, probability sums and token counts are summed
-    per sequence first (one all-reduce), then the sum of ``sum_i f_bi P_bi`` and the sequence count over
+    parallel; a tuple of groups whose product holds the shards, e.g. (cp, tp) when MoE blocks route their sequence-
+    parallel chunks) hold other tokens of the same sequences, and their counts, probability sums and token counts are
+    summed per sequence first (one all-reduce per group), then the sum of ``sum_i f_bi P_bi`` and the sequence count over
     ``token_group`` (another). This rank's share ``coeff / B sum_b sum_i f_bi sum_{t here} s'_ti / T_b`` carries the
     gradient: the shares of all ranks sum to the loss, value and gradient (cf. :func:`global_balance_losses`).
     """
@@ -144,9 +145,10 @@ def sequence_balance_loss(
     # [counts (E) | sum of probabilities (E) | tokens] per sequence, summed over its context-parallel shards.
     stats = torch.cat([counts, probs.detach().sum(1), tokens], dim=1)
     shards = 1
-    if sequence_group is not None:
-        dist.all_reduce(stats, group=sequence_group)
-        shards = dist.get_world_size(sequence_group)
+    groups = sequence_group if isinstance(sequence_group, tuple) else (sequence_group,)
+    for group in (g for g in groups if g is not None):  # a sum over a product of groups: one after the other
+        dist.all_reduce(stats, group=group)
+        shards *= dist.get_world_size(group)
     g_counts, g_prob_sum, g_tokens = stats[:, :num_experts], stats[:, num_experts:-1], stats[:, -1:]
     f = num_experts * g_counts / (k * g_tokens)
     per_sequence = (f * g_prob_sum).sum(1) / g_tokens.squeeze(1)
@@ -234,9 +236,10 @@ class TopKRouter(nn.Module):
         mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
         return mask.unsqueeze(-1).expand_as(grouped).reshape(t, -1)
 
-    def compute_logits(self, x: Tensor) -> Tensor:
-        """Router logits [T, E] in fp32 (the router's only GEMM; what "router" recompute re-runs)."""
-        return F.linear(x.float(), self.weight.float())
+    def compute_logits(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        """Router logits [T, E] in fp32 (the router's only GEMM; what "router" recompute re-runs); ``weight``: a
+        stand-in for ``self.weight`` (e.g. one whose gradient is summed over ranks, ``MoELayer``)."""
+        return F.linear(x.float(), (self.weight if weight is None else weight).float())
 
     def forward(self, x: Tensor) -> RouterOutput:
         return self.select(self.compute_logits(x))

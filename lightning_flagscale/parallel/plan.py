@@ -271,9 +271,10 @@ def parallelize(module: nn.Module, model: nn.Module | None, layout: RankLayout) 
             for target in targets:
                 result.fsdp_roots.extend(_shard_experts(target, layout))
             # FSDP2 averages over edp; the expert owners already summed their EP group's tokens, so the mean over
-            # all dp x cp x tp token shards needs a further 1/ep. Not `set_gradient_divide_factor`: it reduces with
-            # PREMUL_SUM, which gloo lacks.
-            result.expert_grad_scale = 1.0 / p.expert_parallel_size
+            # the token shards (``expert_grad_divisor``) needs a further edp / divisor (1/ep when every TP rank
+            # dispatches the whole sequence). Not `set_gradient_divide_factor`: it reduces with PREMUL_SUM, which
+            # gloo lacks.
+            result.expert_grad_scale = p.expert_data_parallel_size / p.expert_grad_divisor
         for target in targets:
             apply_fsdp(
                 target, layout.meshes.dp_cp, param_dtype=layout.param_dtype, reduce_dtype=layout.reduce_dtype,
@@ -332,8 +333,8 @@ def _apply_flat_zero3(result: Parallelized, layout: RankLayout) -> None:
             expert_spmd_mesh=meshes[("edp", "ep")] if experts else None,
             own_units=[owner for _, owner in _tied_modules(part, tied)], defer_reduce=result.pipeline is not None,
         )  # fmt: skip
-    if p.ep_enabled:  # the shards are averaged over edp: the further 1/ep of FSDP2's expert path
-        result.expert_grad_scale = 1.0 / p.expert_parallel_size
+    if p.ep_enabled:  # the shards are averaged over edp: the further edp / divisor of FSDP2's expert path
+        result.expert_grad_scale = p.expert_data_parallel_size / p.expert_grad_divisor
 
 
 def _tied_modules(part: nn.Module, tied: tuple[str, str] | None) -> list[tuple[str, nn.Module]]:
@@ -356,8 +357,9 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
     """TP -> CP -> EP -> recompute on one model or stage module (steps 2-5 of the module docstring)."""
     p, meshes = layout.config, layout.meshes
 
-    # MoE (issue 10): global aux/z losses and bias-balancing counts over the ranks that share the step's tokens.
-    set_moe_token_group(part, meshes.group("dp_cp"))
+    # MoE (issue 10): global aux/z losses and bias-balancing counts over the ranks that share the step's tokens, with
+    # the TP ranks when each routes its own sequence-parallel chunk.
+    set_moe_token_group(part, meshes.group("dp_cp_tp" if p.moe_routes_sequence_chunks else "dp_cp"))
     # ... and the sequence-wise balance loss's per-sequence statistics over the shards of each sequence (issue 39).
     set_moe_sequence_group(part, meshes.group("cp") if p.cp_enabled else None)
     if p.tp_enabled:

@@ -111,6 +111,7 @@ def sgd_trainer_run(
     replica_bytes: list[int] = []
     norms: list[float] = []
     mtp_losses: list[float] = []  # the logged mtp_loss of each step (ranks that hold the MTP modules)
+    dispatched: list[tuple[float, int]] = []  # per step and MoE layer: rows its EP group's experts got, tokens x k here
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -124,6 +125,7 @@ def sgd_trainer_run(
             for _, layer in moe_layers(pl_module):
                 replicated.append(layer.replicated_experts)
                 replica_bytes.append(getattr(layer.dispatcher, "replica_bytes", 0))
+                dispatched.append((float(layer.tokens_per_expert.sum()), batch["input_ids"].numel() * layer.top_k))
 
     logged: list[dict[str, float]] = []
 
@@ -164,6 +166,7 @@ def sgd_trainer_run(
         "mtp_losses": mtp_losses,
         "logged": logged,
         "local_shapes": local_shapes,  # what this rank holds of each parameter (its shard)
+        "dispatched": dispatched,
     }
 
 

@@ -118,9 +118,42 @@ def _spread(preset: str, dp: int, cp: int) -> tuple[float, float, torch.Tensor, 
     return value.item(), want.item(), got, reference.gate.weight.grad
 
 
+def _spread_over_tp(preset: str) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """cp 2 x tp 2 under sequence parallelism: each rank routes its TP chunk of its (zigzag) context shard, so a
+    sequence spans all four ranks; the router's gradient is summed over TP by the layer, then over CP here."""
+    import torch.distributed as dist
+
+    cp, tp = 2, 2
+    c, t = divmod(dist.get_rank(), tp)
+    cp_groups = [dist.new_group([i, tp + i]) for i in range(tp)]
+    tp_groups = [dist.new_group([tp * i, tp * i + 1]) for i in range(cp)]
+    layer = _layer(preset)
+    layer.token_group, layer.sequence_group, layer.token_grad_scale = dist.group.WORLD, cp_groups[t], 1.0
+    layer.sequence_parallel_group = tp_groups[c]  # what the TP plan's MoESequenceParallel sets
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4 * cp * tp, layer.hidden_size, generator=g)
+    grad_out = torch.randn(x.shape, generator=g)
+    chunks = lambda u: u.chunk(2 * cp, dim=1)  # noqa: E731
+    mine = lambda u: torch.cat([chunks(u)[c], chunks(u)[2 * cp - 1 - c]], 1).chunk(tp, dim=1)[t]  # noqa: E731
+    (layer(mine(x)) * mine(grad_out)).sum().backward()
+    got = layer.gate.weight.grad.clone()
+    dist.all_reduce(got, group=cp_groups[t])  # the layer summed it over TP already
+    reference = _layer(preset)
+    reference.token_group = None
+    (reference(x) * grad_out).sum().backward()
+    value, want = layer.last_aux_losses["seq_aux_loss"], reference.last_aux_losses["seq_aux_loss"]
+    return value.item(), want.item(), got, reference.gate.weight.grad
+
+
+def _spread_both(preset: str) -> list[tuple[float, float, torch.Tensor, torch.Tensor]]:
+    return [_spread(preset, 2, 2), _spread_over_tp(preset)]
+
+
 @pytest.mark.parametrize("preset", ["deepseek-v3-routing-tiny"])
 def test_sequence_loss_over_data_and_context_parallel_ranks(launcher, preset):
-    # dp 2 x cp 2: every rank reports the batch's loss, and the summed router gradients are one process's.
-    for value, want_value, got, want in launcher(4, _spread, preset, 2, 2):
-        assert value == pytest.approx(want_value, rel=1e-5)
-        assert rel_err(got, want) <= 1e-5
+    # dp 2 x cp 2, and cp 2 x tp 2 with each TP rank routing its own sequence chunk (its statistics summed over the
+    # TP group too): every rank reports the batch's loss, and the summed router gradients are one process's.
+    for results in launcher(4, _spread_both, preset):
+        for value, want_value, got, want in results:
+            assert value == pytest.approx(want_value, rel=1e-5)
+            assert rel_err(got, want) <= 1e-5

@@ -71,7 +71,7 @@ PRESETS = ["mixtral-tiny", "qwen2-moe-tiny", "deepseek-v3-routing-tiny"]
 LAYOUTS = {
     "dp2-zero1": (2, dict(zero_stage=1)),
     "ep2": (2, dict(expert_parallel_size=2)),
-    "ep2xtp2": (4, dict(expert_parallel_size=2, tensor_parallel_size=2)),
+    "ep2xtp2-sp": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True)),
 }
 
 
@@ -97,7 +97,15 @@ def test_preset_defaults_match_single_process(launcher, sgd_references, preset, 
     assert config.moe_aux_loss_coeff > 0 or config.moe_router_bias_update_rate > 0
     ref = sgd_references(preset)
     assert min(ref["norms"]) > CLIP  # clipping active at every step
-    assert_sgd_parity(launcher(world, sgd_trainer_run, kwargs, config, STEPS, clip=CLIP), ref, f"{preset} {layout}")
+    results = launcher(world, sgd_trainer_run, kwargs, config, STEPS, clip=CLIP)
+    assert_sgd_parity(results, ref, f"{preset} {layout}")
+    if kwargs.get("sequence_parallel"):
+        # Each TP rank routes its own sequence chunk: the EP group (the TP pair here) hands its experts every token
+        # of the data shard once, top_k rows each -- not once per TP rank (the whole sequence on each).
+        for res in results:
+            assert res["dispatched"] and all(rows == tokens_k for rows, tokens_k in res["dispatched"]), res[
+                "dispatched"
+            ]
     if config.moe_router_bias_update_rate > 0:
         assert any(b.abs().max() > 0 for b in ref["buffers"].values())  # the biases really moved
 

@@ -368,9 +368,10 @@ def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[s
     """The process groups DDP / ZeRO-1/2 reduce over and what each divides by (the gradient is a mean over them).
 
     Dense gradients: the data x context ranks. Expert gradients (MoE): the expert-data-parallel ranks, divided by
-    every dp x cp x tp token shard, because an expert's owner already holds the sum over its EP group and MoE blocks
-    run on the whole sequence on every TP rank (with or without SP), so each token counts once per TP rank; ETP
-    ranks splitting the same rows count it once per ETP group (``ParallelConfig.expert_grad_divisor``).
+    how many times each token reached the experts (``ParallelConfig.expert_grad_divisor``), because an expert's owner
+    already holds the sum over its EP group: once per dp x cp shard when each TP rank routes its own sequence chunk
+    (SP, ETP = 1), else once per TP rank (MoE blocks on the whole sequence), or once per ETP group for ETP ranks
+    splitting the same rows.
     """
     groups = {"dp_cp": meshes.group("dp_cp")}
     divisors = {"dp_cp": parallel.dp * parallel.context_parallel_size}

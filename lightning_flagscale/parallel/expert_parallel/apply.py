@@ -15,7 +15,8 @@ expert-parallel layer:
   contributes); the backward of that all-reduce sums every replica's gradient into the owner's shard.
 
 Token group (``set_moe_token_group``): the strategy tells the MoE layers which ranks hold the step's tokens (the
-data x context ranks of their stage); global aux/z losses and the bias-balancing counts are summed over it.
+data x context ranks of their stage, and its TP ranks when each routes its own sequence-parallel chunk); global
+aux/z losses and the bias-balancing counts are summed over it.
 
 MoE parallel folding (Megatron): the EP group is cut out of a pipeline stage's dp x cp x tp ranks, on a second mesh
 ("edp", "ep", "etp") over the same ranks (``parallel/mesh.py`` builds it).
@@ -40,7 +41,8 @@ through its intermediate chunk and the partial outputs are summed over the ETP g
 Gradient reduction contract (the data-parallel / ZeRO code honours it): expert parameters carry
 ``param._flagscale_grad_group = "edp"``. Their gradient on the owner already sums the contributions of every token
 of the EP group (the combine backward brought them home), so it must be reduced (summed) over the **edp** group
-only, never over ep, and scaled by the same factor as every other gradient (``1 / (dp * cp)`` for a mean loss).
+only, never over ep, and divided by how many times each token reached the experts (``1 / (dp * cp)`` for a mean
+loss when each TP rank routes its own sequence chunk; ``ParallelConfig.expert_grad_divisor``).
 ZeRO shards expert optimizer states over edp. All other parameters (router, shared experts) follow the normal
 dp x cp reduction. Under ETP the divisor is ``ParallelConfig.expert_grad_divisor`` (the ETP ranks' shards are distinct
 parameters, never reduced over etp).
@@ -361,14 +363,16 @@ def apply_ep(
 def set_moe_token_group(
     model: nn.Module, group: dist.ProcessGroup | None, *, grad_scale: float | None = None
 ) -> nn.Module:
-    """Tell every MoE layer of ``model`` which ranks hold the step's tokens: the data x context ranks of its stage.
+    """Tell every MoE layer of ``model`` which ranks hold the step's tokens: the data x context ranks of its stage,
+    with its TP ranks when MoE blocks route their own sequence-parallel chunk (``moe_routes_sequence_chunks``).
 
     Global aux/z losses and the bias-balancing counts are summed over ``group`` (``None``: this process only).
-    Under EP the expert group folds inside the stage's dp x cp x tp ranks, so it adds no tokens beyond those of the
-    dp x cp ranks (its TP members hold copies, which would scale numerator and denominator alike). ``grad_scale``
-    multiplies each rank's share of a global loss so that the gradient reduction yields the single-process
-    gradient: ``None`` means the group's size, right when gradients are averaged over the group (DDP, ZeRO,
-    ``FlagScaleStrategy``); pass 1.0 if they are summed. Returns ``model``.
+    Under EP the expert group folds inside the stage's dp x cp x tp ranks, so it adds no tokens beyond those. Without
+    SP the TP ranks hold copies and stay out of the group. ``grad_scale`` multiplies each rank's share of a global
+    loss so that the gradient reduction yields the single-process gradient: ``None`` means the group's size (over
+    the sequence-parallel ranks when the block routes its own chunk: their gradients are summed), right when
+    gradients are averaged over the data replicas (DDP, ZeRO, ``FlagScaleStrategy``); pass 1.0 if they are summed.
+    Returns ``model``.
     """
     for _, layer in moe_layers(model):
         layer.token_group, layer.token_grad_scale = group, grad_scale
