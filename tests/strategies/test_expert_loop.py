@@ -49,8 +49,10 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
     [
         dict(tensor_parallel_size=2, sequence_parallel=True),
         dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2),
+        # each TP rank routes its own chunk: the experts' ZeRO-3 scale is edp / expert_grad_divisor (tp / ep)
+        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=3),
     ],
-    ids=["tp2-sp", "tp2-sp-ep2"],
+    ids=["tp2-sp", "tp2-sp-ep2", "tp2-sp-ep2-zero3"],
 )
 def test_moe_under_sequence_parallel(launcher, reference, kwargs):
     world = 2 if "expert_parallel_size" not in kwargs else 4
