@@ -29,6 +29,7 @@ BENCH = ROOT / "bench"
 SMOKE: dict[str, tuple[str, list[str]]] = {
     "pipeline.py": ("--smoke --out {out}", ["pipeline.md", "pipeline.json", "pipeline_timeline.png"]),
     "moe.py": ("--tokens 64 --hidden 16 --inter 32 --experts 4 --world 2 --a2a-tokens 64", ["a2a bytes/step"]),
+    "moe_sp_dispatch.py": ("--world 2 --seq 32 --batch 1 --hidden 16 --out {out}/sp.md", ["sp.md"]),
     "context.py": (
         "--seqs 64 128 --cps 2 --modes ring --heads 2 --kv-heads 1 --head-dim 8 --q-block 32",
         ["longest sequence within"],
