@@ -422,10 +422,10 @@ def test_mla_moe_layer_and_mtp_module_activations():
         assert got == want, (dtype, got, want)
 
 
-def _tp_layer_bytes(shape: dict, loras: tuple = ()) -> dict:
+def _tp_layer_bytes(shape: dict, loras: tuple = (), moe: dict | None = None) -> dict:
     """Per sequence-parallel setting, the bytes one more layer adds to what autograd saves on this rank for a forward
     + loss under TP 2 (bf16): the 2-layer model's minus the 1-layer model's; then the same with each LoRA config of
-    ``loras`` (keyed ``(sp, index)``)."""
+    ``loras`` (keyed ``(sp, index)``) and with ``moe`` added to the shape (keyed ``("moe", sp)``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_flagscale.models.lora import apply_lora
@@ -434,12 +434,15 @@ def _tp_layer_bytes(shape: dict, loras: tuple = ()) -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     x, y = torch.randint(0, shape["vocab_size"], (2, 2, 64), generator=torch.Generator().manual_seed(0))
     out = {}
-    for sp, k in [(sp, k) for k in (None, *range(len(loras))) for sp in (False, True)]:
+    cases = [(sp, k) for k in (None, *range(len(loras)), *(("moe",) if moe else ())) for sp in (False, True)]
+    for sp, k in cases:
         saved_bytes = []
         for n in (1, 2):
             with torch.device("meta"):
-                model = CausalLM(TransformerConfig(**shape, num_layers=n), vocab_multiple=64)
-            if k is not None:
+                model = CausalLM(
+                    TransformerConfig(**shape, **(moe if k == "moe" else {}), num_layers=n), vocab_multiple=64
+                )
+            if isinstance(k, int):
                 apply_lora(model, loras[k])
             apply_tp(model, mesh, sequence_parallel=sp)
             model.to_empty(device="cpu")
@@ -449,7 +452,7 @@ def _tp_layer_bytes(shape: dict, loras: tuple = ()) -> dict:
                 loss = model.loss_fn(model(x), y)
             del loss
             saved_bytes.append(saved.total_bytes)
-        out[sp if k is None else (sp, k)] = saved_bytes[1] - saved_bytes[0]
+        out[sp if k is None else ("moe", sp) if k == "moe" else (sp, k)] = saved_bytes[1] - saved_bytes[0]
     return out
 
 
@@ -468,9 +471,17 @@ def test_layer_activations_under_tensor_parallel(launcher, shape):
     keys = math_attention_keys(config, 64, cpu=True)
     loras = () if shape == "mla" else (LoRAConfig(rank=4, **LORA_CASES["dora"]), LoRAConfig(rank=4, **LORA_CASES["q,v"],
                                                                                              dropout=0.1))  # fmt: skip
-    for rank, got in enumerate(launcher(2, _tp_layer_bytes, kwargs, loras)):
-        assert len(got) == 2 + 2 * len(loras)
+    moe = MOE if shape == "gqa" else None
+    for rank, got in enumerate(launcher(2, _tp_layer_bytes, kwargs, loras, moe)):
+        assert len(got) == 2 + 2 * len(loras) + (2 if moe else 0)
         for key, layer in got.items():
+            if isinstance(key, tuple) and key[0] == "moe":
+                # an MoE layer: under SP each TP rank routes its own sequence chunk; within 1% (routing bookkeeping)
+                moe_config = TransformerConfig(**kwargs, **MOE, num_layers=2)
+                want = layer_activation_bytes(moe_config, 128, layer=1, tp=2, sequence_parallel=key[1],
+                                              attention_keys=keys)[0]  # fmt: skip
+                assert abs(layer - want) <= 1e-2 * want, (rank, key, layer, want)
+                continue
             if isinstance(key, tuple):
                 sp, lora = key[0], loras[key[1]]
                 want = lora_layer_activation_bytes(config, 128, lora, layer=1, tp=2, sequence_parallel=sp, cpu=True)

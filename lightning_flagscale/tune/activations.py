@@ -63,7 +63,9 @@ second matmul's output of those (k, o, up: the block runs q, k, v, o, gate, up, 
 activations during its backward, and keep the CPU RNG state (5056 bytes) per block. MoE blocks (``moe/layer.py``): the fp32 router input (``4h``) and scores
 (``4n``), per routed copy (``k`` per token) the permuted input, fc1 output ``[2I]``, SwiGLU output and product,
 fc2 output (``E*(2h + 4I)``), plus the combine buffer and routing indices (``E*h + 48k``, measured); shared
-experts add a dense SwiGLU of their width (``4*E*S + E*h``). Routing is assumed balanced.
+experts add a dense SwiGLU of their width (``4*E*S + E*h``). Routing is assumed balanced. Under SP with
+``expert_tensor_parallel_size`` 1 the MoE block and its input are priced on the rank's ``s/t`` tokens (it routes its
+own sequence chunk), otherwise on the whole sequence.
 
 Multi-head latent attention (``LatentAttention``; ``r`` the KV latent, ``r_q`` the query latent, ``n`` heads of
 ``d = nope + rope`` for q/k and ``v`` for values): the latent RMSNorms as above on ``r`` and ``r_q`` (in fp32 the
@@ -206,11 +208,13 @@ def layer_activation_bytes(
     recompute: RecomputeMode = "none",
     attention_keys: float | None = None,
     compiled: bool = False,
+    expert_tensor_parallel_size: int = 1,
 ) -> tuple[float, float]:
     """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
     over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring. ``attention_keys``:
     the key length when torch's math SDPA runs the core attention (:func:`math_attention_keys`), None for a fused
-    kernel. ``compiled``: the block runs compiled (``torch_compile``; dense blocks, standard attention, no TP)."""
+    kernel. ``compiled``: the block runs compiled (``torch_compile``; dense blocks, standard attention, no TP).
+    ``expert_tensor_parallel_size``: under SP with 1 an MoE block routes this rank's sequence chunk only."""
     if compiled:
         return _compiled_layer_bytes(m, tokens, layer=layer, act_bytes=act_bytes, tp=tp, recompute=recompute)
     e, h = act_bytes, m.hidden_size
@@ -219,8 +223,11 @@ def layer_activation_bytes(
     inputs = 2 * tokens * e * h  # the (all-gathered) inputs of the column-parallel projections
     attention, matmuls, core = _attention(m, tokens, e, tp, attention_keys)
     if m.is_moe_layer(layer):
-        mlp = _moe_bytes(m, tokens, e)
-        mlp_mm = [tokens * m.num_experts_per_tok * e * (3 * m.moe_intermediate_size + h)]
+        # under SP with whole experts each TP rank routes its own chunk (moe/layer.py), else the whole sequence
+        moe_tokens = norm_tokens if expert_tensor_parallel_size == 1 else tokens
+        inputs = (tokens + moe_tokens) * e * h  # the attention's gathered input, the MoE block's own
+        mlp = _moe_bytes(m, moe_tokens, e)
+        mlp_mm = [moe_tokens * m.num_experts_per_tok * e * (3 * m.moe_intermediate_size + h)]
     else:
         mlp = tokens * 4 * e * m.intermediate_size / tp
         mlp_mm = [tokens * e * x for x in (m.intermediate_size / tp, m.intermediate_size / tp, h)]  # gate, up, down
@@ -356,6 +363,7 @@ def mtp_activation_bytes(
     tp: int = 1,
     sp: bool = False,
     attention_keys: float | None = None,
+    etp: int = 1,
 ) -> float:
     """Bytes the MTP modules keep on the last stage for one micro-batch of ``tokens`` tokens (``models/decoder.py``
     ``MTPLayer``; never recomputed: recompute applies to the main blocks). Per module: the shifted token ids (8),
@@ -368,7 +376,7 @@ def mtp_activation_bytes(
     total = 0.0
     for k in range(m.num_nextn_predict_layers):
         block, _ = layer_activation_bytes(m, tokens, layer=m.num_layers + k, act_bytes=e, tp=tp, sequence_parallel=sp,
-                                          attention_keys=attention_keys)  # fmt: skip
+                                          attention_keys=attention_keys, expert_tensor_parallel_size=etp)  # fmt: skip
         hnorm = norm_tokens * (4 + e * h + (4 * h if e != 4 else 0))
         total += tokens * 8 + _norm(h, norm_tokens, e) + hnorm + norm_tokens * 2 * e * h + block + head
         total += 12  # the loss's scalars: cross-entropy's fp32 weight total and the int64 normaliser

@@ -215,7 +215,8 @@ def _stage_weight(m: TransformerConfig, c: ParallelConfig, stage: int, layers: t
     compiled = c.torch_compile and not (c.cp_enabled and recompute in ("selective", "selective_mm"))
     for first, n in kinds.values():
         k, full = layer_activation_bytes(m, tokens, layer=first, act_bytes=e, tp=tp, sequence_parallel=sp,
-                                         recompute=recompute, attention_keys=keys, compiled=compiled)  # fmt: skip
+                                         recompute=recompute, attention_keys=keys, compiled=compiled,
+                                         expert_tensor_parallel_size=c.expert_tensor_parallel_size)  # fmt: skip
         kept, extra = kept + n * k, max(extra, full - k)
     boundary = tokens * e * m.hidden_size / (tp if sp else 1)
     if stage > 0:
@@ -351,7 +352,7 @@ def memory_breakdown(
     keys = math_attention_keys(m, seq_len, cpu=backend == "gloo") if c.ring_size == 1 else None
     if m.num_nextn_predict_layers:  # the MTP modules run with the head on the last stage
         mtp = mtp_activation_bytes(m, tokens, padded_vocab=m.padded_vocab_size(vocab_multiple), act_bytes=e, tp=tp,
-                                   sp=sp, attention_keys=keys)  # fmt: skip
+                                   sp=sp, attention_keys=keys, etp=c.expert_tensor_parallel_size)  # fmt: skip
         head = dataclasses.replace(head, saved=head.saved + mtp)
     modes = c.stage_recompute
     out = []
