@@ -175,9 +175,9 @@ class PipelineConfig:
     TP / CP / EP / recompute and before ZeRO-3, as torchtitan does. Fuses the norms, rotary, SwiGLU and the loss's
     fp32 cast into few kernels (one GPU, 1B Llama: ``docs/gpu.md``); under ``selective`` recompute the op policy runs
     once at compile time instead of at every op. The first step pays the compilation (and the first step whose label
-    count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), CP, 1F1B pipelines and recompute; refused with
-    pipeline     parallelism's split-backward schedules (``zero_bubble``, ``zbv``, ``dualpipev``), ``hetero_meshes``, TP and MoE
-    models."""
+    count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), TP (+ SP), CP, 1F1B pipelines and recompute;
+    refused with pipeline parallelism's split-backward schedules (``zero_bubble``, ``zbv``, ``dualpipev``),
+    ``hetero_meshes`` and MoE models."""
     overlap_moe_expert_parallel_comm: bool = False
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
@@ -398,12 +398,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 f"torch_compile=True with pipeline_schedule={self.pipeline_schedule!r} is not supported: a compiled"
                 " block's backward computes input and weight gradients in one graph, which a split-backward schedule"
                 " would run twice. Use 'gpipe', '1f1b' or 'interleaved_1f1b' with compile, or torch_compile=False."
-            )
-        if self.torch_compile and self.tp_enabled:
-            raise ValueError(
-                f"torch_compile=True with tensor_parallel_size={self.tensor_parallel_size} is not supported yet:"
-                " compiled TP blocks gave the embedding a wrong gradient on CPU (18% off in the gradient norm). Set"
-                " torch_compile=False, or use data / context / pipeline parallelism and ZeRO with compile."
             )
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()

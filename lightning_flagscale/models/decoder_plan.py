@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
+from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel, WaitedRowwiseParallel
 
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM
@@ -133,7 +133,8 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
     norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
     plan: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
-        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # a plain tensor, not torch's AsyncCollectiveTensor, as the (compiled) first block's input: see the style
+        plan["embed_tokens"] = WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.norm is not None:
         plan["norm"] = norm_style()
     if model.lm_head is not None:
@@ -143,7 +144,7 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
     if mtp is not None:
         # MTP: the shared embedding's copy as the embedding; enorm / hnorm / eh_proj (2h -> h, replicated weight)
         # like the norms, on sequence shards under SP; the block as any block; its own final norm like ``norm``.
-        plan["mtp.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["mtp.embed_tokens"] = WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         for name, block in mtp.layers.items():
             p = f"mtp.layers.{name}."
             for part in ("enorm", "hnorm", "eh_proj", "norm"):

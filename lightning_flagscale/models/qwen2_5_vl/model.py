@@ -38,7 +38,7 @@ from lightning_flagscale.models.qwen2_5_vl.batching import (
 )
 from lightning_flagscale.models.qwen2_5_vl.config import VLMConfig
 from lightning_flagscale.models.qwen2_5_vl.vision import VisionTower
-from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel
+from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel, WaitedRowwiseParallel
 
 __all__ = ["VisionLanguageModel", "mrope_position_ids"]
 
@@ -154,11 +154,10 @@ class VisionLanguageModel(CausalLM):
         """The decoder's plan, with a replicated embedding output (images are spliced before any sequence scatter)
         and every parameter-holding leaf of the tower replicated."""
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import RowwiseParallel
 
         plan = super().tp_plan(sequence_parallel)
         if self.embed_tokens is not None:
-            plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan["embed_tokens"] = WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if self.visual is not None:
             plan.update({f"visual.{name}": ReplicateParallel() for name in self.visual.replicated_units()})
         return plan

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
+    RowwiseParallel,
     parallelize_module,
 )
 
@@ -33,7 +34,13 @@ from lightning_flagscale.parallel.tensor_parallel.protocol import (
     TensorParallelModel,
 )
 
-__all__ = ["ReplicateParallel", "apply_tp", "check_tp_divisible", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "ReplicateParallel",
+    "WaitedRowwiseParallel",
+    "apply_tp",
+    "check_tp_divisible",
+    "vocab_parallel_cross_entropy",
+]
 
 
 def check_tp_divisible(model: nn.Module, tp: int) -> None:
@@ -71,6 +78,26 @@ class ReplicateParallel(ParallelStyle):
     @staticmethod
     def _to_local(module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:
         return output.to_local() if isinstance(output, DTensor) else output
+
+
+class WaitedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` whose output leaves the module as a plain tensor: its reduction is waited for inside.
+
+    For the vocab-parallel embedding, whose output is the first compiled block's input (``torch_compile``). torch's
+    style returns the all-reduce / reduce-scatter as an ``AsyncCollectiveTensor``
+    (``redistribute(async_op=True).to_local()``), and torch 2.13's AOT autograd resolves such an input with
+    ``trigger_wait()`` outside its autograd function (``_functorch/_aot_autograd/frontend_utils.py`` at trace time,
+    ``subclass_codegen.py`` at run time): the gradient leaving the compiled block then bypasses ``to_local()``'s
+    backward and reaches the redistribution's backward as a plain tensor (``AttributeError: ... '_local_tensor'``)
+    or, through an op on the input inside the block, arrives wrong (``docs/gpu.md``). Waiting here costs nothing:
+    the block's first op waited for the same collective.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
