@@ -802,13 +802,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 )
         if "selective_mm" in self.stage_recompute and config.is_moe:
             raise ValueError(SELECTIVE_MM_ON_MOE)
-        if self.moe_routes_sequence_chunks and config.is_moe and config.moe_capacity_factor is not None:
-            raise ValueError(
-                f"moe_capacity_factor={config.moe_capacity_factor} with tensor_parallel_size={tp} and"
-                " sequence_parallel=True: each TP rank routes its own sequence chunk, so a per-rank capacity would drop"
-                " other tokens than one process does; use dropless routing (moe_capacity_factor=None) or"
-                " sequence_parallel=False."
-            )
         if self.ep_enabled:
             if not config.is_moe:
                 raise ValueError(

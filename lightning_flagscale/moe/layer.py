@@ -123,6 +123,22 @@ def dropless_plan(topk_idx: Tensor, topk_weight: Tensor, num_experts: int) -> Ro
     return RoutingPlan(order // k, topk_weight.reshape(-1)[order], counts, None, 0.0)
 
 
+def _capacity_slots(
+    topk_idx: Tensor, topk_weight: Tensor, num_experts: int, capacity: int, policy: Literal["position", "probs"]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(assignments in expert order, their position within their expert, kept mask) of a capacity-limited routing."""
+    flat_e, flat_w = topk_idx.reshape(-1), topk_weight.reshape(-1)
+    order = torch.arange(flat_e.numel(), device=flat_e.device)
+    if policy == "probs":
+        order = torch.argsort(-flat_w.detach(), stable=True)
+    order = order[torch.argsort(flat_e[order], stable=True)]
+    sorted_e = flat_e[order]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    pos = torch.arange(order.numel(), device=order.device) - starts[sorted_e]
+    return order, pos, pos < capacity
+
+
 def capacity_plan(
     topk_idx: Tensor, topk_weight: Tensor, num_experts: int, capacity: int, policy: Literal["position", "probs"]
 ) -> RoutingPlan:
@@ -133,15 +149,8 @@ def capacity_plan(
     """
     k = topk_idx.shape[1]
     flat_e, flat_w = topk_idx.reshape(-1), topk_weight.reshape(-1)
-    order = torch.arange(flat_e.numel(), device=flat_e.device)
-    if policy == "probs":
-        order = torch.argsort(-flat_w.detach(), stable=True)
-    order = order[torch.argsort(flat_e[order], stable=True)]
+    order, pos, keep = _capacity_slots(topk_idx, topk_weight, num_experts, capacity, policy)
     sorted_e = flat_e[order]
-    counts = torch.bincount(flat_e, minlength=num_experts)
-    starts = counts.cumsum(0) - counts
-    pos = torch.arange(order.numel(), device=order.device) - starts[sorted_e]
-    keep = pos < capacity
     slot = sorted_e[keep] * capacity + pos[keep]
     rows = num_experts * capacity
     src = torch.zeros(rows, dtype=torch.long, device=flat_e.device).index_copy_(0, slot, order[keep])
@@ -149,6 +158,41 @@ def capacity_plan(
     weight = flat_w[src] * valid
     dropped = 1.0 - float(keep.sum()) / max(flat_e.numel(), 1)
     return RoutingPlan(src // k, weight, [capacity] * num_experts, valid, dropped)
+
+
+def chunk_capacity_plan(
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    num_experts: int,
+    capacity_factor: float,
+    policy: Literal["position", "probs"],
+    sequences: int,
+    group: dist.ProcessGroup,
+) -> RoutingPlan:
+    """The capacity decisions of the whole sequence, applied to this rank's sequence chunk (sequence parallelism).
+
+    ``topk_*`` hold this rank's ``sequences`` equal slices of tokens, chunk r of each sequence on rank r of ``group``.
+    The choices and (detached) weights of every chunk are all-gathered (``T x k`` each, no gradient), the capacity and
+    the kept assignments computed as one process does on the whole sequences, and this rank keeps its own kept
+    assignments, grouped by expert (no padding rows: their outputs and gradients are zero anyway).
+    """
+    n, r, k = dist.get_world_size(group), dist.get_rank(group), topk_idx.shape[1]
+    local = topk_idx.view(sequences, -1, k)
+    both = torch.cat([local.to(topk_weight.dtype), topk_weight.detach().view(sequences, -1, k)], dim=-1)
+    parts = [torch.empty_like(both) for _ in range(n)]
+    dist.all_gather(parts, both.contiguous(), group=group)
+    whole = torch.cat(parts, dim=1)  # [sequences, S, 2k]: chunk order along the sequence
+    idx_all, w_all = whole[..., :k].round().long().reshape(-1, k), whole[..., k:].reshape(-1, k)
+    capacity = math.ceil(idx_all.shape[0] * k / num_experts * capacity_factor)
+    order, _, keep = _capacity_slots(idx_all, w_all, num_experts, capacity, policy)
+    kept = torch.zeros(idx_all.numel(), dtype=torch.bool, device=idx_all.device).index_fill_(0, order[keep], True)
+    mine = kept.view(sequences, n, -1)[:, r].reshape(-1)  # this rank's chunk of each sequence, (token, k) order
+    flat_e = topk_idx.reshape(-1)
+    sel = mine.nonzero().squeeze(1)
+    rows = sel[torch.argsort(flat_e[sel], stable=True)]
+    counts = torch.bincount(flat_e[sel], minlength=num_experts).tolist()
+    dropped = 1.0 - float(keep.sum()) / max(idx_all.numel(), 1)
+    return RoutingPlan(rows // k, topk_weight.reshape(-1)[rows], counts, None, dropped)
 
 
 class Dispatcher(Protocol):
@@ -263,7 +307,8 @@ class MoELayer(nn.Module):
     ) -> Tensor:
         """Apply the local experts (or ``weights``) to rows sorted by expert; honours the recompute level."""
         parts = self._recompute_parts(tokens_on_busiest_rank) if "layer" not in self._static_parts() else frozenset()
-        batched = self.capacity_factor is not None and weights is None
+        # capacity plans hold equal rows per expert, but not a sequence-parallel chunk's (``chunk_capacity_plan``)
+        batched = self.capacity_factor is not None and weights is None and len(set(counts)) <= 1
         if weights is None and getattr(self.dispatcher, "replicated_experts", False):
             # Whole experts on every TP rank, each running its own chunk's rows: partial gradients, summed over TP.
             return self._call_summed(self.experts, x, counts, batched=batched, recompute=parts)
@@ -291,12 +336,6 @@ class MoELayer(nn.Module):
         sequence-parallel layout but experts split over ETP ranks, which run on the whole sequence), else None."""
         if self.sequence_parallel_group is None or getattr(self.dispatcher, "etp_size", 1) != 1:
             return None
-        if self.capacity_factor is not None:
-            raise RuntimeError(
-                f"capacity_factor={self.capacity_factor} under sequence parallelism: each TP rank routes its own"
-                " sequence chunk, so a per-rank capacity would drop other tokens than one process does; use dropless"
-                " routing (moe_capacity_factor=None) or sequence_parallel=False."
-            )
         return self.sequence_parallel_group
 
     def _call_summed(self, module: nn.Module, *args, **kwargs) -> Tensor:
@@ -328,7 +367,8 @@ class MoELayer(nn.Module):
         shared experts' weights (and whole experts without EP) then see other tokens on each TP rank: their gradients
         are summed over TP at their use (``_call_summed``), and the statistics of the aux losses and of the bias
         balancing are summed over a token group that holds the TP ranks (``set_moe_token_group``; per sequence
-        over the sequence-parallel group too). Capacity-limited routing is refused there (``chunk_group``).
+        over the sequence-parallel group too). Capacity-limited routing takes its drop decisions on the whole
+        sequence, as one process does, from the gathered choices (``chunk_capacity_plan``).
 
         With experts split over ETP ranks the block runs on the whole sequence (all-gathered over TP), so the router,
         its statistics and the shared experts see what one process sees. Its output is this rank's chunk: a slice,
@@ -376,6 +416,12 @@ class MoELayer(nn.Module):
         route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep, router_weight))
         if self.capacity_factor is None:
             plan = dropless_plan(route.topk_idx, route.topk_weight, self.num_experts)
+        elif self.chunk_group() is not None:  # the whole sequence's drop decisions, this rank's chunk of them
+            sequences = shape[0] if hidden.dim() == 3 else 1
+            plan = chunk_capacity_plan(
+                route.topk_idx, route.topk_weight, self.num_experts, self.capacity_factor, self.drop_policy,
+                sequences, self.chunk_group(),
+            )  # fmt: skip
         else:
             capacity = math.ceil(x.shape[0] * self.top_k / self.num_experts * self.capacity_factor)
             plan = capacity_plan(route.topk_idx, route.topk_weight, self.num_experts, capacity, self.drop_policy)

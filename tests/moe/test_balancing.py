@@ -82,19 +82,6 @@ def test_expert_gradient_divisor_counts_each_token_copy_once():
     assert not etp_sp.moe_routes_sequence_chunks and etp_sp.expert_grad_divisor == 2  # whole sequence, ETP split
 
 
-def test_capacity_routing_under_sequence_parallelism_is_refused():
-    # Each TP rank routes its own chunk: a per-rank capacity would drop other tokens than one process does.
-    capped = TransformerConfig.from_preset("mixtral-tiny", moe_capacity_factor=1.0)
-    sp = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve(2)
-    with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.0 with tensor_parallel_size=2 and sequence_par"):
-        sp.validate_model(capped)
-    ParallelConfig(tensor_parallel_size=2).resolve(2).validate_model(capped)  # without SP: whole sequences
-    layer = build_moe(capped, 0)
-    layer.sequence_parallel_group = object()  # what the TP plan sets (never used: refused first)
-    with pytest.raises(RuntimeError, match=r"capacity_factor=1\.0 under sequence parallelism"):
-        layer(torch.zeros(1, 2, capped.hidden_size))
-
-
 def test_etp_inside_tp_under_sequence_parallelism_reduce_scatters():
     # Issue 39: ETP = TP and ETP over part of a TP group (ETP dividing TP) under SP both reduce-scatter the partial
     # expert outputs (MoELayer.forward); without SP, or with ETP over data-parallel ranks, they do not.

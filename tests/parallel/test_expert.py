@@ -22,22 +22,36 @@ def _ep_parity(
     overrides: dict,
     replicate: tuple[int, ...] = (),
     recompute: tuple[str | None, int | None] = (None, None),
+    sp: bool = False,
+    drop_policy: str = "position",
 ) -> dict:
+    """With ``sp`` the ranks are one sequence-parallel (TP) group: each holds its chunk of the same sequences and
+    routes it (``MoELayer.forward``); the oracle is one process on the whole sequences."""
     rank, world = dist.get_rank(), dist.get_world_size()
     names = ("edp", "ep") if len(mesh_shape) == 2 else ("ep",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     cfg = TransformerConfig.from_preset(preset, **overrides)
     ref = set_moe_token_group(init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0), None)
+    ref.drop_policy = drop_policy
     layer = apply_ep(copy.deepcopy(ref), mesh)
     # Every rank holds different tokens; this test sums (not averages) gradients over ranks, hence grad_scale 1.
     set_moe_token_group(layer, dist.group.WORLD, grad_scale=1.0)
     layer.replicated_experts = replicate
     layer.recompute_level, layer.recompute_token_threshold = recompute
     g = torch.Generator().manual_seed(1)
-    xs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
-    gs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
+    if sp:
+        layer.sequence_parallel_group = dist.group.WORLD  # what the TP plan's MoESequenceParallel sets
+        full_x = torch.randn(2, 4 * world, cfg.hidden_size, generator=g)
+        full_g = torch.randn(full_x.shape, generator=g)
+        chunks = lambda t: torch.stack(t.chunk(world, dim=1))  # noqa: E731
+        xs, gs = chunks(full_x), chunks(full_g)
+    else:
+        xs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
+        gs = torch.randn(world, 2, 5, cfg.hidden_size, generator=g)
     ref_x = xs.clone().requires_grad_()
-    if cfg.moe_aux_loss_scope == "global":
+    if sp:  # one process on the whole sequences (capacity and aux statistics of all of them)
+        ref_out = chunks(ref(torch.cat(list(ref_x), dim=1)))
+    elif cfg.moe_aux_loss_scope == "global":
         # Oracle: the single-process layer on all ranks' tokens at once (global aux/z statistics).
         ref_out = ref(ref_x.view(world * 2, 5, -1)).view(xs.shape)
     else:  # per-shard aux losses (and per-shard capacity), summed
@@ -67,11 +81,13 @@ def _ep_parity(
         else:
             assert not is_expert_param(p)
             grad = grad.clone()
-            dist.all_reduce(grad)  # router / shared experts: normal data-parallel sum
+            if not sp:  # under SP the layer summed them over the TP group itself
+                dist.all_reduce(grad)  # router / shared experts: normal data-parallel sum
             expected = ref_params[name].grad
         errs[name] = rel_err(grad, expected)
     assert list(layer.state_dict()) == list(ref.state_dict())
-    return {"errs": errs, "a2a_bytes": layer.a2a_bytes, "tokens_per_ep_rank": layer.tokens_per_ep_rank.tolist()}
+    return {"errs": errs, "a2a_bytes": layer.a2a_bytes, "tokens_per_ep_rank": layer.tokens_per_ep_rank.tolist(),
+            "dropped": layer.dropped_fraction}  # fmt: skip
 
 
 def _check(results: list[dict]) -> None:
@@ -97,10 +113,21 @@ def test_edp2_ep2_folded_grads_reduced_over_edp(launcher):
     _check(launcher(4, _ep_parity, "mixtral-tiny", (2, 2), AUX))
 
 
+def _capacity_layouts(local: dict, capped: dict) -> list[dict]:
+    """Per-rank shards with per-shard capacity, then sequence-parallel chunks under both drop policies."""
+    runs = [_ep_parity("mixtral-tiny", (2,), local)]
+    return runs + [_ep_parity("mixtral-tiny", (2,), capped, sp=True, drop_policy=p) for p in ("position", "probs")]
+
+
 def test_ep2_capacity_matches_single_process(launcher):
-    # Capacity is per rank (its own token count), so the oracle runs shard by shard with per-shard aux losses.
+    # Capacity is per rank (its own token count), so the oracle runs shard by shard with per-shard aux losses. Under
+    # sequence parallelism (TP 2 = EP 2 here) the drop decisions are the whole sequence's, as in one process, while
+    # each rank routes and dispatches its own chunk (same launch; both drop policies).
     local = {"moe_capacity_factor": 0.75, "moe_aux_loss_scope": "local", **AUX}
-    _check(launcher(2, _ep_parity, "mixtral-tiny", (2,), local))
+    capped = {"moe_capacity_factor": 0.75, **AUX}
+    for results in zip(*launcher(2, _capacity_layouts, local, capped)):
+        _check(list(results))
+        assert all(r["dropped"] > 0 for r in results)  # the capacity really drops assignments
 
 
 def test_hot_expert_replication_changes_traffic_not_results(launcher):
