@@ -134,6 +134,87 @@ def test_compiled_memory_model_under_context_parallelism():
         activations("none", True, "ulysses")
 
 
+# sequence parallel -> one compiled block per recompute mode: every branch of the compiled formula under TP with
+# and without SP (each compile costs ~1.2 s; nosp selective and SP selective_mm, whose terms these cover, were
+# counted the same way by hand and matched to the byte). "full" with TP fails to run compiled: refused.
+TP_CASES = {False: ("none", "selective_mm"), True: ("none", "selective")}
+
+
+def _tp_compiled_bytes(cases: dict) -> dict:
+    """On this rank of TP 2, per sequence-parallel setting ``sp`` of ``cases``: saved bytes per part of one bf16 model
+    whose block ``i`` runs compiled under ``cases[sp][i]`` (as ``compiled_run``), and the compiled loss's allocator
+    peaks: forward (above what it leaves allocated) and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g) for _ in range(2))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    out = {}
+    for sp, modes in cases.items():
+        with torch.device("meta"):
+            model = CausalLM(TransformerConfig(**SHAPE, num_layers=len(modes)), vocab_multiple=64)
+        apply_tp(model, mesh, sequence_parallel=sp)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)
+        model.to(torch.bfloat16)
+        for mode, block in zip(modes, model.layers.values(), strict=True):
+            apply_recompute(model, mode, blocks=[block])
+        apply_compile(model)
+        with _ByPart(model.parameters()) as saved:  # one call: it compiles, then runs what it compiled
+            h = model.embed_tokens(x)
+            cos, sin = model.rotary_emb(positions, torch.bfloat16)
+            for table in (cos, sin):
+                saved._pack(table)
+            for mode, block in zip(modes, model.layers.values(), strict=True):
+                saved.part = mode
+                h = block(h, cos, sin)
+            saved.part = "head"
+            logits = model.lm_head(model.norm(h))
+            with AllocationPeak() as forward:
+                loss = model.loss_fn(logits, y)
+        with AllocationPeak() as backward:
+            (grad,) = torch.autograd.grad(loss, logits)
+        out[sp] = dict(saved.by_part), forward.peak_bytes - forward.net_bytes, backward.peak_bytes
+        del loss, grad, logits, h
+    return out
+
+
+def test_compiled_memory_model_under_tensor_parallelism(launcher):
+    """TP 2 with and without SP, measured on 2 gloo ranks: each rank's compiled blocks keep, to the byte, their input
+    (SP: the sequence chunk), the norms' statistics, the column-parallel projections' (gathered) input whole, q/k/v,
+    SDPA out + lse and the gate/up/SwiGLU outputs 1/tp wide, the o projection's reduced output (SP: on the chunk;
+    kept by selective_mm too, as a collective's output); the compiled vocab-parallel loss keeps its fp32 gradient
+    factor [tokens, V/t], the label mask and count, its backward the logits' bf16 gradient shard, and its forward
+    no [tokens, V/t] beyond what it keeps. ``memory_breakdown`` prices the layouts from them; ``full`` recompute
+    (it fails to run compiled with TP) and TP with CP (not measured) are refused."""
+    tokens = BATCH * SEQ
+    config = TransformerConfig(**SHAPE, num_layers=2)
+    padded = config.padded_vocab_size(64)
+    for rank, measured in enumerate(launcher(2, _tp_compiled_bytes, TP_CASES)):
+        for sp, (by_part, forward_transient, backward_peak) in measured.items():
+            for mode in TP_CASES[sp]:
+                kept, _ = layer_activation_bytes(config, tokens, act_bytes=2, tp=2, sequence_parallel=sp,
+                                                 recompute=mode, compiled=True)  # fmt: skip
+                assert by_part[mode] == kept, (rank, sp, mode, by_part[mode], kept)
+                layout = ParallelConfig(tensor_parallel_size=2, sequence_parallel=sp, recompute=mode,
+                                        micro_batch_size=BATCH, torch_compile=True).resolve(2)  # fmt: skip
+                activations = memory_breakdown(config, layout, SEQ, 1).heaviest.activations
+                assert activations == by_part["edge"] + 2 * by_part[mode] + by_part["head"], (rank, sp, mode)
+            assert by_part["edge"] == model_edge_bytes(config, tokens, act_bytes=2)
+            head = head_bytes(config, tokens, padded_vocab=padded, act_bytes=2, tp=2, sp=sp, compiled=True)
+            assert by_part["head"] == head.saved, (rank, sp, by_part["head"], head.saved)
+            assert head.backward_transient <= backward_peak <= head.backward_transient + tokens * 8
+            assert forward_transient <= tokens * 16  # per-token statistics: no [tokens, V/t] tensor
+    with pytest.raises(ValueError, match="recompute='full'"):
+        layer_activation_bytes(config, tokens, tp=2, recompute="full", compiled=True)
+    layout = ParallelConfig(tensor_parallel_size=2, context_parallel_size=2, torch_compile=True).resolve(4)
+    with pytest.raises(ValueError, match="not both together"):
+        memory_breakdown(config, layout, SEQ, 1)
+
+
 def test_compiled_memory_model_refuses_what_it_does_not_price():
     """LoRA, MTP and MoE / MLA blocks under compile are not modelled: refused, naming the fix."""
     from lightning_flagscale.config.lora import LoRAConfig

@@ -85,33 +85,49 @@ Under ``torch_compile`` (``parallel/compile.py``: each block compiled after reco
 block keeps is what AOTAutograd's min-cut partitioner hands from the compiled forward to the compiled backward (read
 off its graphs, ``TORCH_LOGS=aot_graphs``; ``SavedActivations`` sees them, ``ctx.save_for_backward``): it saves the
 block input and the statistics of both norms and recomputes the cheap pointwise ops (the norms' fp32 copies and
-``x_hat``, RoPE, ``silu``, the residual sum from the o projection's output) in backward:
+``x_hat``, RoPE, ``silu``, the residual sum from the o projection's output) in backward. With TP ``t`` the widths
+are a rank's (``q' = q/t``, ``k' = k/t``, ``i' = i/t``, ``a' = a/t``); ``c`` is 1, or ``1/t`` under SP, where the
+block input, the norms and the residual stream are the rank's sequence chunk; per token of the whole local sequence:
 
-=======================================  ===========================  =======================================
+=======================================  ===========================  ===========================================
 compiled block, ``recompute``            saved for backward           bytes per token
-=======================================  ===========================  =======================================
-``none``                                 block input, 2 rsqrt, norm   ``E*(4h + 2q + 2k + 3i) + 8 + 4a``
-                                         outputs, q/k after RoPE, v,
-                                         SDPA out + lse, o output,
-                                         gate, up, ``silu(g)*u``
-``selective``                            block input, q/k/v (before   ``E*(2h + 2q + 2k + 2i) + 4a``
-                                         RoPE), SDPA out + lse, o,
-                                         gate, up (not down: nothing
-                                         in backward reads it)
-``selective_mm``                         block input, q, v, SDPA out  ``E*(h + 2q + k + i) + 4a``
-                                         + lse, gate
-``full``                                 block input, RNG state       ``E*h`` + 5056 B per block
-=======================================  ===========================  =======================================
+=======================================  ===========================  ===========================================
+``none``                                 block input, 2 rsqrt, norm   ``E*(2c*h + 2h + 2q' + 2k' + 3i')``
+                                         outputs (SP: gathered, whole ``+ 8c + 4a'``
+                                         on every rank), q/k after
+                                         RoPE, v, SDPA out + lse, o
+                                         output (TP: reduced), gate,
+                                         up, ``silu(g)*u``
+``selective``                            block input, q/k/v (before   ``E*(2c*h + 2q' + 2k' + 2i') + 4a'``;
+                                         RoPE), SDPA out + lse, o     SP: ``+ 2E*h``
+                                         (TP: its all-reduce / reduce-
+                                         scatter), gate, up (not
+                                         down: nothing in backward
+                                         reads it); SP: the two
+                                         all-gathered norm outputs
+                                         (collectives: kept)
+``selective_mm``                         block input, q, v, SDPA out  ``E*(c*h + 2q' + k' + i') + 4a'``;
+                                         + lse, gate; TP: o's         TP: ``+ E*c*h``; SP: ``+ 2E*h``
+                                         reduced output (a collective
+                                         output); SP: the gathers
+``full``                                 block input, RNG state       ``E*h`` + 5056 B per block (no TP)
+=======================================  ===========================  ===========================================
 
 (``i = intermediate_size``; no RNG state under the selective modes.) The compiled loss keeps the head's output,
 padded columns included, in the model dtype (``E*V_pad``: the fp32 copy and the fp32 log-probabilities are never
 written), the int64 targets, the row max and log-sum-exp (``8``) and the clamped label count (8 bytes once); its
-backward writes the logits' gradient in the model dtype in one fused kernel (``E*V_pad``, the only transient).
-Measured on CPU to the byte (bf16: ``tests/test_tune_compile.py``; fp32 the same way, by hand). On CUDA,
-inductor's partitioner sees the same joint graph; the attention op is cuDNN's or flash's instead of the CPU flash
-kernel, which save the same q, k, v, out and fp32 lse (plus two 8-byte philox scalars) in the same bshd layout.
-Compiled blocks are priced for dense decoders with standard attention (TP and MoE are refused with compile by
-``ParallelConfig`` / ``apply_compile``).
+backward writes the logits' gradient in the model dtype in one fused kernel (``E*V_pad``, the only transient). Under
+TP the vocab-parallel cross-entropy is traced whole (its all-reduces as functional collectives) and the partitioner
+moves its backward's ``softmax - onehot`` into the forward: it keeps that fp32 ``[tokens, V_pad/t]`` (``4V_pad/t``),
+the label mask (1) and the label count (8 bytes once), not the logits; its backward writes the logits' gradient
+shard in the model dtype (``E*V_pad/t``); its forward allocates per-token statistics only besides what it keeps.
+Measured on CPU to the byte (bf16: ``tests/test_tune_compile.py``, TP 2 with and without SP on 2 gloo ranks; fp32
+the same way, by hand, without TP). On CUDA, inductor's partitioner sees the same joint graph; the attention op is
+cuDNN's or flash's instead of the CPU flash kernel, which save the same q, k, v, out and fp32 lse (plus two 8-byte
+philox scalars) in the same bshd layout. Compiled blocks are priced for dense decoders with standard attention (MoE
+is refused with compile by ``ParallelConfig`` / ``apply_compile``; MLA blocks are not measured compiled: refused
+here). Under TP, ``full`` recompute is refused: the compiled checkpoint fails to run on torch 2.13 (AOTAutograd
+hands the TP ``DeviceMesh`` to ``save_for_backward``); TP together with CP is not measured: refused.
 Under ring context parallelism the ring's exchange breaks the block's graph: without recompute the pieces keep the
 bytes above, under ``full`` too, while under the selective modes the break inside the checkpointed region makes torch
 run the checkpoint eagerly and the block keeps what the eager block keeps (measured on 2 gloo ranks, equal
@@ -213,10 +229,11 @@ def layer_activation_bytes(
     """(bytes kept until backward, bytes alive while this layer is recomputed in backward) for one decoder layer
     over ``tokens`` tokens of this rank (micro-batch x local sequence), see the module docstring. ``attention_keys``:
     the key length when torch's math SDPA runs the core attention (:func:`math_attention_keys`), None for a fused
-    kernel. ``compiled``: the block runs compiled (``torch_compile``; dense blocks, standard attention, no TP).
+    kernel. ``compiled``: the block runs compiled (``torch_compile``; dense blocks, standard attention).
     ``expert_tensor_parallel_size``: under SP with 1 an MoE block routes this rank's sequence chunk only."""
     if compiled:
-        return _compiled_layer_bytes(m, tokens, layer=layer, act_bytes=act_bytes, tp=tp, recompute=recompute)
+        return _compiled_layer_bytes(m, tokens, layer=layer, act_bytes=act_bytes, tp=tp, sp=sequence_parallel,
+                                     recompute=recompute)  # fmt: skip
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sequence_parallel else tokens
     norms = 2 * _norm(h, norm_tokens, e)
@@ -252,31 +269,45 @@ def layer_activation_bytes(
 
 
 def _compiled_layer_bytes(
-    m: TransformerConfig, tokens: float, *, layer: int, act_bytes: int, tp: int, recompute: RecomputeMode
+    m: TransformerConfig, tokens: float, *, layer: int, act_bytes: int, tp: int, sp: bool, recompute: RecomputeMode
 ) -> tuple[float, float]:
-    """:func:`layer_activation_bytes` of a compiled block (module docstring's second table)."""
-    if m.is_mla or m.is_moe_layer(layer) or tp != 1:
+    """:func:`layer_activation_bytes` of a compiled block (module docstring's second table), TP ``tp`` (SP: ``sp``)."""
+    if m.is_mla or m.is_moe_layer(layer):
         raise ValueError(
-            "The memory model prices torch_compile=True for dense blocks with standard attention and no tensor"
-            f" parallelism (the layouts torch_compile runs); {m.name!r} layer {layer} has"
-            f" {'MLA' if m.is_mla else 'MoE experts' if m.is_moe_layer(layer) else f'tensor_parallel_size={tp}'}."
+            "The memory model prices torch_compile=True for dense blocks with standard attention (the layouts"
+            f" torch_compile runs); {m.name!r} layer {layer} has {'MLA' if m.is_mla else 'MoE experts'}."
         )
-    e, h, a, i = act_bytes, m.hidden_size, m.num_attention_heads, m.intermediate_size
-    q, kv = a * m.head_dim, m.num_key_value_heads * m.head_dim
-    block_input = tokens * e * h
-    # the norms' inputs are recomputed from the block input and the o projection's output; their outputs are kept
-    full = block_input + tokens * (e * (3 * h + 2 * q + 2 * kv + 3 * i) + 8 + 4 * a)
+    if tp > 1 and recompute == "full":
+        raise ValueError(
+            "The memory model does not price torch_compile=True with tensor parallelism under recompute='full': the"
+            " compiled checkpoint fails on torch 2.13 (AOTAutograd hands the TP DeviceMesh to save_for_backward;"
+            " measured on 2 gloo ranks). Use recompute 'none', 'selective' or 'selective_mm' with TP and compile, or"
+            " plan it with torch_compile=False."
+        )
+    e, h = act_bytes, m.hidden_size
+    a, q, kv, i = (x / tp for x in (m.num_attention_heads, m.num_attention_heads * m.head_dim,
+                                     m.num_key_value_heads * m.head_dim, m.intermediate_size))  # fmt: skip
+    chunk = tokens / tp if sp else tokens  # the norms' tokens: the block input and the residual stream
+    block_input = chunk * e * h
+    # the column-parallel projections' input, whole on every TP rank (the norm output; under SP its all-gather)
+    gathered = 2 * tokens * e * h
+    # the norms' inputs are recomputed from the block input and the o projection's (reduced) output; their
+    # statistics and outputs are kept
+    full = block_input + chunk * (e * h + 8) + gathered + tokens * (e * (2 * q + 2 * kv + 3 * i) + 4 * a)
     if recompute == "none":
         return full, full
     if recompute == "full":
         return block_input + CHECKPOINT_RNG_BYTES, block_input + CHECKPOINT_RNG_BYTES + full
     if recompute not in ("selective", "selective_mm"):
         raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'selective_mm' or 'full'.")
-    outputs = [q, kv, kv, h, i, i, h]  # q, k, v, o, gate, up, down in the order the block runs them
-    if recompute == "selective_mm":
-        outputs = outputs[::2]
-    # the down projection's output only feeds the residual sum: backward never reads it, the partitioner drops it
-    kept = block_input + tokens * (e * (sum(outputs[:-1]) + q) + 4 * a)  # + SDPA out and lse
+    # the policy keeps matmul and collective outputs; SP's all-gathers are collectives. The o projection's output
+    # is kept reduced (TP: its all-reduce / reduce-scatter, whole / on the chunk), the down projection's is not:
+    # only the residual sum reads it, and backward does not
+    kept = block_input + (gathered if sp else 0.0) + tokens * 4 * a
+    if recompute == "selective":  # q, k, v, o, gate, up + SDPA out
+        kept += chunk * e * h + tokens * e * (2 * q + 2 * kv + 2 * i)
+    else:  # selective_mm: q, v, gate (k, o, up recomputed) + SDPA out; under TP o's collective output is still kept
+        kept += (chunk * e * h if tp > 1 else 0.0) + tokens * e * (2 * q + kv + i)
     return kept, kept + full
 
 
@@ -408,14 +439,21 @@ def head_bytes(
 ) -> HeadBytes:
     """Final norm + LM head + loss on ``tokens`` tokens (module docstring); the LM head sees the whole sequence.
     ``frozen``: the norm's weight and the LM head are frozen (LoRA): the norm keeps its statistics only, the head
-    nothing. ``compiled``: the loss runs compiled (``torch_compile``; no TP): it keeps the logits in the model dtype
-    and its backward writes their gradient in the model dtype, nothing in fp32."""
+    nothing. ``compiled``: the loss runs compiled (``torch_compile``): without TP it keeps the logits in the model
+    dtype and its backward writes their gradient in the model dtype, nothing in fp32; under TP it keeps the fp32
+    gradient factor of its vocab shard (module docstring)."""
     e, h = act_bytes, m.hidden_size
     norm_tokens = tokens / tp if sp else tokens
     norm = norm_tokens * (4 * h + 4) if frozen else _norm(h, norm_tokens, e) + tokens * e * h  # + the head's input
+    if compiled and tp > 1:
+        # the vocab-parallel cross-entropy traced whole (its all-reduces as functional collectives): the partitioner
+        # moves its backward's ``softmax - onehot`` into the forward and keeps that fp32 [tokens, V/t] (not the
+        # logits), the label mask (1 byte a token) and the clamped label count (8 bytes once); the backward scales
+        # it into the logits' gradient in the model dtype; the forward allocates only per-token statistics besides
+        local = padded_vocab / tp
+        saved = norm + tokens * (4 * local + 1) + 8
+        return HeadBytes(saved=saved, forward_transient=0.0, backward_transient=tokens * e * local)
     if compiled:
-        if tp > 1:
-            raise ValueError(f"torch_compile=True runs without tensor parallelism; got tensor_parallel_size={tp}.")
         logits = tokens * e * padded_vocab  # the head's output, padded columns included
         # + int64 targets, the row max and log-sum-exp (fp32), and the clamped label count (one int64)
         return HeadBytes(saved=norm + logits + tokens * 16 + 8, forward_transient=0.0, backward_transient=logits)

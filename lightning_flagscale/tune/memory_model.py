@@ -324,7 +324,7 @@ def memory_breakdown(
     adapters only, and the activations are what the frozen model keeps (``tune.activations``: the adapters' inputs,
     ``r``-wide outputs, dropout copies and DoRA's products, no input of a frozen linear; recompute ``none`` or
     ``full``; ``backend="gloo"`` prices dropout's CPU mask). ``config.torch_compile``: the blocks and the loss run
-    compiled (``tune.activations``; full fine-tuning of dense decoders with standard attention)."""
+    compiled (``tune.activations``; full fine-tuning of dense decoders with standard attention; TP or ring CP)."""
     c, m = config, model
     if precision not in _ACT_BYTES:
         raise ValueError(f"precision={precision!r}: use one of {sorted(_ACT_BYTES)}.")
@@ -340,6 +340,13 @@ def memory_breakdown(
             f" (context_parallel_mode={c.context_parallel_mode!r}): its all-to-alls split the compiled block into"
             " several graphs, which keep more than one graph does (measured on CPU: +46% a block,"
             " bench/results/compile_memory.md). Use context_parallel_mode='ring' or plan it with torch_compile=False."
+        )
+    if c.torch_compile and c.tp_enabled and c.cp_enabled:
+        raise ValueError(
+            "The memory model prices torch_compile=True under tensor parallelism (TP 2 with and without SP, measured)"
+            " or under ring context parallelism, not both together (not measured: where the ring's exchange breaks"
+            f" the TP block's graph). Got tensor_parallel_size={c.tensor_parallel_size} and"
+            f" context_parallel_size={c.context_parallel_size}; plan it with torch_compile=False."
         )
     e = _ACT_BYTES[precision]
     tp, sp, pp = c.tensor_parallel_size, c.sequence_parallel, c.pipeline_parallel_size
