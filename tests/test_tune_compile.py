@@ -16,6 +16,7 @@ from lightning_flagscale.parallel.pipeline_parallel.recompute import RECOMPUTE_M
 from lightning_flagscale.tune.activations import head_bytes, layer_activation_bytes, model_edge_bytes
 from lightning_flagscale.tune.measure import AllocationPeak, SavedActivations
 from lightning_flagscale.tune.memory_model import memory_breakdown
+from tests._dynamo import fresh_dynamo
 
 SHAPE = dict(vocab_size=1000, hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2)
 BATCH, SEQ = 2, 64
@@ -41,6 +42,7 @@ def compiled_run():
     """One bf16 model whose block ``i`` runs compiled under recompute mode ``RECOMPUTE_MODES[i]`` (one compile per
     mode, one of the loss), run part by part as ``CausalLM.run_layers`` runs it: saved bytes per part, and the
     allocator's peak during the compiled loss's backward."""
+    fresh_dynamo()
     torch.manual_seed(0)
     config = TransformerConfig(**SHAPE, num_layers=len(RECOMPUTE_MODES))
     model = CausalLM(config, vocab_multiple=64).to(torch.bfloat16)
@@ -148,6 +150,7 @@ def _tp_compiled_bytes(cases: dict) -> dict:
 
     from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
 
+    fresh_dynamo()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g) for _ in range(2))

@@ -136,6 +136,10 @@ def trainer_run(
     from lightning_flagscale import FlagScalePrecision, FlagScaleStrategy
 
     world = dist.get_world_size()
+    if strategy_kwargs.get("torch_compile"):
+        from tests._dynamo import fresh_dynamo
+
+        fresh_dynamo()
     strategy = FlagScaleStrategy(**strategy_kwargs)
     recorder = _LossRecorder()
 

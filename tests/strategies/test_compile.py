@@ -62,6 +62,8 @@ def test_compile_keeps_parameter_names_and_compiles_once():
     [
         dict(pipeline_parallel_size=2, pipeline_schedule="zbv"),
         dict(hetero_meshes=[{"tensor_parallel_size": 1}, {"tensor_parallel_size": 1}]),
+        dict(tensor_parallel_size=2, recompute="full"),  # AOT autograd fails on the checkpointed TP block
+        dict(tensor_parallel_size=2, pipeline_parallel_size=2, recompute=["selective", "full"]),
     ],
 )
 def test_compile_is_refused_where_it_is_not_supported(layout):
