@@ -138,7 +138,8 @@ def test_compiled_memory_model_under_context_parallelism():
 
 # sequence parallel -> one compiled block per recompute mode: every branch of the compiled formula under TP with
 # and without SP (each compile costs ~1.2 s; nosp selective and SP selective_mm, whose terms these cover, were
-# counted the same way by hand and matched to the byte). "full" with TP fails to run compiled: refused.
+# counted the same way by hand and matched to the byte). "full" with TP (checkpoint eager around the compiled body) is
+# not measured: refused.
 TP_CASES = {False: ("none", "selective_mm"), True: ("none", "selective")}
 
 
@@ -192,7 +193,7 @@ def test_compiled_memory_model_under_tensor_parallelism(launcher):
     kept by selective_mm too, as a collective's output); the compiled vocab-parallel loss keeps its fp32 gradient
     factor [tokens, V/t], the label mask and count, its backward the logits' bf16 gradient shard, and its forward
     no [tokens, V/t] beyond what it keeps. ``memory_breakdown`` prices the layouts from them; ``full`` recompute
-    (it fails to run compiled with TP) and TP with CP (not measured) are refused."""
+    and TP with CP (not measured) are refused."""
     tokens = BATCH * SEQ
     config = TransformerConfig(**SHAPE, num_layers=2)
     padded = config.padded_vocab_size(64)

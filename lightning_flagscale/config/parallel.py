@@ -177,7 +177,8 @@ class PipelineConfig:
     once at compile time instead of at every op. The first step pays the compilation (and the first step whose label
     count differs, once). Tested with DDP / ZeRO-1, ZeRO-3 (FSDP2), TP (+ SP), CP, 1F1B pipelines and recompute;
     refused with pipeline parallelism's split-backward schedules (``zero_bubble``, ``zbv``, ``dualpipev``),
-    ``hetero_meshes``, MoE models and TP with ``full`` recompute (torch 2.13's AOT autograd fails on it)."""
+    ``hetero_meshes`` and MoE models. Under TP, a ``full``-recomputed block keeps its checkpoint eager around its
+    compiled body (``parallel/compile.py``)."""
     overlap_moe_expert_parallel_comm: bool = False
     """DualPipeV only (Megatron's flag name): run each paired forward and backward of two micro-batches at the same
     time, so one's expert all-to-all waits while the other computes (``parallel/pipeline_parallel/overlap.py``).
@@ -400,13 +401,6 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
                 " would run twice. Use 'gpipe', '1f1b' or 'interleaved_1f1b' with compile, or torch_compile=False."
             )
         modes = [self.recompute] if isinstance(self.recompute, str) else list(self.recompute)
-        if self.torch_compile and self.tp_enabled and "full" in modes:
-            raise ValueError(
-                f"torch_compile=True with tensor_parallel_size={self.tensor_parallel_size} and recompute='full' is not"
-                " supported: torch 2.13's AOT autograd fails on the checkpointed TP block (it hands the TP device mesh"
-                " to save_for_backward). Use recompute='selective' or 'selective_mm' with compile under TP, or"
-                " torch_compile=False."
-            )
         stages = self.num_stages if not self.hetero_enabled else self._hetero_stage_count()
         if not isinstance(self.recompute, str) and len(modes) != stages:
             raise ValueError(

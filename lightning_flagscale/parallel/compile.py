@@ -15,10 +15,26 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_flagscale.moe.balance import moe_layers
+from lightning_flagscale.parallel.pipeline_parallel.recompute import checkpointed
 
 __all__ = ["apply_compile"]
+
+
+def _compile_block(block: nn.Module) -> None:
+    """``block.compile()``; a tensor-parallel block under ``full`` recompute instead keeps its checkpoint eager around
+    its compiled body: torch 2.13's AOT autograd cannot trace the checkpoint region over DTensor ops (it hands the TP
+    device mesh to ``save_for_backward``). Same semantics as the checkpoint inside (the block input kept, the body
+    re-run in backward, compiled both times); only the checkpoint's own bookkeeping runs eagerly."""
+    tensor_parallel = any(isinstance(p, DTensor) for p in block.parameters())
+    if getattr(block, "_recompute_mode", None) == "full" and tensor_parallel:
+        body = block.forward.__wrapped__  # the block's own forward, under apply_recompute's checkpoint
+        block.forward = checkpointed(torch.compile(body), "full")
+        block._compiled_inside_checkpoint = True
+    else:
+        block.compile()
 
 
 def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
@@ -32,9 +48,11 @@ def apply_compile(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -
             " set torch_compile=False."
         )
     for block in model.layers.values() if blocks is None else blocks:
-        if getattr(block, "_compiled_call_impl", None) is not None:
+        if getattr(block, "_compiled_call_impl", None) is not None or getattr(
+            block, "_compiled_inside_checkpoint", False
+        ):
             raise ValueError(f"{type(block).__name__} is already compiled; apply torch_compile once.")
-        block.compile()
+        _compile_block(block)
     loss_fn = getattr(model, "loss_fn", None)
     if loss_fn is not None and not hasattr(loss_fn, "_torchdynamo_orig_callable"):
         model.loss_fn = torch.compile(loss_fn)  # instance attribute: the class's method stays the eager one

@@ -126,8 +126,9 @@ the same way, by hand, without TP). On CUDA, inductor's partitioner sees the sam
 cuDNN's or flash's instead of the CPU flash kernel, which save the same q, k, v, out and fp32 lse (plus two 8-byte
 philox scalars) in the same bshd layout. Compiled blocks are priced for dense decoders with standard attention (MoE
 is refused with compile by ``ParallelConfig`` / ``apply_compile``; MLA blocks are not measured compiled: refused
-here). Under TP, ``full`` recompute is refused: the compiled checkpoint fails to run on torch 2.13 (AOTAutograd
-hands the TP ``DeviceMesh`` to ``save_for_backward``); TP together with CP is not measured: refused.
+here). Under TP, ``full`` recompute is not measured compiled: refused (its checkpoint runs eagerly around the compiled
+block body, ``parallel/compile.py``, since torch 2.13's AOTAutograd cannot trace the checkpoint over DTensor ops);
+TP together with CP is not measured: refused.
 Under ring context parallelism the ring's exchange breaks the block's graph: without recompute the pieces keep the
 bytes above, under ``full`` too, while under the selective modes the break inside the checkpointed region makes torch
 run the checkpoint eagerly and the block keeps what the eager block keeps (measured on 2 gloo ranks, equal
@@ -279,10 +280,10 @@ def _compiled_layer_bytes(
         )
     if tp > 1 and recompute == "full":
         raise ValueError(
-            "The memory model does not price torch_compile=True with tensor parallelism under recompute='full': the"
-            " compiled checkpoint fails on torch 2.13 (AOTAutograd hands the TP DeviceMesh to save_for_backward;"
-            " measured on 2 gloo ranks). Use recompute 'none', 'selective' or 'selective_mm' with TP and compile, or"
-            " plan it with torch_compile=False."
+            "The memory model does not price torch_compile=True with tensor parallelism under recompute='full' (not"
+            " measured: there the block's checkpoint runs eagerly around its compiled body, parallel/compile.py)."
+            " Plan it with torch_compile=False (the eager full-recompute bytes), or use recompute 'none', 'selective'"
+            " or 'selective_mm' with TP and compile."
         )
     e, h = act_bytes, m.hidden_size
     a, q, kv, i = (x / tp for x in (m.num_attention_heads, m.num_attention_heads * m.head_dim,

@@ -158,7 +158,9 @@ def _selective_contexts(mode: str, replayable: bool) -> tuple[Any, Any]:
     return forward_ctx, recompute_ctx
 
 
-def _checkpointed(forward: Callable[..., Any], mode: str, replayable: bool) -> Callable[..., Any]:
+def checkpointed(forward: Callable[..., Any], mode: str, replayable: bool = False) -> Callable[..., Any]:
+    """``forward`` run under ``torch.utils.checkpoint`` (non-reentrant) with ``mode``'s policy; the original is the
+    result's ``__wrapped__``."""
     context_fn = None
     if mode in ("selective", "selective_mm"):
         context_fn = functools.partial(_selective_contexts, mode, replayable)
@@ -194,8 +196,6 @@ def apply_recompute(
             raise ValueError(SELECTIVE_MM_ON_MOE)
         if getattr(block, "_recompute_mode", None) is not None:
             raise ValueError(f"Block already has recompute={block._recompute_mode!r}; apply recompute once.")
-        block.forward = _checkpointed(
-            block.forward, mode, replayable
-        )  # instance attribute: FQNs unchanged (module doc)
+        block.forward = checkpointed(block.forward, mode, replayable)  # instance attribute: FQNs unchanged (module doc)
         block._recompute_mode = mode
     return module
