@@ -46,7 +46,7 @@ SMOKE: dict[str, tuple[str, list[str]]] = {
     "tune_deepseek_v3.py": ("--smoke --out {out}/tune_deepseek_v3.md", ["tune_deepseek_v3.md"]),
     "mla.py": ("--smoke --out {out}/mla.md", ["mla.md"]),
     # 2 gloo ranks compiling one block per CP x recompute mode: ~20 s here
-    "compile_memory.py": ("--out {out}/compile_memory.md --port 29581", ["compile_memory.md"]),
+    "compile_memory.py": ("--smoke --out {out}/compile_memory.md --port 29581", ["compile_memory.md"]),
     "lora.py": ("--smoke --out {out}/lora.md", ["lora.md", "step peak above start (profiler)"]),
     # the measured runs need 4 ranks per layout and a bandwidth probe (minutes); the report and the tuner's
     # predictions for every layout are recomputed from the committed measurements
