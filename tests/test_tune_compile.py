@@ -53,21 +53,30 @@ def compiled_run():
     x, y = (torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(2))  # two storages
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     for _ in range(2):  # the first call compiles; the second is counted
-        with _ByPart(model.parameters()) as saved:
-            h = model.embed_tokens(x)
-            cos, sin = model.rotary_emb(positions, torch.bfloat16)
-            for table in (cos, sin):  # every block saves the RoPE tables: counted once, with the edge
-                saved._pack(table)
-            for mode, block in zip(RECOMPUTE_MODES, model.layers.values(), strict=True):
-                saved.part = mode
-                h = block(h, cos, sin)
-            saved.part = "head"
-            logits = model.lm_head(model.norm(h))
+        by_part, _, backward_peak = _counted_pass(model, RECOMPUTE_MODES, x, y, positions)
+    return config, by_part, backward_peak
+
+
+def _counted_pass(model, modes, x, y, positions) -> tuple[dict, int, int]:
+    """One forward of ``model`` (block ``i`` under ``modes[i]``) run part by part as ``CausalLM.run_layers`` runs
+    it, and the loss's backward alone: saved bytes per part, the loss forward's transient (its allocator peak above
+    what it leaves allocated) and the loss backward's allocator peak."""
+    with _ByPart(model.parameters()) as saved:
+        h = model.embed_tokens(x)
+        cos, sin = model.rotary_emb(positions, torch.bfloat16)
+        for table in (cos, sin):  # every block saves the RoPE tables: counted once, with the edge
+            saved._pack(table)
+        for mode, block in zip(modes, model.layers.values(), strict=True):
+            saved.part = mode
+            h = block(h, cos, sin)
+        saved.part = "head"
+        logits = model.lm_head(model.norm(h))
+        with AllocationPeak() as forward:
             loss = model.loss_fn(logits, y)
-        with AllocationPeak() as backward:
-            (grad,) = torch.autograd.grad(loss, logits)  # the compiled loss's backward alone
-        del loss, grad, logits, h
-    return config, saved.by_part, backward.peak_bytes
+    with AllocationPeak() as backward:
+        (grad,) = torch.autograd.grad(loss, logits)  # the compiled loss's backward alone
+    del loss, grad, logits, h
+    return dict(saved.by_part), forward.peak_bytes - forward.net_bytes, backward.peak_bytes
 
 
 def test_compiled_blocks_keep_what_the_model_says(compiled_run):
@@ -167,22 +176,7 @@ def _tp_compiled_bytes(cases: dict) -> dict:
         for mode, block in zip(modes, model.layers.values(), strict=True):
             apply_recompute(model, mode, blocks=[block])
         apply_compile(model)
-        with _ByPart(model.parameters()) as saved:  # one call: it compiles, then runs what it compiled
-            h = model.embed_tokens(x)
-            cos, sin = model.rotary_emb(positions, torch.bfloat16)
-            for table in (cos, sin):
-                saved._pack(table)
-            for mode, block in zip(modes, model.layers.values(), strict=True):
-                saved.part = mode
-                h = block(h, cos, sin)
-            saved.part = "head"
-            logits = model.lm_head(model.norm(h))
-            with AllocationPeak() as forward:
-                loss = model.loss_fn(logits, y)
-        with AllocationPeak() as backward:
-            (grad,) = torch.autograd.grad(loss, logits)
-        out[sp] = dict(saved.by_part), forward.peak_bytes - forward.net_bytes, backward.peak_bytes
-        del loss, grad, logits, h
+        out[sp] = _counted_pass(model, modes, x, y, positions)  # one call: it compiles, then runs what it compiled
     return out
 
 
