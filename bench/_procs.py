@@ -50,6 +50,25 @@ def stop(procs: list[Any], grace: float = 1.0) -> None:
             p.join()
 
 
+def _plain(result: Any, name: str) -> Any:
+    """``result``, refused if it holds a tensor anywhere: torch sends a tensor through a queue as a shared-memory
+    handle that the parent can only open while the sending rank is alive, so a rank that exits right after its
+    ``put`` makes the parent's ``get`` fail now and then (``EOFError`` in ``rebuild_storage_fd``). Send numbers,
+    lists or ``tensor.tolist()``, or compare the tensors in the rank."""
+    import torch
+
+    stack = [result]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            raise TypeError(f"{name}: a rank put a tensor on the result queue; send plain values (see _procs._plain)")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return result
+
+
 def collect(
     procs: list[Any],
     queue: Any,
@@ -69,7 +88,7 @@ def collect(
     try:
         while len(results) < count:
             try:
-                results.append(queue.get(timeout=0.2))
+                results.append(_plain(queue.get(timeout=0.2), name))
                 if failed is not None and failed(results[-1]):
                     break
                 continue
@@ -81,7 +100,7 @@ def collect(
                 raise RuntimeError(f"{name}: rank {rank} exited with code {code} (its traceback is above)")
             if all(p.exitcode is not None for p in procs):
                 try:  # the last result may still be in the pipe
-                    results.append(queue.get(timeout=2.0))
+                    results.append(_plain(queue.get(timeout=2.0), name))
                     continue
                 except _queue.Empty:
                     raise RuntimeError(f"{name}: every rank exited, {len(results)} of {count} results") from None

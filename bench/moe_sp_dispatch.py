@@ -89,7 +89,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
             out=out.detach(),
             router_grad=layer.gate.weight.grad.detach().clone(),
         )
-    queue.put((rank, results))
+    # Compared here: a tensor put on the queue travels as a shared-memory handle that the parent can only open while
+    # this process is alive, and a fast rank can exit before the parent unpickles its result (EOFError).
+    whole, own = (results[m] for m in MODES)
+    same = dict(
+        out=_rel(whole.pop("out"), own.pop("out")), router_grad=_rel(whole.pop("router_grad"), own.pop("router_grad"))
+    )
+    queue.put((rank, results, same))
     dist.destroy_process_group()
 
 
@@ -116,7 +122,9 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
-    per_rank = dict(collect(procs, queue, args.world, name="moe_sp_dispatch"))
+    collected = collect(procs, queue, args.world, name="moe_sp_dispatch")
+    per_rank = {rank: res for rank, res, _ in collected}
+    same = {rank: s for rank, _, s in collected}
     dp = args.world // args.tp
     tokens = args.batch * args.seq
     lines = [
@@ -129,8 +137,7 @@ def main() -> None:
     ]
     for rank in range(args.world):
         res = per_rank[rank]
-        same_out = f"{_rel(res[MODES[0]]['out'], res[MODES[1]]['out']):.1e}"
-        same_grad = f"{_rel(res[MODES[0]]['router_grad'], res[MODES[1]]['router_grad']):.1e}"
+        same_out, same_grad = f"{same[rank]['out']:.1e}", f"{same[rank]['router_grad']:.1e}"
         for mode in MODES:
             r = res[mode]
             lines.append(

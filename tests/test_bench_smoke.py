@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._background import background, selected
 
@@ -152,3 +153,19 @@ def test_dead_rank_ends_the_run():
         collect(procs, queue, 2, timeout=60, name="dead")
     assert time.perf_counter() - start < 20
     assert all(p.exitcode is not None for p in procs)
+
+
+def test_a_tensor_result_is_refused():
+    """A tensor on the result queue travels as a shared-memory handle that dies with its rank (an ``EOFError`` now
+    and then in CI, when the rank exits first): :func:`collect` refuses one wherever it sits in the result."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _procs import collect
+    finally:
+        sys.path.remove(str(BENCH))
+    queue = multiprocessing.get_context("fork").Queue()
+    queue.put((0, {"mode": [1.0, torch.zeros(2)]}))
+    with pytest.raises(TypeError, match="put a tensor on the result queue"):
+        collect([], queue, 1, timeout=10, name="tensor")
+    queue.put((0, {"mode": [1.0, 2.0]}))
+    assert collect([], queue, 1, timeout=10, name="plain") == [(0, {"mode": [1.0, 2.0]})]
