@@ -266,6 +266,11 @@ class MoELayer(nn.Module):
         """Under sequence parallelism the TP group (set by the TP plan, ``MoESequenceParallel``): the block takes and
         returns this rank's sequence chunk; it routes that chunk, or, with experts split over ETP ranks, runs on the
         whole sequence (see ``forward``)."""
+        self.chunk_grads_at_step = False
+        """Whether the gradient reduction of the optimizer step sums the weights that see only this rank's sequence
+        chunk (``chunk_partial_params``) over the sequence-parallel group: the strategy sets it, with those weights
+        tagged for it (``parallel.expert_parallel.tag_chunk_routed_params``), so they are summed once per step, not
+        in every micro-batch's backward. False (a layer used on its own): the layer sums them where it uses them."""
         self.token_grad_scale: float | None = None
         """Factor on this rank's share of a global loss so the gradient reduction yields the global gradient;
         ``None``: the token group's size over the sequence-parallel ranks when the block routes its own chunk
@@ -338,12 +343,28 @@ class MoELayer(nn.Module):
             return None
         return self.sequence_parallel_group
 
+    def chunk_partial_params(self) -> list[nn.Parameter]:
+        """The weights whose gradients are partial sums over the sequence-parallel group when the block routes its own
+        chunk (each TP rank saw other tokens): the router's, the shared experts' (and gate's), and the experts' when
+        they are whole on every rank (``LocalDispatcher``: no EP). Empty when the block does not route its chunk."""
+        if self.chunk_group() is None:
+            return []
+        modules: list[nn.Module] = [self.gate]
+        if getattr(self.dispatcher, "replicated_experts", False):
+            modules.append(self.experts)
+        modules += [
+            getattr(self, n) for n in ("shared_expert", "shared_expert_gate", "shared_experts") if hasattr(self, n)
+        ]
+        params = [p for m in modules for p in m.parameters()]
+        return [p for p in params if p.requires_grad]
+
     def _call_summed(self, module: nn.Module, *args, **kwargs) -> Tensor:
-        """``module(*args, **kwargs)``; when the block routes its own chunk, with the module's trainable weights'
-        gradients summed over the sequence-parallel group (one all-reduce): each TP rank saw other tokens."""
+        """``module(*args, **kwargs)``; when the block routes its own chunk and the step does not sum them
+        (``chunk_grads_at_step``), with the module's trainable weights' gradients summed over the sequence-parallel
+        group (one all-reduce): each TP rank saw other tokens."""
         group = self.chunk_group()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if group is None or not named or not torch.is_grad_enabled():
+        if group is None or self.chunk_grads_at_step or not named or not torch.is_grad_enabled():
             return module(*args, **kwargs)
         summed = sum_grads([p for _, p in named], group)
         return functional_call(module, {n: p for (n, _), p in zip(named, summed)}, args, kwargs)
@@ -365,7 +386,8 @@ class MoELayer(nn.Module):
         Under SP with whole experts per EP rank (ETP = 1) each TP rank routes and dispatches only its own chunk, as
         Megatron does: each token reaches its experts once per TP group, not once per TP rank. The router's and the
         shared experts' weights (and whole experts without EP) then see other tokens on each TP rank: their gradients
-        are summed over TP at their use (``_call_summed``), and the statistics of the aux losses and of the bias
+        are summed over TP, by the optimizer step's gradient reduction under the strategy (``chunk_grads_at_step``)
+        or else at their use (``_call_summed``), and the statistics of the aux losses and of the bias
         balancing are summed over a token group that holds the TP ranks (``set_moe_token_group``; per sequence
         over the sequence-parallel group too). Capacity-limited routing takes its drop decisions on the whole
         sequence, as one process does, from the gathered choices (``chunk_capacity_plan``).
@@ -411,7 +433,8 @@ class MoELayer(nn.Module):
         x_rep = x if partial is None else scale_grad(x, 1.0 / n)
         x_routed = x if k == n else scale_grad(x, k / n)
         router_weight = self.gate.weight
-        if self.chunk_group() is not None and router_weight.requires_grad and torch.is_grad_enabled():
+        summed_here = self.chunk_group() is not None and not self.chunk_grads_at_step
+        if summed_here and router_weight.requires_grad and torch.is_grad_enabled():
             router_weight = sum_grads([router_weight], self.chunk_group())[0]  # each TP rank routes its own chunk
         route = self.gate.select(maybe_checkpoint("router" in static, self.gate.compute_logits, x_rep, router_weight))
         if self.capacity_factor is None:

@@ -54,7 +54,12 @@ from lightning_flagscale.parallel.compile import apply_compile
 from lightning_flagscale.parallel.context_parallel.attention import apply_cp
 from lightning_flagscale.parallel.data_parallel.optimizer import apply_fsdp
 from lightning_flagscale.parallel.data_parallel.zero3_flat import apply_flat_zero3
-from lightning_flagscale.parallel.expert_parallel.apply import apply_ep, set_moe_token_group, tag_expert_params
+from lightning_flagscale.parallel.expert_parallel.apply import (
+    apply_ep,
+    set_moe_token_group,
+    tag_chunk_routed_params,
+    tag_expert_params,
+)
 from lightning_flagscale.parallel.hetero_dp.shares import gather_dp_speeds
 from lightning_flagscale.parallel.hetero_mesh.build import build_hetero_layout, build_hetero_pipelined_model
 from lightning_flagscale.parallel.hetero_mesh.profile import apply_profiled_split
@@ -116,14 +121,17 @@ class Parallelized:
     model: nn.Module | None = None
     """The protocol model (its batch hooks), found before the pipeline split replaced ``module.model``."""
 
-    def tag_parameters(self, model: nn.Module, ep_enabled: bool) -> None:
-        """Mark the tied pipeline copy (left out of the gradient norm) and expert parameters (reduced over the
-        expert-data-parallel group). Tags live on Parameter objects, which materialising and dtype/device moves may
-        replace: call this last."""
+    def tag_parameters(self, model: nn.Module, config: ParallelConfig) -> None:
+        """Mark the tied pipeline copy (left out of the gradient norm), expert parameters (reduced over the
+        expert-data-parallel group) and, when MoE blocks route their own sequence chunk, the weights whose gradients
+        the optimizer step sums over TP (``tag_chunk_routed_params``). Tags live on Parameter objects, which
+        materialising and dtype/device moves may replace: call this last."""
         if self.pipeline is not None:
             exclude_tied_copy_from_norm(self.pipeline)
-        if ep_enabled:
+        if config.ep_enabled:
             tag_expert_params(model)
+        if config.moe_routes_sequence_chunks:
+            tag_chunk_routed_params(model)
 
 
 def check_predict_layout(parallel: ParallelConfig) -> None:
@@ -177,7 +185,7 @@ def parallelize_rank(
     if applied is not None:
         place()
         result = applied.result
-        result.tag_parameters(module.model if result.pipeline is not None else result.model, layout.config.ep_enabled)
+        result.tag_parameters(module.model if result.pipeline is not None else result.model, layout.config)
         return result
     model = find_protocol_model(module)
     groups = layout.hetero_groups
@@ -192,7 +200,7 @@ def parallelize_rank(
     stages = result.pipeline.stage_modules if result.pipeline is not None else [model]
     install_emulated_slowdown(stages, rank_device_type(groups), layout.device)
     place()
-    result.tag_parameters(module.model if result.pipeline is not None else model, layout.config.ep_enabled)
+    result.tag_parameters(module.model if result.pipeline is not None else model, layout.config)
     return result
 
 

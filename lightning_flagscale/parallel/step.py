@@ -8,9 +8,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from lightning_flagscale.config import ParallelConfig
+from lightning_flagscale.distributed.dtensor import local_tensor
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, distributed_optimizers
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
 from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
@@ -24,6 +26,7 @@ __all__ = [
     "prepare_step_grads",
     "reduces_after_backward",
     "reduces_at_step",
+    "sum_chunk_grads",
 ]
 
 
@@ -98,11 +101,17 @@ def no_grad_sync(fsdp_roots: Sequence[nn.Module], dist_optimizers: Iterable[Any]
 
 
 def prepare_step_grads(
-    config: ParallelConfig, dopt: Any | None, *, pipeline: Any | None, moe: Sequence[nn.Module], expert_scale: float
-) -> None:
-    """The gradients of one optimizer step made whole before the step: the further 1/ep of expert gradients under
-    ZeRO-3 (``Parallelized.expert_grad_scale``), tied pipeline copies summed across stages, then the data x context
-    reduction of the optimizers that reduce at the step (:func:`reduces_at_step`)."""
+    config: ParallelConfig, dopt: Any | None, *, pipeline: Any | None, moe: Sequence[nn.Module], expert_scale: float,
+    tp_group: dist.ProcessGroup | None = None, stepped: Iterable[Tensor] = (),
+) -> None:  # fmt: skip
+    """The gradients of one optimizer step made whole before the step (and before clipping reads their norm): the
+    further 1/ep of expert gradients under ZeRO-3 (``Parallelized.expert_grad_scale``), tied pipeline copies summed
+    across stages, the data x context reduction of the optimizers that reduce at the step (:func:`reduces_at_step`),
+    then, under ZeRO-3, the TP sum of the chunk-routed MoE weights among ``stepped`` (the parameters this optimizer
+    steps; :func:`sum_chunk_grads`, over ``tp_group``).
+
+    DDP / ZeRO-1/2 need no such sum: their buckets of those weights are reduced over dp x cp x tp
+    (``data_parallel.optimizer.reduction_groups``)."""
     if expert_scale != 1.0:
         for param in (q for layer in moe for q in layer.experts.parameters()):
             if param.grad is not None:
@@ -111,3 +120,29 @@ def prepare_step_grads(
         pipeline.runner.sync_tied_grads()
     if dopt is not None and reduces_at_step(config, pipelined=pipeline is not None):
         dopt.reduce_grads()
+    if config.zero_stage == 3 and config.moe_routes_sequence_chunks and tp_group is not None:
+        sum_chunk_grads(moe, tp_group, stepped)
+
+
+@torch.no_grad()
+def sum_chunk_grads(moe: Sequence[nn.Module], tp_group: dist.ProcessGroup, stepped: Iterable[Tensor]) -> int:
+    """ZeRO-3 (FSDP2, flat): sum the reduced gradient shards of the MoE weights that see only this TP rank's sequence
+    chunk (``MoELayer.chunk_partial_params`` of the layers with ``chunk_grads_at_step``) over the TP group, in one
+    flat fp32 all-reduce per step. The shards are averaged over dp x cp by then; TP ranks of one dp x cp position hold
+    the same rows of every parameter (their units are laid out alike), so the sum of the shards is the shard of the
+    sum: exact, and 1/(dp x cp) of the bytes the per-micro-batch all-reduces moved. Only the parameters in ``stepped``
+    (each optimizer's own, once per step). Returns the elements summed."""
+    mine = {id(p) for p in stepped}
+    grads = [
+        local_tensor(p.grad) for layer in moe if getattr(layer, "chunk_grads_at_step", False)
+        for p in layer.chunk_partial_params() if id(p) in mine and p.grad is not None
+    ]  # fmt: skip
+    if not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    start = 0
+    for g in grads:
+        g.copy_(flat[start : start + g.numel()].view_as(g))
+        start += g.numel()
+    return flat.numel()

@@ -371,10 +371,12 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         closure_result = closure()
         dopt = self._dist_opt(opt)
         self._mark("optimizer_step: gradient all-reduce/reduce-scatter over data x context ranks")
-        prepare_step_grads(
-            self.parallel, dopt, pipeline=self._pipeline, moe=self._moe_layers, expert_scale=self._expert_grad_scale
-        )
         params = [q for g in opt.param_groups for q in g["params"]]
+        zero3_chunks = self.parallel.zero_stage == 3 and self.parallel.moe_routes_sequence_chunks
+        prepare_step_grads(
+            self.parallel, dopt, pipeline=self._pipeline, moe=self._moe_layers, expert_scale=self._expert_grad_scale,
+            tp_group=self.meshes.group(MeshDim.TP) if zero3_chunks else None, stepped=params,
+        )  # fmt: skip
         self._mark("optimizer_step: loss exchange wait, non-finite check, global grad norm (all_reduce), step")
         replicated = dopt is not None and grads_replicated(
             self.parallel, self.meshes, self.world_size, hetero=self._hetero_groups is not None

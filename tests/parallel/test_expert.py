@@ -90,6 +90,67 @@ def _ep_parity(
             "dropped": layer.dropped_fraction}  # fmt: skip
 
 
+def _tp_sums_per_step(preset: str, micro_batches: int) -> dict:
+    """TP 2 + SP x EP 2 on 2 ranks (the EP group is the TP pair), ``micro_batches`` per step, the gradients reduced by
+    DDP (``DistributedOptimizer`` over ``reduction_groups``, as the strategy builds it). Two paths: the layer summing
+    its chunk-partial gradients over TP where it uses the weights (standalone), and the strategy's
+    (``tag_chunk_routed_params``: summed inside the data-parallel buckets over dp x cp x tp, once per step). Counted
+    with ``CommTracker`` over the whole step, without aux losses (whose statistics would add all-reduces); gradients
+    compared with one process on the whole sequences."""
+    from lightning_flagscale.accounting.comm import CommTracker
+    from lightning_flagscale.config import ParallelConfig
+    from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, reduction_groups
+    from lightning_flagscale.parallel.expert_parallel.apply import tag_chunk_routed_params, tag_expert_params
+    from lightning_flagscale.parallel.mesh import build_meshes
+
+    parallel = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2).resolve(2)
+    meshes = build_meshes(parallel, "cpu")
+    stage_group = meshes.group("dp_cp_tp")
+    cfg = TransformerConfig.from_preset(preset, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    ref = set_moe_token_group(init_moe(build_moe(cfg, cfg.first_k_dense_layers), seed=0), None)
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(micro_batches, 2, 8, cfg.hidden_size, generator=g)
+    gs = torch.randn(xs.shape, generator=g)
+    for x, grad_out in zip(xs, gs):  # one process: each micro-batch's whole sequences, gradients accumulated
+        (ref(x) * grad_out).sum().backward()
+    rank, ref_params = dist.get_rank(), dict(ref.named_parameters())
+    out = {}
+    for path in ("at use", "at step"):
+        layer = apply_ep(copy.deepcopy(ref), meshes[("ep", "etp")])
+        layer.zero_grad(set_to_none=True)
+        layer.sequence_parallel_group = meshes.group("tp")  # what the TP plan's MoESequenceParallel sets
+        tag_expert_params(layer)
+        tagged = tag_chunk_routed_params(layer) if path == "at step" else []
+        groups, divisors = reduction_groups(meshes, parallel)
+        dopt = DistributedOptimizer(
+            torch.optim.SGD(layer.parameters(), lr=0.1), layer, groups, stage=0, master_weights=False,
+            divisors=divisors,
+        )  # fmt: skip
+        with CommTracker() as comm:
+            for i, (x, grad_out) in enumerate(zip(xs, gs)):
+                dopt.require_sync = i == micro_batches - 1  # the strategy's no_grad_sync inside the window
+                (layer(x.chunk(2, dim=1)[rank]) * grad_out.chunk(2, dim=1)[rank]).sum().backward()
+            dopt.reduce_grads()
+        errs = {}
+        for name, p in layer.named_parameters():
+            if isinstance(p, DTensor):  # this EP rank's experts; the rest of the layer is whole on every rank
+                per = p.to_local().shape[0]
+                want, got = ref_params[name].grad[rank * per : (rank + 1) * per], p.grad.to_local()
+            else:
+                want, got = ref_params[name].grad, p.grad
+            errs[name] = rel_err(got, want)
+        out[path] = {
+            "errs": errs, "tagged": len(tagged), "all_reduces": comm.stats("all_reduce").calls,
+            "buckets": len(dopt.buckets), "stage_buckets": sum(b.group is stage_group for b in dopt.buckets),
+        }  # fmt: skip
+        dopt.close()
+    return out
+
+
+def _dropless_runs(preset: str) -> list[dict]:
+    return [_ep_parity(preset, (2,), AUX), _tp_sums_per_step("qwen2-moe-tiny", micro_batches=3)]
+
+
 def _check(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         bad = {k: v for k, v in res["errs"].items() if not v <= 1e-5}
@@ -100,7 +161,18 @@ AUX = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 
 
 def test_ep2_dropless_matches_single_process(launcher):
-    _check(launcher(2, _ep_parity, "deepseek-v3-routing-tiny", (2,), AUX))
+    parity, tp_sums = zip(*launcher(2, _dropless_runs, "deepseek-v3-routing-tiny"))
+    _check(list(parity))
+    # Same launch, TP 2 + SP = EP 2, 3 micro-batches per step: qwen2-moe's router, shared expert and its gate see only
+    # their TP rank's chunk. Summed where the layer uses them: 3 TP all-reduces per micro-batch besides the step's
+    # one reduction per DDP bucket. Summed by the step (the strategy's path): no all-reduce but one per bucket, their
+    # buckets reduced over dp x cp x tp instead of dp x cp (on 2 ranks both the TP group: no group to tell apart).
+    for rank, res in enumerate(tp_sums):
+        at_use, at_step = res["at use"], res["at step"]
+        assert at_use["all_reduces"] == at_use["buckets"] + 3 * 3 and at_use["stage_buckets"] == 0, (rank, at_use)
+        assert at_step["tagged"] == 5, at_step  # gate.weight, shared_expert.{gate,up,down}_proj, shared_expert_gate
+        assert at_step["stage_buckets"] >= 1 and at_step["all_reduces"] == at_step["buckets"], (rank, at_step)
+        _check([at_use, at_step])  # both equal one process
 
 
 def test_ep4_dropless_matches_single_process(launcher):

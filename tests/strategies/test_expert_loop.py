@@ -47,17 +47,27 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(tensor_parallel_size=2, sequence_parallel=True),
-        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2),
-        # each TP rank routes its own chunk: the experts' ZeRO-3 scale is edp / expert_grad_divisor (tp / ep)
+        # Each TP rank routes its own chunk; the router, shared-expert (and, without EP, expert) gradients are summed
+        # over TP once per step, inside the data-parallel reduction (DDP / ZeRO-1/2 buckets over dp x cp x tp,
+        # ZeRO-2 after each backward) or after it (ZeRO-3): every case accumulates 2 micro-batches per step.
+        dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
+        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=2),
+        # the experts' ZeRO-3 scale is edp / expert_grad_divisor (tp / ep)
         dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=3),
+        dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3, zero3_impl="fsdp2"),
     ],
-    ids=["tp2-sp", "tp2-sp-ep2", "tp2-sp-ep2-zero3"],
+    ids=["tp2-sp-zero1", "tp2-sp-ep2-zero2", "tp2-sp-ep2-zero3", "tp2-sp-fsdp2"],
 )
 def test_moe_under_sequence_parallel(launcher, reference, kwargs):
+    from tests.strategies._lm import GLOBAL_BATCH
+
     world = 2 if "expert_parallel_size" not in kwargs else 4
-    results = launcher(world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0)
-    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True)
+    accumulate, dp = 2, world // 2
+    results = launcher(
+        world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0, accumulate=accumulate,
+        batch_size=GLOBAL_BATCH // dp // accumulate,
+    )  # fmt: skip
+    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True, losses_per_step=accumulate)
 
 
 def test_expert_parallel_with_zero3(launcher, reference):
@@ -123,15 +133,17 @@ def test_preset_defaults_under_expert_x_pipeline_parallel(launcher, sgd_referenc
 
 
 def test_deepseek_bias_balancing_under_hetero_meshes(launcher, sgd_references):
-    # Issue 12 item 4: EP=2 on the first mesh (2 layers), EP=1 x TP=2 on the second (1 layer); each mesh's routers
-    # count the load of the whole global batch (one micro-batch per step) and take the same aux-free bias steps.
+    # Issue 12 item 4: EP=2 on the first mesh (2 layers), EP=1 x TP=2 + SP on the second (1 layer); each mesh's routers
+    # count the load of the whole global batch (one micro-batch per step) and take the same aux-free bias steps. On
+    # the second mesh each TP rank routes its own sequence chunk: the router, shared-expert and expert gradients are
+    # summed over TP by the pipeline's step (ZeRO-1 buckets over dp x cp x tp, filled at the step).
     config = shrink("deepseek-v3-routing-tiny")
     assert config.moe_router_bias_update_rate > 0
     meshes = [dict(data_parallel_size=2, expert_parallel_size=2), dict(tensor_parallel_size=2)]
-    kwargs = dict(hetero_meshes=meshes, hetero_layers=[2, 1], micro_batch_size=2, zero_stage=1)
+    kwargs = dict(hetero_meshes=meshes, hetero_layers=[2, 1], micro_batch_size=2, zero_stage=1, sequence_parallel=True)
     results = launcher(4, sgd_trainer_run, kwargs, config, STEPS, batch_size=2, clip=CLIP)
     ref = sgd_references("deepseek-v3-routing-tiny")
-    assert_sgd_parity(results, ref, "deepseek hetero ep2 | ep1 x tp2", pipeline=True)
+    assert_sgd_parity(results, ref, "deepseek hetero ep2 | ep1 x tp2 + sp", pipeline=True)
     assert any(b.abs().max() > 0 for b in ref["buffers"].values())  # the biases really moved
     held = {name for res in results for name in res["buffers"]}
     assert held == set(ref["buffers"]), "every router bias is held (and compared) on some mesh"

@@ -68,11 +68,15 @@ __all__ = [
     "apply_ep",
     "is_expert_param",
     "set_moe_token_group",
+    "tag_chunk_routed_params",
     "tag_expert_params",
 ]
 
 EXPERT_GRAD_GROUP_ATTR = "_flagscale_grad_group"
-"""Attribute on a parameter naming the mesh dim its gradient is reduced over (``"edp"`` for experts)."""
+"""Attribute on a parameter naming the mesh dim its gradient is reduced over (``"edp"`` for experts,
+``CHUNK_GRAD_GROUP`` for the weights of a block that routes its own sequence chunk)."""
+CHUNK_GRAD_GROUP = "dp_cp_tp"
+"""Their group (``MeshDim.STAGE``): summed over the TP ranks, averaged over the data x context ranks."""
 
 
 def is_expert_param(param: Tensor) -> bool:
@@ -377,6 +381,26 @@ def set_moe_token_group(
     for _, layer in moe_layers(model):
         layer.token_group, layer.token_grad_scale = group, grad_scale
     return model
+
+
+def tag_chunk_routed_params(model: nn.Module) -> list[nn.Parameter]:
+    """Hand the TP sum of the chunk-routed MoE blocks' partial gradients to the optimizer step (once per step instead
+    of in every micro-batch's backward, as Megatron sums its sequence-parallel weights in ``finalize_model_grads``).
+
+    For every MoE layer of ``model`` that routes its own sequence chunk (``MoELayer.chunk_group``): its
+    ``chunk_partial_params`` are tagged ``CHUNK_GRAD_GROUP`` (DDP / ZeRO-1/2 reduce them over the stage's dp x cp x tp
+    ranks divided by dp x cp: the TP sum inside the data-parallel reduction; ZeRO-3 sums their reduced shards over TP
+    at the step, ``parallel.step.prepare_step_grads``) and the layer stops summing them at use
+    (``chunk_grads_at_step``). Call it where the tags cannot be lost again (``Parallelized.tag_parameters``); returns
+    the tagged parameters."""
+    tagged = []
+    for _, layer in moe_layers(model):
+        params = layer.chunk_partial_params()
+        for param in params:
+            setattr(param, EXPERT_GRAD_GROUP_ATTR, CHUNK_GRAD_GROUP)
+        layer.chunk_grads_at_step = bool(params)
+        tagged += params
+    return tagged
 
 
 def tag_expert_params(model: nn.Module) -> None:
