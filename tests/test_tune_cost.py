@@ -4,6 +4,7 @@ backward, exposed TP traffic, MoE active FLOPs and MFU, on profiles whose every 
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from lightning_flagscale.accounting.flops import flops_per_token
@@ -227,16 +228,116 @@ def _tp_bucket_sizes(numel: int) -> list[float]:
             for _, run in bucket_runs(params[::-1], numel)]  # fmt: skip
 
 
-def test_tensor_parallel_buckets_hold_sharded_and_replicated_parameters_as_the_tuner_counts(launcher):
+# An MoE block with a gated shared expert (Qwen2-MoE) and both balance losses, under each TP layout of 2 ranks: its
+# own chunk with and without EP, the whole sequence without SP (EP 2) and with experts split over ETP 2 (with and
+# without SP).
+_MOE_TP = TransformerConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
+    shared_expert_intermediate_size=80, shared_expert_gate=True, moe_aux_loss_coeff=0.01, moe_seq_aux_loss_coeff=0.01,
+)  # fmt: skip
+_MOE_TP_LAYOUTS = {
+    "own chunk, EP 2": dict(sequence_parallel=True, expert_parallel_size=2),
+    "own chunk, no EP": dict(sequence_parallel=True),
+    "whole sequence, EP 2": dict(expert_parallel_size=2),
+    "whole sequence, ETP 2 + SP": dict(sequence_parallel=True, expert_tensor_parallel_size=2),
+    "whole sequence, ETP 2": dict(expert_tensor_parallel_size=2),
+}
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, list[int]], list[int]]:
+    """FLOPs of the MoE block's forward + backward on this rank, per collective op its calls and payload bytes on
+    groups of more than one rank, and the model's gradient buckets of 2^14 elements,
+    with the block built as the strategy builds it (TP 2 plan, EP / ETP, token groups; fp32)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_flagscale.accounting.comm import CommTracker
+    from lightning_flagscale.distributed.dtensor import local_tensor
+    from lightning_flagscale.parallel.mesh import build_meshes
+    from lightning_flagscale.parallel.plan import RankLayout, _apply_model_parallelisms
+
+    c = ParallelConfig(tensor_parallel_size=2, **kw).resolve(2)
+    meshes = build_meshes(c, "cpu")
+    with torch.device("meta"):
+        model = CausalLM(_MOE_TP)
+    _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    block = model.layers["0"].mlp
+    block.experts.use_grouped_mm = False  # per-expert matmuls, which FlopCounterMode counts (torch._grouped_mm not)
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(batch, seq, _MOE_TP.hidden_size, generator=g) for _ in range(2))  # the TP group's sequences
+    if c.sequence_parallel:  # the block takes and returns this rank's sequence chunk
+        x, dy = (t.chunk(2, dim=1)[meshes.local_rank("tp")] for t in (x, dy))
+    x.requires_grad_()
+    with FlopCounterMode(display=False) as flops, CommTracker() as comm:
+        block(x).backward(dy)
+    ops = {op: [0, 0] for op in _OPS}
+    for group in comm.summary().values():
+        for op, stats in group["ops"].items():
+            if group["size"] > 1:  # a collective of one rank moves nothing (the token group without data ranks)
+                ops[op][0] += stats["calls"]
+                ops[op][1] += stats["payload_bytes"]
+    params = list(model.parameters())[::-1]
+    buckets = [sum(local_tensor(p).numel() for p in run) for _, run in bucket_runs(params, 1 << 14)]
+    return flops.get_total_flops(), ops, buckets
+
+
+def _tp2_runs(numels: tuple[int, ...], batch: int, seq: int) -> tuple[list, dict]:
+    """One TP 2 launch: the strategy's gradient buckets for each bucket size, and the MoE block's counts per layout."""
+    return [_tp_bucket_sizes(n) for n in numels], {
+        k: _moe_block_counts(kw, batch, seq) for k, kw in _MOE_TP_LAYOUTS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(launcher):
+    return launcher(2, _tp2_runs, (1 << 16, 1 << 18), 2, 32)
+
+
+def test_tensor_parallel_buckets_hold_sharded_and_replicated_parameters_as_the_tuner_counts(tp2_runs):
     """Under TP 2 the strategy's buckets (local shards of the sharded weights with the replicated norms) are the
     ones ``_bucket_sizes`` prices: the norms no longer cut a bucket each."""
     c = ParallelConfig(tensor_parallel_size=2).resolve(2)
-    for numel in (1 << 16, 1 << 18):  # tensors larger than a bucket (alone), then several tensors a bucket
-        real = launcher(2, _tp_bucket_sizes, numel)
+    (real_0, _), (real_1, _) = tp2_runs
+    # tensors larger than a bucket (alone), then several tensors a bucket
+    for numel, real in zip((1 << 16, 1 << 18), zip(real_0, real_1, strict=True), strict=True):
         assert real[0] == real[1]
         assert _bucket_sizes(_TINY, c, [0], numel)["dense"] == pytest.approx(real[0])
     # a bucket cut at every replicated norm would mean at least 2 x layers + 1 buckets
     assert len(real[0]) < 2 * _TINY.num_layers + 1
+
+
+def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
+    """The MoE block's GEMMs and collectives the cost model prices (``tune.moe_cost``) are the ones it runs under each
+    TP 2 layout, summed over both ranks (routing decides how the rows split between EP ranks, not their sum): the
+    FLOPs of its forward + backward (every GEMM's input and weight need gradients: backward = 2 x forward) and the
+    calls and payload bytes of each collective op. Routing its own chunk, router, shared expert and rows run on t / tp
+    tokens and the replicated weights' gradients are all-reduced over TP; on the whole sequence every TP rank routes
+    all t tokens and dispatches their t k rows."""
+    from lightning_flagscale.tune.moe_cost import moe_collectives, moe_gemms
+
+    batch, seq = 2, 32
+    counts = [dict(rank[1]) for rank in tp2_runs]
+    for name, kw in _MOE_TP_LAYOUTS.items():
+        c = ParallelConfig(tensor_parallel_size=2, micro_batch_size=batch, **kw).resolve(2)
+        t = batch * seq  # the micro-batch's tokens on each TP rank
+        flops = 2 * 3 * sum(rows * cols * inner * n for rows, cols, inner, n in moe_gemms(_MOE_TP, c, t))
+        assert sum(rank[name][0] for rank in counts) == pytest.approx(2 * flops, rel=1e-12), name
+        want = {op: [0, 0] for op in _OPS}
+        for x in (x for calls in moe_collectives(_MOE_TP, c, t, act_bytes=4, grad_bytes=4) for x in calls):
+            want[x.op][0] += 1
+            want[x.op][1] += x.nbytes / x.size if x.op == "all_gather" else x.nbytes  # the rank's input
+        got = {op: [sum(rank[name][1][op][i] for rank in counts) for i in (0, 1)] for op in _OPS}
+        assert got == {op: [2 * n, pytest.approx(2 * b, rel=1e-12)] for op, (n, b) in want.items()}, name
+    # The gradient buckets hold the router and the shared expert (and its gate) whole on each TP rank, as the data-
+    # parallel reduction and the optimizer are priced (without EP every tensor is reduced over data x context ranks).
+    c = ParallelConfig(tensor_parallel_size=2, **_MOE_TP_LAYOUTS["own chunk, no EP"]).resolve(2)
+    buckets = counts[0]["own chunk, no EP"][2]
+    assert _bucket_sizes(_MOE_TP, c, [0], 1 << 14) == {"dense": pytest.approx(buckets), "expert": []}
+    dense, expert = _rank_params(_MOE_TP, c)[0]
+    assert dense + expert == sum(buckets)
 
 
 def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():
@@ -788,16 +889,24 @@ def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_coll
     assert b.comm["ep"] > a.comm["ep"]
     (dense_a, expert_a), (dense_b, expert_b) = _rank_params(model, plain)[0], _rank_params(model, etp)[0]
     assert dense_a == dense_b and expert_a == expert_b  # before the division by the expert shards
-    # Under SP (ETP = TP) the partial outputs are reduce-scattered over the sequence and the input's partial gradients
-    # likewise: the block's SP pair, which "tp" counts for every block; ETP adds only the routing weights' gradient
-    # all-reduce (one fp32 per routed row, in backward) instead of every routed row all-reduced both ways.
+    # Under SP with ETP = 1 each TP rank routes its own sequence chunk: nothing is gathered around the block, and in
+    # backward the router's gradient is summed over TP. With ETP = TP the block runs on the whole sequence: it
+    # all-gathers it and reduce-scatters the partial expert outputs (each rank its chunk), the mirror pair in backward
+    # (MoELayer.forward), every TP rank dispatches all t k rows (twice the all-to-all bytes) and the routing weights'
+    # gradients (fp32, one per routed row) are all-reduced over ETP in backward (tune/moe_cost.py).
     sp = dict(tensor_parallel_size=2, expert_parallel_size=4, sequence_parallel=True, zero_stage=1)
     sp_plain, sp_etp = (ParallelConfig(**sp, expert_tensor_parallel_size=e).resolve(8) for e in (1, 2))
-    assert sp_etp.etp_sequence_parallel and not etp.etp_sequence_parallel
+    assert sp_plain.moe_routes_sequence_chunks and sp_etp.etp_sequence_parallel and not etp.etp_sequence_parallel
     c, d = estimate_step(model, sp_plain, 4096, 16, hw), estimate_step(model, sp_etp, 4096, 16, hw)
-    assert c.comm["tp"] == d.comm["tp"]
-    routed_weights = 4096 * model.num_experts_per_tok * 4  # bytes of one micro-batch's routing weights
-    per_pass = hw.collective_seconds("all_reduce", routed_weights, 2, inter_node=False)
-    micro_batches = 16 // (etp.dp * etp.micro_batch_size)
-    assert d.comm["ep"] - c.comm["ep"] == pytest.approx(model.num_layers * micro_batches * per_pass, rel=1e-9)
-    assert d.comm["ep"] - c.comm["ep"] < (b.comm["ep"] - a.comm["ep"]) / 50  # latency-bound: 1/67 here
+
+    def seconds(op: str, nbytes: float, n: int) -> float:
+        return hw.collective_seconds(op, nbytes, n, inter_node=False)
+
+    act, rows = 4096 * model.hidden_size * 2, 4096 * model.num_experts_per_tok * model.hidden_size * 2
+    sp_pair = seconds("all_gather", act, 2) + seconds("reduce_scatter", act, 2)
+    router_grad = seconds("all_reduce", model.num_experts * model.hidden_size * 2, 2)
+    per_layer = model.num_layers * 16 // (etp.dp * etp.micro_batch_size)  # layers x micro-batches
+    assert d.comm["tp"] - c.comm["tp"] == pytest.approx(per_layer * (2 * sp_pair - router_grad), rel=1e-9)
+    a2a = 4 * (seconds("all_to_all", rows, 4) - seconds("all_to_all", rows / 2, 4))  # dispatch + combine, both ways
+    weights = seconds("all_reduce", 4096 * model.num_experts_per_tok * 4, 2)
+    assert d.comm["ep"] - c.comm["ep"] == pytest.approx(per_layer * (a2a + weights), rel=1e-9)

@@ -455,8 +455,11 @@ def test_hetero_plans_pay_the_optimizer_phase_and_the_loop_once_a_step():
         layers, meshes = plan.parallel["hetero_layers"], plan.parallel["hetero_meshes"]
         split = ParallelConfig(pipeline_parallel_size=len(layers), pipeline_layers=layers)
         mesh_of = [m for m in meshes for _ in range(m["pipeline_parallel_size"])]
-        shard = max((dense + expert) / (m["tensor_parallel_size"] * m["data_parallel_size"])
-                    for (dense, expert), m in zip(_rank_params(model, split), mesh_of, strict=True))  # fmt: skip
+        # each stage's parameters as one of its TP ranks holds them (split projections, whole norms), over its DP ranks
+        tp_local = [_rank_params(model, dataclasses.replace(split, tensor_parallel_size=m["tensor_parallel_size"]))[s]
+                    for s, m in enumerate(mesh_of)]  # fmt: skip
+        shard = max((dense + expert) / m["data_parallel_size"]
+                    for (dense, expert), m in zip(tp_local, mesh_of, strict=True))  # fmt: skip
         expected = (2e-9 - 1e-12) * shard + 0.05
         assert other.step_seconds - plan.step_seconds == pytest.approx(expected, rel=1e-6)
         checked += 1

@@ -2,8 +2,9 @@
 
 Per micro-batch and pipeline rank, a block costs
 
-- its **GEMMs** (q/k/v/o projections, SwiGLU MLP or router + routed experts at the per-expert row count + shared
-  experts, split by TP; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
+- its **GEMMs** (q/k/v/o projections and the SwiGLU MLP, split by TP; or an MoE block's router, routed experts at the
+  per-expert row count and shared experts as the block runs them, on its sequence chunk or the whole sequence,
+  ``tune/moe_cost.py``; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
   GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout relative
   to the forward one (equal on GPUs; not on a CPU without native bf16);
 - **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
@@ -15,9 +16,11 @@ Per micro-batch and pipeline rank, a block costs
   on a calibrated profile, the host time of torch's selective-checkpoint dispatch, ``selective_overhead``),
   ``selective_mm`` those and the k, o and up projections;
 - exposed **TP/SP** collectives (2 all-reduces, or with SP 2 all-gathers + 2 reduce-scatters, per block and pass;
-  nothing overlaps them without async TP), **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls (after an
-  all-gather of the per-expert row counts in forward; plus, for a global load-balancing or z loss, one all-reduce of
-  the routing statistics over the data x context ranks), and the
+  nothing overlaps them without async TP; an MoE block has attention's and its own, ``tune/moe_cost.py``: none
+  around a block that routes its own chunk, whose replicated weights' gradients are all-reduced over TP instead),
+  **Ulysses** all-to-alls, **EP** dispatch/combine all-to-alls of the rows each rank routes (after an all-gather of
+  the per-expert row counts in forward; plus, for a global balance loss, the all-reduces of the routing statistics
+  over the token group), and the
   **ring CP** K/V exchange, which overlaps with the attention of the previous chunk (only the excess shows).
 
 Multi-head latent attention prices its own projections (q_a, q_b, kv_a, kv_b, o; the down projections replicated
@@ -68,6 +71,7 @@ from lightning_flagscale.parallel.data_parallel.grad_buckets import DEFAULT_BUCK
 from lightning_flagscale.parallel.pipeline_parallel.orders import action_cost, simulate
 from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, LinkPoint
 from lightning_flagscale.tune.inflight import overlapped_pairs, runner_v_order, schedule_actions
+from lightning_flagscale.tune.moe_cost import TOKENS, moe_collectives, moe_gemms, moe_mlp_elements, tokens_group_size
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
 from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params
 
@@ -161,34 +165,16 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
     tp, t = c.tensor_parallel_size, _tokens(model, c, seq_len)
     h = model.hidden_size
     gemm = sum(hw.gemm_seconds(*shape) for shape in _attention_gemms(model, t, tp))
-    if moe:
-        k, e, ep, inner = (
-            model.num_experts_per_tok,
-            model.num_experts,
-            c.expert_parallel_size,
-            model.moe_intermediate_size,
-        )
-        rows = t * k / tp  # the stage's ranks share the routed rows evenly (balanced routing assumed)
-        local = e / ep
-        # ETP: each rank runs 1/etp of every expert's FFN, on its ETP group's rows (all-gathered unless the group
-        # already holds the same rows: ETP inside TP)
-        etp = c.expert_tensor_parallel_size
-        rows, inner = rows * (1 if c.etp_tokens_replicated else etp), inner / etp
-        gemm += hw.gemm_seconds(t, e, h)  # router
-        gemm += hw.gemm_seconds(rows / local, inner, h, count=2 * local) + hw.gemm_seconds(
-            rows / local, h, inner, local
-        )
-        if model.num_shared_experts:
-            shared = model.shared_expert_intermediate_size or inner * model.num_shared_experts
-            gemm += hw.gemm_seconds(t, shared / tp, h, count=2) + hw.gemm_seconds(t, h, shared / tp)
-        mlp_width = inner * k
+    if moe:  # router, routed experts and shared experts as the block runs them under this layout (tune/moe_cost.py)
+        gemm += sum(hw.gemm_seconds(*shape) for shape in moe_gemms(model, c, t))
+        mlp = moe_mlp_elements(model, c, t)
     else:
         inner = model.intermediate_size
         gemm += hw.gemm_seconds(t, inner / tp, h, count=2) + hw.gemm_seconds(t, h, inner / tp)
-        mlp_width = inner / tp
+        mlp = t * inner / tp
     attn = _attention(model, c, seq_len, hw)
     hidden_split = tp if c.sequence_parallel else 1
-    mem = hw.memory_seconds(t * BF16 * (16 * h / hidden_split + 6 * mlp_width))
+    mem = hw.memory_seconds(BF16 * (16 * t * h / hidden_split + 6 * mlp))
     return gemm, attn, mem
 
 
@@ -243,9 +229,10 @@ def _attention(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw: Ha
     return diag_f + rest_f, diag_b + rest_b
 
 
-_STATS = "ep_stats"
-"""Key of the MoE routing statistics' all-reduce (a global balance loss) in the per-kind dicts: it runs over the
-data x context-parallel ranks, so its wait on shared cores is that group's; reported as ``ep`` communication."""
+_STATS = TOKENS
+"""Key of the MoE routing statistics' all-reduces (a global balance loss) in the per-kind dicts: they run over the
+token group (data x context ranks, with the TP ranks when blocks route their own chunk), so their wait on shared
+cores is that group's; reported as ``ep`` communication."""
 
 
 def _fold_stats(by_kind: dict[str, float]) -> dict[str, float]:
@@ -273,7 +260,8 @@ def _block_comm(
             one += hw.collective_seconds("reduce_scatter", act, tp, inter_node=inter)
         else:
             one = hw.collective_seconds("all_reduce", act, tp, inter_node=inter)
-        fwd["tp"] = bwd["tp"] = 2 * one
+        # attention's and the MLP's; an MoE block's own TP collectives depend on how it routes (tune/moe_cost.py)
+        fwd["tp"] = bwd["tp"] = (1 if moe else 2) * one
         if model.is_mla:  # the gradients of the replicated latents (q, kv) and of the shared rotary key reduced
             latents = [model.kv_lora_rank, model.qk_rope_head_dim, *([model.q_lora_rank] if model.q_lora_rank else [])]
             bwd["tp"] += sum(hw.collective_seconds("all_reduce", t * w * BF16, tp, inter_node=inter) for w in latents)
@@ -288,38 +276,11 @@ def _block_comm(
             step = hw.collective_seconds("p2p", kv, 2, inter_node=cp_inter)
             fwd["cp"] = fwd.get("cp", 0.0) + max(0.0, (ring - 1) * step - attn[0] * (ring - 1) / ring)
             bwd["cp"] = bwd.get("cp", 0.0) + max(0.0, (ring - 1) * 2 * step - attn[1] * (ring - 1) / ring)
-    if moe and c.expert_parallel_size > 1:
-        ep = c.expert_parallel_size
-        routed = t * model.num_experts_per_tok * h * BF16 / tp
-        fwd["ep"] = bwd["ep"] = 2 * hw.collective_seconds("all_to_all", routed, ep, inter_node=_inter(ep, 1, hw))
-        # the per-expert row counts (int64) all-gathered first, so every rank knows the all-to-all splits
-        fwd["ep"] += hw.collective_seconds("all_gather", 8 * model.num_experts * ep, ep, inter_node=_inter(ep, 1, hw))
-    etp = c.expert_tensor_parallel_size
-    if moe and etp > 1:  # reported with the expert all-to-alls (kind ``ep``)
-        rows = t * model.num_experts_per_tok * h * BF16 / tp  # this rank's routed rows after the dispatch
-        inter = _inter(etp, 1, hw)
-        if c.etp_sequence_parallel:
-            # ETP inside TP under SP (ETP = TP, or ETP dividing TP): the partial outputs are reduce-scattered over
-            # the ETP group, each rank its own sequence chunk, the input's partial gradients likewise over TP
-            # (MoELayer.forward): priced as the block's sequence-parallel pair, counted under "tp" above (at ETP < TP
-            # the reduce-scatter moves less than that; the search only tries ETP 1 or TP). Left: the routing weights'
-            # gradients (fp32, one per routed row) all-reduced in backward.
-            weights = t * model.num_experts_per_tok * 4
-            bwd["ep"] = bwd.get("ep", 0.0) + hw.collective_seconds("all_reduce", weights, etp, inter_node=inter)
-        elif c.etp_tokens_replicated:  # partial outputs all-reduced; in backward the input gradients
-            one = hw.collective_seconds("all_reduce", rows, etp, inter_node=inter)
-            fwd["ep"], bwd["ep"] = fwd.get("ep", 0.0) + one, bwd.get("ep", 0.0) + one
-        else:  # rows all-gathered, partial outputs reduce-scattered; the reverse pair in backward
-            pair = hw.collective_seconds("all_gather", rows * etp, etp, inter_node=inter) + hw.collective_seconds(
-                "reduce_scatter", rows * etp, etp, inter_node=inter
-            )
-            fwd["ep"], bwd["ep"] = fwd.get("ep", 0.0) + pair, bwd.get("ep", 0.0) + pair
-    tokens_group = c.dp * cp
-    balance = model.moe_aux_loss_coeff > 0 or model.moe_z_loss_coeff > 0
-    if moe and balance and model.moe_aux_loss_scope == "global" and tokens_group > 1:
-        stats = (2 * model.num_experts + 2) * 4  # one all-reduce of the routing statistics (fp32)
-        # its own key: it runs over the tokens group, not the EP group (reported under ``ep``: _fold_stats)
-        fwd[_STATS] = hw.collective_seconds("all_reduce", stats, tokens_group, inter_node=_inter(tokens_group, tp, hw))
+    if moe:  # the block's own collectives under this layout: EP, ETP, TP around it, balance statistics
+        for priced, calls in zip((fwd, bwd), moe_collectives(model, c, t), strict=True):
+            for x in calls:
+                seconds = hw.collective_seconds(x.op, x.nbytes, x.size, inter_node=_inter(x.size, x.stride, hw))
+                priced[x.kind] = priced.get(x.kind, 0.0) + seconds
     return fwd, bwd
 
 
@@ -605,19 +566,21 @@ def _overlap_saving(f: float, b: float, ep_f: float, ep_b: float) -> float:
     return ep_f + ep_b - exposed
 
 
-def _layer_params(model: TransformerConfig, layer: int) -> tuple[float, float]:
-    """(dense, routed-expert) parameters of block ``layer``."""
-    tensors = _layer_tensors(model, layer, tp=1, ep=1)
+def _layer_params(model: TransformerConfig, layer: int, tp: int = 1) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of block ``layer``: dense ones on one of ``tp`` TP ranks."""
+    tensors = _layer_tensors(model, layer, tp=tp, ep=1)
     return sum(n for g, n in tensors if g == "dense"), sum(n for g, n in tensors if g == "expert")
 
 
 def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[float, float]]:
-    """(dense, expert) parameters of each pipeline rank (all its chunks, embedding and head), before TP/EP division."""
-    counts = stage_layer_counts(model, c)
+    """(dense, expert) parameters of each pipeline rank (all its chunks, embedding and head): the dense ones as each
+    of its TP ranks holds them (split projections and vocabulary, whole norms, routers and shared experts), the
+    routed experts before the division over their ``ep x etp`` shards."""
+    tp, counts = c.tensor_parallel_size, stage_layer_counts(model, c)
     first = [sum(counts[:i]) for i in range(len(counts))]
     moe_flags = [model.is_moe_layer(i) for i in range(model.num_layers)]
-    per = {moe: _layer_params(model, 0 if not moe else moe_flags.index(True)) for moe in set(moe_flags)}
-    embed = model.vocab_size * model.hidden_size
+    per = {moe: _layer_params(model, 0 if not moe else moe_flags.index(True), tp) for moe in set(moe_flags)}
+    embed = model.vocab_size * model.hidden_size / tp
     out = []
     for stages in _rank_stages(c):
         dense = expert = 0.0
@@ -629,9 +592,9 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
             ends = (s == 0) + (s == c.num_stages - 1)
             if c.num_stages == 1 and model.tie_word_embeddings:
                 ends = 1
-            dense += ends * embed
+            dense += ends * embed + (model.hidden_size if s == c.num_stages - 1 else 0)  # the final norm
             if s == c.num_stages - 1 and model.num_nextn_predict_layers:  # MTP (+ its embedding copy away from 0)
-                mtp_dense, mtp_expert = mtp_params(model)
+                mtp_dense, mtp_expert = mtp_params(model, tp=tp)
                 dense, expert = dense + mtp_dense + (embed if s else 0.0), expert + mtp_expert
         out.append((dense, expert))
     return out
@@ -648,8 +611,9 @@ def _layer_tensors(model: TransformerConfig, layer: int, tp: int, ep: int) -> li
         return out + [("dense", h * model.intermediate_size / tp)] * 3
     inner, e = model.moe_intermediate_size, model.num_experts
     out += [("dense", h * e), ("expert", 2 * h * inner * e / ep), ("expert", h * inner * e / ep)]
-    if model.num_shared_experts:
-        out += [("dense", h * (model.shared_expert_intermediate_size or inner * model.num_shared_experts) / tp)] * 3
+    if model.num_shared_experts:  # whole on every TP rank (no TP plan splits them); Qwen2-MoE's sigmoid gate last
+        shared = model.shared_expert_intermediate_size or inner * model.num_shared_experts
+        out += [("dense", h * shared)] * 3 + ([("dense", h)] if model.shared_expert_gate else [])
     return out
 
 
@@ -677,6 +641,8 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
                     tensors.append(("dense", embed))
                 tensors += _layer_tensors(model, model.num_layers + k, tp, ep)
                 tensors += [("dense", h), ("dense", h), ("dense", 2 * h * h), ("dense", h)]
+    if not c.ep_enabled:  # no expert mesh: the experts' gradients share the dense buckets
+        tensors = [("dense", n) for _, n in tensors]
     tensors.reverse()
     out: dict[str, list[float]] = {"dense": [], "expert": []}
     for group, run in cut_runs(tensors, bucket_numel):
@@ -685,9 +651,12 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
 
 
 def _optimizer_seconds(c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float) -> float:
-    """The optimizer phase of a rank holding ``dense`` and ``expert`` parameters (ZeRO shards them over DP)."""
-    tp, cp, dp = c.tensor_parallel_size, c.context_parallel_size, c.dp
-    groups = [(dense / tp, dp * cp)] + ([(expert / c.expert_shards, c.expert_data_parallel_size)] if expert else [])
+    """The optimizer phase of a rank holding ``dense`` (TP-local) and ``expert`` (before the EP division) parameters
+    (ZeRO shards them over DP)."""
+    cp, dp = c.context_parallel_size, c.dp
+    if not c.ep_enabled:  # no expert mesh: the experts are reduced and sharded with the other parameters
+        dense, expert = dense + expert, 0.0
+    groups = [(dense, dp * cp)] + ([(expert / c.expert_shards, c.expert_data_parallel_size)] if expert else [])
     return sum(hw.optimizer_seconds(psi / n if c.zero_stage >= 1 else psi) for psi, n in groups)
 
 
@@ -702,11 +671,14 @@ def _data_parallel(
     buckets: dict[str, list[float]],
 ):
     """(exposed seconds, total seconds) of the gradient reduction and parameter gathers of a rank holding ``dense``
-    and ``expert`` parameters (exposed: what backward and compute do not hide; total: their whole duration).
+    (TP-local) and ``expert`` (before the EP division) parameters (exposed: what backward and compute do not hide;
+    total: their whole duration).
     DDP / ZeRO-1 / ZeRO-2 issue one reduction and (ZeRO) one gather per gradient bucket (``buckets``, from
     :func:`_bucket_sizes`), each paying the link's latency; the last bucket's reduction starts when backward ends."""
     tp, cp, dp, shards = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_shards
-    groups = [("dense", dense / tp, dp * cp, _inter(dp * cp, tp, hw))]
+    if not c.ep_enabled:  # no expert mesh: the experts are reduced and sharded with the other parameters
+        dense, expert = dense + expert, 0.0
+    groups = [("dense", dense, dp * cp, _inter(dp * cp, tp, hw))]
     if expert:
         edp = c.expert_data_parallel_size  # over the ranks holding the same expert shard
         groups.append(("expert", expert / shards, edp, _inter(edp, shards, hw)))
@@ -825,7 +797,7 @@ def estimate_step(
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
     group = {
         "tp": c.tensor_parallel_size, "cp": c.context_parallel_size, "ep": c.expert_parallel_size,
-        _STATS: c.dp * c.context_parallel_size,
+        _STATS: tokens_group_size(c),
     }  # fmt: skip
     wait = {k: m_total * n * hw.blocking_seconds(group[k]) for k, n in one.calls.items()} if waits else {}
     wait = _fold_stats(wait)

@@ -270,8 +270,9 @@ def _plan_meshes(
     # ZeRO) and the training loop runs: the next step starts when the slowest has.
     split = ParallelConfig(pipeline_parallel_size=stages, pipeline_layers=layers)  # the stages' parameters
     reduction = optimizer = 0.0
-    for s, ((dense, expert), c, g) in enumerate(zip(_rank_params(model, split), configs, stage_groups, strict=True)):
+    for s, (c, g) in enumerate(zip(configs, stage_groups, strict=True)):
         on_mesh = dataclasses.replace(split, tensor_parallel_size=c.tensor_parallel_size)
+        dense, expert = _rank_params(model, on_mesh)[s]  # as one TP rank of the stage holds them
         buckets = _bucket_sizes(model, on_mesh, [s], grad_bucket_numel)
         exposed, _ = _data_parallel(model, c, g.profile, dense, expert, last_backward=times[s] * 2 / 3,
                                     compute=m * times[s], buckets=buckets)  # fmt: skip
