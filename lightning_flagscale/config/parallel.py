@@ -674,7 +674,8 @@ class ParallelConfig(HeteroConfig, PipelineConfig, DataParallelConfig, ParallelS
     def moe_routes_sequence_chunks(self) -> bool:
         """Whether MoE blocks route and dispatch only their own sequence-parallel chunk (TP with SP and whole experts
         per EP rank, ETP = 1; Megatron's layout): each token reaches its experts once per TP group. Their token group
-        then holds the TP ranks, and router and shared-expert gradients are summed over TP (``MoELayer.forward``)."""
+        then holds the TP ranks, and router and shared-expert gradients are summed over TP, once per step by the
+        gradient reduction (``parallel.expert_parallel.tag_chunk_routed_params``)."""
         return self.tp_enabled and self.sequence_parallel and self.expert_tensor_parallel_size == 1
 
     @property

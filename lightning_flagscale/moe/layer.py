@@ -206,7 +206,8 @@ class LocalDispatcher:
 
     replicated_experts = True
     """The experts are whole on every rank that holds this layer: under sequence parallelism, where each TP rank runs
-    them on its own chunk, their gradients are summed over the TP group (``MoELayer.run_experts``)."""
+    them on its own chunk, their gradients are summed over the TP group (``MoELayer.run_experts``, or the optimizer
+    step's reduction under the strategy: ``MoELayer.chunk_grads_at_step``)."""
 
     def __call__(self, layer: MoELayer, x_perm: Tensor, counts: list[int]) -> Tensor:
         layer.record_dispatch(torch.tensor([counts]), a2a_bytes=0)

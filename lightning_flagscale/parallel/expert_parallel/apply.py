@@ -44,7 +44,8 @@ of the EP group (the combine backward brought them home), so it must be reduced 
 only, never over ep, and divided by how many times each token reached the experts (``1 / (dp * cp)`` for a mean
 loss when each TP rank routes its own sequence chunk; ``ParallelConfig.expert_grad_divisor``).
 ZeRO shards expert optimizer states over edp. All other parameters (router, shared experts) follow the normal
-dp x cp reduction. Under ETP the divisor is ``ParallelConfig.expert_grad_divisor`` (the ETP ranks' shards are distinct
+dp x cp reduction, or, when each TP rank routes its own sequence chunk, the dp x cp x tp one that also sums them over
+TP (``tag_chunk_routed_params``). Under ETP the divisor is ``ParallelConfig.expert_grad_divisor`` (the ETP ranks' shards are distinct
 parameters, never reduced over etp).
 """
 
