@@ -55,19 +55,29 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
         # the experts' ZeRO-3 scale is edp / expert_grad_divisor (tp / ep)
         dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=3),
         dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3, zero3_impl="fsdp2"),
+        # ZB-H1 splits backward: its weight-gradient passes bypass the hooks, the buckets are filled at the step
+        dict(
+            tensor_parallel_size=2,
+            sequence_parallel=True,
+            pipeline_parallel_size=2,
+            pipeline_schedule="zero_bubble",
+            micro_batch_size=1,
+            zero_stage=1,
+        ),
     ],
-    ids=["tp2-sp-zero1", "tp2-sp-ep2-zero2", "tp2-sp-ep2-zero3", "tp2-sp-fsdp2"],
+    ids=["tp2-sp-zero1", "tp2-sp-ep2-zero2", "tp2-sp-ep2-zero3", "tp2-sp-fsdp2", "tp2-sp-pp2-zb"],
 )
 def test_moe_under_sequence_parallel(launcher, reference, kwargs):
     from tests.strategies._lm import GLOBAL_BATCH
 
-    world = 2 if "expert_parallel_size" not in kwargs else 4
-    accumulate, dp = 2, world // 2
+    pp = kwargs.get("pipeline_parallel_size", 1)
+    world = 2 * pp if "expert_parallel_size" not in kwargs else 4
+    accumulate, dp = 2, world // 2 // pp
     results = launcher(
         world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0, accumulate=accumulate,
         batch_size=GLOBAL_BATCH // dp // accumulate,
     )  # fmt: skip
-    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=True, losses_per_step=accumulate)
+    assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=pp == 1, losses_per_step=accumulate)
 
 
 def test_expert_parallel_with_zero3(launcher, reference):
