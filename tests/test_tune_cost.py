@@ -17,8 +17,11 @@ from lightning_flagscale.tune.calibrate import REFERENCE, selective_block_overhe
 from lightning_flagscale.tune.cost import (
     _bubble,
     _bucket_sizes,
+    _data_parallel,
+    _optimizer_seconds,
     _overlap_saving,
     _Pass,
+    _rank_chunk,
     _rank_params,
     _rank_pass,
     _replay,
@@ -246,16 +249,16 @@ _MOE_TP_LAYOUTS = {
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, list[int]], list[int]]:
+def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, list[int]], list[tuple[str, int]]]:
     """FLOPs of the MoE block's forward + backward on this rank, per collective op its calls and payload bytes on
-    groups of more than one rank, and the model's gradient buckets of 2^14 elements,
+    groups of more than one rank, and the model's gradient buckets of 2^14 elements (reduction group, elements),
     with the block built as the strategy builds it (TP 2 plan, EP / ETP, token groups; fp32)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from lightning_flagscale.accounting.comm import CommTracker
     from lightning_flagscale.distributed.dtensor import local_tensor
     from lightning_flagscale.parallel.mesh import build_meshes
-    from lightning_flagscale.parallel.plan import RankLayout, _apply_model_parallelisms
+    from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
 
     c = ParallelConfig(tensor_parallel_size=2, **kw).resolve(2)
     meshes = build_meshes(c, "cpu")
@@ -264,6 +267,7 @@ def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, li
     _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
+    Parallelized(parts=[model]).tag_parameters(model, c)  # as the strategy tags them: experts, chunk-routed weights
     block = model.layers["0"].mlp
     block.experts.use_grouped_mm = False  # per-expert matmuls, which FlopCounterMode counts (torch._grouped_mm not)
     g = torch.Generator().manual_seed(0)
@@ -280,7 +284,7 @@ def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, li
                 ops[op][0] += stats["calls"]
                 ops[op][1] += stats["payload_bytes"]
     params = list(model.parameters())[::-1]
-    buckets = [sum(local_tensor(p).numel() for p in run) for _, run in bucket_runs(params, 1 << 14)]
+    buckets = [(key[0], sum(local_tensor(p).numel() for p in run)) for key, run in bucket_runs(params, 1 << 14)]
     return flops.get_total_flops(), ops, buckets
 
 
@@ -313,8 +317,9 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
     """The MoE block's GEMMs and collectives the cost model prices (``tune.moe_cost``) are the ones it runs under each
     TP 2 layout, summed over both ranks (routing decides how the rows split between EP ranks, not their sum): the
     FLOPs of its forward + backward (every GEMM's input and weight need gradients: backward = 2 x forward) and the
-    calls and payload bytes of each collective op. Routing its own chunk, router, shared expert and rows run on t / tp
-    tokens and the replicated weights' gradients are all-reduced over TP; on the whole sequence every TP rank routes
+    calls and payload bytes of each collective op, with the weights tagged as the strategy tags them. Routing its own
+    chunk, router, shared expert and rows run on t / tp tokens and no TP collective runs in the block (the replicated
+    weights' gradients are summed over TP by the step's reduction, below); on the whole sequence every TP rank routes
     all t tokens and dispatches their t k rows."""
     from lightning_flagscale.tune.moe_cost import moe_collectives, moe_gemms
 
@@ -326,18 +331,57 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
         flops = 2 * 3 * sum(rows * cols * inner * n for rows, cols, inner, n in moe_gemms(_MOE_TP, c, t))
         assert sum(rank[name][0] for rank in counts) == pytest.approx(2 * flops, rel=1e-12), name
         want = {op: [0, 0] for op in _OPS}
-        for x in (x for calls in moe_collectives(_MOE_TP, c, t, act_bytes=4, grad_bytes=4) for x in calls):
+        for x in (x for calls in moe_collectives(_MOE_TP, c, t, act_bytes=4) for x in calls):
             want[x.op][0] += 1
             want[x.op][1] += x.nbytes / x.size if x.op == "all_gather" else x.nbytes  # the rank's input
         got = {op: [sum(rank[name][1][op][i] for rank in counts) for i in (0, 1)] for op in _OPS}
         assert got == {op: [2 * n, pytest.approx(2 * b, rel=1e-12)] for op, (n, b) in want.items()}, name
     # The gradient buckets hold the router and the shared expert (and its gate) whole on each TP rank, as the data-
-    # parallel reduction and the optimizer are priced (without EP every tensor is reduced over data x context ranks).
-    c = ParallelConfig(tensor_parallel_size=2, **_MOE_TP_LAYOUTS["own chunk, no EP"]).resolve(2)
-    buckets = counts[0]["own chunk, no EP"][2]
-    assert _bucket_sizes(_MOE_TP, c, [0], 1 << 14) == {"dense": pytest.approx(buckets), "expert": []}
+    # parallel reduction and the optimizer are priced; routing its own chunk, they and the experts without EP are
+    # reduced over the stage (dp_cp_tp), the rest over the data x context ranks, the experts under EP over edp.
+    groups = {"dp_cp": "dense", "dp_cp_tp": "chunk", "edp": "expert"}
+    for name in ("own chunk, no EP", "own chunk, EP 2", "whole sequence, EP 2"):
+        c = ParallelConfig(tensor_parallel_size=2, **_MOE_TP_LAYOUTS[name]).resolve(2)
+        real = {"dense": [], "expert": [], "chunk": []}
+        for group, numel in counts[0][name][2]:
+            real[groups[group]].append(numel)
+        assert _bucket_sizes(_MOE_TP, c, [0], 1 << 14) == real, name
+        dense, expert = _rank_params(_MOE_TP, c)[0]
+        assert dense + expert / c.expert_shards == sum(sum(sizes) for sizes in real.values()), name
+        assert _rank_chunk(_MOE_TP, c) == [sum(real["chunk"])], name
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_chunk_routed_moe_weights_are_reduced_over_the_stage_once_a_step(zero):
+    """Routing its own chunk (TP 2 + SP, DP 4), the router, shared expert and experts (no EP) are reduced over the
+    stage's 8 ranks, summed over TP in the same collective (DDP: all-reduce; ZeRO-1: reduce-scatter + all-gather,
+    states sharded 8 ways), the rest over the 4 data ranks; under ZeRO-3 everything over the data ranks, then one fp32
+    all-reduce of the chunk-routed shards over TP at the step (``reduction_groups``, ``sum_chunk_grads``). No TP
+    all-reduce of theirs per micro-batch (the block's collectives above)."""
+    hw = _profile(bandwidth=1e10).replace(optimizer_seconds_per_param=1e-9)
+    c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=zero).resolve(8)
     dense, expert = _rank_params(_MOE_TP, c)[0]
-    assert dense + expert == sum(buckets)
+    buckets = _bucket_sizes(_MOE_TP, c, [0], 1 << 30)
+    (chunk,) = buckets["chunk"]
+    h, e, inner, shared = 64, 4, 48, 80  # _MOE_TP: router, experts, shared expert and its gate
+    assert [chunk] == _rank_chunk(_MOE_TP, c) == [h * e + 3 * h * inner * e + 3 * h * shared + h]
+    whole, rest = dense + expert, dense + expert - chunk
+
+    def seconds(op: str, nbytes: float, n: int) -> float:
+        return hw.collective_seconds(op, nbytes, n, inter_node=False)
+
+    _, total = _data_parallel(_MOE_TP, c, hw, dense, expert, last_backward=0.0, compute=0.0, buckets=buckets)
+    if zero == 0:
+        want = seconds("all_reduce", 4 * rest, 4) + seconds("all_reduce", 4 * chunk, 8)
+    elif zero == 1:
+        want = sum(seconds("reduce_scatter", 4 * p, n) + seconds("all_gather", 2 * p, n) for p, n in ((rest, 4),
+                                                                                                   (chunk, 8)))  # fmt: skip
+    else:  # FSDP gathers per micro-batch in forward and backward, one reduce-scatter, then the TP sum of the shards
+        want = 2 * c.gradient_accumulation_steps * seconds("all_gather", 2 * whole, 4)
+        want += seconds("reduce_scatter", 4 * whole, 4) + seconds("all_reduce", 4 * chunk / 4, 2)
+    assert total == pytest.approx(want, rel=1e-12)
+    shards = {0: whole, 1: rest / 4 + chunk / 8, 3: whole / 4}[zero]
+    assert _optimizer_seconds(c, hw, dense, expert, chunk) == pytest.approx(1e-9 * shards, rel=1e-12)
 
 
 def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():
@@ -889,10 +933,10 @@ def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_coll
     assert b.comm["ep"] > a.comm["ep"]
     (dense_a, expert_a), (dense_b, expert_b) = _rank_params(model, plain)[0], _rank_params(model, etp)[0]
     assert dense_a == dense_b and expert_a == expert_b  # before the division by the expert shards
-    # Under SP with ETP = 1 each TP rank routes its own sequence chunk: nothing is gathered around the block, and in
-    # backward the router's gradient is summed over TP. With ETP = TP the block runs on the whole sequence: it
-    # all-gathers it and reduce-scatters the partial expert outputs (each rank its chunk), the mirror pair in backward
-    # (MoELayer.forward), every TP rank dispatches all t k rows (twice the all-to-all bytes) and the routing weights'
+    # Under SP with ETP = 1 each TP rank routes its own sequence chunk: nothing is gathered around the block (the
+    # router's gradient is summed over TP by the step's data-parallel reduction). With ETP = TP the block runs on the
+    # whole sequence: it all-gathers it and reduce-scatters the partial expert outputs (each rank its chunk), the
+    # mirror pair in backward (MoELayer.forward), every TP rank dispatches all t k rows (twice the all-to-all bytes) and the routing weights'
     # gradients (fp32, one per routed row) are all-reduced over ETP in backward (tune/moe_cost.py).
     sp = dict(tensor_parallel_size=2, expert_parallel_size=4, sequence_parallel=True, zero_stage=1)
     sp_plain, sp_etp = (ParallelConfig(**sp, expert_tensor_parallel_size=e).resolve(8) for e in (1, 2))
@@ -904,9 +948,8 @@ def test_expert_tensor_parallel_splits_expert_gemms_and_states_and_adds_its_coll
 
     act, rows = 4096 * model.hidden_size * 2, 4096 * model.num_experts_per_tok * model.hidden_size * 2
     sp_pair = seconds("all_gather", act, 2) + seconds("reduce_scatter", act, 2)
-    router_grad = seconds("all_reduce", model.num_experts * model.hidden_size * 2, 2)
     per_layer = model.num_layers * 16 // (etp.dp * etp.micro_batch_size)  # layers x micro-batches
-    assert d.comm["tp"] - c.comm["tp"] == pytest.approx(per_layer * (2 * sp_pair - router_grad), rel=1e-9)
+    assert d.comm["tp"] - c.comm["tp"] == pytest.approx(per_layer * 2 * sp_pair, rel=1e-9)
     a2a = 4 * (seconds("all_to_all", rows, 4) - seconds("all_to_all", rows / 2, 4))  # dispatch + combine, both ways
     weights = seconds("all_reduce", 4096 * model.num_experts_per_tok * 4, 2)
     assert d.comm["ep"] - c.comm["ep"] == pytest.approx(per_layer * (a2a + weights), rel=1e-9)

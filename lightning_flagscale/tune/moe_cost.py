@@ -7,9 +7,9 @@ A tensor-parallel group runs the block in one of two ways (``ParallelConfig.moe_
 - **own chunk** (TP + SP with ETP = 1, Megatron's layout): each TP rank routes and dispatches only its ``t / tp``
   tokens. The router, the shared experts (whole on every TP rank: no TP plan splits them) and the ``t k / tp``
   routed rows run on the chunk, and nothing is gathered around the block. The weights each TP rank applied to other
-  tokens (the router, each shared-expert module, the experts without EP) have their gradients summed over TP in
-  backward: one all-reduce per module and micro-batch (``MoELayer._call_summed``). Capacity routing first
-  all-gathers every chunk's expert choices and weights (``chunk_capacity_plan``).
+  tokens (the router, the shared experts, the experts without EP) have their gradients summed over TP once a step,
+  by the data-parallel reduction (:func:`chunk_summed_params`). Capacity routing first all-gathers every chunk's
+  expert choices and weights (``chunk_capacity_plan``).
 - **whole sequence** (TP without SP, or ETP > 1): every TP rank routes all ``t`` tokens and dispatches their ``t k``
   rows, so each token reaches the experts once per TP rank (``ParallelConfig.expert_grad_divisor``): the router and
   shared-expert GEMMs, the expert rows and the all-to-all bytes are ``tp`` times the own-chunk ones. Under SP the
@@ -27,7 +27,15 @@ from dataclasses import dataclass
 
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 
-__all__ = ["Collective", "moe_collectives", "moe_gemms", "moe_mlp_elements", "routed_tokens", "tokens_group_size"]
+__all__ = [
+    "Collective",
+    "chunk_summed_params",
+    "moe_collectives",
+    "moe_gemms",
+    "moe_mlp_elements",
+    "routed_tokens",
+    "tokens_group_size",
+]
 
 BF16 = 2
 FP32 = 4
@@ -95,17 +103,17 @@ def moe_mlp_elements(m: TransformerConfig, c: ParallelConfig, t: float) -> float
     return rows * inner + routed_tokens(c, t) * _shared_width(m)
 
 
-def _summed_modules(m: TransformerConfig, c: ParallelConfig) -> list[float]:
-    """Elements of each module whose gradient the own-chunk block sums over TP in backward, in call order."""
+def chunk_summed_params(m: TransformerConfig, c: ParallelConfig) -> float:
+    """Elements of one MoE block's weights that see only their TP rank's sequence chunk when the block routes its own
+    chunk (0 otherwise, and for dense models): the router, the shared expert (and its gate), the experts without EP. The strategy tags them
+    ``"dp_cp_tp"`` (``tag_chunk_routed_params``): DDP / ZeRO-1/2 reduce (and ZeRO-1/2 shard) them over the stage's
+    dp x cp x tp ranks, summing over TP inside the data-parallel reduction; ZeRO-3 all-reduces their reduced shards
+    over TP once a step (``parallel.step.sum_chunk_grads``). No TP collective of theirs runs per micro-batch."""
+    if not (c.moe_routes_sequence_chunks and m.num_experts):
+        return 0.0
     h, s = m.hidden_size, _shared_width(m)
-    out = [h * m.num_experts]  # the router weight
-    if not c.ep_enabled:  # whole experts on every TP rank (no dispatcher of their own)
-        out.append(3 * h * m.moe_intermediate_size * m.num_experts)
-    if s and m.shared_expert_gate:
-        out += [h, 3 * h * s]  # shared_expert_gate, then shared_expert
-    elif s:
-        out.append(3 * h * s)
-    return out
+    experts = 0.0 if c.ep_enabled else 3 * h * m.moe_intermediate_size * m.num_experts
+    return h * m.num_experts + experts + 3 * h * s + (h if s and m.shared_expert_gate else 0)
 
 
 def tokens_group_size(c: ParallelConfig) -> int:
@@ -116,11 +124,11 @@ def tokens_group_size(c: ParallelConfig) -> int:
 
 
 def moe_collectives(
-    m: TransformerConfig, c: ParallelConfig, t: float, *, act_bytes: int = BF16, grad_bytes: int = BF16
+    m: TransformerConfig, c: ParallelConfig, t: float, *, act_bytes: int = BF16
 ) -> tuple[list[Collective], list[Collective]]:
-    """(forward, backward) collectives of the block's own on one rank (the attention's TP collectives are not its
-    own). ``act_bytes``: bytes per activation element; ``grad_bytes``: per gradient element of the TP-summed weights
-    (the parameters' dtype: bf16 under Megatron's bf16 weights with fp32 masters)."""
+    """(forward, backward) collectives of the block's own on one rank and micro-batch under the strategy (the
+    attention's TP collectives are not its own; the TP sum of the chunk-routed weights' gradients is the optimizer
+    step's, :func:`chunk_summed_params`). ``act_bytes``: bytes per activation element."""
     tp, ep, etp = c.tensor_parallel_size, c.expert_parallel_size, c.expert_tensor_parallel_size
     h, k, e = m.hidden_size, m.num_experts_per_tok, m.num_experts
     r = routed_tokens(c, t)
@@ -130,7 +138,6 @@ def moe_collectives(
     if c.moe_routes_sequence_chunks:
         if m.moe_capacity_factor is not None:  # every chunk's choices and weights, fp32, [r, 2k] each
             fwd.append(Collective("all_gather", t * 2 * k * FP32, "tp", tp))
-        bwd += [Collective("all_reduce", n * grad_bytes, "tp", tp) for n in _summed_modules(m, c)]
     elif c.sequence_parallel and tp > 1:
         act = t * h * act_bytes
         fwd.append(Collective("all_gather", act, "tp", tp))  # the sequence, in
