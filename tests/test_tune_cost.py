@@ -29,6 +29,7 @@ from lightning_flagscale.tune.cost import (
 )
 from lightning_flagscale.tune.hardware import COLLECTIVES
 from lightning_flagscale.tune.inflight import overlapped_pairs, schedule_live_peak
+from lightning_flagscale.tune.memory_model import memory_breakdown
 
 MODEL = TransformerConfig.from_preset("llama3-8b")
 _TINY = TransformerConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4,
@@ -288,11 +289,37 @@ def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, li
     return flops.get_total_flops(), ops, buckets
 
 
-def _tp2_runs(numels: tuple[int, ...], batch: int, seq: int) -> tuple[list, dict]:
-    """One TP 2 launch: the strategy's gradient buckets for each bucket size, and the MoE block's counts per layout."""
-    return [_tp_bucket_sizes(n) for n in numels], {
-        k: _moe_block_counts(kw, batch, seq) for k, kw in _MOE_TP_LAYOUTS.items()
-    }
+def _chunk_routed_zero1_states() -> dict:
+    """Model-state bytes on this rank of the MoE model under TP 2 + SP with ZeRO-1 (AdamW, fp32), its weights tagged
+    as the strategy tags them, after one step (Adam's states exist)."""
+    from lightning_flagscale.accounting.state_bytes import state_bytes
+    from lightning_flagscale.parallel.data_parallel.optimizer import distributed_optimizers
+    from lightning_flagscale.parallel.mesh import build_meshes
+    from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
+
+    c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1).resolve(2)
+    meshes = build_meshes(c, "cpu")
+    with torch.device("meta"):
+        model = CausalLM(_MOE_TP)
+    _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    Parallelized(parts=[model]).tag_parameters(model, c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (dopt,) = distributed_optimizers([opt], model, meshes, c, master_weights=False, hooks=False).values()
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    dopt.reduce_grads()
+    opt.step()
+    dopt.sync_params()
+    return vars(state_bytes(model, [opt]))
+
+
+def _tp2_runs(numels: tuple[int, ...], batch: int, seq: int) -> tuple[list, dict, dict]:
+    """One TP 2 launch: the strategy's gradient buckets for each bucket size, the MoE block's counts per layout and
+    the chunk-routed MoE model's ZeRO-1 states."""
+    counts = {k: _moe_block_counts(kw, batch, seq) for k, kw in _MOE_TP_LAYOUTS.items()}
+    return [_tp_bucket_sizes(n) for n in numels], counts, _chunk_routed_zero1_states()
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +331,7 @@ def test_tensor_parallel_buckets_hold_sharded_and_replicated_parameters_as_the_t
     """Under TP 2 the strategy's buckets (local shards of the sharded weights with the replicated norms) are the
     ones ``_bucket_sizes`` prices: the norms no longer cut a bucket each."""
     c = ParallelConfig(tensor_parallel_size=2).resolve(2)
-    (real_0, _), (real_1, _) = tp2_runs
+    (real_0, _, _), (real_1, _, _) = tp2_runs
     # tensors larger than a bucket (alone), then several tensors a bucket
     for numel, real in zip((1 << 16, 1 << 18), zip(real_0, real_1, strict=True), strict=True):
         assert real[0] == real[1]
@@ -349,6 +376,14 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
         dense, expert = _rank_params(_MOE_TP, c)[0]
         assert dense + expert / c.expert_shards == sum(sum(sizes) for sizes in real.values()), name
         assert _rank_chunk(_MOE_TP, c) == [sum(real["chunk"])], name
+    # ZeRO-1 shards the chunk-routed weights' fp32 main copy and Adam states over the stage (2 ranks here), the rest
+    # over the data ranks (1): the memory model's states equal the run's (as test_tune_memory's Trainer runs)
+    c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1).resolve(2)
+    want = memory_breakdown(_MOE_TP, c, seq, batch, precision="32-true").ranks[0]
+    for rank in tp2_runs:
+        for key in ("params", "grads", "master_params", "optimizer_states"):
+            value = getattr(want, key)
+            assert abs(rank[2][key] - value) <= 512 + 2e-3 * value, (key, rank[2][key], value)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
