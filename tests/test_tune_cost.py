@@ -3,6 +3,8 @@ backward, exposed TP traffic, MoE active FLOPs and MFU, on profiles whose every 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
@@ -246,7 +248,18 @@ _MOE_TP_LAYOUTS = {
     "whole sequence, EP 2": dict(expert_parallel_size=2),
     "whole sequence, ETP 2 + SP": dict(sequence_parallel=True, expert_tensor_parallel_size=2),
     "whole sequence, ETP 2": dict(expert_tensor_parallel_size=2),
+    "own chunk, EP 2, capacity": dict(sequence_parallel=True, expert_parallel_size=2, moe_capacity_factor=8.0),
 }
+"""Layout keywords (``moe_capacity_factor``: the model's; 8.0 drops nothing, so every routed row runs)."""
+
+
+def _moe_tp_case(kw: dict) -> tuple[TransformerConfig, ParallelConfig]:
+    """The model and TP 2 layout of a ``_MOE_TP_LAYOUTS`` entry."""
+    kw = dict(kw)
+    model = dataclasses.replace(_MOE_TP, moe_capacity_factor=kw.pop("moe_capacity_factor", None))
+    return model, ParallelConfig(tensor_parallel_size=2, **kw).resolve(2)
+
+
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -261,10 +274,10 @@ def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, li
     from lightning_flagscale.parallel.mesh import build_meshes
     from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
 
-    c = ParallelConfig(tensor_parallel_size=2, **kw).resolve(2)
+    config, c = _moe_tp_case(kw)
     meshes = build_meshes(c, "cpu")
     with torch.device("meta"):
-        model = CausalLM(_MOE_TP)
+        model = CausalLM(config)
     _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
@@ -346,19 +359,21 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
     FLOPs of its forward + backward (every GEMM's input and weight need gradients: backward = 2 x forward) and the
     calls and payload bytes of each collective op, with the weights tagged as the strategy tags them. Routing its own
     chunk, router, shared expert and rows run on t / tp tokens and no TP collective runs in the block (the replicated
-    weights' gradients are summed over TP by the step's reduction, below); on the whole sequence every TP rank routes
-    all t tokens and dispatches their t k rows."""
+    weights' gradients are summed over TP by the step's reduction, below; capacity routing first all-gathers every
+    chunk's choices and weights); on the whole sequence every TP rank routes all t tokens and dispatches their t k
+    rows."""
     from lightning_flagscale.tune.moe_cost import moe_collectives, moe_gemms
 
     batch, seq = 2, 32
     counts = [dict(rank[1]) for rank in tp2_runs]
     for name, kw in _MOE_TP_LAYOUTS.items():
-        c = ParallelConfig(tensor_parallel_size=2, micro_batch_size=batch, **kw).resolve(2)
+        model, c = _moe_tp_case(kw)
+        c = dataclasses.replace(c, micro_batch_size=batch)
         t = batch * seq  # the micro-batch's tokens on each TP rank
-        flops = 2 * 3 * sum(rows * cols * inner * n for rows, cols, inner, n in moe_gemms(_MOE_TP, c, t))
+        flops = 2 * 3 * sum(rows * cols * inner * n for rows, cols, inner, n in moe_gemms(model, c, t))
         assert sum(rank[name][0] for rank in counts) == pytest.approx(2 * flops, rel=1e-12), name
         want = {op: [0, 0] for op in _OPS}
-        for x in (x for calls in moe_collectives(_MOE_TP, c, t, act_bytes=4) for x in calls):
+        for x in (x for calls in moe_collectives(model, c, t, act_bytes=4) for x in calls):
             want[x.op][0] += 1
             want[x.op][1] += x.nbytes / x.size if x.op == "all_gather" else x.nbytes  # the rank's input
         got = {op: [sum(rank[name][1][op][i] for rank in counts) for i in (0, 1)] for op in _OPS}
