@@ -26,10 +26,10 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
-    SequenceParallel,
 )
 
 from lightning_flagscale.parallel.tensor_parallel.apply import ReplicateParallel, WaitedRowwiseParallel
+from lightning_flagscale.parallel.tensor_parallel.partial_grads import LocalSequenceParallel
 
 if TYPE_CHECKING:
     from lightning_flagscale.models.decoder import CausalLM
@@ -130,7 +130,7 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
     MoE ``mlp`` entries are left to the MoE package (experts are sharded by expert parallelism).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
+    norm_style = LocalSequenceParallel if sequence_parallel else ReplicateParallel
     plan: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
         # a plain tensor, not torch's AsyncCollectiveTensor, as the (compiled) first block's input: see the style
@@ -148,7 +148,9 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         for name, block in mtp.layers.items():
             p = f"mtp.layers.{name}."
             for part in ("enorm", "hnorm", "eh_proj", "norm"):
-                plan[p + part] = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+                plan[p + part] = (
+                    LocalSequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+                )
             blocks.append((p, block))
     for p, block in blocks:
         if model.config.is_mla:
@@ -161,8 +163,8 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
         if getattr(block.self_attn, "q_norm", None) is not None:
             # QK-norm runs on the TP-local heads [B, S, H/tp, D]: as a head-sharded DTensor its weight gradient
             # (a partial sum over local heads) is all-reduced over TP like any replicated parameter's.
-            plan[p + "self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan[p + "self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[p + "self_attn.q_norm"] = LocalSequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[p + "self_attn.k_norm"] = LocalSequenceParallel(sequence_dim=2, use_local_output=True)
         if not block.is_moe:
             plan[p + "mlp.gate_proj"] = ColwiseParallel()
             plan[p + "mlp.up_proj"] = ColwiseParallel()

@@ -78,6 +78,7 @@ from lightning_flagscale.parallel.pipeline_parallel.overlap import separate_chun
 from lightning_flagscale.parallel.pipeline_parallel.recompute import apply_recompute, resolve_recompute
 from lightning_flagscale.parallel.pipeline_parallel.runner import is_layer_unit
 from lightning_flagscale.parallel.tensor_parallel.apply import apply_tp
+from lightning_flagscale.parallel.tensor_parallel.partial_grads import tag_tp_partial_params
 
 __all__ = [
     "Parallelized",
@@ -123,8 +124,9 @@ class Parallelized:
 
     def tag_parameters(self, model: nn.Module, config: ParallelConfig) -> None:
         """Mark the tied pipeline copy (left out of the gradient norm), expert parameters (reduced over the
-        expert-data-parallel group) and, when MoE blocks route their own sequence chunk, the weights whose gradients
-        the optimizer step sums over TP (``tag_chunk_routed_params``). Tags live on Parameter objects, which
+        expert-data-parallel group) and the weights whose gradients the optimizer step sums over TP: those of MoE blocks
+        that route their own sequence chunk (``tag_chunk_routed_params``) and of the TP plan's modules on sequence or
+        head shards (``tag_tp_partial_params``). Tags live on Parameter objects, which
         materialising and dtype/device moves may replace: call this last."""
         if self.pipeline is not None:
             exclude_tied_copy_from_norm(self.pipeline)
@@ -132,6 +134,8 @@ class Parallelized:
             tag_expert_params(model)
         if config.moe_routes_sequence_chunks:
             tag_chunk_routed_params(model)
+        if config.tp_enabled:
+            tag_tp_partial_params(model)
 
 
 def check_predict_layout(parallel: ParallelConfig) -> None:
@@ -371,7 +375,8 @@ def _apply_model_parallelisms(part: nn.Module, layout: RankLayout) -> None:
     # ... and the sequence-wise balance loss's per-sequence statistics over the shards of each sequence (issue 39).
     set_moe_sequence_group(part, meshes.group("cp") if p.cp_enabled else None)
     if p.tp_enabled:
-        apply_tp(part, meshes["tp"], sequence_parallel=p.sequence_parallel)
+        # the norms' (and QK-norm's) TP-partial weight gradients are summed once per step (tag_parameters)
+        apply_tp(part, meshes["tp"], sequence_parallel=p.sequence_parallel, partial_grads_at_step=True)
     if p.cp_enabled:
         apply_cp(
             part, meshes["cp"], mode=p.context_parallel_mode, ulysses_size=p.resolved_ulysses_size,

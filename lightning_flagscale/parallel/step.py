@@ -16,6 +16,7 @@ from lightning_flagscale.distributed.dtensor import local_tensor
 from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, distributed_optimizers
 from lightning_flagscale.parallel.data_parallel.zero3_flat import find_flat_zero3
 from lightning_flagscale.parallel.data_parallel.zero3_flat_state import flat_zero3_optimizers
+from lightning_flagscale.parallel.expert_parallel.apply import CHUNK_GRAD_GROUP, EXPERT_GRAD_GROUP_ATTR
 from lightning_flagscale.parallel.mesh import MeshDim, ParallelMeshes
 
 __all__ = [
@@ -107,8 +108,8 @@ def prepare_step_grads(
     """The gradients of one optimizer step made whole before the step (and before clipping reads their norm): the
     further 1/ep of expert gradients under ZeRO-3 (``Parallelized.expert_grad_scale``), tied pipeline copies summed
     across stages, the data x context reduction of the optimizers that reduce at the step (:func:`reduces_at_step`),
-    then, under ZeRO-3, the TP sum of the chunk-routed MoE weights among ``stepped`` (the parameters this optimizer
-    steps; :func:`sum_chunk_grads`, over ``tp_group``).
+    then, under ZeRO-3, the TP sum of the TP-partial weights (chunk-routed MoE, norms on sequence / head shards) among
+    ``stepped`` (the parameters this optimizer steps; :func:`sum_chunk_grads`, over ``tp_group``).
 
     DDP / ZeRO-1/2 need no such sum: their buckets of those weights are reduced over dp x cp x tp
     (``data_parallel.optimizer.reduction_groups``)."""
@@ -120,22 +121,22 @@ def prepare_step_grads(
         pipeline.runner.sync_tied_grads()
     if dopt is not None and reduces_at_step(config, pipelined=pipeline is not None):
         dopt.reduce_grads()
-    if config.zero_stage == 3 and config.moe_routes_sequence_chunks and tp_group is not None:
-        sum_chunk_grads(moe, tp_group, stepped)
+    if config.zero_stage == 3 and config.tp_enabled and tp_group is not None:
+        sum_chunk_grads(tp_group, stepped)
 
 
 @torch.no_grad()
-def sum_chunk_grads(moe: Sequence[nn.Module], tp_group: dist.ProcessGroup, stepped: Iterable[Tensor]) -> int:
-    """ZeRO-3 (FSDP2, flat): sum the reduced gradient shards of the MoE weights that see only this TP rank's sequence
-    chunk (``MoELayer.chunk_partial_params`` of the layers with ``chunk_grads_at_step``) over the TP group, in one
-    flat fp32 all-reduce per step. The shards are averaged over dp x cp by then; TP ranks of one dp x cp position hold
-    the same rows of every parameter (their units are laid out alike), so the sum of the shards is the shard of the
-    sum: exact, and 1/(dp x cp) of the bytes the per-micro-batch all-reduces moved. Only the parameters in ``stepped``
-    (each optimizer's own, once per step). Returns the elements summed."""
-    mine = {id(p) for p in stepped}
+def sum_chunk_grads(tp_group: dist.ProcessGroup, stepped: Iterable[Tensor]) -> int:
+    """ZeRO-3 (FSDP2, flat): sum the reduced gradient shards of the weights that see only this TP rank's tokens or
+    heads (tagged ``CHUNK_GRAD_GROUP``: the chunk-routed MoE blocks' ``MoELayer.chunk_partial_params``, the norms on
+    sequence / head shards, ``tensor_parallel.tag_tp_partial_params``) over the TP group, in one flat fp32 all-reduce
+    per step. The shards are averaged over dp x cp by then; TP ranks of one dp x cp position hold the same rows of
+    every parameter (their units are laid out alike), so the sum of the shards is the shard of the sum: exact, and
+    1/(dp x cp) of the bytes the per-micro-batch all-reduces moved. Only the parameters in ``stepped`` (each
+    optimizer's own, once per step). Returns the elements summed."""
     grads = [
-        local_tensor(p.grad) for layer in moe if getattr(layer, "chunk_grads_at_step", False)
-        for p in layer.chunk_partial_params() if id(p) in mine and p.grad is not None
+        local_tensor(p.grad) for p in stepped
+        if getattr(p, EXPERT_GRAD_GROUP_ATTR, None) == CHUNK_GRAD_GROUP and p.grad is not None
     ]  # fmt: skip
     if not grads:
         return 0

@@ -372,7 +372,7 @@ class FlagScaleStrategy(CheckpointHooks, ResilienceHooks, PlumbingHooks, Paralle
         dopt = self._dist_opt(opt)
         self._mark("optimizer_step: gradient all-reduce/reduce-scatter over data x context ranks")
         params = [q for g in opt.param_groups for q in g["params"]]
-        zero3_chunks = self.parallel.zero_stage == 3 and self.parallel.moe_routes_sequence_chunks
+        zero3_chunks = self.parallel.zero_stage == 3 and self.parallel.tp_enabled  # TP-partial weights, summed at step
         prepare_step_grads(
             self.parallel, dopt, pipeline=self._pipeline, moe=self._moe_layers, expert_scale=self._expert_grad_scale,
             tp_group=self.meshes.group(MeshDim.TP) if zero3_chunks else None, stepped=params,

@@ -169,7 +169,61 @@ def _tp_collective_counts(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     for name, tracker in (("forward", fwd), ("backward", bwd)):
         ops = next(iter(tracker.summary().values()))["ops"]
         counts[name] = {op: stats["calls"] for op, stats in ops.items()}
+    if sequence_parallel:
+        counts["norm sums"] = _norm_grad_sums(micro_batches=2)
     return counts
+
+
+def _norm_grad_sums(micro_batches: int) -> dict:
+    """TP 2 + SP with QK-norm, ``micro_batches`` per step, gradients reduced by DDP (``DistributedOptimizer`` over
+    ``reduction_groups``, as the strategy builds it), two ways: the plan applied on its own (the norms' replicated
+    DTensor weights summed over TP in every backward) and as the strategy applies it (``partial_grads_at_step``:
+    plain weights, tagged by ``tag_tp_partial_params``, summed over TP inside the step's bucket reduction). All
+    collectives of the step counted; gradients against one process on the whole sequences."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_flagscale.accounting.comm import CommTracker
+    from lightning_flagscale.config import ParallelConfig
+    from lightning_flagscale.parallel.data_parallel.optimizer import DistributedOptimizer, reduction_groups
+    from lightning_flagscale.parallel.mesh import build_meshes
+    from lightning_flagscale.parallel.tensor_parallel.partial_grads import tag_tp_partial_params
+
+    parallel = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve(2)
+    meshes = build_meshes(parallel, "cpu")
+    cfg = TransformerConfig(**_CONFIGS["untied_qknorm"])
+    ids = torch.randint(0, cfg.vocab_size, (micro_batches, 2, 8), generator=torch.Generator().manual_seed(1))
+    ref = CausalLM(cfg, vocab_multiple=2)
+    ref.init_weights(seed=7)
+    for x in ids:  # one process, gradients accumulated over the micro-batches
+        ref.loss_fn(ref(x), x).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    out = {}
+    for path in ("at use", "at step"):
+        model = CausalLM(cfg, vocab_multiple=2)
+        model.init_weights(seed=7)
+        apply_tp(model, meshes["tp"], sequence_parallel=True, partial_grads_at_step=path == "at step")
+        tagged = tag_tp_partial_params(model)
+        groups, divisors = reduction_groups(meshes, parallel)
+        dopt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, groups, stage=0, master_weights=False,
+            divisors=divisors,
+        )  # fmt: skip
+        with CommTracker() as comm:
+            for i, x in enumerate(ids):
+                dopt.require_sync = i == micro_batches - 1  # the strategy's no_grad_sync inside the window
+                model.loss_fn(model(x), x).backward()
+            dopt.reduce_grads()
+        errs = {}
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            errs[name] = _rel(grad, ref_grads[name])
+        out[path] = {
+            "errs": errs, "tagged": len(tagged), "buckets": len(dopt.buckets),
+            "all_reduces": comm.stats("all_reduce").calls,
+            "plain": sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor)),
+        }  # fmt: skip
+        dopt.close()
+    return out
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
@@ -189,3 +243,16 @@ def test_tp_reduces_each_module_input_gradient_once(launcher, sequence_parallel)
         # all-gather in / reduce-scatter out per module, the head's input gathered; backward mirrors them
         assert fwd.get("all_gather", 0) == 2 * layers + 1 and fwd.get("reduce_scatter", 0) == 1 + 2 * layers, fwd
         assert bwd.get("reduce_scatter", 0) == 2 * layers + 1 and bwd.get("all_gather", 0) == 2 * layers + 1, bwd
+        # Same launch, 2 micro-batches per step, QK-norm on: each block's 2 norms (on sequence shards) and q/k-norm
+        # (on head shards) and the final norm see only this rank's part. Summed at use: one TP all-reduce per weight
+        # per micro-batch besides one per DDP bucket; as the strategy applies the plan, only the bucket reductions
+        # (their weights plain, reduced over dp x cp x tp). Both equal one process. The loss adds 2 per micro-batch.
+        norm_weights, loss = 4 * 2 + 1, 2 * 2
+        sums = counts["norm sums"]
+        at_use, at_step = sums["at use"], sums["at step"]
+        assert at_use["all_reduces"] == at_use["buckets"] + 2 * norm_weights + loss and not at_use["plain"], at_use
+        assert at_step["all_reduces"] == at_step["buckets"] + loss and at_step["tagged"] == norm_weights, at_step
+        assert all(n.endswith("norm.weight") for n in at_step["plain"]) and len(at_step["plain"]) == norm_weights
+        for res in (at_use, at_step):
+            bad = {k: v for k, v in res["errs"].items() if not v <= 1e-6}
+            assert not bad, bad

@@ -16,8 +16,8 @@ all-reduce whatever the layout (TP shards, ZeRO slices, FSDP2 shards, replicated
 Expert parameters that set ``param._flagscale_grad_group = "edp"`` are reduced over the expert-data-parallel group
 passed in ``groups["edp"]`` instead of ``dp_cp``, and divided by ``divisors["edp"]`` (the number of distinct token
 shards whose gradients the all-to-all already summed into the expert's owner). Likewise ``"dp_cp_tp"``: the weights of
-MoE blocks that route their own sequence chunk, summed over TP inside their data-parallel reduction
-(:func:`reduction_groups`); their ZeRO slices are then 1/(dp x cp x tp) of them.
+MoE blocks that route their own sequence chunk and the norms on sequence / head shards under TP, summed over TP inside
+their data-parallel reduction (:func:`reduction_groups`); their ZeRO slices are then 1/(dp x cp x tp) of them.
 """
 
 from __future__ import annotations
@@ -375,14 +375,15 @@ def reduction_groups(meshes: Any, parallel: Any) -> tuple[dict[str, Any], dict[s
     (SP, ETP = 1), else once per TP rank (MoE blocks on the whole sequence), or once per ETP group for ETP ranks
     splitting the same rows.
 
-    When MoE blocks route their own sequence chunk (``ParallelConfig.moe_routes_sequence_chunks``), the weights that
-    see only their TP rank's tokens (tagged ``"dp_cp_tp"``, ``tag_chunk_routed_params``) are reduced over the whole
-    stage (dp x cp x tp ranks) and divided by dp x cp: averaged over the data replicas and summed over TP in the same
-    collective, once per step (per backward under ZeRO-2), with no TP all-reduce of their own.
+    Under TP, the weights that see only their TP rank's tokens or heads (tagged ``"dp_cp_tp"``: the chunk-routed MoE
+    blocks', ``tag_chunk_routed_params``, and the norms on sequence / head shards, ``tag_tp_partial_params``) are
+    reduced over the whole stage (dp x cp x tp ranks) and divided by dp x cp: averaged over the data replicas and
+    summed over TP in the same collective, once per step (per backward under ZeRO-2), with no TP all-reduce of their
+    own.
     """
     groups = {"dp_cp": meshes.group("dp_cp")}
     divisors = {"dp_cp": parallel.dp * parallel.context_parallel_size}
-    if parallel.moe_routes_sequence_chunks:
+    if parallel.tp_enabled:  # moe_routes_sequence_chunks implies TP
         groups["dp_cp_tp"] = meshes.group("dp_cp_tp")
         divisors["dp_cp_tp"] = divisors["dp_cp"]
     if meshes.expert is not None:

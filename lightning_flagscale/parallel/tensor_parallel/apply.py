@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_flagscale.parallel.tensor_parallel.lora import adapt_tp_plan
+from lightning_flagscale.parallel.tensor_parallel.partial_grads import LocalSequenceParallel
 from lightning_flagscale.parallel.tensor_parallel.protocol import (
     TensorParallelConstraints,
     TensorParallelHook,
@@ -100,8 +101,15 @@ class WaitedRowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, partial_grads_at_step: bool = False
+) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` with its own ``tp_plan`` (Megatron TP, optionally SP).
+
+    ``partial_grads_at_step``: the weights of the plan's ``LocalSequenceParallel`` modules (norms on sequence
+    shards, QK-norm on head shards) stay plain tensors whose TP-partial gradients the caller's optimizer step sums
+    over TP (``tensor_parallel.partial_grads``; the strategy does, after ``tag_tp_partial_params``). False: replicated
+    DTensors summed over TP in every backward, exact on their own.
 
     The model states its divisibility constraints (``check_tensor_parallel(tp)``) and records what its loss and
     logits need afterwards (``on_tensor_parallel(tp_mesh, sequence_parallel)``, e.g. the vocab shard it holds and
@@ -122,7 +130,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     check_tp_divisible(model, tp_mesh.size())
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     # Layers carrying LoRA adapters get the LoRA variant of their style (A/B sharded with the weight, issue 40).
-    parallelize_module(model, tp_mesh, adapt_tp_plan(model, model.tp_plan(sequence_parallel)))
+    plan = adapt_tp_plan(model, model.tp_plan(sequence_parallel))
+    for style in plan.values():
+        if isinstance(style, LocalSequenceParallel):
+            style.grads_at_step = partial_grads_at_step
+    parallelize_module(model, tp_mesh, plan)
     for name, p in model.named_parameters():  # torch's SequenceParallel re-creates its weights trainable
         if name in frozen:
             p.requires_grad_(False)
