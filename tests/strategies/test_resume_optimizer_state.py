@@ -6,10 +6,11 @@ train with plain SGD, which keeps no state: they prove the weights reshard, not 
 a resume depends on Adam's moments and step count, so a moment lost, resharded to the wrong parameter rows or reset
 changes the weights. The chain (4 processes, 3 steps per layout, a checkpoint at each epoch end):
 
-1. TP=2 x DP=2, ZeRO-1 (Adam's moments sharded over DP, each a TP shard);
+1. TP=2 + SP x DP=2, ZeRO-1 (Adam's moments sharded over DP, each a TP shard; the norms', plain weights whose
+   gradients the step sums over TP, sliced over DP x TP);
 2. TP=1 x DP=4, ZeRO-1: ZeRO-1 optimizer state across a TP change (and DP 2 -> 4);
 3. heterogeneous meshes [TP=2 | DP=2], 3 + 1 layers, ZeRO-1: homogeneous -> hetero optimizer state;
-4. TP=2 x DP=2, ZeRO-1 again: hetero -> homogeneous.
+4. TP=2 x DP=2 (no SP), ZeRO-1 again: hetero -> homogeneous.
 
 Each leg's losses, pre-clip gradient norms (clipped at 1.0: below every norm) and final weights match the oracle's
 steps (rel. err <= 1e-5).
@@ -26,7 +27,9 @@ HOMOGENEOUS = dict(tensor_parallel_size=2, zero_stage=1)
 HETERO = dict(hetero_meshes=[dict(tensor_parallel_size=2), dict(data_parallel_size=2)], hetero_layers=[3, 1],
               micro_batch_size=2, zero_stage=1)  # fmt: skip
 LEGS = [  # (what, strategy keywords, DataLoader batch per rank)
-    ("tp2xdp2-zero1", HOMOGENEOUS, 2),
+    # saved under SP: the norm weights plain, their Adam moments in ZeRO-1 slices over dp x tp (summed over TP at the
+    # step), read back by DP 4 (leg 2); leg 4 loads them into TP 2 without SP (replicated DTensor norms)
+    ("tp2-sp-xdp2-zero1", dict(HOMOGENEOUS, sequence_parallel=True), 2),
     ("tp1xdp4-zero1", dict(zero_stage=1), 1),
     ("hetero-tp2|dp2-zero1", HETERO, 4),
     ("tp2xdp2-zero1-again", HOMOGENEOUS, 2),
