@@ -23,9 +23,9 @@ from lightning_flagscale.tune.cost import (
     _optimizer_seconds,
     _overlap_saving,
     _Pass,
-    _rank_chunk,
     _rank_params,
     _rank_pass,
+    _rank_stage_params,
     _replay,
     _steady_bubble,
 )
@@ -234,13 +234,14 @@ def _tp_bucket_sizes(numel: int) -> list[float]:
             for _, run in bucket_runs(params[::-1], numel)]  # fmt: skip
 
 
-# An MoE block with a gated shared expert (Qwen2-MoE) and both balance losses, under each TP layout of 2 ranks: its
-# own chunk with and without EP, the whole sequence without SP (EP 2) and with experts split over ETP 2 (with and
-# without SP).
+# An MoE block with a gated shared expert (Qwen2-MoE), both balance losses and QK-norm, under each TP layout of 2
+# ranks: its own chunk with and without EP, the whole sequence without SP (EP 2) and with experts split over ETP 2
+# (with and without SP).
 _MOE_TP = TransformerConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1,
     shared_expert_intermediate_size=80, shared_expert_gate=True, moe_aux_loss_coeff=0.01, moe_seq_aux_loss_coeff=0.01,
+    qk_norm=True,
 )  # fmt: skip
 _MOE_TP_LAYOUTS = {
     "own chunk, EP 2": dict(sequence_parallel=True, expert_parallel_size=2),
@@ -380,18 +381,19 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
         assert got == {op: [2 * n, pytest.approx(2 * b, rel=1e-12)] for op, (n, b) in want.items()}, name
     # The gradient buckets hold the router and the shared expert (and its gate) whole on each TP rank, as the data-
     # parallel reduction and the optimizer are priced; routing its own chunk, they and the experts without EP are
-    # reduced over the stage (dp_cp_tp), the rest over the data x context ranks, the experts under EP over edp.
-    groups = {"dp_cp": "dense", "dp_cp_tp": "chunk", "edp": "expert"}
+    # reduced over the stage (dp_cp_tp), with the norms on sequence shards under SP, the rest over the data x context
+    # ranks, the experts under EP over edp.
+    groups = {"dp_cp": "dense", "dp_cp_tp": "stage", "edp": "expert"}
     for name in ("own chunk, no EP", "own chunk, EP 2", "whole sequence, EP 2"):
         c = ParallelConfig(tensor_parallel_size=2, **_MOE_TP_LAYOUTS[name]).resolve(2)
-        real = {"dense": [], "expert": [], "chunk": []}
+        real = {"dense": [], "expert": [], "stage": []}
         for group, numel in counts[0][name][2]:
             real[groups[group]].append(numel)
         assert _bucket_sizes(_MOE_TP, c, [0], 1 << 14) == real, name
         dense, expert = _rank_params(_MOE_TP, c)[0]
         assert dense + expert / c.expert_shards == sum(sum(sizes) for sizes in real.values()), name
-        assert _rank_chunk(_MOE_TP, c) == [sum(real["chunk"])], name
-    # ZeRO-1 shards the chunk-routed weights' fp32 main copy and Adam states over the stage (2 ranks here), the rest
+        assert _rank_stage_params(_MOE_TP, c) == [sum(real["stage"])], name
+    # ZeRO-1 shards the TP-partial weights' fp32 main copy and Adam states over the stage (2 ranks here), the rest
     # over the data ranks (1): the memory model's states equal the run's (as test_tune_memory's Trainer runs)
     c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1).resolve(2)
     want = memory_breakdown(_MOE_TP, c, seq, batch, precision="32-true").ranks[0]
@@ -402,36 +404,38 @@ def test_moe_block_under_tensor_parallel_is_priced_as_it_runs(tp2_runs):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
-def test_chunk_routed_moe_weights_are_reduced_over_the_stage_once_a_step(zero):
-    """Routing its own chunk (TP 2 + SP, DP 4), the router, shared expert and experts (no EP) are reduced over the
-    stage's 8 ranks, summed over TP in the same collective (DDP: all-reduce; ZeRO-1: reduce-scatter + all-gather,
-    states sharded 8 ways), the rest over the 4 data ranks; under ZeRO-3 everything over the data ranks, then one fp32
-    all-reduce of the chunk-routed shards over TP at the step (``reduction_groups``, ``sum_chunk_grads``). No TP
-    all-reduce of theirs per micro-batch (the block's collectives above)."""
+def test_tp_partial_weights_are_reduced_over_the_stage_once_a_step(zero):
+    """Under TP 2 + SP (DP 4), routing its own chunk, the router, shared expert and experts (no EP), and the norms on
+    sequence shards, are reduced over the stage's 8 ranks, summed over TP in the same collective (DDP: all-reduce;
+    ZeRO-1: reduce-scatter + all-gather, states sharded 8 ways), the rest over the 4 data ranks; under ZeRO-3
+    everything over the data ranks, then one fp32 all-reduce of the TP-partial shards over TP at the step
+    (``reduction_groups``, ``sum_chunk_grads``). No TP all-reduce of theirs per micro-batch (the block's collectives
+    above)."""
     hw = _profile(bandwidth=1e10).replace(optimizer_seconds_per_param=1e-9)
     c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=zero).resolve(8)
     dense, expert = _rank_params(_MOE_TP, c)[0]
     buckets = _bucket_sizes(_MOE_TP, c, [0], 1 << 30)
-    (chunk,) = buckets["chunk"]
-    h, e, inner, shared = 64, 4, 48, 80  # _MOE_TP: router, experts, shared expert and its gate
-    assert [chunk] == _rank_chunk(_MOE_TP, c) == [h * e + 3 * h * inner * e + 3 * h * shared + h]
-    whole, rest = dense + expert, dense + expert - chunk
+    partial = sum(buckets["stage"])  # the norms cut the runs: one bucket of them per run
+    h, e, inner, shared, d = 64, 4, 48, 80, 16  # _MOE_TP: router, experts, shared expert and its gate; QK-norm
+    moe, norms = h * e + 3 * h * inner * e + 3 * h * shared + h, 2 * d + 2 * h + h  # 2 block norms, the final one
+    assert [partial] == _rank_stage_params(_MOE_TP, c) == [moe + norms]
+    whole, rest = dense + expert, dense + expert - partial
 
     def seconds(op: str, nbytes: float, n: int) -> float:
         return hw.collective_seconds(op, nbytes, n, inter_node=False)
 
     _, total = _data_parallel(_MOE_TP, c, hw, dense, expert, last_backward=0.0, compute=0.0, buckets=buckets)
     if zero == 0:
-        want = seconds("all_reduce", 4 * rest, 4) + seconds("all_reduce", 4 * chunk, 8)
+        want = seconds("all_reduce", 4 * rest, 4) + seconds("all_reduce", 4 * partial, 8)
     elif zero == 1:
         want = sum(seconds("reduce_scatter", 4 * p, n) + seconds("all_gather", 2 * p, n) for p, n in ((rest, 4),
-                                                                                                   (chunk, 8)))  # fmt: skip
+                                                                                                   (partial, 8)))  # fmt: skip
     else:  # FSDP gathers per micro-batch in forward and backward, one reduce-scatter, then the TP sum of the shards
         want = 2 * c.gradient_accumulation_steps * seconds("all_gather", 2 * whole, 4)
-        want += seconds("reduce_scatter", 4 * whole, 4) + seconds("all_reduce", 4 * chunk / 4, 2)
+        want += seconds("reduce_scatter", 4 * whole, 4) + seconds("all_reduce", 4 * partial / 4, 2)
     assert total == pytest.approx(want, rel=1e-12)
-    shards = {0: whole, 1: rest / 4 + chunk / 8, 3: whole / 4}[zero]
-    assert _optimizer_seconds(c, hw, dense, expert, chunk) == pytest.approx(1e-9 * shards, rel=1e-12)
+    shards = {0: whole, 1: rest / 4 + partial / 8, 3: whole / 4}[zero]
+    assert _optimizer_seconds(c, hw, dense, expert, partial) == pytest.approx(1e-9 * shards, rel=1e-12)
 
 
 def test_tensor_parallel_traffic_is_exposed_per_layer_and_at_the_ends():

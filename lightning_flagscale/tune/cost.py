@@ -45,10 +45,11 @@ outputs when it ends, as torch lowers it (not on shared cores). Data parallelism
 data x context ranks (``parallel/data_parallel/grad_buckets.py``): for DDP / ZeRO-1 / ZeRO-2 the bucketed reduction runs during the
 last micro-batch's backward, so only what exceeds that backward (and the last bucket) is exposed; ZeRO-1/2
 all-gather the bf16 parameters after the step (exposed); ZeRO-3 gathers parameters per block in forward and backward
-(prefetched: only the excess over compute and the first gather show). MoE weights that see only their TP rank's
-sequence chunk (router, shared experts, experts without EP) are reduced (and ZeRO-1/2 sharded) over the stage's
-dp x cp x tp ranks instead, summed over TP in the same collective; under ZeRO-3 their shards are all-reduced over TP
-at the step. The Adam step is memory-bound.
+(prefetched: only the excess over compute and the first gather show). Under TP the weights that see only their TP
+rank's share of the activations (norms on sequence shards under SP, QK-norm on head shards, the router, shared experts
+and experts without EP of MoE blocks that route their own sequence chunk) are reduced (and ZeRO-1/2 sharded) over the
+stage's dp x cp x tp ranks instead, summed over TP in the same collective; under ZeRO-3 their shards are all-reduced
+over TP at the step. The Adam step is memory-bound.
 
 Under TP the embedding, the head's input and the vocab-parallel loss add their collectives on the first and last
 stage, and a calibrated profile adds the DTensor plan's host time per block and at the ends (``tp_overhead``).
@@ -77,14 +78,13 @@ from lightning_flagscale.tune.hardware import COLLECTIVES, HardwareProfile, Link
 from lightning_flagscale.tune.inflight import overlapped_pairs, runner_v_order, schedule_actions
 from lightning_flagscale.tune.moe_cost import (
     TOKENS,
-    chunk_summed_params,
     moe_collectives,
     moe_gemms,
     moe_mlp_elements,
     tokens_group_size,
 )
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
-from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params
+from lightning_flagscale.tune.stage_params import attention_tensors, mtp_params, stage_reduced_params
 
 __all__ = [
     "MeasuredStep",
@@ -611,16 +611,14 @@ def _rank_params(model: TransformerConfig, c: ParallelConfig) -> list[tuple[floa
     return out
 
 
-def _rank_chunk(model: TransformerConfig, c: ParallelConfig) -> list[float]:
-    """Elements of each pipeline rank's MoE weights that see only their TP rank's sequence chunk (part of its dense
-    ones; ``tune.moe_cost.chunk_summed_params`` per MoE block, the MTP module's included): 0 unless blocks route
-    their own chunk."""
-    per, counts = chunk_summed_params(model, c), stage_layer_counts(model, c)
+def _rank_stage_params(model: TransformerConfig, c: ParallelConfig) -> list[float]:
+    """Elements of each pipeline rank's weights reduced over its stage's dp x cp x tp ranks (part of its dense ones;
+    ``tune.stage_params.stage_reduced_params``): 0 without TP."""
+    counts = stage_layer_counts(model, c)
     first = [sum(counts[:i]) for i in range(len(counts))]
-    mtp = sum(model.is_moe_layer(model.num_layers + k) for k in range(model.num_nextn_predict_layers))
     return [
-        per * sum(model.is_moe_layer(i) + (mtp if i == model.num_layers - 1 else 0)
-                  for s in stages for i in range(first[s], first[s] + counts[s]))
+        stage_reduced_params(model, c, [i for s in stages for i in range(first[s], first[s] + counts[s])],
+                             last_stage=c.num_stages - 1 in stages)
         for stages in _rank_stages(c)
     ]  # fmt: skip
 
@@ -629,10 +627,12 @@ def _layer_tensors(model: TransformerConfig, layer: int, tp: int, ep: int) -> li
     """(group, elements on one rank) of each parameter tensor of block ``layer``, in registration order
     (``models/decoder.py``: norm, q, k, v, o, norm, then the MLP: gate, up, down, or the router and the experts'
     stacked gate_up and down, then shared experts); MLA's projections and latent norms as ``tune.stage_params`` lists
-    them. Groups: ``dense``, ``expert`` (routed experts) and ``moe`` (router, shared experts: whole on every TP rank),
-    each reduced as :func:`_reduction_group` says under a layout."""
-    h = model.hidden_size
-    out = [("dense", h), *(("dense", n) for n in attention_tensors(model, tp)), ("dense", h)]
+    them. Groups: ``dense``, ``expert`` (routed experts), ``moe`` (router, shared experts: whole on every TP rank),
+    ``seq_norm`` (the block norms) and ``head_norm`` (QK-norm), each reduced as :func:`_reduction_group` says."""
+    h, attn = model.hidden_size, attention_tensors(model, tp)
+    qk = 2 if model.qk_norm and not model.is_mla else 0  # QK-norm's weights, registered last
+    out = [("seq_norm", h), *(("dense", n) for n in attn[: len(attn) - qk])]
+    out += [*(("head_norm", n) for n in attn[len(attn) - qk :]), ("seq_norm", h)]
     if not model.is_moe_layer(layer):
         return out + [("dense", h * model.intermediate_size / tp)] * 3
     inner, e = model.moe_intermediate_size, model.num_experts
@@ -646,18 +646,23 @@ def _layer_tensors(model: TransformerConfig, layer: int, tp: int, ep: int) -> li
 def _reduction_group(c: ParallelConfig, group: str) -> str:
     """Where a :func:`_layer_tensors` group's gradients are reduced under ``c``: routed experts over the expert-data-
     parallel ranks (``expert``) when an expert mesh shards them, else with the block's other MoE weights; those over
-    the stage's dp x cp x tp ranks (``chunk``) when blocks route their own sequence chunk (``tag_chunk_routed_params``),
-    else over the data x context ranks with everything else (``dense``)."""
+    the stage's dp x cp x tp ranks (``stage``) when blocks route their own sequence chunk (``tag_chunk_routed_params``),
+    as are, under TP, the norms on sequence shards (SP) and QK-norm (``tag_tp_partial_params``); the rest over the
+    data x context ranks (``dense``)."""
     if group == "expert" and c.ep_enabled:
         return "expert"
     if group in ("expert", "moe"):
-        return "chunk" if c.moe_routes_sequence_chunks else "dense"
+        return "stage" if c.moe_routes_sequence_chunks else "dense"
+    if group == "seq_norm":  # on sequence shards under SP (tag_tp_partial_params)
+        return "stage" if c.tp_enabled and c.sequence_parallel else "dense"
+    if group == "head_norm":  # on the TP rank's heads
+        return "stage" if c.tp_enabled else "dense"
     return group
 
 
 def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int], bucket_numel: float) -> dict:
     """Elements of each gradient bucket of a rank holding pipeline ``stages``, by reduction group (``dense`` over
-    data x context ranks, ``expert`` over the expert-data-parallel ones, ``chunk`` over the stage's dp x cp x tp
+    data x context ranks, ``expert`` over the expert-data-parallel ones, ``stage`` over the stage's dp x cp x tp
     ranks: :func:`_reduction_group`), as ``parallel/grad_buckets.bucket_runs``
     cuts them: the tensors in reverse registration order, runs of one group of at most ``bucket_numel`` elements, a
     larger tensor alone."""
@@ -672,32 +677,32 @@ def _bucket_sizes(model: TransformerConfig, c: ParallelConfig, stages: list[int]
         for layer in range(first[s], first[s] + counts[s]):
             tensors += _layer_tensors(model, layer, tp, ep)
         if s == c.num_stages - 1:
-            tensors.append(("dense", h))
+            tensors.append(("seq_norm", h))
             if not (c.num_stages == 1 and model.tie_word_embeddings):
                 tensors.append(("dense", embed))
             for k in range(model.num_nextn_predict_layers):  # MTP: embedding copy (away from stage 0), block, norms
                 if k == 0 and s:
                     tensors.append(("dense", embed))
                 tensors += _layer_tensors(model, model.num_layers + k, tp, ep)
-                tensors += [("dense", h), ("dense", h), ("dense", 2 * h * h), ("dense", h)]
+                tensors += [("seq_norm", h), ("seq_norm", h), ("seq_norm", 2 * h * h), ("seq_norm", h)]
     tensors = [(_reduction_group(c, g), n) for g, n in reversed(tensors)]
-    out: dict[str, list[float]] = {"dense": [], "expert": [], "chunk": []}
+    out: dict[str, list[float]] = {"dense": [], "expert": [], "stage": []}
     for group, run in cut_runs(tensors, bucket_numel):
         out[group].append(sum(tensors[i][1] for i in run))
     return out
 
 
 def _optimizer_seconds(
-    c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float, chunk: float = 0.0
+    c: ParallelConfig, hw: HardwareProfile, dense: float, expert: float, partial: float = 0.0
 ) -> float:
-    """The optimizer phase of a rank holding ``dense`` (TP-local; ``chunk`` of them the chunk-routed MoE weights,
-    :func:`_rank_chunk`) and ``expert`` (before the EP division) parameters (ZeRO shards them over DP; ZeRO-1/2 the
-    chunk-routed ones over the stage's dp x cp x tp ranks, which reduce them)."""
+    """The optimizer phase of a rank holding ``dense`` (TP-local; ``partial`` of them reduced over the stage's
+    dp x cp x tp ranks, :func:`_rank_stage_params`) and ``expert`` (before the EP division) parameters (ZeRO shards
+    them over DP; ZeRO-1/2 the ``partial`` ones over the stage's ranks, which reduce them)."""
     cp, dp = c.context_parallel_size, c.dp
     if not c.ep_enabled:  # no expert mesh: the experts are reduced and sharded with the other parameters
         dense, expert = dense + expert, 0.0
     stage = dp * cp * (c.tensor_parallel_size if c.zero_stage < 3 else 1)
-    groups = [(dense - chunk, dp * cp), (chunk, stage)]
+    groups = [(dense - partial, dp * cp), (partial, stage)]
     groups += [(expert / c.expert_shards, c.expert_data_parallel_size)] if expert else []
     return sum(hw.optimizer_seconds(psi / n if c.zero_stage >= 1 else psi) for psi, n in groups)
 
@@ -720,13 +725,14 @@ def _data_parallel(
     tp, cp, dp, shards = c.tensor_parallel_size, c.context_parallel_size, c.dp, c.expert_shards
     if not c.ep_enabled:  # no expert mesh: the experts are reduced and sharded with the other parameters
         dense, expert = dense + expert, 0.0
-    # the chunk-routed MoE weights: reduced (and ZeRO-1/2 sharded) over the stage's dp x cp x tp ranks, summed over TP
-    # in the same collective; ZeRO-3 reduces them with the rest and all-reduces their fp32 shards over TP at the step
-    chunk = sum(buckets.get("chunk", ()))
+    # the TP-partial weights (norms on sequence / head shards, chunk-routed MoE weights): reduced (and ZeRO-1/2
+    # sharded) over the stage's dp x cp x tp ranks, summed over TP in the same collective; ZeRO-3 reduces them with the
+    # rest and all-reduces their fp32 shards over TP at the step
+    partial = sum(buckets.get("stage", ()))
     zero3 = c.zero_stage == 3
-    groups = [("dense", dense - (0.0 if zero3 else chunk), dp * cp, _inter(dp * cp, tp, hw))]
-    if chunk and not zero3:
-        groups.append(("chunk", chunk, dp * cp * tp, _inter(dp * cp * tp, 1, hw)))
+    groups = [("dense", dense - (0.0 if zero3 else partial), dp * cp, _inter(dp * cp, tp, hw))]
+    if partial and not zero3:
+        groups.append(("stage", partial, dp * cp * tp, _inter(dp * cp * tp, 1, hw)))
     if expert:
         edp = c.expert_data_parallel_size  # over the ranks holding the same expert shard
         groups.append(("expert", expert / shards, edp, _inter(edp, shards, hw)))
@@ -755,8 +761,10 @@ def _data_parallel(
             per_block = gather / max(model.num_layers, 1)
             exposed += max(per_block, 2 * m * gather + reduce - compute) + per_block
             total += 2 * m * gather + reduce
-    if chunk and zero3:  # one flat fp32 all-reduce of their dp x cp shards at the step (parallel.step.sum_chunk_grads)
-        tp_sum = hw.collective_seconds("all_reduce", 4 * chunk / (dp * cp), tp, inter_node=_inter(tp, 1, hw))
+    if (
+        partial and zero3
+    ):  # one flat fp32 all-reduce of their dp x cp shards at the step (parallel.step.sum_chunk_grads)
+        tp_sum = hw.collective_seconds("all_reduce", 4 * partial / (dp * cp), tp, inter_node=_inter(tp, 1, hw))
         exposed, total = exposed + tp_sum, total + tp_sum
     return exposed, total
 
@@ -838,13 +846,13 @@ def estimate_step(
     heaviest = ranks[index]
     buckets = _bucket_sizes(model, c, _rank_stages(c)[index], grad_bucket_numel)
     dp_exposed, dp_total = _data_parallel(model, c, hw, *heaviest, last_backward=one.b, compute=busy, buckets=buckets)
-    chunks = _rank_chunk(model, c)
-    optimizer = _optimizer_seconds(c, hw, *heaviest, chunks[index])
+    partial = _rank_stage_params(model, c)
+    optimizer = _optimizer_seconds(c, hw, *heaviest, partial[index])
     comm["dp"] = dp_exposed
     step = busy + bubble + comm.get("pp", 0.0) + dp_exposed + optimizer
     compute = busy - sum(v for k, v in comm.items() if k not in ("pp", "dp")) + optimizer
     # the node's busy time: each pipeline rank steps its own parameters (uneven stages and V placements differ)
-    mean_optimizer = sum(_optimizer_seconds(c, hw, *r, k) for r, k in zip(ranks, chunks, strict=True)) / len(ranks)
+    mean_optimizer = sum(_optimizer_seconds(c, hw, *r, k) for r, k in zip(ranks, partial, strict=True)) / len(ranks)
     shared = _shared_node_seconds(c, hw, m_total * one.mean_fb + mean_optimizer)
     # On shared cores the collectives (gloo) copy and reduce on the same cores: nothing hides them under compute.
     group = {
@@ -861,7 +869,7 @@ def estimate_step(
         actions = schedule_actions(c.pipeline_schedule, p, c.virtual_pipeline_parallel_size, m_total // gas)
         node = gas * pipeline_seconds(actions, dict(enumerate(one.stages)), hop, units)
         shared_optimizer = processor_sharing_seconds(
-            [_optimizer_seconds(c, hw, *r, k) for r, k in zip(ranks, chunks, strict=True)], units
+            [_optimizer_seconds(c, hw, *r, k) for r, k in zip(ranks, partial, strict=True)], units
         )
         node += shared_optimizer
     else:

@@ -6,8 +6,9 @@ Per pipeline rank (the heaviest one decides, ``MemoryBreakdown.peak``):
   checks against a Trainer run): parameters in the model dtype, fp32 gradient buckets (DDP, ZeRO-1) or the fp32
   main-gradient shard plus at most two staging buckets during backward (ZeRO-2, ``parallel/data_parallel/grad_buckets.py``), fp32
   master weights and Adam moments, each sharded as its ZeRO stage shards it: dense parameters over data x context
-  ranks, routed experts over the expert-data-parallel ranks (with the dense ones without an expert mesh), the weights
-  of MoE blocks that route their own sequence chunk over the stage's dp x cp x tp ranks
+  ranks, routed experts over the expert-data-parallel ranks (with the dense ones without an expert mesh), the
+  TP-partial weights (norms on sequence / head shards, MoE blocks that route their own sequence chunk) over the
+  stage's dp x cp x tp ranks
   (``parallel.data_parallel.optimizer.reduction_groups``); ZeRO-3 (FSDP2) fp32 shards of everything. Parameters per rank: ``tune.stage_params`` (TP/EP splits, vocab padding, uneven and
   padded pipeline splits, tied embeddings on both end stages);
 - **activations** kept for backward (``tune.activations``, derived from our layers, per recompute policy) of the
@@ -56,8 +57,7 @@ from lightning_flagscale.tune.activations import (
     mtp_activation_bytes,
 )
 from lightning_flagscale.tune.inflight import schedule_live_peak
-from lightning_flagscale.tune.moe_cost import chunk_summed_params
-from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params
+from lightning_flagscale.tune.stage_params import RankParams, layer_params, rank_params, stage_reduced_params
 
 __all__ = ["MemoryBreakdown", "RankMemory", "estimate_memory", "lora_rank_params", "memory_breakdown", "stage_params"]
 
@@ -128,18 +128,6 @@ class MemoryBreakdown:
         return self.heaviest.peak
 
 
-def _chunk_routed(m: TransformerConfig, c: ParallelConfig, p: RankParams) -> float:
-    """Parameters of ``p``'s MoE blocks that see only their TP rank's sequence chunk (``tune.moe_cost``): ZeRO-1/2
-    reduce and shard them over the stage's dp x cp x tp ranks (``reduction_groups``' ``"dp_cp_tp"``)."""
-    per = chunk_summed_params(m, c)
-    if not per:
-        return 0.0
-    blocks = [i for layers in p.layers for i in layers]
-    if c.num_stages - 1 in p.stages:  # the MTP modules' blocks travel with the last stage
-        blocks += [m.num_layers + k for k in range(m.num_nextn_predict_layers)]
-    return per * sum(m.is_moe_layer(i) for i in blocks)
-
-
 def _states(
     m: TransformerConfig, p: RankParams, c: ParallelConfig, precision: str, bucket_numel: float
 ) -> tuple[float, ...]:
@@ -149,10 +137,12 @@ def _states(
         lora = expected_state_bytes(p.dense, dp_cp, c.zero_stage, precision, frozen_params=p.frozen)
         grads = lora.grads + (4 * min(p.dense, ZERO2_MAX_STAGING * bucket_numel) if c.zero_stage == 2 else 0.0)
         return lora.params, grads, lora.master_params, lora.optimizer_states
-    # without an expert mesh the experts are reduced and sharded with the other weights; the chunk-routed MoE weights
-    # over the stage's dp x cp x tp ranks (ZeRO-3 shards them over dp x cp with the rest)
+    # without an expert mesh the experts are reduced and sharded with the other weights; the TP-partial ones (norms
+    # on sequence / head shards, chunk-routed MoE weights) over the stage's dp x cp x tp ranks (ZeRO-3: over dp x cp
+    # with the rest)
     dense, expert = (p.dense, p.expert) if c.ep_enabled else (p.dense + p.expert, 0.0)
-    chunk = _chunk_routed(m, c, p) if c.zero_stage < 3 else 0.0
+    last = c.num_stages - 1 in p.stages
+    chunk = stage_reduced_params(m, c, [i for ls in p.layers for i in ls], last_stage=last) if c.zero_stage < 3 else 0.0
     groups = [(dense - chunk, dp_cp), (chunk, dp_cp * c.tensor_parallel_size), (expert, edp)]
     parts = [expected_state_bytes(psi, n, c.zero_stage, precision) for psi, n in groups]
     grads = sum(x.grads for x in parts)

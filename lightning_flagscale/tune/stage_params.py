@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from lightning_flagscale.config import ParallelConfig, TransformerConfig
 from lightning_flagscale.config.schedules import SCHEDULE_SPECS
 from lightning_flagscale.parallel.pipeline_parallel.plan import is_layer_unit, plan_stages, stage_ids_for_rank
+from lightning_flagscale.tune.moe_cost import chunk_summed_params
 
 __all__ = [
     "RankParams",
@@ -32,6 +33,7 @@ __all__ = [
     "mtp_params",
     "rank_params",
     "stage_layers",
+    "stage_reduced_params",
 ]
 
 
@@ -86,6 +88,28 @@ def mtp_params(m: TransformerConfig, *, tp: int = 1, ep: int = 1) -> tuple[float
         d, e = layer_params(m, m.num_layers + k, tp=tp, ep=ep)
         dense, expert = dense + d + 3 * m.hidden_size + 2 * m.hidden_size**2, expert + e
     return dense, expert
+
+
+def stage_reduced_params(m: TransformerConfig, c: ParallelConfig, layers: list[int], *, last_stage: bool) -> float:
+    """Elements of the weights one rank holding decoder ``layers`` (and, ``last_stage``, the final norm and the MTP
+    modules) reduces over its stage's dp x cp x tp ranks, their TP sum inside the data-parallel reduction
+    (``"dp_cp_tp"``: ``tag_tp_partial_params``, ``tag_chunk_routed_params``): under TP the norms on sequence shards
+    (SP: the block norms, the final norm, MTP's ``enorm`` / ``hnorm`` / ``eh_proj`` / norm) and QK-norm on head
+    shards, and the chunk-routed MoE weights (``tune.moe_cost.chunk_summed_params``)."""
+    if not c.tp_enabled:
+        return 0.0
+    h, sp = m.hidden_size, c.sequence_parallel
+    per_block = (2 * h if sp else 0) + (2 * m.head_dim if m.qk_norm and not m.is_mla else 0)
+    moe = chunk_summed_params(m, c)
+
+    def block(i: int) -> float:
+        return per_block + (moe if m.is_moe_layer(i) else 0.0)
+
+    total = sum(block(i) for i in layers)
+    if last_stage:
+        mtp = range(m.num_layers, m.num_layers + m.num_nextn_predict_layers)
+        total += (h if sp else 0) + sum(block(i) + (3 * h + 2 * h * h if sp else 0) for i in mtp)
+    return total
 
 
 def _unit_costs(m: TransformerConfig, padded_vocab: int) -> dict[str, float]:
