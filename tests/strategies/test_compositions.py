@@ -20,10 +20,13 @@ def test_gradient_accumulation_with_zero_and_recompute(launcher, zero_stage):
 
 def test_every_other_matmul_recompute_under_tensor_and_sequence_parallel(launcher):
     # selective_mm counts the block's matmuls as the recompute sees them: under TP + SP they are DTensor ops with
-    # all-gathers and reduce-scatters between them; the cached and recomputed outputs must still line up.
+    # all-gathers and reduce-scatters between them; the cached and recomputed outputs must still line up. With QK-norm
+    # (Qwen3): its weights on the TP rank's heads, like the norms on sequence shards, plain tensors summed over TP by
+    # the step's gradient reduction (tensor_parallel/partial_grads.py), recomputed too.
     kwargs = dict(tensor_parallel_size=2, sequence_parallel=True, recompute="selective_mm")
-    results = launcher(2, trainer_run, kwargs, tiny_config(), STEPS, clip=1.0, ragged=True)
-    reference = reference_run(tiny_config(), STEPS, clip=1.0, ragged=True)
+    config = tiny_config(qk_norm=True)
+    results = launcher(2, trainer_run, kwargs, config, STEPS, clip=1.0, ragged=True)
+    reference = reference_run(config, STEPS, clip=1.0, ragged=True)
     assert_matches_reference(results, reference, "tp2-sp-selective_mm", every_rank_holds_all=True)
 
 
