@@ -6,8 +6,9 @@ Layout (Shoeybi et al. 2019, Korthikanti et al. 2022), following torchtitan's ll
 - attention q/k/v and MLP gate/up: column-parallel (heads / inner width sharded); o/down: row-parallel;
 - the attention/MLP input enters as one replicated DTensor (``PrepareModuleInput``) that the column-parallel layers
   share, so its gradient is reduced once per module in backward (Megatron's fused QKV / gate-up);
-- under SP the norms run on sequence shards (``SequenceParallel``) and the attention/MLP inputs are
-  all-gathered along the sequence (the same ``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
+- under SP the norms run on sequence shards (``LocalSequenceParallel``: torch's ``SequenceParallel`` layouts, the
+  weights plain under the strategy, their partial gradients summed over TP once per step) and the attention/MLP
+  inputs are all-gathered along the sequence (the same ``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
 - LM head: column-parallel with the *local* vocab shard as output, consumed by the vocab-parallel cross-entropy.
 
 The plan is the model's (model protocol); ``parallel.tensor.apply_tp`` applies whatever plan a model gives.
@@ -161,8 +162,8 @@ def decoder_tp_plan(model: CausalLM, sequence_parallel: bool) -> dict[str, Paral
             plan[p + "self_attn.v_proj"] = ColwiseParallel()
         plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
         if getattr(block.self_attn, "q_norm", None) is not None:
-            # QK-norm runs on the TP-local heads [B, S, H/tp, D]: as a head-sharded DTensor its weight gradient
-            # (a partial sum over local heads) is all-reduced over TP like any replicated parameter's.
+            # QK-norm runs on the TP-local heads [B, S, H/tp, D]: its weight gradient is a partial sum over the local
+            # heads, summed over TP once per step under the strategy (in every backward when the plan is applied alone).
             plan[p + "self_attn.q_norm"] = LocalSequenceParallel(sequence_dim=2, use_local_output=True)
             plan[p + "self_attn.k_norm"] = LocalSequenceParallel(sequence_dim=2, use_local_output=True)
         if not block.is_moe:

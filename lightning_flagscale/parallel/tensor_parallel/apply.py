@@ -4,8 +4,9 @@ Layout (Shoeybi et al. 2019, Korthikanti et al. 2022), following torchtitan's ll
 - embedding: vocab-parallel (rows sharded, ``RowwiseParallel`` on ``nn.Embedding``); output replicated, or
   reduce-scattered along the sequence under SP;
 - attention q/k/v and MLP gate/up: column-parallel (heads / inner width sharded); o/down: row-parallel;
-- under SP the norms run on sequence shards (``SequenceParallel``) and the attention/MLP inputs are
-  all-gathered along the sequence (``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
+- under SP the norms run on sequence shards (``LocalSequenceParallel``: torch's ``SequenceParallel`` layouts, the
+  weights plain under the strategy, their partial gradients summed over TP once per step) and the attention/MLP
+  inputs are all-gathered along the sequence (``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
 - LM head: column-parallel with the *local* vocab shard as output, consumed by ``vocab_parallel_cross_entropy``
   (never materialising full logits) or gathered by ``CausalLM.logits``.
 
