@@ -8,7 +8,8 @@ Layout (Shoeybi et al. 2019, Korthikanti et al. 2022), following torchtitan's ll
   share, so its gradient is reduced once per module in backward (Megatron's fused QKV / gate-up);
 - under SP the norms run on sequence shards (``LocalSequenceParallel``: torch's ``SequenceParallel`` layouts, the
   weights plain under the strategy, their partial gradients summed over TP once per step) and the attention/MLP
-  inputs are all-gathered along the sequence (the same ``PrepareModuleInput``), row-parallel outputs reduce-scattered back;
+  inputs are all-gathered along the sequence (the same ``PrepareModuleInput``), row-parallel outputs
+  reduce-scattered back;
 - LM head: column-parallel with the *local* vocab shard as output, consumed by the vocab-parallel cross-entropy.
 
 The plan is the model's (model protocol); ``parallel.tensor.apply_tp`` applies whatever plan a model gives.
