@@ -29,7 +29,7 @@ from lightning_flagscale.tune.cost import (
     _replay,
     _steady_bubble,
 )
-from lightning_flagscale.tune.hardware import COLLECTIVES
+from lightning_flagscale.tune.hardware import BUILTIN_PROFILES, COLLECTIVES
 from lightning_flagscale.tune.inflight import overlapped_pairs, schedule_live_peak
 from lightning_flagscale.tune.memory_model import memory_breakdown
 
@@ -329,11 +329,32 @@ def _chunk_routed_zero1_states() -> dict:
     return vars(state_bytes(model, [opt]))
 
 
-def _tp2_runs(numels: tuple[int, ...], batch: int, seq: int) -> tuple[list, dict, dict]:
-    """One TP 2 launch: the strategy's gradient buckets for each bucket size, the MoE block's counts per layout and
-    the chunk-routed MoE model's ZeRO-1 states."""
+_QK_NORM = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                qk_norm=True, max_seq_len=32)  # fmt: skip
+
+
+def _tp_plans() -> tuple[dict[str, str], dict[str, str]]:
+    """(the calibration's, the strategy's) TP 2 plan of a QK-norm decoder: each parameter's kind and placements."""
+    from lightning_flagscale.parallel.mesh import build_meshes
+    from lightning_flagscale.parallel.plan import RankLayout, _apply_model_parallelisms
+    from lightning_flagscale.tune.calibrate import planned_decoder
+
+    c = ParallelConfig(tensor_parallel_size=2).resolve(2)
+    meshes = build_meshes(c, "cpu")
+    strategy = CausalLM(TransformerConfig(**_QK_NORM, num_layers=1))
+    _apply_model_parallelisms(strategy, RankLayout(c, meshes, torch.device("cpu")))
+    calibration = planned_decoder(_QK_NORM, 1, torch.float32, meshes["tp"])
+    return tuple(
+        {name: f"{type(p.data).__name__}{getattr(p, 'placements', '')}" for name, p in m.named_parameters()}
+        for m in (calibration, strategy)
+    )
+
+
+def _tp2_runs(numels: tuple[int, ...], batch: int, seq: int) -> tuple[list, dict, dict, tuple]:
+    """One TP 2 launch: the strategy's gradient buckets for each bucket size, the MoE block's counts per layout,
+    the chunk-routed MoE model's ZeRO-1 states and the calibration's and the strategy's TP plans."""
     counts = {k: _moe_block_counts(kw, batch, seq) for k, kw in _MOE_TP_LAYOUTS.items()}
-    return [_tp_bucket_sizes(n) for n in numels], counts, _chunk_routed_zero1_states()
+    return [_tp_bucket_sizes(n) for n in numels], counts, _chunk_routed_zero1_states(), _tp_plans()
 
 
 @pytest.fixture(scope="module")
@@ -341,11 +362,22 @@ def tp2_runs(launcher):
     return launcher(2, _tp2_runs, (1 << 16, 1 << 18), 2, 32)
 
 
+def test_calibration_times_the_tensor_parallel_plan_the_strategy_runs(tp2_runs):
+    """``tune --calibrate`` measures the TP host time (``tp_overhead``) on the plan the strategy applies: QK-norm's
+    weights plain local tensors whose TP-partial gradients the step sums (c8712d7), not replicated DTensors summed
+    in every backward; every other parameter sharded or replicated alike."""
+    for rank in tp2_runs:
+        calibration, strategy = rank[3]
+        assert calibration == strategy
+        assert strategy["layers.0.self_attn.q_norm.weight"] == "Tensor"  # what the default plan would make a DTensor
+        assert strategy["layers.0.self_attn.q_proj.weight"].startswith("DTensor")
+
+
 def test_tensor_parallel_buckets_hold_sharded_and_replicated_parameters_as_the_tuner_counts(tp2_runs):
     """Under TP 2 the strategy's buckets (local shards of the sharded weights with the replicated norms) are the
     ones ``_bucket_sizes`` prices: the norms no longer cut a bucket each."""
     c = ParallelConfig(tensor_parallel_size=2).resolve(2)
-    (real_0, _, _), (real_1, _, _) = tp2_runs
+    (real_0, *_), (real_1, *_) = tp2_runs
     # tensors larger than a bucket (alone), then several tensors a bucket
     for numel, real in zip((1 << 16, 1 << 18), zip(real_0, real_1, strict=True), strict=True):
         assert real[0] == real[1]
@@ -573,6 +605,34 @@ def test_few_rows_run_below_the_gemm_curve():
     assert 0.5 < rows.gemm_shape_factor(32) < 0.8  # log-linear between 16 and 64
     with pytest.raises(ValueError, match="gemm_rows"):
         hw.replace(gemm_rows=[(16.0, 0.0)])
+
+
+def test_the_moe_router_gemm_is_priced_at_the_fp32_rate():
+    """The router runs ``x.float() @ w.float()`` whatever the precision (``moe/router.py``; torch's default fp32
+    matmul precision, no TF32, which neither the package nor Lightning changes): its forward GEMM and both backward
+    GEMMs are priced at the profile's ``fp32_peak_flops``, the block's other GEMMs at the bf16 peak, and a Float8
+    speed-up (``gemm_scale``) is not the router's. 0: ``peak_flops``. The built-in profiles carry the datasheet FP32
+    peaks."""
+    from lightning_flagscale.tune.cost import _block_pass
+
+    model = TransformerConfig.from_preset("mixtral-8x7b")
+    c, seq = ParallelConfig(expert_parallel_size=8).resolve(8), 4096
+    router = 2 * seq * model.num_experts * model.hidden_size  # one micro-batch of one sequence
+    hw = _profile(hbm=float("inf"))
+    for scale in (1.0, 2.0):
+        same = hw.replace(gemm_scale=scale)  # fp32_peak_flops 0: the router at peak_flops, without gemm_scale
+        slow = same.replace(fp32_peak_flops=hw.peak_flops / 16)
+        base, fp32 = (_block_pass(model, c, seq, p, True, "none") for p in (same, slow))
+        extra = router / slow.fp32_peak_flops - router / hw.peak_flops
+        assert fp32.f - base.f == pytest.approx(extra, rel=1e-9)
+        assert fp32.w - base.w == pytest.approx(extra, rel=1e-9)  # the weight gradient
+        assert fp32.b - base.b == pytest.approx(2 * extra, rel=1e-9)  # and the input gradient
+    assert _block_pass(model, c, seq, hw, True, "none") == _block_pass(
+        model, c, seq, hw.replace(fp32_peak_flops=hw.peak_flops), True, "none"
+    )
+    assert [BUILTIN_PROFILES[n].fp32_peak_flops for n in ("h100", "h200", "a100")] == [67e12, 67e12, 19.5e12]
+    with pytest.raises(ValueError, match="fp32_peak_flops"):
+        hw.replace(fp32_peak_flops=-1.0)
 
 
 def test_backward_gemm_factors_slow_only_the_backward():

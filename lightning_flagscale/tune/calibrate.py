@@ -1,7 +1,8 @@
 """``tune --calibrate``: micro-benchmarks that turn this machine into a :class:`HardwareProfile` (issue 16 item 2).
 
 - **GEMM throughput by shape**: square and tall-skinny linear-layer GEMMs of growing size in the training dtype
-  (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``,
+  (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``
+  (and, timed again in fp32 when the dtype is not, ``fp32_peak_flops``: the MoE router's GEMM runs in fp32),
   each size's rate over it is a ``gemm`` point (and 8-256 tokens through a 1024-wide layer, against that curve,
   the ``gemm_rows`` factors: a few rows run below what their FLOPs say), and
   the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
@@ -35,7 +36,10 @@
   run by every rank of the spawned worlds at once, as busy time; ``compute_scale`` is what makes the cost model
   predict it. Training adds Lightning's loop and the loss on top, so a measured step may still run slower.
 - **TP host time**: the same decoder with 1 and 3 blocks, plain and under the DTensor TP plan on a one-rank mesh
-  (``tp_overhead``: per block and at the ends, forward and backward; ~4 ms a block on this CPU).
+  (``tp_overhead``: per block and at the ends, forward and backward; ~4 ms a block on this CPU), applied as the
+  strategy applies it (``partial_grads_at_step=True``: QK-norm's weights, and under SP the norms', stay plain local
+  tensors, :func:`planned_decoder`). The plan is the one without sequence parallelism (norms replicated DTensors);
+  SP layouts take the same per-block time.
 - **MoE block**: the decoder with routed experts (``MOE_REFERENCE``), 1 and 3 blocks: what a block takes beyond
   the model's kernels (``moe_overhead``).
 - **Selective recompute**: the decoder with 1 and 3 blocks under ``recompute="selective"``: what torch's selective
@@ -121,6 +125,7 @@ __all__ = [
     "measure_ring_blocks",
     "measure_training_loop",
     "pipeline_action_overhead",
+    "planned_decoder",
     "reference_compute_scale",
 ]
 
@@ -425,10 +430,7 @@ def _decoder_seconds(
     per ``recompute``."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab_size"], (1, config["max_seq_len"]), generator=generator).to(device)
-    torch.manual_seed(0)
-    model = CausalLM(TransformerConfig(**dict(config, num_layers=layers))).to(device=device, dtype=dtype)
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh, sequence_parallel=False)
+    model = planned_decoder(config, layers, dtype, tp_mesh, device)
     if recompute != "none":
         apply_recompute(model, recompute)
 
@@ -437,6 +439,21 @@ def _decoder_seconds(
         return loss, loss.backward
 
     return _forward_backward_seconds(run, repeats, device)
+
+
+def planned_decoder(
+    config: dict, layers: int, dtype: torch.dtype, tp_mesh=None, device: torch.device = CPU
+) -> CausalLM:
+    """A ``CausalLM`` of ``config`` with ``layers`` blocks (seed 0), under the DTensor TP plan on ``tp_mesh`` if given,
+    applied as the strategy applies it (``parallel/plan.py``): the weights of the plan's ``LocalSequenceParallel``
+    modules (QK-norm on head shards; the norms under SP) stay plain local tensors, their TP-partial gradients left to
+    the optimizer step (``partial_grads_at_step=True``, c8712d7), not DTensors summed over TP in every backward. The
+    timed passes have no step, so their parameters need no reduction tags."""
+    torch.manual_seed(0)
+    model = CausalLM(TransformerConfig(**dict(config, num_layers=layers))).to(device=device, dtype=dtype)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, sequence_parallel=False, partial_grads_at_step=True)
+    return model
 
 
 def measure_blocks(
@@ -1063,6 +1080,13 @@ def _calibrate(
     dgrad = statistics.median(ig / fwd for _, fwd, ig, _ in linear)
     wgrad = statistics.median(wg / fwd for _, fwd, _, wg in linear)
     gemm = [(f, rate / peak) for f, rate in gemm_rates]
+    # the GEMMs the model runs in fp32 whatever the training dtype (the MoE router): their fastest rate, under this
+    # process's float32_matmul_precision (torch's default "highest", no TF32: what training runs unless its script
+    # changes it); a calibration in fp32 measured them above
+    fp32_peak = peak
+    if dtype != torch.float32:
+        fp32 = measure_linear_gemms(shapes.gemm_sizes, torch.float32, repeats=repeats, device=device)
+        fp32_peak = max(rate for _, rate in _gemm_rates(fp32))
     # each row count's rate over what its FLOPs alone give on the curve; from 512 rows up, the curve itself
     gemm_rows = [
         (float(r), rate / (peak * _log_linear(gemm, flops)))
@@ -1116,7 +1140,7 @@ def _calibrate(
         setup = f"gloo, CPU, {dtype_name}"
     bandwidth = measure_memory_bandwidth(shapes.memory_numel, repeats, dtype, device)
     profile = HardwareProfile(
-        name=name, device_type=device_type, peak_flops=peak, memory_bytes=memory_bytes,
+        name=name, device_type=device_type, peak_flops=peak, fp32_peak_flops=fp32_peak, memory_bytes=memory_bytes,
         hbm_bandwidth=bandwidth, devices_per_node=world,
         compute_units_per_node=units,
         gemm=gemm, gemm_rows=gemm_rows,
@@ -1128,7 +1152,8 @@ def _calibrate(
         blocking_collective=sorted((float(n), t) for n, t in times.blocking.items()),
         links={kind: {"intra": pts, "inter": inter[kind]} for kind, pts in per_scope.items()},
         source=f"tune --calibrate on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}; {setup}; "
-        f"{inter_note}; compute_scale from the reference decoder step)",
+        f"{inter_note}; fp32 GEMMs at float32_matmul_precision {torch.get_float32_matmul_precision()!r};"
+        " compute_scale from the reference decoder step)",
     )  # fmt: skip
     dense, sparse = references(device.type)
     profile = profile.replace(

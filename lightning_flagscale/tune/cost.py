@@ -4,9 +4,10 @@ Per micro-batch and pipeline rank, a block costs
 
 - its **GEMMs** (q/k/v/o projections and the SwiGLU MLP, split by TP; or an MoE block's router, routed experts at the
   per-expert row count and shared experts as the block runs them, on its sequence chunk or the whole sequence,
-  ``tune/moe_cost.py``; CP splits the tokens), each timed at the profile's efficiency for its size; backward is two
-  GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout relative
-  to the forward one (equal on GPUs; not on a CPU without native bf16);
+  ``tune/moe_cost.py``; CP splits the tokens), each timed at the profile's efficiency for its size (the router, which
+  runs in fp32, at ``fp32_peak_flops``: no tensor cores without TF32, 67 against 989 TFLOP/s on an H100); backward
+  is two GEMMs of the same size (input gradient and weight gradient), at the profile's measured rate of each layout
+  relative to the forward one (equal on GPUs; not on a CPU without native bf16);
 - **core attention**: the causal half of ``4 b s^2 n_heads d_head`` FLOPs over TP x CP at the SDPA efficiency,
   backward 2.5x forward (FlashAttention-2's five matmuls against two); a calibrated profile times calls by size,
   forward and backward apart, and ring CP's blocks through the kernel they run (``_attention``);
@@ -81,6 +82,7 @@ from lightning_flagscale.tune.moe_cost import (
     moe_collectives,
     moe_gemms,
     moe_mlp_elements,
+    router_gemm,
     tokens_group_size,
 )
 from lightning_flagscale.tune.shared_cores import pipeline_seconds, processor_sharing_seconds
@@ -177,7 +179,8 @@ def _block_compute(model: TransformerConfig, c: ParallelConfig, seq_len: int, hw
     h = model.hidden_size
     gemm = sum(hw.gemm_seconds(*shape) for shape in _attention_gemms(model, t, tp))
     if moe:  # router, routed experts and shared experts as the block runs them under this layout (tune/moe_cost.py)
-        gemm += sum(hw.gemm_seconds(*shape) for shape in moe_gemms(model, c, t))
+        gemm += hw.fp32_gemm_seconds(*router_gemm(model, c, t))  # the router runs in fp32 (moe/router.py)
+        gemm += sum(hw.gemm_seconds(*shape) for shape in moe_gemms(model, c, t, router=False))
         mlp = moe_mlp_elements(model, c, t)
     else:
         inner = model.intermediate_size

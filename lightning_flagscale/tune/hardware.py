@@ -27,7 +27,10 @@ A :class:`HardwareProfile` holds
 profiles below are for planning clusters you cannot measure from here. Their sources:
 
 - Peaks: NVIDIA datasheets, dense (no sparsity) bf16: H100 SXM 989 TFLOP/s, H200 SXM 989, A100 SXM 312
-  (``accounting/flops.py`` ``PEAK_FLOPS``); memory 80 / 141 / 80 GB; HBM 3.35 / 4.8 / 2.04 TB/s.
+  (``accounting/flops.py`` ``PEAK_FLOPS``); memory 80 / 141 / 80 GB; HBM 3.35 / 4.8 / 2.04 TB/s. FP32 (CUDA
+  cores, what an fp32 matmul runs on without TF32: ``fp32_peak_flops``): H100 SXM 67 TFLOP/s, H200 SXM 67 (the
+  same SMs and clocks), A100 SXM 19.5 (H100 datasheet: FP32 67, TF32 Tensor Core 989 "shown with sparsity", so
+  495 dense; A100 datasheet: FP32 19.5, TF32 156 dense, 312 with sparsity).
 - Intra-node: nccl-tests large-message busbw on 8x H100 SXM NVLink-4 460-480 GB/s, 8x A100 SXM NVLink-3 230-250
   GB/s (reference table in https://docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); we take 450 and 235
   (H200 has the same NVLink-4 switch as H100).
@@ -157,6 +160,15 @@ class HardwareProfile:
     """Device label; heterogeneous plans map ``hetero_meshes[i].device_type`` to a profile by it."""
     peak_flops: float = 989e12
     """Dense bf16 FLOP/s of one device."""
+    fp32_peak_flops: float = 0.0
+    """FLOP/s of the GEMMs the model runs in fp32: the MoE router's (``moe/router.py``: ``x.float() @ w.float()``,
+    whatever the precision plugin; under fp8 too, it is no ``nn.Linear``). torch runs an fp32 matmul in full fp32
+    unless the training script calls ``torch.set_float32_matmul_precision("high")`` (TF32): the default is
+    ``"highest"``, and neither this package nor Lightning changes it (Lightning's CUDA accelerator only suggests it).
+    So this is the device's FP32 (non-tensor-core) peak; a script that enables TF32 puts the dense TF32 peak here.
+    Timed at the ``gemm`` efficiency curve, ``compute_scale`` included, ``gemm_scale`` not (a Float8 speed-up is not
+    the router's). 0: ``peak_flops`` (a profile whose GEMMs were measured in fp32, as ``tune --calibrate`` on a CPU
+    does by default)."""
     memory_bytes: float = 80e9
     """Usable device memory."""
     hbm_bandwidth: float = 3.35e12
@@ -249,6 +261,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
             raise ValueError(f"HardwareProfile {self.name!r}: peak_flops, memory_bytes, hbm_bandwidth must be > 0.")
+        if self.fp32_peak_flops < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: fp32_peak_flops must be >= 0 (0: peak_flops).")
         if self.input_grad_gemm_factor <= 0 or self.weight_grad_gemm_factor <= 0:
             raise ValueError(f"HardwareProfile {self.name!r}: backward GEMM factors must be > 0.")
         if self.optimizer_seconds_per_param < 0:
@@ -313,6 +327,16 @@ class HardwareProfile:
             return 0.0
         eff = self.gemm_efficiency(flops) * self.gemm_shape_factor(min(m, n, k))
         return count * flops / (self.peak_flops * eff * self.compute_scale * self.gemm_scale)
+
+    def fp32_gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """Time of ``count`` fp32 GEMMs ``(m x k) @ (k x n)`` (the MoE router's): ``gemm_seconds`` at
+        ``fp32_peak_flops``, without ``gemm_scale``."""
+        flops = 2 * m * n * k
+        if flops <= 0:
+            return 0.0
+        peak = self.fp32_peak_flops or self.peak_flops
+        eff = self.gemm_efficiency(flops) * self.gemm_shape_factor(min(m, n, k))
+        return count * flops / (peak * eff * self.compute_scale)
 
     def gemm_shape_factor(self, smallest: float) -> float:
         """``gemm_rows`` at a GEMM's smallest dimension (1 from the largest point up, or without points)."""
@@ -503,17 +527,20 @@ _SOURCES = "see lightning_flagscale/tune/hardware.py module docstring"
 _FITTED_SCALE = 0.875  # bench/tune_published.py: Llama 3 405B, 16K H100s (FlashAttention-2 assumed)
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
-        name="h100", device_type="H100", peak_flops=989e12, memory_bytes=80e9, hbm_bandwidth=3.35e12,
+        name="h100", device_type="H100", peak_flops=989e12, fp32_peak_flops=67e12,
+        memory_bytes=80e9, hbm_bandwidth=3.35e12,
         links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
         attention_kernels=_HOPPER_KERNELS, source=f"H100 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "h200": HardwareProfile(
-        name="h200", device_type="H200", peak_flops=989e12, memory_bytes=141e9, hbm_bandwidth=4.8e12,
+        name="h200", device_type="H200", peak_flops=989e12, fp32_peak_flops=67e12,
+        memory_bytes=141e9, hbm_bandwidth=4.8e12,
         links=_flat_links((10e-6, 450e9), (20e-6, 45e9)), compute_scale=_FITTED_SCALE,
         attention_kernels=_HOPPER_KERNELS, source=f"H200 SXM cluster, 400G/GPU; {_SOURCES}",
     ),
     "a100": HardwareProfile(
-        name="a100", device_type="A100", peak_flops=312e12, memory_bytes=80e9, hbm_bandwidth=2.04e12,
+        name="a100", device_type="A100", peak_flops=312e12, fp32_peak_flops=19.5e12,
+        memory_bytes=80e9, hbm_bandwidth=2.04e12,
         gemm=_saturating_gemm(0.80, 6e9), links=_flat_links((10e-6, 235e9), (20e-6, 22.5e9)), compute_scale=_FITTED_SCALE,
         source=f"A100 SXM 80GB cluster, 200G/GPU; {_SOURCES}",
     ),

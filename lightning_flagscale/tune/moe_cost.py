@@ -34,6 +34,7 @@ __all__ = [
     "moe_gemms",
     "moe_mlp_elements",
     "routed_tokens",
+    "router_gemm",
     "tokens_group_size",
 ]
 
@@ -81,15 +82,25 @@ def _expert_rows(m: TransformerConfig, c: ParallelConfig, t: float) -> tuple[flo
     return rows * (1 if c.etp_tokens_replicated else etp), m.moe_intermediate_size / etp
 
 
-def moe_gemms(m: TransformerConfig, c: ParallelConfig, t: float) -> list[tuple[float, float, float, float]]:
-    """``(rows, columns, inner, count)`` of each forward GEMM of the block on one rank: the router (``E x h``), the
-    local experts' gate/up and down at the per-expert row count, and the shared experts' gate/up, down (and their
-    sigmoid gate, Qwen2-MoE), whole on every TP rank."""
+def router_gemm(m: TransformerConfig, c: ParallelConfig, t: float) -> tuple[float, float, float, float]:
+    """``(rows, columns, inner, count)`` of the router's forward GEMM on one rank (``E x h`` on the routed tokens).
+    It runs in fp32 whatever the precision (``TopKRouter.compute_logits``: ``x.float() @ w.float()``), so
+    ``tune.cost`` times it, forward and backward, at the profile's ``fp32_peak_flops``."""
+    return routed_tokens(c, t), m.num_experts, m.hidden_size, 1
+
+
+def moe_gemms(
+    m: TransformerConfig, c: ParallelConfig, t: float, *, router: bool = True
+) -> list[tuple[float, float, float, float]]:
+    """``(rows, columns, inner, count)`` of each forward GEMM of the block on one rank: the router (``E x h``,
+    :func:`router_gemm`; left out with ``router=False``), the local experts' gate/up and down at the per-expert row
+    count, and the shared experts' gate/up, down (and their sigmoid gate, Qwen2-MoE), whole on every TP rank."""
     h, e = m.hidden_size, m.num_experts
     r = routed_tokens(c, t)
     rows, inner = _expert_rows(m, c, t)
     local = e / c.expert_parallel_size
-    out = [(r, e, h, 1), (rows / local, inner, h, 2 * local), (rows / local, h, inner, local)]
+    out = [router_gemm(m, c, t)] if router else []
+    out += [(rows / local, inner, h, 2 * local), (rows / local, h, inner, local)]
     s = _shared_width(m)
     if s:
         out += [(r, s, h, 2), (r, h, s, 1)] + ([(r, 1, h, 1)] if m.shared_expert_gate else [])
