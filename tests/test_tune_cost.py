@@ -610,9 +610,9 @@ def test_few_rows_run_below_the_gemm_curve():
 def test_the_moe_router_gemm_is_priced_at_the_fp32_rate():
     """The router runs ``x.float() @ w.float()`` whatever the precision (``moe/router.py``; torch's default fp32
     matmul precision, no TF32, which neither the package nor Lightning changes): its forward GEMM and both backward
-    GEMMs are priced at the profile's ``fp32_peak_flops``, the block's other GEMMs at the bf16 peak, and a Float8
-    speed-up (``gemm_scale``) is not the router's. 0: ``peak_flops``. The built-in profiles carry the datasheet FP32
-    peaks."""
+    GEMMs are priced at the profile's ``fp32_peak_flops`` (on its measured ``fp32_gemm`` curve if it has one), the
+    block's other GEMMs at the bf16 peak, and a Float8 speed-up (``gemm_scale``) is not the router's. 0:
+    ``peak_flops``. The built-in profiles carry the datasheet FP32 peaks."""
     from lightning_flagscale.tune.cost import _block_pass
 
     model = TransformerConfig.from_preset("mixtral-8x7b")
@@ -630,9 +630,16 @@ def test_the_moe_router_gemm_is_priced_at_the_fp32_rate():
     assert _block_pass(model, c, seq, hw, True, "none") == _block_pass(
         model, c, seq, hw.replace(fp32_peak_flops=hw.peak_flops), True, "none"
     )
+    # a measured fp32 curve (tune --calibrate in bf16) times it instead of the bf16 one and its row factors
+    curve = hw.replace(fp32_peak_flops=1e14, fp32_gemm=[(1e6, 0.5), (1e10, 1.0)], gemm_rows=[(8.0, 0.1), (512.0, 1.0)])
+    assert curve.fp32_gemm_seconds(16, 4, 1024) == pytest.approx(2 * 16 * 4 * 1024 / (1e14 * 0.5), rel=1e-12)
+    assert curve.fp32_gemm_seconds(8192, 256, 7168) == pytest.approx(2 * 8192 * 256 * 7168 / 1e14, rel=1e-12)
+    assert HardwareProfile.from_dict(curve.to_dict()) == curve
     assert [BUILTIN_PROFILES[n].fp32_peak_flops for n in ("h100", "h200", "a100")] == [67e12, 67e12, 19.5e12]
     with pytest.raises(ValueError, match="fp32_peak_flops"):
         hw.replace(fp32_peak_flops=-1.0)
+    with pytest.raises(ValueError, match="fp32_gemm"):
+        hw.replace(fp32_gemm=[(1e6, 0.0)])
 
 
 def test_backward_gemm_factors_slow_only_the_backward():

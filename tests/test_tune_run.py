@@ -355,7 +355,7 @@ def test_calibration_arithmetic_under_an_injected_clock(monkeypatch):
     assert one.f + one.b == pytest.approx(0.1, rel=1e-9)
     # the MoE router's GEMM runs in fp32 whatever the dtype: calibrated in fp32, its rate is the peak; in bf16, fp32
     # GEMMs are timed apart (here made 4x slower than the bf16 ones) and their fastest size's rate is fp32_peak_flops
-    assert profile.fp32_peak_flops == profile.peak_flops
+    assert profile.fp32_peak_flops == profile.peak_flops and profile.fp32_gemm == []
     linear = cal.measure_linear_gemms
 
     def fp32_slower(sizes, dtype, **kw):
@@ -367,6 +367,7 @@ def test_calibration_arithmetic_under_an_injected_clock(monkeypatch):
     bf16 = cal._calibrate((2,), shapes, 1, 1e9, "fake", torch.bfloat16, 1 << 10, 1)
     assert bf16.peak_flops == pytest.approx(peak, rel=1e-12)
     assert bf16.fp32_peak_flops == pytest.approx(peak / 4, rel=1e-12)
+    assert flat(bf16.fp32_gemm) == pytest.approx(flat(profile.gemm), rel=1e-12)  # every size 4x slower: same curve
 
 
 def test_run_trains_the_top_candidate_and_writes_it_as_a_recipe(tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 - **GEMM throughput by shape**: square and tall-skinny linear-layer GEMMs of growing size in the training dtype
   (``--calibrate-dtype``); the fastest size's forward rate (median over shapes of that size) sets ``peak_flops``
-  (and, timed again in fp32 when the dtype is not, ``fp32_peak_flops``: the MoE router's GEMM runs in fp32),
+  (and, timed again in fp32 when the dtype is not, ``fp32_peak_flops`` and the ``fp32_gemm`` curve: the MoE
+  router's GEMM runs in fp32),
   each size's rate over it is a ``gemm`` point (and 8-256 tokens through a 1024-wide layer, against that curve,
   the ``gemm_rows`` factors: a few rows run below what their FLOPs say), and
   the median rate of the input- and weight-gradient layouts over the forward one gives the backward GEMM factors. Small shapes include the per-call dispatch overhead on purpose: a
@@ -1083,10 +1084,11 @@ def _calibrate(
     # the GEMMs the model runs in fp32 whatever the training dtype (the MoE router): their fastest rate, under this
     # process's float32_matmul_precision (torch's default "highest", no TF32: what training runs unless its script
     # changes it); a calibration in fp32 measured them above
-    fp32_peak = peak
+    fp32_peak, fp32_gemm = peak, []
     if dtype != torch.float32:
-        fp32 = measure_linear_gemms(shapes.gemm_sizes, torch.float32, repeats=repeats, device=device)
-        fp32_peak = max(rate for _, rate in _gemm_rates(fp32))
+        fp32_rates = _gemm_rates(measure_linear_gemms(shapes.gemm_sizes, torch.float32, repeats=repeats, device=device))
+        fp32_peak = max(rate for _, rate in fp32_rates)
+        fp32_gemm = [(f, rate / fp32_peak) for f, rate in fp32_rates]
     # each row count's rate over what its FLOPs alone give on the curve; from 512 rows up, the curve itself
     gemm_rows = [
         (float(r), rate / (peak * _log_linear(gemm, flops)))
@@ -1143,7 +1145,7 @@ def _calibrate(
         name=name, device_type=device_type, peak_flops=peak, fp32_peak_flops=fp32_peak, memory_bytes=memory_bytes,
         hbm_bandwidth=bandwidth, devices_per_node=world,
         compute_units_per_node=units,
-        gemm=gemm, gemm_rows=gemm_rows,
+        gemm=gemm, gemm_rows=gemm_rows, fp32_gemm=fp32_gemm,
         attention_efficiency=min(1.0, attention / peak),
         attention_calls=attention_calls, ring_blocks=ring_blocks, attention_kernels=kernels,
         input_grad_gemm_factor=dgrad, weight_grad_gemm_factor=wgrad,

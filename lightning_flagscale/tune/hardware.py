@@ -107,7 +107,7 @@ class LinkPoint:
     """beta^-1, bytes/s as nccl-tests' busbw (large-message)."""
 
 
-_POINT_FIELDS = ("gemm", "gemm_rows", "attention_calls", "ring_blocks", "blocking_collective")
+_POINT_FIELDS = ("gemm", "fp32_gemm", "gemm_rows", "attention_calls", "ring_blocks", "blocking_collective")
 """Profile fields that are lists of points (tuples in memory, lists in JSON)."""
 _BLOCK_OVERHEADS = ("moe_overhead", "selective_overhead")
 """Per-block (forward, backward) host seconds of a calibrated profile."""
@@ -166,9 +166,13 @@ class HardwareProfile:
     unless the training script calls ``torch.set_float32_matmul_precision("high")`` (TF32): the default is
     ``"highest"``, and neither this package nor Lightning changes it (Lightning's CUDA accelerator only suggests it).
     So this is the device's FP32 (non-tensor-core) peak; a script that enables TF32 puts the dense TF32 peak here.
-    Timed at the ``gemm`` efficiency curve, ``compute_scale`` included, ``gemm_scale`` not (a Float8 speed-up is not
-    the router's). 0: ``peak_flops`` (a profile whose GEMMs were measured in fp32, as ``tune --calibrate`` on a CPU
-    does by default)."""
+    Timed at the ``fp32_gemm`` efficiency curve, ``compute_scale`` included, ``gemm_scale`` not (a Float8 speed-up
+    is not the router's). 0: ``peak_flops`` (a profile whose GEMMs were measured in fp32, as ``tune --calibrate`` on
+    a CPU does by default)."""
+    fp32_gemm: list[tuple[float, float]] = field(default_factory=list)
+    """``(FLOPs of one fp32 GEMM, fraction of fp32_peak_flops)`` points (``tune --calibrate`` in another dtype: on
+    this CPU small fp32 GEMMs run faster than bf16 ones, 69 against 24 GFLOP/s at 0.5 MFLOP, large ones 4.5x
+    slower). Empty: the ``gemm`` curve and its ``gemm_rows`` factors (the built-in GPU profiles: an assumption)."""
     memory_bytes: float = 80e9
     """Usable device memory."""
     hbm_bandwidth: float = 3.35e12
@@ -273,6 +277,8 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile {self.name!r}: step_overhead must be >= 0 seconds.")
         if not self.gemm or any(e <= 0 for _, e in self.gemm):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm needs points with positive efficiency.")
+        if any(len(p) != 2 or min(p) <= 0 for p in self.fp32_gemm):
+            raise ValueError(f"HardwareProfile {self.name!r}: fp32_gemm points are (FLOPs, efficiency), both > 0.")
         if any(len(p) != 2 or min(p) <= 0 for p in self.gemm_rows):
             raise ValueError(f"HardwareProfile {self.name!r}: gemm_rows points are (rows, factor), both > 0.")
         tables = {"attention_calls": self.attention_calls, "ring_blocks": self.ring_blocks}
@@ -308,6 +314,7 @@ class HardwareProfile:
         object.__setattr__(self, "_derived", {})  # profiles derived from this one (``without_latency``)
         # the point lists sorted once, and the forward / backward series of the call tables split once
         object.__setattr__(self, "_gemm_pts", sorted(self.gemm))
+        object.__setattr__(self, "_fp32_pts", sorted(self.fp32_gemm))
         object.__setattr__(self, "_rows_pts", sorted(self.gemm_rows))
         calls = {key: sorted(getattr(self, key)) for key in ("attention_calls", "ring_blocks")}
         calls.update({("kernel", b): sorted(pts) for b, pts in self.attention_kernels.items()})
@@ -329,13 +336,17 @@ class HardwareProfile:
         return count * flops / (self.peak_flops * eff * self.compute_scale * self.gemm_scale)
 
     def fp32_gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
-        """Time of ``count`` fp32 GEMMs ``(m x k) @ (k x n)`` (the MoE router's): ``gemm_seconds`` at
-        ``fp32_peak_flops``, without ``gemm_scale``."""
+        """Time of ``count`` fp32 GEMMs ``(m x k) @ (k x n)`` (the MoE router's): at ``fp32_peak_flops`` on the
+        ``fp32_gemm`` curve (without one, ``gemm_seconds``' curve and shape factor), without ``gemm_scale``."""
         flops = 2 * m * n * k
         if flops <= 0:
             return 0.0
         peak = self.fp32_peak_flops or self.peak_flops
-        eff = self.gemm_efficiency(flops) * self.gemm_shape_factor(min(m, n, k))
+        pts = self._fp32_pts  # type: ignore[attr-defined]
+        if pts:
+            eff = _log_linear(pts, flops)
+        else:
+            eff = self.gemm_efficiency(flops) * self.gemm_shape_factor(min(m, n, k))
         return count * flops / (peak * eff * self.compute_scale)
 
     def gemm_shape_factor(self, smallest: float) -> float:
