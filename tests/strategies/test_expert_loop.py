@@ -11,9 +11,9 @@ from tests.strategies._lm import assert_matches_reference, reference_run, traine
 STEPS = 3
 
 
-def moe_config() -> TransformerConfig:
+def moe_config(num_layers: int = 2) -> TransformerConfig:
     return TransformerConfig.from_preset(
-        "mixtral-tiny", num_layers=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        "mixtral-tiny", num_layers=num_layers, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_aux_loss_coeff=0.0,
     )  # fmt: skip
 
@@ -45,37 +45,67 @@ def test_expert_parallel_inside_pipeline_stages(launcher):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "dp,kwargs",
     [
         # Each TP rank routes its own chunk; the router, shared-expert (and, without EP, expert) gradients are summed
         # over TP once per step, inside the data-parallel reduction (DDP / ZeRO-1/2 buckets over dp x cp x tp,
         # ZeRO-2 after each backward) or after it (ZeRO-3): every case accumulates 2 micro-batches per step.
-        dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
-        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=2),
+        (1, dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1)),
+        (2, dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=2)),
         # the experts' ZeRO-3 scale is edp / expert_grad_divisor (tp / ep)
-        dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=3),
-        dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3, zero3_impl="fsdp2"),
-        # ZB-H1 splits backward: its weight-gradient passes bypass the hooks, the buckets are filled at the step
-        dict(
-            tensor_parallel_size=2,
-            sequence_parallel=True,
-            pipeline_parallel_size=2,
-            pipeline_schedule="zero_bubble",
-            micro_batch_size=1,
-            zero_stage=1,
-        ),
+        (2, dict(tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2, zero_stage=3)),
+        # flat ZeRO-3 without EP: the experts are whole on every rank and tagged with the router
+        (1, dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3)),
+        (1, dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3, zero3_impl="fsdp2")),
+        # FSDP2 over dp 2: the shards are averaged over dp, then summed over TP
+        (2, dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3, zero3_impl="fsdp2")),
+        # CP 2: the stage group is cp x tp, divisor dp x cp (the SP norms and the chunk-routed weights)
+        (1, dict(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2, zero_stage=1)),
+        # ZB-H1 / ZBV / DualPipeV split backward: their weight-gradient passes bypass the hooks, the buckets are
+        # filled at the step (the V schedules hold 2 chunks per rank: 4 layers)
+        *[
+            (
+                1,
+                dict(
+                    tensor_parallel_size=2,
+                    sequence_parallel=True,
+                    pipeline_parallel_size=2,
+                    pipeline_schedule=schedule,
+                    micro_batch_size=1,
+                    zero_stage=1,
+                ),
+            )
+            for schedule in ("zero_bubble", "zbv", "dualpipev")
+        ],
     ],
-    ids=["tp2-sp-zero1", "tp2-sp-ep2-zero2", "tp2-sp-ep2-zero3", "tp2-sp-fsdp2", "tp2-sp-pp2-zb"],
+    ids=[
+        "tp2-sp-zero1",
+        "tp2-sp-ep2-zero2",
+        "tp2-sp-ep2-zero3",
+        "tp2-sp-zero3",
+        "tp2-sp-fsdp2",
+        "dp2xtp2-sp-fsdp2",
+        "cp2xtp2-sp-zero1",
+        "tp2-sp-pp2-zb",
+        "tp2-sp-pp2-zbv",
+        "tp2-sp-pp2-dualpipev",
+    ],
 )
-def test_moe_under_sequence_parallel(launcher, reference, kwargs):
+def test_moe_under_sequence_parallel(launcher, reference, dp, kwargs):
     from tests.strategies._lm import GLOBAL_BATCH
 
-    pp = kwargs.get("pipeline_parallel_size", 1)
-    world = 2 * pp if "expert_parallel_size" not in kwargs else 4
-    accumulate, dp = 2, world // 2 // pp
+    pp, cp = kwargs.get("pipeline_parallel_size", 1), kwargs.get("context_parallel_size", 1)
+    world, accumulate = 2 * pp * cp * dp, 2
+    # DualPipeV needs 4 pipeline micro-batches per step (8 samples per step, 4 per accumulated batch)
+    schedule = kwargs.get("pipeline_schedule")
+    config, batch = (
+        moe_config(4 if schedule in ("zbv", "dualpipev") else 2),
+        GLOBAL_BATCH * (2 if schedule == "dualpipev" else 1),
+    )
+    if config.num_layers != moe_config().num_layers or batch != GLOBAL_BATCH:
+        reference = reference_run(config, STEPS, clip=1.0, global_batch=batch)
     results = launcher(
-        world, trainer_run, kwargs, moe_config(), STEPS, clip=1.0, accumulate=accumulate,
-        batch_size=GLOBAL_BATCH // dp // accumulate,
+        world, trainer_run, kwargs, config, STEPS, clip=1.0, accumulate=accumulate, batch_size=batch // dp // accumulate,
     )  # fmt: skip
     assert_matches_reference(results, reference, str(kwargs), every_rank_holds_all=pp == 1, losses_per_step=accumulate)
 
