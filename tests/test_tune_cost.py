@@ -4,6 +4,7 @@ backward, exposed TP traffic, MoE active FLOPs and MFU, on profiles whose every 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -264,6 +265,23 @@ def _moe_tp_case(kw: dict) -> tuple[TransformerConfig, ParallelConfig]:
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
+def _strategy_model(config: TransformerConfig, c: ParallelConfig) -> tuple[CausalLM, Any]:
+    """``CausalLM(config)`` built on this rank as the strategy builds it under ``c`` (meta, parallelised,
+    materialised, seed 0) and its weights tagged as the strategy tags them (experts, chunk-routed and TP-partial
+    weights); with its meshes."""
+    from lightning_flagscale.parallel.mesh import build_meshes
+    from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
+
+    meshes = build_meshes(c, "cpu")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    Parallelized(parts=[model]).tag_parameters(model, c)
+    return model, meshes
+
+
 def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, list[int]], list[tuple[str, int]]]:
     """FLOPs of the MoE block's forward + backward on this rank, per collective op its calls and payload bytes on
     groups of more than one rank, and the model's gradient buckets of 2^14 elements (reduction group, elements),
@@ -272,17 +290,9 @@ def _moe_block_counts(kw: dict, batch: int, seq: int) -> tuple[int, dict[str, li
 
     from lightning_flagscale.accounting.comm import CommTracker
     from lightning_flagscale.distributed.dtensor import local_tensor
-    from lightning_flagscale.parallel.mesh import build_meshes
-    from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
 
     config, c = _moe_tp_case(kw)
-    meshes = build_meshes(c, "cpu")
-    with torch.device("meta"):
-        model = CausalLM(config)
-    _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    Parallelized(parts=[model]).tag_parameters(model, c)  # as the strategy tags them: experts, chunk-routed weights
+    model, meshes = _strategy_model(config, c)
     block = model.layers["0"].mlp
     block.experts.use_grouped_mm = False  # per-expert matmuls, which FlopCounterMode counts (torch._grouped_mm not)
     g = torch.Generator().manual_seed(0)
@@ -308,17 +318,9 @@ def _chunk_routed_zero1_states() -> dict:
     as the strategy tags them, after one step (Adam's states exist)."""
     from lightning_flagscale.accounting.state_bytes import state_bytes
     from lightning_flagscale.parallel.data_parallel.optimizer import distributed_optimizers
-    from lightning_flagscale.parallel.mesh import build_meshes
-    from lightning_flagscale.parallel.plan import Parallelized, RankLayout, _apply_model_parallelisms
 
     c = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1).resolve(2)
-    meshes = build_meshes(c, "cpu")
-    with torch.device("meta"):
-        model = CausalLM(_MOE_TP)
-    _apply_model_parallelisms(model, RankLayout(c, meshes, torch.device("cpu")))
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    Parallelized(parts=[model]).tag_parameters(model, c)
+    model, meshes = _strategy_model(_MOE_TP, c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     (dopt,) = distributed_optimizers([opt], model, meshes, c, master_weights=False, hooks=False).values()
     for param in model.parameters():
